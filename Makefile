@@ -1,0 +1,51 @@
+# tunepack developer and quickstart commands. Everything runs in a local virtual environment.
+PYTHON ?= python3.11
+VENV ?= .venv
+# torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
+# On a machine with a CUDA GPU, set TORCH_SPEC (and PIP_EXTRA_INDEX_URL) as you need.
+TORCH_SPEC ?= torch==2.13.0
+QUICKSTART_DIR ?= .tunepack/quickstart
+BIN := $(VENV)/bin
+
+.PHONY: venv install dev quickstart test lint runtimes clean
+
+venv: $(BIN)/python
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+install: $(VENV)/.installed
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+dev: $(VENV)/.dev-installed
+$(VENV)/.dev-installed: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+# A real LoRA fine-tune on the local backend: dataset-initializer -> model-initializer -> trainer.
+quickstart: install
+	$(BIN)/tunepack tiny-model $(QUICKSTART_DIR)/tiny-llama3
+	$(BIN)/tunepack tiny-dataset $(QUICKSTART_DIR)/data/instructions.jsonl
+	$(BIN)/tunepack train --local --runtime tunepack-tiny-llama3 \
+		--workspace $(QUICKSTART_DIR)/workspace \
+		--dataset file://$(abspath $(QUICKSTART_DIR))/data/instructions.jsonl \
+		--model file://$(abspath $(QUICKSTART_DIR))/tiny-llama3 \
+		method=lora epochs=3
+
+test: dev
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint: dev
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+# Regenerate runtimes/generated/*.yaml from the catalog (a test fails when they are stale).
+runtimes: install
+	$(BIN)/python -m tunepack.runtimes.generate
+
+clean:
+	rm -rf $(VENV) .tunepack .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Dataset and model initializer programs (the first steps of every tunepack runtime)."""

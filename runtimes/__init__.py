@@ -1,0 +1,1 @@
+"""ClusterTrainingRuntime definitions, generated from the model catalog."""

@@ -1,0 +1,30 @@
+"""Errors every tunepack program raises, and the exit codes they map to.
+
+The codes are part of the runtime contract: the JobSet failure policy in the generated runtimes
+restarts a step only when its exit code says retrying can help.
+"""
+
+from __future__ import annotations
+
+# sysexits(3) values, so the codes mean the same thing outside tunepack.
+EXIT_OK = 0
+EXIT_BAD_INPUT = 65  # EX_DATAERR: bad URI, argument, dataset row or model files. Do not retry.
+EXIT_TRANSIENT = 75  # EX_TEMPFAIL: network or preemption. Retrying may succeed.
+
+
+class TunepackError(Exception):
+    """Base error: its message is written for the user and says what to do next."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class BadInputError(TunepackError):
+    """The user's input (argument, URI, dataset, model files) is wrong; retrying cannot help."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class TransientError(TunepackError):
+    """A failure that may pass on its own (network, preemption); the step may be retried."""
+
+    exit_code = EXIT_TRANSIENT

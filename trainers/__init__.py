@@ -1,0 +1,1 @@
+"""The torchtune-based trainer program (the `node` step of every tunepack runtime)."""
