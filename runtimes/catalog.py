@@ -157,7 +157,14 @@ _ENTRIES = (
         checkpoint_files=("model.safetensors",),
         checkpoint_model_type="LLAMA3",
         resources=Resources(gpus=0, cpu="2", memory="4Gi", workspace_storage="1Gi"),
-        defaults={"max_seq_len": 256, "batch_size": 8, "lora_rank": 8, "lora_alpha": 16},
+        # A random base learns only through the adapter, so it wants a higher rate than real ones.
+        defaults={
+            "max_seq_len": 256,
+            "batch_size": 8,
+            "lora_rank": 8,
+            "lora_alpha": 16,
+            "lr": 3e-3,
+        },
     ),
     ModelEntry(
         name="llama3.2-1b",

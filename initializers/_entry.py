@@ -1,0 +1,44 @@
+"""The entry-point contract every initializer shares: messages, exit codes, SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from tunepack.errors import EXIT_OK, TransientError, TunepackError
+
+
+def log(program: str, message: str) -> None:
+    # Flushed per line: in a Pod and under the local backend stdout is a pipe, not a terminal.
+    print(f"{program}: {message}", flush=True)
+
+
+def run(program: str, body: Callable[[], None]) -> int:
+    """Run ``body`` and return the process exit code.
+
+    A TunepackError becomes ``<program>: error: <message>`` on stderr and its exit code (65 bad
+    input, 75 retriable). Anything else is a bug: it propagates with its traceback (exit 1).
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
+    try:
+        body()
+    except TunepackError as error:
+        print(f"{program}: error: {error}", file=sys.stderr, flush=True)
+        return error.exit_code
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    return EXIT_OK
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    # Kubernetes sends SIGTERM on preemption or node drain. Raising lets the staging code remove
+    # its partial directory, and the retriable exit code lets the failure policy retry the step.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not abort cleanup
+    raise TransientError(
+        "stopped by SIGTERM (preemption or shutdown); nothing was published, the step can be "
+        "retried"
+    )

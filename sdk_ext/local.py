@@ -1,0 +1,222 @@
+"""tunepack's local backend: run a TrainJob on this machine, step by step, as processes.
+
+It plays the part of the Kubeflow Trainer controller and JobSet for one machine. From the
+runtime definition (the same ClusterTrainingRuntime a cluster uses) and a TrainJob it derives
+each step's command and environment exactly as the platform would: ``STORAGE_URI`` for the
+initializers, the TrainJob's ``args`` for the trainer, the ``PET_*`` variables of the torch
+plugin; the workspace volume's mount path is replaced by a local directory. Steps run in the
+order their ``dependsOn`` fields give; a failing step stops the run and is named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+
+ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
+TRAINER_STEP = "trainer"
+WORKSPACE_VOLUME = "workspace"
+
+
+@dataclass
+class Step:
+    """One replicated job of the runtime, resolved for this TrainJob."""
+
+    name: str
+    ancestor: str | None
+    command: list[str]
+    env: dict[str, str]
+    replicas: int = 1
+    depends_on: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StepOutcome:
+    name: str
+    exit_code: int
+    seconds: float
+    log: Path
+
+
+@dataclass
+class RunOutcome:
+    steps: list[StepOutcome]
+
+    @property
+    def failed(self) -> StepOutcome | None:
+        return next((s for s in self.steps if s.exit_code != 0), None)
+
+
+def describe_exit(code: int) -> str:
+    if code == EXIT_BAD_INPUT:
+        return "bad input: fix it and run again"
+    if code == EXIT_TRANSIENT:
+        return "transient failure: running again may succeed"
+    return "unexpected failure: see the log"
+
+
+def order_steps(replicated_jobs: list[dict]) -> list[dict]:
+    """Order jobs so each comes after the jobs it ``dependsOn`` (stable for independent jobs)."""
+    by_name = {job["name"]: job for job in replicated_jobs}
+    ordered: list[dict] = []
+    state: dict[str, str] = {}
+
+    def visit(name: str, chain: tuple[str, ...]) -> None:
+        if state.get(name) == "done":
+            return
+        if name in chain:
+            raise BadInputError(
+                f"runtime jobs depend on each other in a cycle: {' -> '.join(chain)}"
+            )
+        if name not in by_name:
+            raise BadInputError(f"runtime job {chain[-1]!r} depends on unknown job {name!r}")
+        for dep in by_name[name].get("dependsOn") or []:
+            visit(dep["name"], (*chain, name))
+        state[name] = "done"
+        ordered.append(by_name[name])
+
+    for job in replicated_jobs:
+        visit(job["name"], ())
+    return ordered
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
+    """Turn runtime + TrainJob into the commands and environments of each step."""
+    spec = trainjob.get("spec", {})
+    initializer = spec.get("initializer") or {}
+    trainer = spec.get("trainer") or {}
+    num_nodes = trainer.get("numNodes") or runtime["spec"].get("mlPolicy", {}).get("numNodes", 1)
+    master_port = _free_port()
+
+    steps = []
+    for job in order_steps(runtime["spec"]["template"]["spec"]["replicatedJobs"]):
+        job_template = job["template"]
+        ancestor = job_template.get("metadata", {}).get("labels", {}).get(ANCESTOR_LABEL)
+        pod = job_template["spec"]["template"]["spec"]
+        container = next(c for c in pod["containers"] if c["name"] == job["name"])
+        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+        command = list(container.get("command", [])) + list(container.get("args", []))
+        replicas = 1
+
+        if ancestor in ("dataset-initializer", "model-initializer"):
+            source = initializer.get(ancestor.split("-")[0]) or {}
+            if source.get("storageUri"):
+                env["STORAGE_URI"] = source["storageUri"]
+            env.update({e["name"]: e["value"] for e in source.get("env", []) if "value" in e})
+        elif ancestor == TRAINER_STEP:
+            command = list(trainer.get("command") or container.get("command", []))
+            command += list(trainer.get("args") or container.get("args", []))
+            env.update({e["name"]: e["value"] for e in trainer.get("env", []) if "value" in e})
+            replicas = int(num_nodes)
+            env.update(
+                PET_NNODES=str(num_nodes),
+                PET_NPROC_PER_NODE=str(trainer.get("numProcPerNode", "auto")),
+                PET_MASTER_ADDR="127.0.0.1",
+                PET_MASTER_PORT=str(master_port),
+            )
+
+        # The workspace volume's mount path becomes the local directory.
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] == WORKSPACE_VOLUME:
+                env = {k: v.replace(mount["mountPath"], str(workspace)) for k, v in env.items()}
+        if command and command[0] in ("python", "python3"):
+            command[0] = sys.executable
+        deps = [d["name"] for d in job.get("dependsOn") or []]
+        steps.append(Step(job["name"], ancestor, command, env, replicas, deps))
+    return steps
+
+
+def progress_line(line: str) -> str | None:
+    """A short progress line for a trainer step record, or None for lines not worth echoing.
+
+    The trainer logs one JSON record per step (kept whole in the step's log file); a person
+    watching the console wants about twenty lines per run, not hundreds.
+    """
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return line.rstrip()
+    if not isinstance(record, dict) or record.get("event") != "step":
+        return line.rstrip()
+    step, total = record["step"], record["total_steps"]
+    if step != 1 and step != total and step % max(1, total // 20):
+        return None
+    return (
+        f"step {step}/{total}  epoch {record['epoch']}  loss {record['loss']:.4f}  "
+        f"lr {record['lr']:.2e}  {record['tokens_per_second']:.0f} tok/s"
+    )
+
+
+def _pump(stream, log_file, prefix: str, echo: Callable[[str], None] | None) -> None:
+    for line in iter(stream.readline, ""):
+        log_file.write(line)
+        log_file.flush()
+        shown = progress_line(line) if echo else None
+        if shown is not None:
+            echo(f"[{prefix}] {shown}")
+
+
+def run_step(step: Step, log_dir: Path, echo: Callable[[str], None] | None = print) -> StepOutcome:
+    """Run every replica of a step (the node step has one per node) and wait for all."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{step.name}.log"
+    started = time.perf_counter()
+    procs, pumps = [], []
+    with log_path.open("w") as log_file:
+        for rank in range(step.replicas):
+            env = {**os.environ, **step.env}
+            if step.ancestor == TRAINER_STEP:
+                env["PET_NODE_RANK"] = str(rank)
+            prefix = step.name if step.replicas == 1 else f"{step.name}-{rank}"
+            proc = subprocess.Popen(
+                step.command,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                bufsize=1,
+            )
+            pump = threading.Thread(target=_pump, args=(proc.stdout, log_file, prefix, echo))
+            pump.start()
+            procs.append(proc)
+            pumps.append(pump)
+        codes = [proc.wait() for proc in procs]
+        for pump in pumps:
+            pump.join()
+    code = next((c for c in codes if c != 0), 0)
+    return StepOutcome(step.name, code, time.perf_counter() - started, log_path)
+
+
+def run_trainjob(
+    runtime: dict,
+    trainjob: dict,
+    workspace: Path,
+    echo: Callable[[str], None] | None = print,
+) -> RunOutcome:
+    """Run all steps in dependency order; stop at the first failing step."""
+    workspace.mkdir(parents=True, exist_ok=True)
+    outcomes = []
+    for step in resolve_steps(runtime, trainjob, workspace.resolve()):
+        if echo:
+            echo(f"==> {step.name}: {' '.join(step.command)}")
+        outcome = run_step(step, workspace / "logs", echo)
+        outcomes.append(outcome)
+        if outcome.exit_code != 0:
+            break
+    return RunOutcome(outcomes)

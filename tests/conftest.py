@@ -1,0 +1,47 @@
+"""Shared fixtures: the tiny model, the tiny dataset and a prepared workspace, made once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tunepack.tiny import write_tiny_dataset, write_tiny_model
+
+
+def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600):
+    """Run a tunepack program as the local backend would: a separate Python process."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama3")
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset_file(tmp_path_factory) -> Path:
+    return write_tiny_dataset(tmp_path_factory.mktemp("data") / "instructions.jsonl")
+
+
+@pytest.fixture(scope="session")
+def initialized_workspace(tmp_path_factory, tiny_model_dir, tiny_dataset_file) -> Path:
+    """A workspace after both initializers ran (read-only for tests: copy before writing)."""
+    root = tmp_path_factory.mktemp("workspace")
+    base = {"TUNEPACK_WORKSPACE": str(root), "TUNEPACK_MODEL": "tiny-llama3"}
+    for module, uri in (
+        ("tunepack.initializers.dataset", f"file://{tiny_dataset_file}"),
+        ("tunepack.initializers.model", f"file://{tiny_model_dir}"),
+    ):
+        done = run_program(module, {**base, "STORAGE_URI": uri})
+        assert done.returncode == 0, done.stderr
+    return root

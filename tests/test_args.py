@@ -1,0 +1,65 @@
+"""The trainer argument vocabulary: defaults, validation and the messages a user sees."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.runtimes import catalog
+from tunepack.trainers.args import VOCABULARY, parse_trainer_args
+
+TINY = catalog.get("tiny-llama3")
+LLAMA_8B = catalog.get("tunepack-llama3.1-8b")
+
+
+def test_defaults_come_from_catalog_and_method():
+    args = parse_trainer_args([], TINY)
+    assert args.method == "lora"
+    assert args.lora_rank == TINY.defaults["lora_rank"]
+    assert args.max_seq_len == TINY.defaults["max_seq_len"]
+    assert args.lr == 3e-3  # the tiny entry's own default beats the method's
+    assert parse_trainer_args([], LLAMA_8B).lr == 3e-4
+    assert parse_trainer_args(["method=full"], LLAMA_8B).lr == 2e-5
+    assert parse_trainer_args(["method=full", "lr=1e-4"], LLAMA_8B).lr == 1e-4
+
+
+def test_given_values_are_parsed_and_recorded():
+    args = parse_trainer_args(
+        ["lora_rank=4", "epochs=2", "lora_attn_modules=q_proj,v_proj", "lora_mlp=false"], TINY
+    )
+    assert (args.lora_rank, args.epochs, args.lora_mlp) == (4, 2, False)
+    assert args.lora_attn_modules == ("q_proj", "v_proj")
+    assert args.given == {
+        "lora_rank": "4",
+        "epochs": "2",
+        "lora_attn_modules": "q_proj,v_proj",
+        "lora_mlp": "false",
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["lora_rank=abc"], "lora_rank='abc' is not valid: expected an integer from 1 to 1024"),
+        (["lora_rank=0"], "lora_rank='0' is not valid: expected an integer from 1 to 1024"),
+        (["lr=-1"], "lr='-1' is not valid: expected a number > 0.0 and < 1.0"),
+        (["lora_rnk=8"], "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?"),
+        (["model._component_=os.system"], "tunepack does not take torchtune config overrides"),
+        (["epochs"], "trainer argument 'epochs' is not of the form key=value"),
+        (["epochs=1", "epochs=2"], "trainer argument 'epochs' is given twice"),
+        (["method=qlora"], "method='qlora' is not valid: expected one of lora, full"),
+        (["lora_mlp=maybe"], "lora_mlp='maybe' is not valid: expected true or false"),
+        (["lora_attn_modules=q_proj,up"], "expected a comma-separated subset of q_proj"),
+        (["max_seq_len=100000"], "max_seq_len=100000 is larger than tiny-llama3's context window"),
+    ],
+)
+def test_bad_arguments_name_the_value_and_the_expectation(argv, message):
+    with pytest.raises(BadInputError) as err:
+        parse_trainer_args(argv, TINY)
+    assert message in str(err.value)
+    assert err.value.exit_code == EXIT_BAD_INPUT
+
+
+def test_every_vocabulary_key_has_help():
+    assert all(arg.help for arg in VOCABULARY)
+    assert len({arg.name for arg in VOCABULARY}) == len(VOCABULARY)

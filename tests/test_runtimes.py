@@ -1,0 +1,309 @@
+"""The generated ClusterTrainingRuntimes: strict API validity, freshness and platform contract."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from tunepack import __version__
+from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.runtimes import catalog, generate
+from tunepack.runtimes.generate import build_runtime, list_runtimes, load_runtime
+from tunepack.runtimes.validate import validate_runtime, validate_trainjob
+
+ENTRIES = list(catalog.CATALOG.values())
+IDS = [entry.name for entry in ENTRIES]
+TINY = catalog.get("tiny-llama3")
+GPU = catalog.get("llama3.2-1b")
+
+
+def _jobs(runtime: dict) -> dict[str, dict]:
+    return {job["name"]: job for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+
+
+def _pod(job: dict) -> dict:
+    return job["template"]["spec"]["template"]["spec"]
+
+
+def _container(job: dict) -> dict:
+    (container,) = _pod(job)["containers"]
+    return container
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {var["name"]: var["value"] for var in container["env"]}
+
+
+# --- validity and freshness ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_every_runtime_validates_strictly(entry):
+    validate_runtime(build_runtime(entry))
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_committed_runtime_is_what_the_catalog_builds(entry):
+    assert load_runtime(entry.runtime_name) == build_runtime(entry)
+    assert load_runtime(entry.name) == build_runtime(entry)  # a model name works too
+
+
+def test_committed_files_are_not_stale():
+    problems = generate.check()
+    assert not problems, (
+        "runtimes/generated/ does not match runtimes/catalog.py; run `make runtimes` "
+        f"and commit the result: {problems}"
+    )
+
+
+def test_check_reports_stale_missing_and_extra_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(generate, "GENERATED_DIR", tmp_path)
+    assert generate.main([]) == 0
+    assert generate.main(["--check"]) == 0
+
+    (tmp_path / f"{TINY.runtime_name}.yaml").write_text("edited by hand\n")
+    (tmp_path / f"{GPU.runtime_name}.yaml").unlink()
+    (tmp_path / "tunepack-removed.yaml").write_text("kind: ClusterTrainingRuntime\n")
+    assert generate.main(["--check"]) == 1
+    err = capsys.readouterr().err
+    assert "make runtimes" in err
+    assert f"stale: {TINY.runtime_name}.yaml" in err
+    assert f"missing: {GPU.runtime_name}.yaml" in err
+    assert "extra: tunepack-removed.yaml" in err
+
+    generate.main([])  # regenerating repairs all three
+    assert generate.check(tmp_path) == []
+
+
+def test_generated_files_are_deterministic_with_header_and_kustomization():
+    files = generate.generated_files()
+    assert files == generate.generated_files()
+    assert all(text.startswith("# Generated from runtimes/catalog.py") for text in files.values())
+    assert all("do not edit" in text for text in files.values())
+    kustomization = yaml.safe_load(files["kustomization.yaml"])
+    runtime_files = sorted(f"{entry.runtime_name}.yaml" for entry in ENTRIES)
+    assert kustomization["kind"] == "Kustomization"
+    assert kustomization["resources"] == runtime_files
+    assert sorted(files) == sorted([*runtime_files, "kustomization.yaml"])
+    assert "&id" not in "".join(files.values())  # no YAML anchors from shared constants
+
+
+# --- the platform contract ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_metadata(entry):
+    meta = build_runtime(entry)["metadata"]
+    assert meta["name"] == entry.runtime_name
+    # torch, not torchtune: the upstream torchtune plugin refuses runtimes it does not know.
+    assert meta["labels"] == {
+        "trainer.kubeflow.org/framework": "torch",
+        "app.kubernetes.io/part-of": "tunepack",
+        "tunepack.dev/model": entry.name,
+    }
+    notes = meta["annotations"]
+    assert notes["tunepack.dev/hub-id"] == entry.hub_id
+    assert notes["tunepack.dev/methods"] == "full,lora"
+    assert notes["tunepack.dev/parameters"] == str(entry.parameter_count)
+    assert notes["tunepack.dev/default-gpus"] == str(entry.resources.gpus)
+    assert notes["tunepack.dev/description"] == entry.description
+
+
+def test_ml_policy_and_gang_scheduling():
+    spec = build_runtime(GPU)["spec"]
+    assert spec["mlPolicy"] == {"numNodes": 1, "torch": {}}  # no numProcPerNode in v2.3
+    assert spec["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] > 0
+
+
+def test_steps_labels_names_images_and_commands():
+    jobs = _jobs(build_runtime(GPU))
+    assert list(jobs) == ["dataset-initializer", "model-initializer", "node"]
+    expected = {  # job: (ancestor-step label, image name, module)
+        "dataset-initializer": (
+            "dataset-initializer",
+            "dataset-initializer",
+            "initializers.dataset",
+        ),
+        "model-initializer": ("model-initializer", "model-initializer", "initializers.model"),
+        "node": ("trainer", "trainer", "trainers.launch"),
+    }
+    for name, (ancestor, image, module) in expected.items():
+        job, container = jobs[name], _container(jobs[name])
+        assert job["replicas"] == 1
+        assert job["template"]["metadata"]["labels"] == {
+            "trainer.kubeflow.org/trainjob-ancestor-step": ancestor
+        }
+        assert container["name"] == name  # the controller finds containers by name
+        assert container["image"] == f"ghcr.io/tunepack/{image}:{__version__}"
+        assert container["command"] == ["python", "-m", f"tunepack.{module}"]
+
+
+def test_trainer_waits_for_both_initializers():
+    jobs = _jobs(build_runtime(GPU))
+    assert jobs["node"]["dependsOn"] == [
+        {"name": "dataset-initializer", "status": "Complete"},
+        {"name": "model-initializer", "status": "Complete"},
+    ]
+    assert "dependsOn" not in jobs["dataset-initializer"]
+    assert "dependsOn" not in jobs["model-initializer"]
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_shared_workspace(entry):
+    jobset = build_runtime(entry)["spec"]["template"]["spec"]
+    (policy,) = jobset["volumeClaimPolicies"]
+    (claim,) = policy["templates"]
+    assert claim["metadata"]["name"] == "workspace"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == entry.resources.workspace_storage
+    for job in jobset["replicatedJobs"]:
+        mounts = {m["name"]: m["mountPath"] for m in _container(job)["volumeMounts"]}
+        assert mounts["workspace"] == "/workspace"
+        # JobSet adds the claim itself and refuses a pod volume of the same name.
+        assert "workspace" not in {v["name"] for v in _pod(job).get("volumes", [])}
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_environment(entry):
+    jobs = _jobs(build_runtime(entry))
+    for job in jobs.values():
+        env = _env(_container(job))
+        assert env["TUNEPACK_MODEL"] == entry.name
+        assert env["TUNEPACK_WORKSPACE"] == "/workspace"
+        # Injected by the Trainer controller from the TrainJob; a runtime value would be a trap.
+        assert "STORAGE_URI" not in env
+        assert not any(name.startswith("PET_") for name in env)
+    trainer_env = _env(_container(jobs["node"]))
+    assert trainer_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert trainer_env["TOKENIZERS_PARALLELISM"] == "false"
+    assert trainer_env["NCCL_DEBUG"] == "WARN"
+    assert trainer_env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_trainer_resources_and_shm():
+    gpu_node, cpu_node = _jobs(build_runtime(GPU))["node"], _jobs(build_runtime(TINY))["node"]
+    assert _container(gpu_node)["resources"] == {
+        "requests": {"cpu": GPU.resources.cpu, "memory": GPU.resources.memory},
+        "limits": {"nvidia.com/gpu": GPU.resources.gpus},
+    }
+    assert "limits" not in _container(cpu_node)["resources"]  # the tiny model runs on CPU
+    for node, size in ((gpu_node, "16Gi"), (cpu_node, "1Gi")):
+        (shm,) = _pod(node)["volumes"]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+        assert {"name": shm["name"], "mountPath": "/dev/shm"} in _container(node)["volumeMounts"]
+    for name in ("dataset-initializer", "model-initializer"):
+        requests = _container(_jobs(build_runtime(GPU))[name])["resources"]["requests"]
+        assert set(requests) == {"cpu", "memory"}
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_security_context(entry):
+    for job in _jobs(build_runtime(entry)).values():
+        assert _pod(job)["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        assert _container(job)["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+        }
+
+
+def test_bad_input_exit_code_is_not_retried():
+    jobset = build_runtime(GPU)["spec"]["template"]["spec"]
+    (rule,) = jobset["failurePolicy"]["rules"]
+    assert rule["action"] == "FailJobSet"
+    assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+    for job in jobset["replicatedJobs"]:
+        fail_job = job["template"]["spec"]["podFailurePolicy"]["rules"][0]
+        assert fail_job["action"] == "FailJob"
+        assert fail_job["onExitCodes"]["values"] == [EXIT_BAD_INPUT]
+        assert fail_job["onExitCodes"]["containerName"] == job["name"]
+        assert _pod(job)["restartPolicy"] == "Never"  # required by podFailurePolicy
+
+
+# --- the catalog views --------------------------------------------------------------------------
+
+
+def test_list_runtimes():
+    rows = {row["name"]: row for row in list_runtimes()}
+    assert sorted(rows) == sorted(entry.runtime_name for entry in ENTRIES)
+    tiny = rows[TINY.runtime_name]
+    assert tiny["model"] == "tiny-llama3"
+    assert tiny["methods"] == ["full", "lora"]
+    assert tiny["params"] == TINY.parameter_count
+    assert tiny["gpus"] == 0
+
+
+def test_load_unknown_runtime_lists_the_known_ones():
+    with pytest.raises(BadInputError, match="tunepack-tiny-llama3"):
+        load_runtime("tunepack-gpt-5")
+
+
+# --- strict validation --------------------------------------------------------------------------
+
+
+def test_misspelled_field_is_caught_with_its_path():
+    runtime = build_runtime(GPU)
+    node = _container(_jobs(runtime)["node"])
+    node["volumeMount"] = node.pop("volumeMounts")
+    with pytest.raises(BadInputError) as caught:
+        validate_runtime(runtime)
+    message = str(caught.value)
+    path = "spec.template.spec.replicatedJobs[2].template.spec.template.spec.containers[0]"
+    assert f"{path}.volumeMount: unknown field (did you mean 'volumeMounts'?)" in message
+
+
+def test_every_lost_field_is_listed():
+    runtime = build_runtime(GPU)
+    runtime["spec"]["mlPolicy"]["torch"]["numProcPerNode"] = 2  # removed in v2.3
+    runtime["metadata"]["lables"] = {}
+    message = _failure(runtime)
+    assert "spec.mlPolicy.torch.numProcPerNode: unknown field here" in message
+    assert "metadata.lables: unknown field (did you mean 'labels'?)" in message
+
+
+def test_wrong_type_names_the_path():
+    runtime = build_runtime(GPU)
+    runtime["spec"]["mlPolicy"]["numNodes"] = "1"
+    assert "spec.mlPolicy.numNodes: Input should be a valid integer (got '1')" in _failure(runtime)
+
+
+def test_benign_normalizations_are_accepted():
+    runtime = build_runtime(GPU)
+    node = _container(_jobs(runtime)["node"])
+    node["resources"]["limits"]["nvidia.com/gpu"] = 2  # comes back as 2.0
+    node["args"] = None  # null means absent; the round trip drops it
+    node["ports"] = [{"containerPort": 29500}]  # comes back with protocol: TCP added
+    runtime["metadata"]["creationTimestamp"] = "2025-01-01T00:00:00Z"  # comes back a datetime
+    validate_runtime(runtime)
+
+
+def test_bool_is_not_an_int():
+    runtime = build_runtime(GPU)
+    runtime["spec"]["mlPolicy"]["numNodes"] = True
+    assert "spec.mlPolicy.numNodes" in _failure(runtime)
+
+
+def test_validate_trainjob_rejects_typos():
+    trainjob = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": "x"},
+        "spec": {"runtimeRef": {"name": TINY.runtime_name}, "trainer": {"arg": ["epochs=1"]}},
+    }
+    fixed = copy.deepcopy(trainjob)
+    fixed["spec"]["trainer"]["args"] = fixed["spec"]["trainer"].pop("arg")
+    validate_trainjob(fixed)
+    with pytest.raises(BadInputError, match=r"spec\.trainer\.arg: unknown field"):
+        validate_trainjob(trainjob)
+
+
+def _failure(obj: dict) -> str:
+    with pytest.raises(BadInputError) as caught:
+        validate_runtime(obj)
+    return str(caught.value)

@@ -1,0 +1,204 @@
+"""tunepack's trainer argument vocabulary.
+
+A TrainJob passes ``spec.trainer.args`` as ``key=value`` strings. This module is the one place
+that says which keys exist, what values they take and what they default to; the launcher, the
+CLI, the TrainJob renderer and the docs all read it. Unknown keys are refused: in particular no
+argument can name a Python object (``_component_``) for torchtune to instantiate.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+
+from tunepack.errors import BadInputError
+from tunepack.runtimes.catalog import ModelEntry
+
+LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
+DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str
+    parse: Callable[[str, str], object]
+    help: str
+    default: object = None  # None: taken from the catalog entry or the method (see defaults())
+
+
+def _int(lo: int, hi: int | None = None) -> Callable[[str, str], int]:
+    def parse(key: str, raw: str) -> int:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = None
+        if value is None or value < lo or (hi is not None and value > hi):
+            bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+            raise BadInputError(f"{key}={raw!r} is not valid: expected an integer {bound}")
+        return value
+
+    return parse
+
+
+def _float(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Callable:
+    def parse(key: str, raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = None
+        too_low = value is not None and (value <= lo if lo_open else value < lo)
+        too_high = value is not None and hi is not None and value >= hi
+        if value is None or value != value or too_low or too_high:
+            low = f"> {lo}" if lo_open else f">= {lo}"
+            bound = f"{low} and < {hi}" if hi is not None else low
+            raise BadInputError(f"{key}={raw!r} is not valid: expected a number {bound}")
+        return value
+
+    return parse
+
+
+def _bool(key: str, raw: str) -> bool:
+    lowered = raw.lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise BadInputError(f"{key}={raw!r} is not valid: expected true or false")
+
+
+def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
+    allowed = tuple(choices)
+
+    def parse(key: str, raw: str) -> str:
+        if raw not in allowed:
+            raise BadInputError(f"{key}={raw!r} is not valid: expected one of {', '.join(allowed)}")
+        return raw
+
+    return parse
+
+
+def _modules(key: str, raw: str) -> tuple[str, ...]:
+    names = tuple(part.strip() for part in raw.split(",") if part.strip())
+    bad = [n for n in names if n not in LORA_ATTN_MODULES]
+    if not names or bad:
+        raise BadInputError(
+            f"{key}={raw!r} is not valid: expected a comma-separated subset of "
+            f"{','.join(LORA_ATTN_MODULES)}"
+        )
+    return names
+
+
+VOCABULARY: tuple[Arg, ...] = (
+    Arg("method", _choice(("lora", "full")), "fine-tuning method", "lora"),
+    Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
+    Arg("max_steps", _int(1), "stop after this many optimizer steps (default: no limit)"),
+    Arg("batch_size", _int(1, 4096), "examples per device per step (default: catalog)"),
+    Arg("grad_accum", _int(1, 1024), "micro-batches accumulated per optimizer step", 1),
+    Arg("lr", _float(0.0, 1.0, lo_open=True), "peak learning rate (default: by method)"),
+    Arg("weight_decay", _float(0.0, 1.0), "AdamW weight decay", 0.01),
+    Arg("warmup_steps", _int(0), "linear warmup steps before cosine decay", 10),
+    Arg("max_seq_len", _int(8), "truncate examples to this many tokens (default: catalog)"),
+    Arg("lora_rank", _int(1, 1024), "LoRA rank r (default: catalog)"),
+    Arg("lora_alpha", _float(0.0, lo_open=True), "LoRA alpha (default: catalog)"),
+    Arg("lora_dropout", _float(0.0, 1.0), "dropout on the LoRA path", 0.0),
+    Arg("lora_attn_modules", _modules, "attention projections that get LoRA", LORA_ATTN_MODULES),
+    Arg("lora_mlp", _bool, "also apply LoRA to the MLP projections", True),
+    Arg("train_on_input", _bool, "also compute the loss on the prompt tokens", False),
+    Arg("seed", _int(0), "random seed (initialisation, shuffling)", 0),
+    Arg("log_every", _int(1), "write a metrics line every N optimizer steps", 1),
+    Arg("dtype", _choice(DTYPES), "training precision; auto = bf16 on GPU, fp32 on CPU", "auto"),
+    Arg("device", _choice(DEVICES), "auto = cuda when a GPU is visible, else cpu", "auto"),
+)
+_BY_NAME = {arg.name: arg for arg in VOCABULARY}
+_DEFAULT_LR = {"lora": 3e-4, "full": 2e-5}
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    method: str
+    epochs: int
+    max_steps: int | None
+    batch_size: int
+    grad_accum: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    max_seq_len: int
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_attn_modules: tuple[str, ...]
+    lora_mlp: bool
+    train_on_input: bool
+    seed: int
+    log_every: int
+    dtype: str
+    device: str
+    given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
+
+
+def split_pairs(args: Iterable[str]) -> dict[str, str]:
+    """Split ``key=value`` strings, refusing malformed and repeated keys and unknown keys."""
+    pairs: dict[str, str] = {}
+    for item in args:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise BadInputError(f"trainer argument {item!r} is not of the form key=value")
+        if key not in _BY_NAME:
+            raise BadInputError(_unknown_key_message(key))
+        if key in pairs:
+            raise BadInputError(f"trainer argument {key!r} is given twice")
+        pairs[key] = raw.strip()
+    return pairs
+
+
+def _unknown_key_message(key: str) -> str:
+    if "_component_" in key or "." in key:
+        return (
+            f"trainer argument {key!r} is not part of tunepack's vocabulary: tunepack does not "
+            f"take torchtune config overrides; use the documented keys ({', '.join(_BY_NAME)})"
+        )
+    close = difflib.get_close_matches(key, _BY_NAME, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"unknown trainer argument {key!r}{hint} Known arguments: {', '.join(_BY_NAME)}"
+
+
+def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
+    """Validate ``key=value`` trainer arguments for a catalog model and fill in the defaults."""
+    pairs = split_pairs(args)
+    values = {name: _BY_NAME[name].parse(name, raw) for name, raw in pairs.items()}
+    method = values.get("method", "lora")
+    if method not in entry.methods:
+        raise BadInputError(
+            f"method={method!r} is not available for {entry.name}: "
+            f"expected one of {', '.join(entry.methods)}"
+        )
+    # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
+    resolved = {arg.name: arg.default for arg in VOCABULARY}
+    resolved["lr"] = _DEFAULT_LR[method]
+    resolved.update({k: v for k, v in entry.defaults.items() if k in resolved})
+    resolved.update(values)
+    if resolved["max_seq_len"] > entry.shape.max_seq_len:
+        raise BadInputError(
+            f"max_seq_len={resolved['max_seq_len']} is larger than {entry.name}'s context "
+            f"window of {entry.shape.max_seq_len} tokens"
+        )
+    names = {f.name for f in fields(TrainArgs)} - {"given"}
+    missing = sorted(n for n in names if resolved.get(n) is None and n != "max_steps")
+    if missing:  # a catalog entry without a default for a required key is a tunepack bug
+        raise RuntimeError(f"catalog entry {entry.name} has no default for {missing}")
+    return TrainArgs(**{n: resolved[n] for n in names}, given=pairs)
+
+
+def vocabulary_table() -> list[tuple[str, str, str]]:
+    """(key, default, description) rows for docs and ``tunepack args``."""
+    rows = []
+    for arg in VOCABULARY:
+        default = arg.default
+        if isinstance(default, tuple):
+            default = ",".join(default)
+        rows.append((arg.name, "catalog/method" if default is None else str(default), arg.help))
+    return rows

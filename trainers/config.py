@@ -1,0 +1,129 @@
+"""Build the torchtune configuration for one training run.
+
+Inputs are trusted and validated: the catalog entry (which names every component) and the parsed
+trainer arguments (which only fill in values). The result is an ordinary torchtune-style config
+(``_component_`` + keywords) that the recipe instantiates and that is saved next to the output so
+a run can be read and reproduced.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from tunepack.errors import BadInputError
+from tunepack.runtimes.catalog import ModelEntry
+from tunepack.trainers.args import TrainArgs
+from tunepack.workspace import MANIFEST_FILE
+
+# The dataset schemas the initializer writes, and the torchtune dataset builder for each.
+DATASET_BUILDERS = {"instruction": "torchtune.datasets.alpaca_dataset"}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError("device=cuda was asked for, but no CUDA GPU is visible to PyTorch")
+    return device
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    if dtype == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return dtype
+
+
+def read_dataset_manifest(dataset_dir: Path) -> dict:
+    path = dataset_dir / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BadInputError(
+            f"no dataset manifest at {path}: the dataset-initializer step has not completed"
+        ) from None
+    schema = manifest.get("schema")
+    if schema not in DATASET_BUILDERS:
+        raise BadInputError(
+            f"dataset schema {schema!r} in {path} is not supported by this trainer: "
+            f"expected one of {', '.join(DATASET_BUILDERS)}"
+        )
+    return manifest
+
+
+def build_config(
+    entry: ModelEntry,
+    args: TrainArgs,
+    *,
+    model_dir: Path,
+    dataset_dir: Path,
+    output_dir: Path,
+    cache_dir: Path,
+) -> DictConfig:
+    device = resolve_device(args.device)
+    manifest = read_dataset_manifest(dataset_dir)
+    data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
+
+    model: dict = {"_component_": entry.builders[args.method], **entry.builder_kwargs()}
+    if args.method == "lora":
+        model.update(
+            lora_attn_modules=list(args.lora_attn_modules),
+            apply_lora_to_mlp=args.lora_mlp,
+            apply_lora_to_output=False,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+        )
+
+    tokenizer = {
+        "_component_": entry.tokenizer.component,
+        **{kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()},
+        "max_seq_len": args.max_seq_len,
+    }
+
+    cfg = {
+        "model_name": entry.name,
+        "hub_id": entry.hub_id,
+        "method": args.method,
+        "seed": args.seed,
+        "device": device,
+        "dtype": resolve_dtype(args.dtype, device),
+        "epochs": args.epochs,
+        "max_steps": args.max_steps,
+        "batch_size": args.batch_size,
+        "gradient_accumulation_steps": args.grad_accum,
+        "log_every_n_steps": args.log_every,
+        "output_dir": str(output_dir),
+        "model": model,
+        "tokenizer": tokenizer,
+        "checkpointer": {
+            "_component_": "torchtune.training.FullModelHFCheckpointer",
+            "checkpoint_dir": str(model_dir),
+            "checkpoint_files": list(entry.checkpoint_files),
+            "model_type": entry.checkpoint_model_type,
+            "output_dir": str(output_dir / ".torchtune"),
+        },
+        "dataset": {
+            "_component_": DATASET_BUILDERS[manifest["schema"]],
+            "source": "json",
+            "data_files": data_files,
+            "split": "train",
+            "train_on_input": args.train_on_input,
+            "packed": False,
+            "cache_dir": str(cache_dir),
+        },
+        "optimizer": {
+            "_component_": "torch.optim.AdamW",
+            "lr": args.lr,
+            "weight_decay": args.weight_decay,
+        },
+        "lr_scheduler": {
+            "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+            "num_warmup_steps": args.warmup_steps,
+        },
+        "trainer_args": dict(args.given),
+    }
+    return OmegaConf.create(cfg)
