@@ -116,9 +116,11 @@ def cmd_train(ns: argparse.Namespace) -> int:
     outcome = run_trainjob(runtime, trainjob, workspace, echo=None if ns.quiet else print)
     failed = outcome.failed
     if failed:
+        reason = failed.error_line()
         print(
             f"tunepack: step {failed.name!r} failed with exit code {failed.exit_code} "
-            f"({describe_exit(failed.exit_code)}); log: {failed.log}",
+            f"({describe_exit(failed.exit_code)}); log: {failed.log}"
+            + (f"\n  {reason}" if reason else ""),
             file=sys.stderr,
         )
         return failed.exit_code

@@ -22,10 +22,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.runtimes.generate import (
+    ANCESTOR_LABEL,
+    DATASET_STEP,
+    MODEL_STEP,
+    TRAINER_STEP,
+    WORKSPACE_VOLUME,
+)
 
-ANCESTOR_LABEL = "trainer.kubeflow.org/trainjob-ancestor-step"
-TRAINER_STEP = "trainer"
-WORKSPACE_VOLUME = "workspace"
+# Which TrainJob initializer block feeds which step (by the step's ancestor label).
+INITIALIZER_SOURCES = {DATASET_STEP.ancestor: "dataset", MODEL_STEP.ancestor: "model"}
 
 
 @dataclass
@@ -46,6 +52,11 @@ class StepOutcome:
     exit_code: int
     seconds: float
     log: Path
+
+    def error_line(self) -> str | None:
+        """The last ``<program>: error: ...`` line the step printed, if any."""
+        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
+        return next((line for line in reversed(lines) if ": error: " in line), None)
 
 
 @dataclass
@@ -75,9 +86,8 @@ def order_steps(replicated_jobs: list[dict]) -> list[dict]:
         if state.get(name) == "done":
             return
         if name in chain:
-            raise BadInputError(
-                f"runtime jobs depend on each other in a cycle: {' -> '.join(chain)}"
-            )
+            cycle = " -> ".join((*chain, name))
+            raise BadInputError(f"runtime jobs depend on each other in a cycle: {cycle}")
         if name not in by_name:
             raise BadInputError(f"runtime job {chain[-1]!r} depends on unknown job {name!r}")
         for dep in by_name[name].get("dependsOn") or []:
@@ -114,12 +124,12 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
         command = list(container.get("command", [])) + list(container.get("args", []))
         replicas = 1
 
-        if ancestor in ("dataset-initializer", "model-initializer"):
-            source = initializer.get(ancestor.split("-")[0]) or {}
+        if ancestor in INITIALIZER_SOURCES:
+            source = initializer.get(INITIALIZER_SOURCES[ancestor]) or {}
             if source.get("storageUri"):
                 env["STORAGE_URI"] = source["storageUri"]
             env.update({e["name"]: e["value"] for e in source.get("env", []) if "value" in e})
-        elif ancestor == TRAINER_STEP:
+        elif ancestor == TRAINER_STEP.ancestor:
             command = list(trainer.get("command") or container.get("command", []))
             command += list(trainer.get("args") or container.get("args", []))
             env.update({e["name"]: e["value"] for e in trainer.get("env", []) if "value" in e})
@@ -181,7 +191,7 @@ def run_step(step: Step, log_dir: Path, echo: Callable[[str], None] | None = pri
     with log_path.open("w") as log_file:
         for rank in range(step.replicas):
             env = {**os.environ, **step.env}
-            if step.ancestor == TRAINER_STEP:
+            if step.ancestor == TRAINER_STEP.ancestor:
                 env["PET_NODE_RANK"] = str(rank)
             prefix = step.name if step.replicas == 1 else f"{step.name}-{rank}"
             proc = subprocess.Popen(

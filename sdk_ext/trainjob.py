@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 from tunepack.errors import BadInputError
+from tunepack.initializers import uri as storage_uri
 from tunepack.runtimes import catalog, generate
 from tunepack.runtimes.validate import validate_trainjob
 
@@ -46,6 +47,9 @@ def build_trainjob(
     for what, uri in (("dataset_uri", dataset_uri), ("model_uri", model_uri)):
         if not isinstance(uri, str) or not uri.strip():
             raise BadInputError(f"{what} must be a non-empty storage URI, got {uri!r}")
+        # The initializers' own parser: an unknown scheme fails here, before any step runs.
+        # (Whether the data exists can only be known where the initializer runs.)
+        storage_uri.parse(uri)
 
     metadata: dict = {"name": name}
     if namespace is not None:

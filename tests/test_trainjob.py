@@ -31,8 +31,8 @@ def _build(**overrides) -> dict:
     kwargs = {
         "name": "tiny-lora",
         "runtime": "tunepack-tiny-llama3",
-        "dataset_uri": "hf://tatsu-lab/alpaca",
-        "model_uri": "hf://tunepack/tiny-llama3",
+        "dataset_uri": "file:///data/alpaca.jsonl",
+        "model_uri": "file:///models/tiny-llama3",
         "trainer_args": ["method=lora", "epochs=2"],
     }
     return build_trainjob(**(kwargs | overrides))
@@ -50,8 +50,8 @@ def test_trainjob_has_the_api_fields():
             "kind": "ClusterTrainingRuntime",
         },
         "initializer": {
-            "dataset": {"storageUri": "hf://tatsu-lab/alpaca"},
-            "model": {"storageUri": "hf://tunepack/tiny-llama3"},
+            "dataset": {"storageUri": "file:///data/alpaca.jsonl"},
+            "model": {"storageUri": "file:///models/tiny-llama3"},
         },
         "trainer": {"args": ["method=lora", "epochs=2"], "numNodes": 2},
     }

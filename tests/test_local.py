@@ -1,0 +1,110 @@
+"""The local backend: the platform's step order and environment, reproduced with processes."""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+
+from tunepack.errors import BadInputError
+from tunepack.local import order_steps, resolve_steps, run_trainjob
+from tunepack.runtimes.generate import load_runtime
+from tunepack.trainjob import build_trainjob
+
+DATASET_URI = "file:///data/instructions.jsonl"
+MODEL_URI = "file:///models/tiny-llama3"
+
+
+def _trainjob(**kwargs) -> dict:
+    return build_trainjob(
+        name="local-test",
+        runtime="tunepack-tiny-llama3",
+        dataset_uri=DATASET_URI,
+        model_uri=MODEL_URI,
+        trainer_args=["lora_rank=4", "epochs=1"],
+        **kwargs,
+    )
+
+
+def _jobs(*spec: tuple[str, list[str]]) -> list[dict]:
+    return [
+        {"name": n, "dependsOn": [{"name": d, "status": "Complete"} for d in deps]}
+        for n, deps in spec
+    ]
+
+
+def test_order_follows_depends_on_not_listing_order():
+    jobs = _jobs(("node", ["b", "a"]), ("b", ["a"]), ("a", []))
+    assert [j["name"] for j in order_steps(jobs)] == ["a", "b", "node"]
+
+
+def test_order_refuses_cycles_and_unknown_jobs():
+    with pytest.raises(BadInputError, match="in a cycle: a -> b -> a"):
+        order_steps(_jobs(("a", ["b"]), ("b", ["a"])))
+    with pytest.raises(BadInputError, match="runtime job 'a' depends on unknown job 'ghost'"):
+        order_steps(_jobs(("a", ["ghost"])))
+
+
+def test_steps_get_the_environment_the_platform_injects(tmp_path):
+    steps = resolve_steps(load_runtime("tunepack-tiny-llama3"), _trainjob(), tmp_path)
+    by_name = {s.name: s for s in steps}
+    assert [s.name for s in steps] == ["dataset-initializer", "model-initializer", "node"]
+    assert by_name["dataset-initializer"].env["STORAGE_URI"] == DATASET_URI
+    assert by_name["model-initializer"].env["STORAGE_URI"] == MODEL_URI
+    node = by_name["node"]
+    assert node.command == [
+        sys.executable,
+        "-m",
+        "tunepack.trainers.launch",
+        "lora_rank=4",
+        "epochs=1",
+    ]
+    assert node.env["PET_NNODES"] == "1"
+    assert node.env["PET_MASTER_ADDR"] == "127.0.0.1"
+    assert int(node.env["PET_MASTER_PORT"]) > 0
+    assert node.depends_on == ["dataset-initializer", "model-initializer"]
+    for step in steps:  # /workspace is replaced by the local directory everywhere
+        assert step.env["TUNEPACK_WORKSPACE"] == str(tmp_path)
+        assert step.env["TUNEPACK_MODEL"] == "tiny-llama3"
+
+
+def test_num_nodes_becomes_node_replicas(tmp_path):
+    steps = resolve_steps(load_runtime("tunepack-tiny-llama3"), _trainjob(num_nodes=2), tmp_path)
+    node = steps[-1]
+    assert node.replicas == 2 and node.env["PET_NNODES"] == "2"
+
+
+def _recording_runtime(fail: str | None = None) -> dict:
+    """The real tiny runtime with each step's program replaced by one that records its turn."""
+    runtime = copy.deepcopy(load_runtime("tunepack-tiny-llama3"))
+    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    jobs.reverse()  # list the trainer first: order must come from dependsOn alone
+    for job in jobs:
+        container = job["template"]["spec"]["template"]["spec"]["containers"][0]
+        code = (
+            "import os, sys; "
+            "open(os.path.join(os.environ['TUNEPACK_WORKSPACE'], 'order'), 'a')"
+            f".write('{job['name']}\\n'); print('hello from {job['name']}'); "
+            f"sys.exit({65 if job['name'] == fail else 0})"
+        )
+        container["command"] = ["python", "-c", code]
+    return runtime
+
+
+def test_run_executes_steps_in_dependency_order(tmp_path):
+    outcome = run_trainjob(_recording_runtime(), _trainjob(), tmp_path, echo=None)
+    assert outcome.failed is None
+    order = (tmp_path / "order").read_text().split()
+    assert order.index("node") > order.index("dataset-initializer")
+    assert order.index("node") > order.index("model-initializer")
+    assert "hello from node" in (tmp_path / "logs" / "node.log").read_text()
+
+
+def test_a_failing_step_stops_the_run_and_is_named(tmp_path):
+    outcome = run_trainjob(
+        _recording_runtime(fail="model-initializer"), _trainjob(), tmp_path, echo=None
+    )
+    assert outcome.failed.name == "model-initializer"
+    assert outcome.failed.exit_code == 65
+    assert "node" not in (tmp_path / "order").read_text().split()
