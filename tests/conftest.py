@@ -2,25 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_program
 from tunepack.tiny import write_tiny_dataset, write_tiny_model
-
-
-def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600):
-    """Run a tunepack program as the local backend would: a separate Python process."""
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import run_program
+from tests.helpers import run_program
 from tunepack.errors import EXIT_BAD_INPUT
 from tunepack.runtimes import catalog
 from tunepack.trainers import recipe as recipe_module
