@@ -5,7 +5,12 @@ tunepack args                         # the trainer argument vocabulary
 tunepack tiny-model DIR               # a tiny random Llama-3 model, offline
 tunepack tiny-dataset FILE            # a small instruction dataset, offline
 tunepack train --local --runtime R --dataset URI --model URI [key=value ...]
+tunepack train --runtime R ... [key=value ...]          # submit to the cluster (kubeconfig)
 tunepack render trainjob --runtime R --dataset URI --model URI [key=value ...]
+tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
+tunepack install [--namespace NS]     # server-side apply of the runtimes
+tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
+tunepack logs NAME [--step node-0] [--local]
 """
 
 from __future__ import annotations
@@ -97,13 +102,9 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-    from tunepack.errors import BadInputError
 
     if not ns.local:
-        raise BadInputError(
-            "cluster submission from the CLI is not available yet: run with --local, or submit "
-            "the job with `tunepack render trainjob ... | kubectl apply -f -`"
-        )
+        return _train_on_cluster(ns)
     from tunepack.local import describe_exit, run_trainjob
     from tunepack.runtimes.generate import load_runtime
 
@@ -125,6 +126,84 @@ def cmd_train(ns: argparse.Namespace) -> int:
         )
         return failed.exit_code
     _print_summary(ns.runtime, workspace, time.perf_counter() - started)
+    return 0
+
+
+def _train_on_cluster(ns: argparse.Namespace) -> int:
+    trainjob = _trainjob(ns)  # validated strictly when built
+    backend = _k8s_backend(ns)
+    trainjob["metadata"]["namespace"] = backend.namespace
+    backend.custom_api.create_namespaced_custom_object(
+        "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", trainjob
+    )
+    print(f"tunepack: submitted TrainJob {backend.namespace}/{trainjob['metadata']['name']}")
+    return 0
+
+
+def _k8s_backend(ns: argparse.Namespace):
+    from kubeflow.common.types import KubernetesBackendConfig
+
+    from tunepack.backend_k8s import KubernetesBackend
+
+    return KubernetesBackend(KubernetesBackendConfig(namespace=getattr(ns, "namespace", None)))
+
+
+def _backend(ns: argparse.Namespace):
+    if ns.local:
+        from tunepack.backend_local import LocalBackend, LocalBackendConfig
+
+        return LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir))
+    return _k8s_backend(ns)
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    job = _backend(ns).get_job(ns.name)
+    print(f"{job.name}  {job.status}  runtime {job.runtime.name}")
+    for step in job.steps:
+        print(f"  {step.name:<22}{step.status}")
+    if job.progress and job.progress.percent is not None:
+        loss = f"  loss {job.progress.loss:.4f}" if job.progress.loss is not None else ""
+        print(f"  progress {job.progress.percent}%{loss}")
+    if job.message:
+        print(f"  message: {job.message}")
+    return 1 if job.status == "Failed" else 0
+
+
+def cmd_logs(ns: argparse.Namespace) -> int:
+    for line in _backend(ns).get_job_logs(ns.name, follow=ns.follow, step=ns.step):
+        print(line)
+    return 0
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from tunepack.planner import plan
+
+    estimate = plan(
+        ns.model,
+        ns.method,
+        ns.seq_len,
+        ns.batch_size,
+        ns.gpu,
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        activation_checkpointing=ns.activation_checkpointing,
+        lora_rank=ns.lora_rank,
+    )
+    print(estimate.summary())
+    return 0 if estimate.fits else 1
+
+
+def cmd_install(ns: argparse.Namespace) -> int:
+    from kubernetes import client, config
+
+    from tunepack.install import apply, runtime_objects
+
+    config.load_kube_config(context=ns.context)
+    api = client.ApiClient()
+    for obj in runtime_objects(ns.runtime or None, namespace=ns.namespace):
+        apply(api, obj)
+        where = f"{obj['metadata']['namespace']}/" if ns.namespace else ""
+        print(f"applied {obj['kind']} {where}{obj['metadata']['name']} (fieldManager tunepack)")
     return 0
 
 
@@ -174,9 +253,42 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="fine-tune: run a TrainJob")
     _add_job_arguments(p)
     p.add_argument("--local", action="store_true", help="run on this machine (local backend)")
+    p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
     p.add_argument("--workspace", help="local workspace dir (default: .tunepack/runs/<name>)")
     p.add_argument("--quiet", action="store_true", help="do not echo step output")
     p.set_defaults(func=cmd_train)
+
+    for cmd, func, helptext in (
+        ("status", cmd_status, "a TrainJob's status, steps and progress"),
+        ("logs", cmd_logs, "a TrainJob step's log"),
+    ):
+        p = sub.add_parser(cmd, help=helptext)
+        p.add_argument("name", help="TrainJob name")
+        p.add_argument("--local", action="store_true", help="a job of the local backend")
+        p.add_argument("--jobs-dir", help="local backend jobs dir (default: ~/.tunepack/jobs)")
+        p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+        if cmd == "logs":
+            p.add_argument("--step", default="node-0", help="dataset-initializer, node-0, ...")
+            p.add_argument("--follow", "-f", action="store_true")
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
+    p.add_argument("--model", required=True, help="catalog model or runtime name")
+    p.add_argument("--method", default="lora", help="full, lora, qlora, dora")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=1, help="per device")
+    p.add_argument("--gpu", default="H100-80GB")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("install", help="server-side apply tunepack's runtimes to the cluster")
+    p.add_argument("--namespace", help="install namespace-scoped TrainingRuntimes there instead")
+    p.add_argument("--runtime", action="append", help="only this runtime (repeatable)")
+    p.add_argument("--context", help="kubeconfig context")
+    p.set_defaults(func=cmd_install)
 
     p = sub.add_parser("render", help="print Kubernetes objects as YAML")
     render = p.add_subparsers(dest="kind", required=True)

@@ -18,8 +18,12 @@ class TunepackError(Exception):
     exit_code = EXIT_BAD_INPUT
 
 
-class BadInputError(TunepackError):
-    """The user's input (argument, URI, dataset, model files) is wrong; retrying cannot help."""
+class BadInputError(TunepackError, ValueError):
+    """The user's input (argument, URI, dataset, model files) is wrong; retrying cannot help.
+
+    It is also a ``ValueError``, which is what the Kubeflow SDK raises for invalid input, so code
+    written against ``TrainerClient`` catches it unchanged.
+    """
 
     exit_code = EXIT_BAD_INPUT
 

@@ -29,11 +29,23 @@ def build_trainjob(
     trainer_args: list[str],
     num_nodes: int | None = None,
     namespace: str | None = None,
+    *,
+    num_proc_per_node: int | None = None,
+    resources_per_node: dict | None = None,
+    trainer_env: dict[str, str] | None = None,
+    initializer_env: dict[str, str] | None = None,
+    dataset_secret: str | None = None,
+    model_secret: str | None = None,
+    labels: dict[str, str] | None = None,
 ) -> dict:
     """A validated TrainJob for ``runtime`` (a runtime name or model name from the catalog).
 
     ``trainer_args`` are tunepack's ``key=value`` arguments; ``dataset_uri`` and ``model_uri``
-    become the initializers' ``STORAGE_URI``. Raises ``BadInputError`` with a hint on bad input.
+    become the initializers' ``STORAGE_URI``. ``resources_per_node`` takes the Kubeflow SDK's
+    dict (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper). Credentials are
+    passed only by reference: ``dataset_secret`` / ``model_secret`` name a Secret in the
+    TrainJob's namespace (the initializer's ``secretRef``). Raises ``BadInputError`` with a hint
+    on bad input.
     """
     if num_nodes is not None and (
         isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1
@@ -51,12 +63,39 @@ def build_trainjob(
         # (Whether the data exists can only be known where the initializer runs.)
         storage_uri.parse(uri)
 
+    if num_proc_per_node is not None and (
+        isinstance(num_proc_per_node, bool)
+        or not isinstance(num_proc_per_node, int)
+        or num_proc_per_node < 1
+    ):
+        raise BadInputError(
+            f"num_proc_per_node must be a positive integer, got {num_proc_per_node!r}"
+        )
+    for what, secret in (("dataset_secret", dataset_secret), ("model_secret", model_secret)):
+        if secret is not None:
+            _check_dns_label(what, secret)
+
     metadata: dict = {"name": name}
     if namespace is not None:
         metadata["namespace"] = namespace
+    if labels:
+        metadata["labels"] = dict(labels)
     trainer: dict = {"args": list(trainer_args)}
     if num_nodes is not None:
         trainer["numNodes"] = num_nodes
+    if num_proc_per_node is not None:
+        trainer["numProcPerNode"] = num_proc_per_node
+    if resources_per_node:
+        trainer["resourcesPerNode"] = _resources(resources_per_node)
+    if trainer_env:
+        trainer["env"] = _env(trainer_env)
+    dataset: dict = {"storageUri": dataset_uri}
+    model: dict = {"storageUri": model_uri}
+    for block, secret in ((dataset, dataset_secret), (model, model_secret)):
+        if initializer_env:
+            block["env"] = _env(initializer_env)
+        if secret:
+            block["secretRef"] = {"name": secret}
     trainjob = {
         "apiVersion": generate.API_VERSION,
         "kind": TRAINJOB_KIND,
@@ -67,15 +106,51 @@ def build_trainjob(
                 "apiGroup": generate.API_GROUP,
                 "kind": generate.KIND,
             },
-            "initializer": {
-                "dataset": {"storageUri": dataset_uri},
-                "model": {"storageUri": model_uri},
-            },
+            "initializer": {"dataset": dataset, "model": model},
             "trainer": trainer,
         },
     }
     validate_trainjob(trainjob)
     return trainjob
+
+
+_SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|ACCESS_KEY)", re.IGNORECASE)
+
+
+def _env(env: dict[str, str]) -> list[dict]:
+    out = []
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise BadInputError(f"environment variables must be strings, got {key!r}={value!r}")
+        if _SECRET_LIKE.search(key):
+            raise BadInputError(
+                f"environment variable {key} looks like a credential: tunepack does not put "
+                "secrets into the TrainJob in plain text. Store it in a Secret and pass "
+                "dataset_secret=/model_secret= (initializers) instead"
+            )
+        out.append({"name": key, "value": value})
+    return out
+
+
+def _resources(resources_per_node: dict) -> dict:
+    """The Kubeflow SDK's resource dict as ResourceRequirements (its own helper translates)."""
+    from kubeflow.trainer.backends.kubernetes.utils import get_resources_per_node
+
+    if not isinstance(resources_per_node, dict):
+        raise BadInputError(
+            f"resources_per_node must be a dict such as {{'gpu': 1}}, got {resources_per_node!r}"
+        )
+    try:
+        resources = get_resources_per_node(resources_per_node).to_dict()
+    except ValueError as err:
+        raise BadInputError(
+            f"resources_per_node={resources_per_node!r} is not valid: {err}"
+        ) from None
+    # The SDK's quantities come back as floats (4 -> 4.0); keep whole numbers whole.
+    return {
+        kind: {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in qty.items()}
+        for kind, qty in resources.items()
+    }
 
 
 def to_yaml(obj: dict) -> str:

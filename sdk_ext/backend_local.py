@@ -1,0 +1,358 @@
+"""tunepack's local backend for ``TrainingClient``: TrainJobs as processes on this machine.
+
+``train()`` writes the TrainJob under ``<root_dir>/<name>/`` and starts a detached runner process
+(``python -m tunepack.backend_local <job dir>``) that runs the runtime's steps with
+``tunepack.local`` (the same code as ``tunepack train --local``), recording each step's state in
+``state.json``. Jobs therefore outlive the notebook kernel, and the CLI (``tunepack status``,
+``tunepack logs``) sees the same jobs.
+
+    >>> from tunepack import TrainingClient, LocalBackendConfig
+    >>> client = TrainingClient(LocalBackendConfig(root_dir="/tmp/tunepack-jobs"))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+from kubeflow.trainer.backends.base import RuntimeBackend
+from kubeflow.trainer.constants import constants as kc
+from kubeflow.trainer.types import types as kf
+from pydantic import BaseModel
+
+from tunepack import submit
+from tunepack.errors import BadInputError
+from tunepack.runtimes import catalog
+from tunepack.runtimes.generate import load_runtime
+from tunepack.types import Progress, RuntimeList, TrainJob, TunepackRuntime
+
+HOME_ENV = "TUNEPACK_HOME"
+STATE_FILE = "state.json"
+TRAINJOB_FILE = "trainjob.yaml"
+WORKSPACE_DIR = "workspace"
+
+
+def default_root() -> Path:
+    return Path(os.environ.get(HOME_ENV, Path.home() / ".tunepack")) / "jobs"
+
+
+class LocalBackendConfig(BaseModel):
+    """Configuration of tunepack's local backend.
+
+    Args:
+        root_dir: where jobs live (``<root_dir>/<job name>/``); default ``~/.tunepack/jobs``
+            (or ``$TUNEPACK_HOME/jobs``).
+        gpu: GPU type the memory planner checks against when a runtime uses GPUs.
+        memory_check: ``refuse`` (default), ``warn`` or ``off`` when the plan does not fit.
+    """
+
+    root_dir: str | None = None
+    gpu: str = "H100-80GB"
+    memory_check: str = "refuse"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)  # readers never see half a file
+
+
+class LocalBackend(RuntimeBackend):
+    """Runs tunepack runtimes as local processes; implements the SDK's backend interface."""
+
+    def __init__(self, cfg: LocalBackendConfig):
+        self.cfg = cfg
+        self.root = Path(cfg.root_dir).expanduser() if cfg.root_dir else default_root()
+
+    # --- runtimes ------------------------------------------------------------------------------
+
+    def list_runtimes(self) -> RuntimeList:
+        return RuntimeList(self.get_runtime(e.runtime_name) for e in catalog.CATALOG.values())
+
+    def get_runtime(self, name: str) -> TunepackRuntime:
+        if not submit.is_tunepack_runtime(name):
+            known = ", ".join(e.runtime_name for e in catalog.CATALOG.values())
+            raise BadInputError(
+                f"runtime {name!r} is not available on the local backend, which runs tunepack "
+                f"runtimes only: {known}"
+            )
+        obj = load_runtime(name)
+        jobs = obj["spec"]["template"]["spec"]["replicatedJobs"]
+        node = next(j for j in jobs if j["name"] == kc.NODE)
+        image = node["template"]["spec"]["template"]["spec"]["containers"][0]["image"]
+        trainer = kf.RuntimeTrainer(
+            trainer_type=kf.TrainerType.CUSTOM_TRAINER, framework="torch", image=image
+        )
+        trainer.set_command(
+            tuple(node["template"]["spec"]["template"]["spec"]["containers"][0]["command"])
+        )
+        base = kf.Runtime(
+            name=obj["metadata"]["name"],
+            trainer=trainer,
+            kind=kf.RuntimeKind.CLUSTER_TRAINING_RUNTIME,
+        )
+        return TunepackRuntime.wrap(base)
+
+    def get_runtime_packages(self, runtime: kf.Runtime):
+        raise NotImplementedError("the local backend runs in this Python environment: pip list")
+
+    # --- jobs ----------------------------------------------------------------------------------
+
+    def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
+        if options:
+            raise BadInputError("options are not supported by tunepack's local backend")
+        if runtime is None:
+            raise BadInputError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
+        name = submit.job_name()
+        trainjob = submit.build(
+            runtime,
+            initializer,
+            trainer,
+            name=name,
+            gpu=self.cfg.gpu,
+            memory_check=self.cfg.memory_check,
+        )
+        for block in trainjob["spec"]["initializer"].values():
+            if "secretRef" in block:
+                raise BadInputError(
+                    "secretRef is a cluster feature: on the local backend, export the credential "
+                    "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
+                )
+        job_dir = self.root / name
+        job_dir.mkdir(parents=True)
+        (job_dir / TRAINJOB_FILE).write_text(yaml.safe_dump(trainjob, sort_keys=False))
+        _write_json(
+            job_dir / STATE_FILE, {"status": kc.TRAINJOB_CREATED, "created": _now(), "steps": {}}
+        )
+        with (job_dir / "runner.log").open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tunepack.backend_local", str(job_dir)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # survives the kernel; killed as a group by delete_job
+            )
+        (job_dir / "pid").write_text(str(proc.pid))
+        return name
+
+    def list_jobs(self, runtime: kf.Runtime | None = None) -> list[TrainJob]:
+        if not self.root.is_dir():
+            return []
+        jobs = [
+            self.get_job(p.name) for p in sorted(self.root.iterdir()) if (p / STATE_FILE).exists()
+        ]
+        if runtime is not None:
+            jobs = [j for j in jobs if j.runtime.name == runtime.name]
+        return jobs
+
+    def job_dir(self, name: str) -> Path:
+        path = self.root / name
+        if not (path / STATE_FILE).exists():
+            raise BadInputError(f"no local TrainJob {name!r} under {self.root}; see list_jobs()")
+        return path
+
+    def workspace(self, name: str) -> Path:
+        return self.job_dir(name) / WORKSPACE_DIR
+
+    def get_job(self, name: str) -> TrainJob:
+        job_dir = self.job_dir(name)
+        state = json.loads((job_dir / STATE_FILE).read_text())
+        trainjob = yaml.safe_load((job_dir / TRAINJOB_FILE).read_text())
+        status = state["status"]
+        if status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING) and not _alive(job_dir):
+            status = kc.TRAINJOB_FAILED
+            state["message"] = "the local runner process ended unexpectedly; see runner.log"
+        steps = [
+            kf.Step(
+                name=step, status=info["status"], pod_name=str(job_dir / WORKSPACE_DIR / "logs")
+            )
+            for step, info in state["steps"].items()
+        ]
+        return TrainJob(
+            name=name,
+            runtime=self.get_runtime(trainjob["spec"]["runtimeRef"]["name"]),
+            steps=steps,
+            num_nodes=trainjob["spec"]["trainer"].get("numNodes", 1),
+            creation_timestamp=datetime.fromisoformat(state["created"]),
+            status=status,
+            message=state.get("message"),
+            progress=read_progress(job_dir / WORKSPACE_DIR / "output" / "metrics.jsonl"),
+        )
+
+    def get_job_logs(
+        self, name: str, follow: bool = False, step: str = kc.NODE + "-0"
+    ) -> Iterator[str]:
+        log = self.job_dir(name) / WORKSPACE_DIR / "logs" / f"{_step_job(step)}.log"
+        position = 0
+        while True:
+            if log.exists():
+                with log.open() as f:
+                    f.seek(position)
+                    while line := f.readline():
+                        if not line.endswith("\n") and follow:
+                            break  # a line still being written: read it whole next time
+                        position = f.tell()
+                        yield line.rstrip("\n")
+            if not follow or self.get_job(name).status in (
+                kc.TRAINJOB_COMPLETE,
+                kc.TRAINJOB_FAILED,
+            ):
+                if follow and log.exists() and log.stat().st_size > position:
+                    continue  # drain what was written before the job ended
+                return
+            time.sleep(0.2)
+
+    def get_job_events(self, name: str) -> list[kf.Event]:
+        raise NotImplementedError("the local backend has no events; see get_job(name).message")
+
+    def wait_for_job_status(
+        self,
+        name: str,
+        status: set[str] = {kc.TRAINJOB_COMPLETE},  # noqa: B006 (the SDK's signature)
+        timeout: int = 600,
+        polling_interval: int = 2,
+        callbacks: list[Callable[[kf.TrainJob], None]] | None = None,
+    ) -> TrainJob:
+        allowed = {
+            kc.TRAINJOB_CREATED,
+            kc.TRAINJOB_RUNNING,
+            kc.TRAINJOB_COMPLETE,
+            kc.TRAINJOB_FAILED,
+        }
+        if not status.issubset(allowed):
+            raise ValueError(f"Expected status {status} must be a subset of {allowed}")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = self.get_job(name)
+            for callback in callbacks or []:
+                callback(job)
+            if job.status == kc.TRAINJOB_FAILED and kc.TRAINJOB_FAILED not in status:
+                raise RuntimeError(f"TrainJob {name} is Failed: {job.message}")
+            if job.status in status:
+                return job
+            time.sleep(polling_interval)
+        raise TimeoutError(f"Timeout waiting for TrainJob {name} to reach status: {status}")
+
+    def delete_job(self, name: str):
+        job_dir = self.job_dir(name)
+        pid = _pid(job_dir)
+        if pid and _alive(job_dir):
+            try:
+                os.killpg(pid, signal.SIGTERM)  # the runner's own session: it and its steps
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(job_dir)
+
+
+def _step_job(step: str) -> str:
+    """SDK step names (``node-0``) to the runtime job whose log holds them (``node``)."""
+    head, _, index = step.rpartition("-")
+    return head if head and index.isdigit() else step
+
+
+def _pid(job_dir: Path) -> int | None:
+    try:
+        return int((job_dir / "pid").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _alive(job_dir: Path) -> bool:
+    pid = _pid(job_dir)
+    if pid is None:
+        return True  # between mkdir and Popen: still being created
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
+        if finished:
+            return False
+    except ChildProcessError:
+        pass  # not our child (another process started it)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def read_progress(metrics: Path) -> Progress | None:
+    """Progress from the trainer's ``metrics.jsonl`` (one JSON record per step)."""
+    if not metrics.exists():
+        return None
+    last = None
+    for line in metrics.read_text().splitlines():
+        try:
+            last = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+    if not last:
+        return None
+    step, total = last.get("step"), last.get("total_steps")
+    return Progress(
+        percent=int(100 * step / total) if step and total else None,
+        step=step,
+        total_steps=total,
+        loss=last.get("loss"),
+    )
+
+
+# --- the runner process ---------------------------------------------------------------------------
+
+
+def run(job_dir: Path) -> int:
+    """Run the job in ``job_dir`` step by step, recording state (the detached runner's body)."""
+    from tunepack.local import describe_exit, resolve_steps, run_step
+
+    state_path = job_dir / STATE_FILE
+    state = json.loads(state_path.read_text())
+    trainjob = yaml.safe_load((job_dir / TRAINJOB_FILE).read_text())
+    runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
+    workspace = job_dir / WORKSPACE_DIR
+    workspace.mkdir(exist_ok=True)
+    steps = resolve_steps(runtime, trainjob, workspace.resolve())
+    names = {s.name: _sdk_names(s) for s in steps}
+    state["steps"] = {n: {"status": "Pending"} for s in steps for n in names[s.name]}
+    state["status"] = kc.TRAINJOB_RUNNING
+    _write_json(state_path, state)
+    for step in steps:
+        for n in names[step.name]:
+            state["steps"][n] = {"status": "Running"}
+        _write_json(state_path, state)
+        outcome = run_step(step, workspace / "logs", echo=None)
+        phase = "Succeeded" if outcome.exit_code == 0 else "Failed"
+        for n in names[step.name]:
+            state["steps"][n] = {"status": phase, "exit_code": outcome.exit_code}
+        if outcome.exit_code != 0:
+            reason = outcome.error_line()
+            state["status"] = kc.TRAINJOB_FAILED
+            state["message"] = (
+                f"step {step.name!r} failed with exit code {outcome.exit_code} "
+                f"({describe_exit(outcome.exit_code)})" + (f": {reason}" if reason else "")
+            )
+            _write_json(state_path, state)
+            return outcome.exit_code
+        _write_json(state_path, state)
+    state["status"] = kc.TRAINJOB_COMPLETE
+    _write_json(state_path, state)
+    return 0
+
+
+def _sdk_names(step) -> list[str]:
+    if step.name == kc.NODE:
+        return [f"{kc.NODE}-{i}" for i in range(step.replicas)]
+    return [step.name]
+
+
+if __name__ == "__main__":
+    sys.exit(run(Path(sys.argv[1])))

@@ -1,0 +1,93 @@
+"""``TrainingClient``: the Kubeflow SDK's ``TrainerClient`` with tunepack's runtimes.
+
+Same methods and semantics as ``kubeflow.trainer.TrainerClient`` (``list_runtimes``,
+``get_runtime``, ``train``, ``list_jobs``, ``get_job``, ``get_job_logs``, ``wait_for_job_status``,
+``delete_job``), so notebooks keep working; on tunepack runtimes ``train`` takes a ``FineTune``
+(or the SDK's ``BuiltinTrainer(config=TorchTuneConfig(...))``), and the client adds
+``progress``, ``plot_loss`` and ``result``.
+
+    >>> from tunepack import TrainingClient, FineTune, Initializer, LocalBackendConfig
+    >>> client = TrainingClient(LocalBackendConfig())        # or TrainingClient() for a cluster
+    >>> job = client.train(
+    ...     runtime="tunepack-tiny-llama3",
+    ...     initializer=Initializer(dataset="file:///data/train.jsonl",
+    ...                             model="file:///models/tiny-llama3"),
+    ...     trainer=FineTune(method="lora", epochs=1),
+    ... )
+    >>> client.wait_for_job_status(job, progress=True)
+    >>> client.result(job).generate("Write a haiku about GPUs")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kubeflow.common.types import KubernetesBackendConfig
+from kubeflow.trainer import TrainerClient
+from kubeflow.trainer.constants import constants as kc
+
+from tunepack import progress as progress_ui
+from tunepack.backend_local import LocalBackend, LocalBackendConfig
+from tunepack.result import Result, result_for
+
+
+class TrainingClient(TrainerClient):
+    """A Kubeflow Trainer client that knows tunepack runtimes.
+
+    Args:
+        backend_config: ``KubernetesBackendConfig`` (default: kubeconfig or in-cluster) or
+            tunepack's ``LocalBackendConfig``. The SDK's other configs work as in the SDK.
+        gpu: GPU type the memory planner checks cluster jobs against (``tunepack.planner.GPUS``).
+        memory_check: ``refuse`` (default), ``warn`` or ``off`` when a job cannot fit.
+    """
+
+    def __init__(self, backend_config=None, gpu: str = "H100-80GB", memory_check: str = "refuse"):
+        if backend_config is None:
+            backend_config = KubernetesBackendConfig()
+        if isinstance(backend_config, LocalBackendConfig):
+            self.backend = LocalBackend(backend_config)
+        elif isinstance(backend_config, KubernetesBackendConfig):
+            from tunepack.backend_k8s import KubernetesBackend
+
+            self.backend = KubernetesBackend(backend_config, gpu=gpu, memory_check=memory_check)
+        else:
+            super().__init__(backend_config)
+
+    def wait_for_job_status(
+        self,
+        name: str,
+        status: set[str] = {kc.TRAINJOB_COMPLETE},  # noqa: B006 (the SDK's signature)
+        timeout: int = 600,
+        polling_interval: int = 2,
+        callbacks: list[Callable] | None = None,
+        progress: bool = False,
+    ):
+        """As the SDK's; ``progress=True`` also shows a progress bar (tqdm, Jupyter-aware)."""
+        callbacks = list(callbacks or [])
+        bar = progress_ui.ProgressBar(name) if progress else None
+        if bar:
+            callbacks.append(bar.update)
+        try:
+            return super().wait_for_job_status(name, status, timeout, polling_interval, callbacks)
+        finally:
+            if bar:
+                bar.close()
+
+    def plot_loss(self, name: str):
+        """Plot the training loss per step (matplotlib; local jobs read ``metrics.jsonl``)."""
+        return progress_ui.plot_loss(self._metrics(name), title=name)
+
+    def result(self, name: str) -> Result:
+        """Where the job's adapter or model is, with a loader for a quick generation."""
+        return result_for(self.backend, name)
+
+    def _metrics(self, name: str) -> list[dict]:
+        if isinstance(self.backend, LocalBackend):
+            return progress_ui.read_metrics(
+                self.backend.workspace(name) / "output" / "metrics.jsonl"
+            )
+        raise NotImplementedError(
+            "per-step metrics live on the job's workspace volume on a cluster; the TrainJob's "
+            "trainerStatus carries only the latest values (get_job(name).progress). See "
+            "docs/cluster.md for reading the PVC."
+        )

@@ -1,0 +1,151 @@
+"""``FineTune``: tunepack's trainer vocabulary as a typed dataclass for notebooks.
+
+The fields are generated from ``tunepack.trainers.args.VOCABULARY`` (the one source of truth for
+trainer arguments), so a key added there appears here without a second list to keep in sync.
+Each value is checked with the vocabulary's own parser when the object is made, so a wrong value
+fails in the notebook cell that wrote it, naming the field and the allowed range:
+
+    >>> from tunepack import FineTune
+    >>> FineTune(method="lora", lora_rank=16, epochs=3).to_args()
+    ['method=lora', 'epochs=3', 'lora_rank=16']
+    >>> FineTune(epochs=0)
+    Traceback (most recent call last):
+    ...
+    tunepack.errors.BadInputError: FineTune.epochs: epochs='0' is not valid: expected an integer
+    from 1 to 1000
+
+Besides the trainer arguments, ``FineTune`` carries the trainer's placement, which is not part of
+the argument vocabulary but of the TrainJob: ``num_nodes``, ``num_proc_per_node``,
+``resources_per_node`` (the upstream SDK's dict, e.g. ``{"gpu": 4, "memory": "200Gi"}``) and
+``env`` (extra environment variables for the trainer container).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from tunepack.errors import BadInputError
+from tunepack.trainers.args import VOCABULARY, Arg
+
+# Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields).
+PLACEMENT_FIELDS = ("num_nodes", "num_proc_per_node", "resources_per_node", "env")
+
+
+def _value_type(arg: Arg) -> type:
+    """The Python type a vocabulary parser returns (read from its return annotation)."""
+    hint = typing.get_type_hints(arg.parse).get("return", str)
+    return typing.get_origin(hint) or hint
+
+
+def _raw(value: object) -> str:
+    """The ``key=value`` spelling of a Python value, as the trainer receives it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+_KIND = {
+    bool: "True or False",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    tuple: "a list of names",
+}
+
+
+def _check_value(arg: Arg, value: object) -> None:
+    expected = _value_type(arg)
+    # The parser checks the range; the type check keeps True from passing as 1, 2.5 as "2.5"...
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        tuple: lambda v: isinstance(v, list | tuple | str),
+    }.get(expected, lambda v: True)
+    try:
+        if not ok(value):
+            raise BadInputError(
+                f"{arg.name}={value!r} is not valid: expected "
+                f"{_KIND.get(expected, expected.__name__)} ({arg.help})"
+            )
+        arg.parse(arg.name, _raw(value))
+    except BadInputError as err:
+        raise BadInputError(f"FineTune.{arg.name}: {err}") from None
+
+
+def _post_init(self) -> None:
+    for arg in VOCABULARY:
+        value = getattr(self, arg.name)
+        if value is not None:
+            _check_value(arg, value)
+    nodes, procs = self.num_nodes, self.num_proc_per_node
+    for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
+        bad_type = not isinstance(value, int) or isinstance(value, bool)
+        if value is not None and (bad_type or value < 1):
+            raise BadInputError(f"FineTune.{name}={value!r} is not valid: expected an integer >= 1")
+    if self.resources_per_node is not None and not isinstance(self.resources_per_node, dict):
+        raise BadInputError(
+            "FineTune.resources_per_node must be a dict such as {'gpu': 1, 'memory': '64Gi'}, "
+            f"got {self.resources_per_node!r}"
+        )
+    if self.env is not None and not (
+        isinstance(self.env, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
+    ):
+        raise BadInputError(f"FineTune.env must map names to string values, got {self.env!r}")
+
+
+def _to_args(self) -> list[str]:
+    """The trainer's ``key=value`` arguments, in vocabulary order (unset fields omitted)."""
+    return [
+        f"{arg.name}={_raw(getattr(self, arg.name))}"
+        for arg in VOCABULARY
+        if getattr(self, arg.name) is not None
+    ]
+
+
+def _doc() -> str:
+    lines = [
+        "tunepack trainer arguments (``None`` = the runtime's default).",
+        "",
+        "Args:",
+    ]
+    for arg in VOCABULARY:
+        lines.append(f"    {arg.name} ({_value_type(arg).__name__}): {arg.help}")
+    lines += [
+        "    num_nodes (int): trainer nodes (TrainJob spec.trainer.numNodes)",
+        "    num_proc_per_node (int): processes per node (default: the platform's auto)",
+        "    resources_per_node (dict): e.g. {'gpu': 4, 'memory': '200Gi'}",
+        "    env (dict): extra environment variables for the trainer container",
+        "",
+        "Example:",
+        "    >>> FineTune(method='lora', lora_rank=16, epochs=3, num_nodes=2)",
+    ]
+    return "\n".join(lines)
+
+
+def _fields() -> list[tuple]:
+    out = []
+    for arg in VOCABULARY:
+        out.append((arg.name, _value_type(arg) | None, dataclasses.field(default=None)))
+    out += [
+        ("num_nodes", int | None, dataclasses.field(default=None)),
+        ("num_proc_per_node", int | None, dataclasses.field(default=None)),
+        ("resources_per_node", dict | None, dataclasses.field(default=None)),
+        ("env", dict | None, dataclasses.field(default=None)),
+    ]
+    return out
+
+
+FineTune = dataclasses.make_dataclass(
+    "FineTune",
+    _fields(),
+    namespace={"__post_init__": _post_init, "to_args": _to_args, "__doc__": _doc()},
+    kw_only=True,
+    frozen=True,
+)
+FineTune.__module__ = __name__

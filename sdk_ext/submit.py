@@ -1,0 +1,108 @@
+"""What ``TrainingClient.train`` submits for a tunepack runtime, whichever the backend.
+
+One function turns (runtime, initializer, trainer) into a strictly validated TrainJob: it
+translates the upstream SDK's types, checks the trainer arguments against the vocabulary and the
+chosen shape against the memory planner, all before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import string
+import uuid
+from typing import Literal
+
+from kubeflow.trainer.types import types as kf
+
+from tunepack import planner
+from tunepack.errors import BadInputError
+from tunepack.runtimes import catalog
+from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainjob import build_trainjob
+from tunepack.translate import storage_uri, to_finetune, to_initializer
+
+logger = logging.getLogger(__name__)
+
+MemoryCheck = Literal["refuse", "warn", "off"]
+
+
+def is_tunepack_runtime(runtime: str | kf.Runtime | None) -> bool:
+    name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
+    return bool(name) and name.removeprefix(catalog.RUNTIME_PREFIX) in catalog.CATALOG
+
+
+def job_name() -> str:
+    """A name like the SDK's: a letter and 11 hex digits."""
+    return random.choice(string.ascii_lowercase) + uuid.uuid4().hex[:11]
+
+
+def build(
+    runtime: str | kf.Runtime,
+    initializer,
+    trainer,
+    *,
+    name: str | None = None,
+    namespace: str | None = None,
+    gpu: str = "H100-80GB",
+    memory_check: MemoryCheck = "refuse",
+) -> dict:
+    """The TrainJob (a dict) for a tunepack runtime. Raises ``BadInputError`` on bad input."""
+    runtime_name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
+    entry = catalog.get(runtime_name)
+    init = to_initializer(initializer)
+    finetune = to_finetune(trainer)
+    args = finetune.to_args()
+    resolved = parse_trainer_args(args, entry)  # method availability per model, seq_len limit
+    gpus = planner.gpus_from_resources(finetune.resources_per_node, entry.resources.gpus)
+    num_proc = finetune.num_proc_per_node
+    if num_proc is None and finetune.resources_per_node and gpus:
+        num_proc = gpus  # one process per requested GPU, as the platform's "auto" would do
+    if gpus and memory_check != "off":
+        check_memory(entry, resolved, finetune.num_nodes or 1, num_proc or gpus, gpu, memory_check)
+    return build_trainjob(
+        name=name or job_name(),
+        runtime=entry.runtime_name,
+        dataset_uri=storage_uri(init.dataset, "dataset"),
+        model_uri=storage_uri(init.model, "model"),
+        trainer_args=args,
+        num_nodes=finetune.num_nodes,
+        namespace=namespace,
+        num_proc_per_node=num_proc,
+        resources_per_node=finetune.resources_per_node,
+        trainer_env=finetune.env,
+        initializer_env=init.env or None,
+        dataset_secret=init.dataset_secret,
+        model_secret=init.model_secret,
+    )
+
+
+def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):
+    """Refuse (or warn about) a shape the planner says cannot fit, with the numbers."""
+    if args.method not in planner.METHODS:
+        return None
+    estimate = planner.plan(
+        entry,
+        args.method,
+        args.max_seq_len,
+        args.batch_size,
+        gpu,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        dtype="fp32" if args.dtype == "fp32" else "bf16",
+        lora_rank=args.lora_rank,
+        lora_attn_modules=tuple(args.lora_attn_modules),
+        lora_mlp=args.lora_mlp,
+    )
+    if estimate.fits:
+        return estimate
+    message = (
+        f"this fine-tune is estimated not to fit in GPU memory:\n{estimate.summary()}\n"
+        "Lower max_seq_len or batch_size, add GPUs (resources_per_node / num_nodes), choose "
+        "method='qlora' where available, or pass memory_check='warn' to TrainingClient to "
+        "submit anyway (see docs/planner.md)."
+    )
+    if mode == "refuse":
+        raise BadInputError(message)
+    logger.warning(message)
+    return estimate

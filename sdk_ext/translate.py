@@ -1,0 +1,237 @@
+"""Translate the Kubeflow SDK's trainer and initializer types into tunepack's.
+
+Notebooks written for ``kubeflow.trainer`` keep working on tunepack runtimes:
+
+- ``BuiltinTrainer(config=TorchTuneConfig(...))`` becomes a ``FineTune``;
+- ``HuggingFaceDatasetInitializer`` / ``HuggingFaceModelInitializer`` / ``S3...Initializer``
+  become tunepack storage URIs (``hf://``, ``s3://``).
+
+Whatever has no tunepack equivalent is refused with the field's name and what to do instead;
+nothing is dropped silently.
+
+    >>> from kubeflow.trainer import BuiltinTrainer, LoraConfig, TorchTuneConfig
+    >>> to_finetune(BuiltinTrainer(config=TorchTuneConfig(
+    ...     epochs=2, peft_config=LoraConfig(lora_rank=8, lora_alpha=16)))).to_args()
+    ['method=lora', 'epochs=2', 'lora_rank=8', 'lora_alpha=16', 'lora_attn_modules=...']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kubeflow.trainer.constants import constants as kf_constants
+from kubeflow.trainer.types import types as kf
+
+from tunepack.errors import BadInputError
+from tunepack.finetune import FineTune
+
+
+@dataclass
+class Initializer:
+    """Where the dataset and the model come from, as tunepack storage URIs.
+
+    Args:
+        dataset: ``file:///abs/path``, a path, ``hf://org/name``, ``s3://bucket/key`` or
+            ``https://...``; or an upstream ``HuggingFaceDatasetInitializer`` /
+            ``S3DatasetInitializer``.
+        model: the same for the model (``hf://meta-llama/Llama-3.1-8B-Instruct``), or an upstream
+            ``HuggingFaceModelInitializer`` / ``S3ModelInitializer``.
+        dataset_secret: name of a Secret in the TrainJob's namespace holding the credentials the
+            dataset initializer needs (e.g. ``HF_TOKEN``); passed by reference, never by value.
+        model_secret: the same for the model initializer.
+        env: extra environment for both initializers (plain, non-secret values).
+
+    Example:
+        >>> Initializer(dataset="hf://tatsu-lab/alpaca",
+        ...             model="hf://meta-llama/Llama-3.1-8B-Instruct", model_secret="hf-token")
+    """
+
+    dataset: str | kf.BaseInitializer | None = None
+    model: str | kf.BaseInitializer | None = None
+    dataset_secret: str | None = None
+    model_secret: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StorageSource:
+    """One initializer of the TrainJob: its URI and a Secret reference, if any."""
+
+    uri: str
+    secret: str | None = None
+
+
+def to_initializer(initializer: Initializer | kf.Initializer | None) -> Initializer:
+    """Accept tunepack's or the upstream SDK's ``Initializer``; return tunepack's."""
+    if initializer is None:
+        raise BadInputError(
+            "tunepack runtimes need an initializer: pass "
+            "initializer=Initializer(dataset='file:///data/train.jsonl', model='hf://org/model')"
+        )
+    if isinstance(initializer, Initializer):
+        return initializer
+    if isinstance(initializer, kf.Initializer):
+        return Initializer(dataset=initializer.dataset, model=initializer.model)
+    raise BadInputError(
+        f"initializer must be tunepack.Initializer or kubeflow.trainer.Initializer, "
+        f"got {type(initializer).__name__}"
+    )
+
+
+def storage_uri(source: str | kf.BaseInitializer | None, what: str) -> str:
+    """The tunepack storage URI for a dataset or model source (``what``: dataset or model)."""
+    if source is None:
+        raise BadInputError(
+            f"Initializer.{what} is missing: tunepack runtimes need both a dataset and a model "
+            f"(e.g. {what}='file:///abs/path' or 'hf://org/name')"
+        )
+    if isinstance(source, str):
+        return source
+    if isinstance(source, kf.DataCacheInitializer):
+        raise BadInputError(
+            "DataCacheInitializer is not supported by tunepack runtimes: give the dataset as a "
+            "storage URI (file://, hf://, s3://, https://)"
+        )
+    if isinstance(source, kf.HuggingFaceDatasetInitializer | kf.HuggingFaceModelInitializer):
+        uri = source.storage_uri
+        # The SDK takes a bare hub id ("org/name"); a URI with a scheme is kept as it is.
+        uri = uri if "://" in uri else "hf://" + uri
+    elif isinstance(source, kf.S3DatasetInitializer | kf.S3ModelInitializer):
+        uri = source.storage_uri
+    else:
+        raise BadInputError(
+            f"Initializer.{what} of type {type(source).__name__} is not supported: use a storage "
+            "URI string or HuggingFace/S3 initializer"
+        )
+    _refuse_untranslatable_initializer_fields(source, what)
+    return uri
+
+
+def _refuse_untranslatable_initializer_fields(source: kf.BaseInitializer, what: str) -> None:
+    cls = type(source).__name__
+    if getattr(source, "access_token", None) is not None:
+        raise BadInputError(
+            f"{cls}.access_token: tunepack does not put tokens into the TrainJob, where anyone "
+            f"who can read TrainJobs would see them. Create a Secret (kubectl create secret "
+            f"generic hf-token --from-literal=HF_TOKEN=...) and pass "
+            f"Initializer(..., {what}_secret='hf-token') instead"
+        )
+    for name in ("endpoint", "access_key_id", "secret_access_key", "region", "role_arn"):
+        if getattr(source, name, None) is not None:
+            raise BadInputError(
+                f"{cls}.{name} cannot be translated: put S3 settings and credentials in a Secret "
+                f"and pass Initializer(..., {what}_secret='<secret name>')"
+            )
+    patterns = getattr(source, "ignore_patterns", None)
+    if patterns and list(patterns) != list(kf_constants.INITIALIZER_DEFAULT_IGNORE_PATTERNS):
+        raise BadInputError(
+            f"{cls}.ignore_patterns={patterns!r} cannot be translated: tunepack's model "
+            "initializer fetches exactly the files the runtime's model needs (and datasets "
+            "whole); leave ignore_patterns unset"
+        )
+
+
+def to_finetune(trainer: FineTune | kf.BuiltinTrainer | None) -> FineTune:
+    """Accept ``FineTune`` or ``BuiltinTrainer(config=TorchTuneConfig(...))``."""
+    if trainer is None:
+        return FineTune()
+    if isinstance(trainer, FineTune):
+        return trainer
+    if isinstance(trainer, kf.BuiltinTrainer):
+        if not isinstance(trainer.config, kf.TorchTuneConfig):
+            raise BadInputError(
+                f"BuiltinTrainer.config must be a TorchTuneConfig, got {type(trainer.config)}"
+            )
+        return from_torchtune_config(trainer.config)
+    if isinstance(trainer, kf.CustomTrainer | kf.CustomTrainerContainer):
+        raise BadInputError(
+            f"{type(trainer).__name__} cannot run on a tunepack runtime, whose trainer is "
+            "tunepack's fine-tuning program: pass trainer=FineTune(...) (or "
+            "BuiltinTrainer(config=TorchTuneConfig(...))), or use a torch-distributed runtime "
+            "for your own training function"
+        )
+    raise BadInputError(
+        f"trainer must be tunepack.FineTune or kubeflow.trainer.BuiltinTrainer, "
+        f"got {type(trainer).__name__}"
+    )
+
+
+def from_torchtune_config(config: kf.TorchTuneConfig) -> FineTune:
+    """Translate the upstream TorchTune configuration field by field (see module docstring)."""
+    values: dict[str, object] = {}
+    if config.dtype is not None:
+        values["dtype"] = kf.DataType(config.dtype).value
+    if config.batch_size is not None:
+        values["batch_size"] = config.batch_size
+    if config.epochs is not None:
+        values["epochs"] = config.epochs
+    if config.loss is not None and config.loss != kf.Loss.CEWithChunkedOutputLoss:
+        raise BadInputError(f"TorchTuneConfig.loss={config.loss!r} cannot be translated")
+    # CEWithChunkedOutputLoss is cross-entropy computed in chunks to save memory; tunepack's
+    # recipe computes the same token-level cross-entropy, so the choice carries over as is.
+    if config.num_nodes is not None:
+        values["num_nodes"] = config.num_nodes
+    if config.resources_per_node is not None:
+        values["resources_per_node"] = dict(config.resources_per_node)
+    if config.peft_config is not None:
+        values.update(_from_lora(config.peft_config))
+    if config.dataset_preprocess_config is not None:
+        values.update(_from_dataset_config(config.dataset_preprocess_config))
+    return FineTune(**values)
+
+
+def _from_lora(lora: kf.LoraConfig) -> dict[str, object]:
+    method = "lora"
+    if lora.quantize_base and lora.use_dora:
+        raise BadInputError("LoraConfig: quantize_base and use_dora cannot be combined")
+    if lora.quantize_base:
+        method = "qlora"
+    elif lora.use_dora:
+        method = "dora"
+    if method != "lora":
+        flag = "quantize_base" if method == "qlora" else "use_dora"
+        try:
+            FineTune(method=method)
+        except BadInputError as err:
+            raise BadInputError(
+                f"LoraConfig.{flag}=True means method={method!r}, which this tunepack version "
+                f"does not offer ({err}); leave {flag} unset for plain LoRA"
+            ) from None
+    values: dict[str, object] = {"method": method}
+    if lora.apply_lora_to_output:
+        raise BadInputError(
+            "LoraConfig.apply_lora_to_output=True cannot be translated: tunepack applies LoRA "
+            "to attention (lora_attn_modules) and optionally the MLP (apply_lora_to_mlp)"
+        )
+    if lora.lora_rank is not None:
+        values["lora_rank"] = lora.lora_rank
+    if lora.lora_alpha is not None:
+        values["lora_alpha"] = float(lora.lora_alpha)
+    if lora.lora_dropout is not None:
+        values["lora_dropout"] = lora.lora_dropout
+    if lora.apply_lora_to_mlp is not None:
+        values["lora_mlp"] = lora.apply_lora_to_mlp
+    if lora.lora_attn_modules:
+        values["lora_attn_modules"] = tuple(lora.lora_attn_modules)
+    return values
+
+
+def _from_dataset_config(ds: kf.TorchTuneInstructDataset) -> dict[str, object]:
+    if ds.source is not None and kf.DataFormat(ds.source) is not kf.DataFormat.JSON:
+        raise BadInputError(
+            f"TorchTuneInstructDataset.source={ds.source.value!r} cannot be translated: tunepack's "
+            "dataset initializer reads JSON (.json arrays or .jsonl lines)"
+        )
+    if ds.split not in (None, "train"):
+        raise BadInputError(
+            f"TorchTuneInstructDataset.split={ds.split!r} cannot be translated: tunepack trains "
+            "on the whole dataset file; cut it to the rows you want before training"
+        )
+    for name in ("new_system_prompt", "column_map"):
+        if getattr(ds, name) is not None:
+            raise BadInputError(
+                f"TorchTuneInstructDataset.{name} cannot be translated: tunepack's dataset "
+                "initializer expects instruction rows with 'instruction'/'input'/'output' "
+                "columns; rewrite the rows to that schema"
+            )
+    return {} if ds.train_on_input is None else {"train_on_input": ds.train_on_input}

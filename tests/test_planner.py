@@ -1,0 +1,109 @@
+"""The memory planner against numbers computed by hand (docs/planner.md has the formulas)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tunepack.errors import BadInputError
+from tunepack.planner import estimate, plan
+
+# Llama 3.1 8B: d=4096, 32 layers, 32 heads (head_dim 128), 8 KV heads (kv=1024),
+# i=14336, V=128256, untied embeddings.
+P_8B = (
+    2 * 128_256 * 4096  # embeddings + output
+    + 32 * (4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14_336 + 2 * 4096)
+    + 4096  # final norm
+)
+
+
+def test_parameter_count_by_hand():
+    assert P_8B == 8_030_261_248
+    assert estimate("llama3.1-8b", "full", 8, 1).parameters == P_8B
+
+
+def test_lora_8b_one_gpu_by_hand():
+    r, s, b = 16, 2048, 2
+    # LoRA on q,k,v,o and the three MLP projections: r * (in + out) each, per layer.
+    per_layer = r * ((4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096) + 3 * (4096 + 14_336))
+    trainable = 32 * per_layer
+    assert trainable == 41_943_040
+    weights = P_8B * 2 + trainable * 2  # frozen base and adapters in bf16
+    grads = trainable * 2
+    optim = 2 * trainable * 2  # AdamW: two states
+    act = s * b * 32 * (6 * 4096 + 2 * 1024 + 4 * 14_336) * 2
+    logits = s * b * 128_256 * (2 + 4)  # bf16 logits + fp32 copy for the loss
+    p = plan("llama3.1-8b", "lora", s, b, lora_rank=r)
+    assert p.trainable == trainable
+    assert (p.weights, p.gradients, p.optimizer, p.activations, p.logits) == (
+        weights,
+        grads,
+        optim,
+        act,
+        logits,
+    )
+    assert p.peak_bytes == weights + grads + optim + act + logits
+    assert round(p.peak_gib, 2) == 38.71 and p.fits and p.recommended == (1, 1)
+
+
+def test_full_8b_needs_checkpointing_and_sharding_divides_states():
+    s, b = 2048, 2
+    one = estimate("llama3.1-8b", "full", s, b)
+    assert one.peak_bytes == P_8B * 2 * 4 + s * b * 32 * 83_968 * 2 + s * b * 128_256 * 6
+    assert not one.fits  # 83.27 GiB > 79.2 - 2
+    ckpt = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=True)
+    # Checkpointing keeps each layer's input (d) plus one layer's full activations.
+    assert ckpt.activations == s * b * (32 * 4096 + 83_968) * 2
+    eight = estimate("llama3.1-8b", "full", s, b, nodes=2, gpus_per_node=4)
+    assert eight.weights == P_8B * 2 / 8 and eight.optimizer == 2 * P_8B * 2 / 8
+    assert eight.activations == one.activations  # data parallel: per-device batch unchanged
+
+
+def test_qlora_base_is_nf4():
+    p = estimate("llama3.1-8b", "qlora", 512, 1, lora_rank=8)
+    trainable = 32 * 8 * ((4096 + 4096) + 2 * (4096 + 1024) + (4096 + 4096) + 3 * (4096 + 14_336))
+    assert p.weights == P_8B * (0.5 + 4 / 64) + trainable * 2
+
+
+def test_impossible_shapes_recommend_more_or_say_none_fits():
+    p = plan("llama3.1-8b", "full", 8192, 8)
+    assert not p.fits and p.recommended is not None
+    n, g = p.recommended
+    assert estimate("llama3.1-8b", "full", 8192, 8, nodes=n, gpus_per_node=g,
+                    activation_checkpointing=True).fits  # fmt: skip
+    p = plan("llama3.1-8b", "full", 131_072, 64, gpu="L4-24GB")
+    assert p.recommended is None and "no layout" in p.notes[0]
+
+
+def test_bad_planner_input_is_named():
+    with pytest.raises(BadInputError, match="gpu='B300' is not known"):
+        plan("llama3.1-8b", "lora", 2048, 1, gpu="B300")
+    with pytest.raises(BadInputError, match="seq_len=200000 is larger than llama3.1-8b's context"):
+        plan("llama3.1-8b", "lora", 200_000, 1)
+
+
+def test_cli_plan_exit_code_says_whether_it_fits():
+    run = [sys.executable, "-m", "tunepack.cli", "plan", "--model", "llama3.1-8b"]
+    fits = subprocess.run([*run, "--method", "lora", "--batch-size", "2"], capture_output=True,
+                          text=True)  # fmt: skip
+    assert fits.returncode == 0 and "fits in 77.2 GiB" in fits.stdout
+    too_big = subprocess.run([*run, "--method", "full", "--batch-size", "2"], capture_output=True,
+                             text=True)  # fmt: skip
+    assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout
+
+
+def test_benchmark_dry_mode_exercises_the_measurement_path(tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/planner_accuracy.py", "--dry", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["mode"] == "dry" and report["rows"]
+    row = report["rows"][0]
+    assert row["estimate_bytes"] > 0 and row["measured_bytes"] is None
+    assert row["steps_run"] == 1 and row["loss"] > 0

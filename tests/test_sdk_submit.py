@@ -1,0 +1,237 @@
+"""What the SDK submits: FineTune and translated TorchTuneConfig, checked field by field."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kubeflow.trainer import (
+    BuiltinTrainer,
+    CustomTrainer,
+    DataFormat,
+    DataType,
+    HuggingFaceDatasetInitializer,
+    HuggingFaceModelInitializer,
+    LoraConfig,
+    S3ModelInitializer,
+    TorchTuneConfig,
+    TorchTuneInstructDataset,
+)
+from kubeflow.trainer import Initializer as KfInitializer
+
+from tunepack import submit
+from tunepack.errors import BadInputError
+from tunepack.finetune import FineTune
+from tunepack.initializers import uri as uri_module
+from tunepack.runtimes.catalog import CATALOG
+from tunepack.runtimes.validate import validate_trainjob
+from tunepack.trainers.args import VOCABULARY, parse_trainer_args
+from tunepack.translate import Initializer, from_torchtune_config, storage_uri
+
+INIT = Initializer(dataset="file:///data/train.jsonl", model="file:///models/llama")
+
+
+def _build(trainer, initializer=INIT, runtime="tunepack-llama3.1-8b", **kw) -> dict:
+    job = submit.build(runtime, initializer, trainer, name="job-1", namespace="team-a", **kw)
+    validate_trainjob(job)  # strict: nothing the API would drop
+    return job
+
+
+def test_finetune_fields_are_the_vocabulary_plus_placement():
+    names = [f.name for f in dataclasses.fields(FineTune)]
+    assert names == [a.name for a in VOCABULARY] + [
+        "num_nodes",
+        "num_proc_per_node",
+        "resources_per_node",
+        "env",
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"epochs": 0}, "FineTune.epochs: epochs='0' is not valid: expected an integer from 1 to"),
+        ({"lora_rank": 2.5}, "FineTune.lora_rank: lora_rank=2.5 is not valid: expected an integer"),
+        ({"lr": 1.5}, "FineTune.lr: lr='1.5' is not valid: expected a number > 0.0 and < 1.0"),
+        ({"lora_mlp": "yes"}, "FineTune.lora_mlp: lora_mlp='yes' is not valid: expected True"),
+        ({"lora_attn_modules": ["q_proj", "x"]}, "expected a comma-separated subset of q_proj"),
+        ({"num_nodes": 0}, "FineTune.num_nodes=0 is not valid: expected an integer >= 1"),
+    ],
+)
+def test_finetune_refuses_bad_values_naming_field_and_range(kwargs, message):
+    with pytest.raises(BadInputError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        FineTune(**kwargs)
+
+
+def test_finetune_is_also_a_value_error_like_the_sdk_raises():
+    with pytest.raises(ValueError):
+        FineTune(batch_size=-1)
+
+
+def test_finetune_trainjob_field_by_field():
+    job = _build(
+        FineTune(
+            method="lora",
+            lora_rank=16,
+            epochs=3,
+            lora_mlp=False,
+            num_nodes=2,
+            resources_per_node={"gpu": 4, "memory": "200Gi"},
+            env={"NCCL_SOCKET_IFNAME": "eth0"},
+        ),
+        Initializer(
+            dataset="file:///data/train.jsonl",
+            model="file:///models/llama",
+            model_secret="hf-token",
+        ),
+    )
+    assert job["metadata"] == {"name": "job-1", "namespace": "team-a"}
+    spec = job["spec"]
+    assert spec["runtimeRef"] == {
+        "name": "tunepack-llama3.1-8b",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
+    assert spec["initializer"] == {
+        "dataset": {"storageUri": "file:///data/train.jsonl"},
+        "model": {"storageUri": "file:///models/llama", "secretRef": {"name": "hf-token"}},
+    }
+    trainer = spec["trainer"]
+    assert trainer["numNodes"] == 2
+    assert trainer["numProcPerNode"] == 4  # one process per requested GPU
+    assert trainer["resourcesPerNode"] == {
+        "limits": {"nvidia.com/gpu": 4, "memory": "200Gi"},
+        "requests": {"nvidia.com/gpu": 4, "memory": "200Gi"},
+    }
+    assert trainer["env"] == [{"name": "NCCL_SOCKET_IFNAME", "value": "eth0"}]
+    assert trainer["args"] == ["method=lora", "epochs=3", "lora_rank=16", "lora_mlp=false"]
+    parsed = parse_trainer_args(trainer["args"], CATALOG["llama3.1-8b"])
+    assert (parsed.method, parsed.epochs, parsed.lora_rank, parsed.lora_mlp) == (
+        "lora",
+        3,
+        16,
+        False,
+    )
+
+
+def test_translated_torchtune_config_field_by_field():
+    config = TorchTuneConfig(
+        dtype=DataType.BF16,
+        batch_size=2,
+        epochs=2,
+        num_nodes=2,
+        resources_per_node={"gpu": 2},
+        peft_config=LoraConfig(
+            lora_rank=8, lora_alpha=16, lora_dropout=0.05, apply_lora_to_mlp=True
+        ),
+        dataset_preprocess_config=TorchTuneInstructDataset(
+            source=DataFormat.JSON, split="train", train_on_input=True
+        ),
+    )
+    upstream_init = KfInitializer(
+        dataset=HuggingFaceDatasetInitializer(storage_uri="file:///data/train.jsonl"),
+        model=HuggingFaceModelInitializer(storage_uri="file:///models/llama"),
+    )
+    job = _build(BuiltinTrainer(config=config), upstream_init)
+    trainer = job["spec"]["trainer"]
+    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 2
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 2}
+    assert trainer["args"] == [
+        "method=lora",
+        "epochs=2",
+        "batch_size=2",
+        "lora_rank=8",
+        "lora_alpha=16.0",
+        "lora_dropout=0.05",
+        "lora_attn_modules=q_proj,v_proj,output_proj",  # the SDK's LoraConfig default
+        "lora_mlp=true",
+        "train_on_input=true",
+        "dtype=bf16",
+    ]
+    parse_trainer_args(trainer["args"], CATALOG["llama3.1-8b"])
+    # An upstream HF initializer keeps a file:// URI as given; a bare hub id gains hf://.
+    assert job["spec"]["initializer"]["model"] == {"storageUri": "file:///models/llama"}
+    assert storage_uri(HuggingFaceModelInitializer("meta-llama/X"), "model") == "hf://meta-llama/X"
+    assert storage_uri(S3ModelInitializer("s3://b/m"), "model") == "s3://b/m"
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        (
+            TorchTuneConfig(peft_config=LoraConfig(apply_lora_to_output=True)),
+            "apply_lora_to_output",
+        ),
+        (
+            TorchTuneConfig(
+                dataset_preprocess_config=TorchTuneInstructDataset(column_map={"a": "b"})
+            ),
+            "TorchTuneInstructDataset.column_map",
+        ),
+        (
+            TorchTuneConfig(
+                dataset_preprocess_config=TorchTuneInstructDataset(source=DataFormat.CSV)
+            ),
+            "TorchTuneInstructDataset.source='csv'",
+        ),
+        (
+            TorchTuneConfig(dataset_preprocess_config=TorchTuneInstructDataset(split="test")),
+            "TorchTuneInstructDataset.split='test'",
+        ),
+    ],
+)
+def test_untranslatable_torchtune_fields_are_refused_by_name(config, field):
+    with pytest.raises(BadInputError, match=field.replace(".", r"\.")):
+        from_torchtune_config(config)
+
+
+def test_qlora_via_quantize_base_maps_to_method_qlora_or_says_it_is_missing():
+    config = TorchTuneConfig(peft_config=LoraConfig(quantize_base=True))
+    if "qlora" in CATALOG["llama3.1-8b"].methods:
+        assert from_torchtune_config(config).method == "qlora"
+    else:
+        with pytest.raises(
+            BadInputError, match="LoraConfig.quantize_base=True means method='qlora'"
+        ):
+            from_torchtune_config(config)
+
+
+def test_plain_tokens_are_refused_and_secrets_go_by_reference():
+    init = KfInitializer(
+        dataset=HuggingFaceDatasetInitializer(storage_uri="org/ds", access_token="hf_abc"),
+        model=HuggingFaceModelInitializer(storage_uri="org/m"),
+    )
+    with pytest.raises(BadInputError, match="access_token.*Create a Secret"):
+        _build(FineTune(), init)
+    with pytest.raises(BadInputError, match="HF_TOKEN looks like a credential"):
+        _build(FineTune(env={"HF_TOKEN": "hf_abc"}))
+
+
+def test_custom_trainer_is_refused_on_tunepack_runtimes():
+    with pytest.raises(BadInputError, match="CustomTrainer cannot run on a tunepack runtime"):
+        _build(CustomTrainer(func=print))
+
+
+def test_method_must_exist_for_the_model_and_missing_initializer_is_named():
+    with pytest.raises(BadInputError, match="Initializer.model is missing"):
+        _build(FineTune(), Initializer(dataset="file:///d.jsonl"))
+    with pytest.raises(BadInputError, match="unknown runtime or model 'tunepack-nope'"):
+        _build(FineTune(), runtime="tunepack-nope")
+
+
+def test_hub_uris_follow_what_the_initializers_support():
+    init = Initializer(dataset="hf://tatsu-lab/alpaca", model="hf://meta-llama/Llama-3.1-8B")
+    if uri_module._HANDLERS.get("hf") is None:
+        with pytest.raises(BadInputError, match="hf://, which this version of tunepack does not"):
+            _build(FineTune(), init)
+    else:
+        job = _build(FineTune(), init)
+        assert job["spec"]["initializer"]["dataset"]["storageUri"] == "hf://tatsu-lab/alpaca"
+
+
+def test_planner_refuses_a_shape_that_cannot_fit_with_the_numbers():
+    big = FineTune(method="full", max_seq_len=8192, batch_size=8)
+    with pytest.raises(BadInputError, match=r"not to fit in GPU memory:(.|\n)*peak +434\.80 GiB"):
+        _build(big)
+    job = _build(big, memory_check="warn")  # submitted anyway, with a warning
+    assert job["spec"]["trainer"]["args"][:1] == ["method=full"]
