@@ -133,7 +133,7 @@ def _remote_files(
     for stale in download.prune_other_caches(cache):
         _log(f"removed the download cache of another source ({stale.name})")
     source = uri.remote_source(source_uri)
-    listing = retrying(f"listing {source_uri.display}", source.list, _log)
+    listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
     if source_uri.scheme in ("https", "http"):
         (file,) = listing.files
         if is_archive(file.path):
@@ -156,7 +156,9 @@ def _remote_files(
         names = splits.select([f.path for f in data], split, source_uri.display)
         chosen = [f for f in data if f.path in set(names)]
     if hasattr(source, "probe"):
-        retrying(f"checking access to {source_uri.display}", lambda: source.probe(chosen[0]), _log)
+        retrying(
+            f"checking access to {source_uri.display!r}", lambda: source.probe(chosen[0]), _log
+        )
     fetched = download.fetch(source, chosen, cache, _log)
     return {f.path: fetched[f.path].path for f in chosen}, listing.facts
 

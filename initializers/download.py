@@ -255,7 +255,7 @@ def _download(
                 os.fsync(out.fileno())
 
     for check in (1, 2):
-        retrying(f"downloading {f.path} from {display}", transfer, log)
+        retrying(f"downloading {f.path} from {display!r}", transfer, log)
         problem = _verify(f, state["hashes"])
         if problem is None:
             break
@@ -264,7 +264,7 @@ def _download(
         account(0)
         if check == 2:
             raise BadInputError(
-                f"{f.path} from {display} does not match its published checksum twice in a "
+                f"{f.path} from {display!r} does not match its published checksum twice in a "
                 f"row ({problem}); nothing was published. The copy at the source may be "
                 f"corrupt: check it there or pin another revision"
             )

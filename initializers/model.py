@@ -151,7 +151,7 @@ def _fetch_remote(
     for stale in download.prune_other_caches(cache):
         _log(f"removed the download cache of another source ({stale.name})")
     source = uri.remote_source(source_uri)
-    listing = retrying(f"listing {source_uri.display}", source.list, _log)
+    listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
 
     if source_uri.scheme in ("https", "http"):
         (archive,) = listing.files
@@ -186,7 +186,7 @@ def _fetch_remote(
     )
     config = by_path["config.json"]
     if hasattr(source, "probe"):
-        retrying(f"checking access to {source_uri.display}", lambda: source.probe(config), _log)
+        retrying(f"checking access to {source_uri.display!r}", lambda: source.probe(config), _log)
     # config.json first: a model meant for another runtime fails before the weights move.
     fetched = download.fetch(source, [config], cache, _log)
     _check_config(entry, source_uri, fetched["config.json"].path)

@@ -24,6 +24,7 @@ from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
     HFValidationError,
+    OfflineModeIsEnabled,
     RemoteEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -206,6 +207,11 @@ class Source(RemoteSource):
         """A user-facing BadInputError or a Retryable for a failure talking to the hub."""
         if isinstance(error, httpx2.TransportError):
             return _http.transport_problem(error)
+        if isinstance(error, OfflineModeIsEnabled):
+            return BadInputError(
+                f"HF_HUB_OFFLINE is set, so {self.what} cannot be downloaded; unset it for the "
+                f"model and dataset initializers"
+            )
         if not isinstance(error, HfHubHTTPError):
             return error  # a bug or an unexpected library failure: keep its traceback
         status = error.response.status_code if error.response is not None else None
