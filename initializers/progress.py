@@ -108,12 +108,13 @@ class Progress:
             self._bar.close()
         elapsed = max(time.monotonic() - self._start, 1e-6)
         reused = (
-            f"; {self.files_skipped} already complete ({human_bytes(self.skipped_bytes)} not "
-            f"downloaded again)"
+            f"; {human_bytes(self.skipped_bytes)} already on disk from an earlier run "
+            f"({self.files_skipped} complete files) not downloaded again"
             if self.skipped_bytes
             else ""
         )
+        files = f"{self.files_done} file{'' if self.files_done == 1 else 's'}"
         return (
             f"downloaded {human_bytes(self.done_bytes)} in {elapsed:.1f} s "
-            f"({human_bytes(self.done_bytes / elapsed)}/s), {self.files_done} files{reused}"
+            f"({human_bytes(self.done_bytes / elapsed)}/s), {files}{reused}"
         )

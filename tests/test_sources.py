@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,9 +261,8 @@ def test_kill_9_mid_download_then_resume(tmp_path, hub, model_files):
     repo = hub.repos[("model", "tunepack/tiny-llama3")]
     weights = len(model_files["model.safetensors"])
     repo.throttle["model.safetensors"] = weights / 4  # ~4 s for the whole file
-    proc = run_init(
-        "model", tmp_path, "hf://tunepack/tiny-llama3", {"HF_ENDPOINT": hub.url}, wait=False
-    )
+    env = {"HF_ENDPOINT": hub.url, "TUNEPACK_PROGRESS_SECONDS": "0.2"}
+    proc = run_init("model", tmp_path, "hf://tunepack/tiny-llama3", env, wait=False)
     incomplete = tmp_path / "ws" / ".tunepack-downloads"
     deadline = time.monotonic() + 20
     partial_size = 0
@@ -272,8 +272,15 @@ def test_kill_9_mid_download_then_resume(tmp_path, hub, model_files):
         if partial_size > weights // 4:
             break
         time.sleep(0.05)
+    time.sleep(0.3)  # at least one periodic progress line
     os.kill(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    killed_stdout, _ = proc.communicate()
+    # Periodic progress lines (stdout is a pipe, so no bar): bytes of total, rate, files.
+    assert re.search(
+        r"model-initializer: downloaded [\d.]+ (KiB|MiB) of 1\.5 MiB \(\d+%\) at [\d.]+ "
+        r"(B|KiB|MiB)/s, \d of 5 files complete",
+        killed_stdout,
+    ), killed_stdout
     assert weights // 4 < partial_size < weights
     assert not (tmp_path / "ws" / "model").exists()  # nothing half-published
 

@@ -14,7 +14,6 @@ TIMEOUT_ENV = "TUNEPACK_HTTP_TIMEOUT_SECONDS"
 # A server that stops sending for this long is treated as a broken connection (and retried).
 DEFAULT_READ_TIMEOUT = 60.0
 CONNECT_TIMEOUT = 10.0
-_CHUNK = 1 << 20
 
 # Statuses worth retrying: timeouts, throttling and server-side failures.
 RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -65,6 +64,8 @@ def total_size(response: httpx2.Response) -> int | None:
 
 def chunks(response: httpx2.Response) -> Iterator[bytes]:
     try:
-        yield from response.iter_bytes(_CHUNK)
+        # No chunk size: a fixed one would buffer a slow link's bytes, so progress and resumable
+        # partial files would lag behind what actually arrived.
+        yield from response.iter_bytes()
     except httpx2.TransportError as error:
         raise transport_problem(error) from None
