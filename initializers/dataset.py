@@ -1,8 +1,9 @@
 """The dataset initializer: ``python -m tunepack.initializers.dataset``.
 
-Reads ``STORAGE_URI`` (a JSON array or JSON Lines file, or a directory of them), validates every
-row against the instruction schema and writes ``<workspace>/dataset/train.jsonl`` with its
-manifest. Bad rows are reported here, with file and row, before any trainer Pod starts.
+Reads ``STORAGE_URI`` (a local file or directory, ``hf://datasets/...``, ``s3://...`` or
+``https://...``), checks every row against one schema (instruction, chat, sharegpt or text) and
+writes ``<workspace>/dataset/train.jsonl`` in the normalized form the trainer reads, with a
+manifest. Bad rows are reported here, by file, row and field, before any trainer Pod starts.
 """
 
 from __future__ import annotations
@@ -11,105 +12,184 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from tunepack import workspace
 from tunepack.errors import BadInputError
-from tunepack.initializers import atomic, uri
+from tunepack.initializers import atomic, download, formats, schemas, splits, uri
 from tunepack.initializers._entry import log, run
+from tunepack.initializers.archives import extract, is_archive
+from tunepack.initializers.retry import retrying
 
 PROGRAM = "dataset-initializer"
 OUTPUT_FILE = "train.jsonl"
-DATA_SUFFIXES = (".json", ".jsonl")
 MAX_REPORTED = 5
-SCHEMA_HINT = (
-    "each row must be a JSON object with string fields 'instruction' and 'output' and an "
-    "optional string 'input'"
-)
 
 
 def main() -> int:
     return run(PROGRAM, initialize)
 
 
+def _log(message: str) -> None:
+    log(PROGRAM, message)
+
+
 def initialize() -> None:
     source_uri = uri.from_env()
-    files = _data_files(source_uri, uri.resolve(source_uri))
+    options = {
+        "split": splits.requested(source_uri.options.get("split")),
+        "requested_schema": (schemas.requested() or _Auto).name,
+        "column_map": schemas.column_map(),
+    }
     dest = workspace.dataset_dir()
     for stale in atomic.remove_stale_partials(dest):
-        log(PROGRAM, f"removed {stale.name} left by an interrupted run")
+        _log(f"removed {stale.name} left by an interrupted run")
 
-    expect = {
-        "kind": "dataset",
-        "source": source_uri.canonical,
-        "source_fingerprint": atomic.source_fingerprint(files),
-    }
+    expect: dict[str, object] = {"kind": "dataset", "source": source_uri.canonical, **options}
+    files: dict[str, Path] | None = None
+    if source_uri.is_local:
+        files = _local_files(source_uri, uri.resolve(source_uri), options["split"])
+        expect["source_fingerprint"] = atomic.source_fingerprint(files)
     reason = atomic.why_incomplete(dest, expect, hashed=frozenset({OUTPUT_FILE}))
     if reason is None:
         rows = atomic.read_manifest(dest).get("rows", "?")
-        log(PROGRAM, f"{dest} already complete ({rows} rows from {source_uri.display})")
+        _log(f"{dest} already complete ({rows} rows from {source_uri.display})")
         return
-    log(PROGRAM, f"building {dest}: {reason}")
+    _log(f"building {dest}: {reason}")
+
+    cache = None
+    facts: dict[str, object] = {}
+    if files is None:
+        cache = download.cache_dir(workspace.workspace_root(), "dataset", source_uri.canonical)
+        files, facts = _remote_files(source_uri, options["split"], cache)
 
     with atomic.staged(dest) as partial:
-        rows, size, sha256 = _write_dataset(source_uri, files, partial / OUTPUT_FILE)
+        result = _write_dataset(source_uri, files, partial / OUTPUT_FILE, options)
         manifest = {
             **expect,
+            **facts,
             "format": "jsonl",
-            "schema": "instruction",
-            "rows": rows,
-            "files": {OUTPUT_FILE: {"size": size, "sha256": sha256}},
+            "source_format": result["source_format"],
+            "schema": result["schema"].output,
+            "source_schema": result["schema"].name,
+            "rows": result["rows"],
+            "content_sha256": result["sha256"],
+            "source_files": list(files),
+            "files": {OUTPUT_FILE: {"size": result["size"], "sha256": result["sha256"]}},
             "created": atomic.now_iso(),
         }
         atomic.write_manifest(partial, manifest)
-    log(
-        PROGRAM,
-        f"read {rows} rows from {source_uri.display}; wrote {dest / OUTPUT_FILE} "
-        f"({size} bytes, sha256 {sha256[:12]})",
+    if cache is not None:
+        download.remove_cache(cache)
+    _log(
+        f"read {result['rows']} rows ({result['schema'].name}, split {options['split']}) from "
+        f"{source_uri.display}; wrote {dest / OUTPUT_FILE} ({result['size']} bytes, sha256 "
+        f"{result['sha256'][:12]})"
     )
 
 
-def _data_files(source_uri: uri.StorageUri, source: Path) -> dict[str, Path]:
-    """Data files by display name, in reading order (a directory's files sorted by name)."""
+class _Auto:
+    name = "auto"
+
+
+def _local_files(source_uri: uri.StorageUri, source: Path, split: str) -> dict[str, Path]:
+    """Data files by display name, in reading order (a directory's files sorted by path)."""
     if source.is_file():
-        if source.suffix.lower() not in DATA_SUFFIXES:
+        if formats.format_of(source.name) is None:
             raise BadInputError(
-                f"dataset {source_uri.display!r} is not a .json or .jsonl file; give a JSON "
-                f"array of rows (.json), JSON Lines (.jsonl) or a directory of such files"
+                f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file; give a "
+                f"data file or a directory of them"
             )
         return {source.name: source}
     if not source.is_dir():
         raise BadInputError(
             f"dataset {source_uri.display!r} is neither a regular file nor a directory"
         )
-    entries = sorted(p for p in source.iterdir() if not p.name.startswith("."))
-    files = {p.name: p for p in entries if p.is_file() and p.suffix.lower() in DATA_SUFFIXES}
-    if not files:
+    found, skipped = {}, []
+    for path in sorted(source.rglob("*")):
+        rel = path.relative_to(source).as_posix()
+        if any(part.startswith(".") for part in path.relative_to(source).parts):
+            continue
+        if path.is_file():
+            if formats.format_of(path.name):
+                found[rel] = path
+            else:
+                skipped.append(rel)
+    if not found:
         raise BadInputError(
-            f"dataset directory {source_uri.display!r} has no .json or .jsonl files; put the "
-            f"training rows there as a JSON array (.json) or JSON Lines (.jsonl)"
+            f"dataset directory {source_uri.display!r} has no {formats.SUFFIX_TEXT} files; put "
+            f"the training rows there"
         )
-    skipped = [p.name for p in entries if p.name not in files]
     if skipped:
-        log(PROGRAM, f"ignoring {', '.join(skipped)} (not .json or .jsonl files)")
-    return files
+        _log(f"ignoring {', '.join(skipped)} (not {formats.SUFFIX_TEXT} files)")
+    chosen = splits.select(list(found), split, source_uri.display)
+    return {rel: found[rel] for rel in chosen}
+
+
+def _remote_files(
+    source_uri: uri.StorageUri, split: str, cache: Path
+) -> tuple[dict[str, Path], dict[str, object]]:
+    """Download the split's data files into ``cache``; return them and manifest facts."""
+    for stale in download.prune_other_caches(cache):
+        _log(f"removed the download cache of another source ({stale.name})")
+    source = uri.remote_source(source_uri)
+    listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
+    if source_uri.scheme in ("https", "http"):
+        (file,) = listing.files
+        if is_archive(file.path):
+            download.fetch(source, [file], cache, _log)
+            root = extract(cache / file.path, cache / "extracted", source_uri.display)
+            return _local_files(source_uri, root, split), listing.facts
+        if formats.format_of(file.path) is None:
+            raise BadInputError(
+                f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file or a "
+                f"tar/zip archive; name the file with its format's extension"
+            )
+        chosen = [file]
+    else:
+        data = [f for f in listing.files if formats.format_of(f.path)]
+        if not data:
+            raise BadInputError(
+                f"dataset {source_uri.display!r} has no {formats.SUFFIX_TEXT} files; "
+                f"found: {', '.join(f.path for f in listing.files[:5])}"
+            )
+        names = splits.select([f.path for f in data], split, source_uri.display)
+        chosen = [f for f in data if f.path in set(names)]
+    if hasattr(source, "probe"):
+        retrying(
+            f"checking access to {source_uri.display!r}", lambda: source.probe(chosen[0]), _log
+        )
+    fetched = download.fetch(source, chosen, cache, _log)
+    return {f.path: fetched[f.path].path for f in chosen}, listing.facts
 
 
 def _write_dataset(
-    source_uri: uri.StorageUri, files: dict[str, Path], out_path: Path
-) -> tuple[int, int, str]:
-    """Validate every row and write the normalized JSONL; return (rows, bytes, sha256)."""
+    source_uri: uri.StorageUri, files: dict[str, Path], out_path: Path, options: dict
+) -> dict:
+    """Check every row and write the normalized JSONL; return what the manifest records."""
+    mapping = options["column_map"]
+    schema = schemas.SCHEMAS.get(options["requested_schema"])
     problems: list[str] = []
     bad_rows = rows = size = 0
     digest = hashlib.sha256()
+    source_formats = set()
     with open(out_path, "xb") as out:
         for name, path in files.items():
+            source_formats.add(formats.format_of(name))
+            text_cells = formats.format_of(name) == "csv"
             file_rows = file_bad = 0
-            for number, row, problem in _rows(name, path):
-                problem = problem or _row_problem(row)
+            for number, row, problem in formats.read_rows(name, path):
                 if problem is None:
-                    line, problem = _encode(row)
+                    row = schemas.rename(row, mapping)
+                    if schema is None and isinstance(row, dict):
+                        schema = schemas.detect(row, source_uri.display)
+                        _log(f"rows look like the {schema.name} schema")
+                    if schema is None:
+                        problem = f"expected a JSON object, got {formats.json_type(row)}"
+                    else:
+                        line, problem = _encode(schema, row, text_cells)
+                    if problem and mapping:
+                        problem = _mention_mapping(problem, mapping)
                 if problem is not None:
                     file_bad += 1
                     if len(problems) < MAX_REPORTED:
@@ -124,115 +204,47 @@ def _write_dataset(
             rows += file_rows
             bad_rows += file_bad
             invalid = f" and {file_bad} invalid rows" if file_bad else ""
-            log(PROGRAM, f"read {file_rows} rows{invalid} from {name}")
+            _log(f"read {file_rows} rows{invalid} from {name}")
         out.flush()
         os.fsync(out.fileno())
 
+    hint = (schema or schemas.SCHEMAS["instruction"]).hint
     if bad_rows:
         shown = f" (first {MAX_REPORTED} shown)" if bad_rows > MAX_REPORTED else ""
         plural = "s" if bad_rows > 1 else ""
         raise BadInputError(
             f"dataset {source_uri.display!r} has {bad_rows} invalid row{plural}{shown}; "
-            f"{SCHEMA_HINT}:\n" + "\n".join(f"  {p}" for p in problems)
+            f"{hint}:\n" + "\n".join(f"  {p}" for p in problems)
         )
     if rows == 0:
-        raise BadInputError(f"dataset {source_uri.display!r} has no rows; {SCHEMA_HINT}")
-    return rows, size, digest.hexdigest()
-
-
-def _rows(name: str, path: Path) -> Iterator[tuple[int, object, str | None]]:
-    """Yield (1-based row number, value, problem) for each row of a data file."""
-    try:
-        if path.suffix.lower() == ".jsonl":
-            yield from _jsonl_rows(path)
-            return
-        # A JSON array is parsed whole; JSON Lines stream, so they suit very large datasets.
-        text = path.read_bytes().decode("utf-8-sig")
-    except PermissionError:
-        raise BadInputError(f"cannot read dataset file {path}: permission denied") from None
-    except UnicodeDecodeError as error:
-        raise BadInputError(
-            f"{name}: not UTF-8 text (byte {error.start}); save it as UTF-8 JSON"
-        ) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        if text.lstrip().startswith("{"):  # JSON Lines saved with a .json name
-            yield from _jsonl_rows(path)
-            return
-        raise BadInputError(
-            f"{name}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
-            f"expected an array of rows"
-        ) from None
-    if not isinstance(data, list):
-        raise BadInputError(
-            f"{name}: holds a JSON {_json_type(data)}, not an array of rows; write the rows as "
-            f"a JSON array or as JSON Lines (.jsonl)"
-        )
-    for number, row in enumerate(data, 1):
-        yield number, row, None
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[int, object, str | None]]:
-    # The row number is the line number (blank lines count but yield nothing), so a reported row
-    # is the line an editor shows.
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if number == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # UTF-8 byte order mark
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield number, None, f"not UTF-8 text (byte {error.start})"
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line.strip()), None
-            except json.JSONDecodeError as error:
-                yield number, None, f"not valid JSON ({error.msg} at column {error.colno})"
-
-
-def _row_problem(row: object) -> str | None:
-    if not isinstance(row, dict):
-        return f"expected a JSON object, got {_json_type(row)}"
-    for field in ("instruction", "output"):
-        if field not in row:
-            return f"field {field!r} is missing"
-        if not isinstance(row[field], str):
-            return f"field {field!r} must be a string, got {_json_type(row[field])}"
-    value = row.get("input")
-    if value is not None and not isinstance(value, str):
-        return f"field 'input' must be a string, got {_json_type(value)}"
-    return None
-
-
-def _encode(row: dict) -> tuple[bytes, str | None]:
-    """The normalized JSONL line for a valid row, or the reason it cannot be written."""
-    # One fixed shape for every row: extra fields dropped, a missing or null input becomes "".
-    normalized = {
-        "instruction": row["instruction"],
-        "input": row.get("input") or "",
-        "output": row["output"],
+        raise BadInputError(f"dataset {source_uri.display!r} has no rows; {hint}")
+    return {
+        "rows": rows,
+        "size": size,
+        "sha256": digest.hexdigest(),
+        "schema": schema,
+        "source_format": "+".join(sorted(source_formats)),
     }
+
+
+def _encode(schema: schemas.Schema, row: object, text_cells: bool) -> tuple[bytes, str | None]:
+    """The normalized JSONL line for a valid row, or the reason it cannot be written."""
+    if not isinstance(row, dict):
+        return b"", f"expected a JSON object, got {formats.json_type(row)}"
+    normalized, problem = schema.normalize(row, text_cells)
+    if problem is not None:
+        return b"", problem
     try:
         return (json.dumps(normalized, ensure_ascii=False) + "\n").encode(), None
     except UnicodeEncodeError:  # a lone surrogate escape such as "\\ud800"
         return b"", "contains an invalid Unicode escape (an unpaired surrogate)"
 
 
-def _json_type(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int | float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    return "object"
+def _mention_mapping(problem: str, mapping: dict[str, str]) -> str:
+    for src, dst in mapping.items():
+        if f"field {dst!r} is missing" in problem:
+            return f"{problem} (COLUMN_MAP maps column {src!r} to it)"
+    return problem
 
 
 if __name__ == "__main__":

@@ -1,12 +1,20 @@
 """The model initializer: ``python -m tunepack.initializers.model``.
 
 Checks that ``STORAGE_URI`` holds every file the catalog entry named by ``TUNEPACK_MODEL`` needs
-(config, checkpoint, tokenizer) before copying anything, then delivers the tree to
+(config, checkpoint, tokenizer) before copying or downloading anything, then delivers the tree to
 ``<workspace>/model`` with a manifest recording each file's size and sha256.
+
+Remote sources (``hf://``, ``s3://``, an ``https://`` archive) are listed first, so a missing file
+fails in seconds; ``config.json`` is fetched and checked against the catalog next, and only then
+the weights. Which remote files are fetched is decided by ``ALLOW_PATTERNS`` and
+``IGNORE_PATTERNS`` (comma-separated globs); the defaults take safetensors, JSON configs and
+tokenizer files and never pickle checkpoints (``*.bin``, ``*.pt``), which can run code when
+loaded. The files the catalog requires are always fetched.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -15,8 +23,11 @@ from pathlib import Path
 
 from tunepack import workspace
 from tunepack.errors import BadInputError
-from tunepack.initializers import atomic, uri
+from tunepack.initializers import atomic, download, uri
 from tunepack.initializers._entry import log, run
+from tunepack.initializers.archives import extract, is_archive
+from tunepack.initializers.retry import retrying
+from tunepack.initializers.sources import RemoteFile
 from tunepack.runtimes import catalog
 
 PROGRAM = "model-initializer"
@@ -30,16 +41,78 @@ _CONFIG_SHAPE_KEYS = {
     "num_key_value_heads": "num_kv_heads",
     "intermediate_size": "intermediate_dim",
 }
+ALLOW_ENV = "ALLOW_PATTERNS"
+IGNORE_ENV = "IGNORE_PATTERNS"
+# What a torchtune fine-tune reads: safetensors weights, JSON configs, tokenizer files, the chat
+# template. Pickle checkpoints are left out on purpose: they come only when ALLOW_PATTERNS names
+# them.
+DEFAULT_ALLOW = ("*.safetensors", "*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 
 
 def main() -> int:
     return run(PROGRAM, initialize)
 
 
+def _log(message: str) -> None:
+    log(PROGRAM, message)
+
+
 def initialize() -> None:
     entry = _catalog_entry()
     source_uri = uri.from_env()
-    source = uri.resolve(source_uri)
+    dest = workspace.model_dir()
+    if source_uri.is_local:
+        source = _checked_local(entry, source_uri, uri.resolve(source_uri))
+        files = _source_files(source)
+        _log(f"{source_uri.display} has every file {entry.name} needs ({len(files)} files)")
+        expect = {
+            "kind": "model",
+            "source": source_uri.canonical,
+            "source_fingerprint": atomic.source_fingerprint(files),
+            "model": entry.name,
+        }
+    else:
+        patterns = _patterns()
+        expect = {
+            "kind": "model",
+            "source": source_uri.canonical,
+            "model": entry.name,
+            "patterns": patterns,
+        }
+
+    for stale in atomic.remove_stale_partials(dest):
+        _log(f"removed {stale.name} left by an interrupted run")
+    # Checked before any network call: a complete workspace costs nothing to confirm.
+    reason = atomic.why_incomplete(dest, expect)
+    if reason is None:
+        _log(f"{dest} already complete ({entry.name} from {source_uri.display})")
+        return
+    _log(f"building {dest}: {reason}")
+
+    cache, facts, known = None, {}, {}
+    if not source_uri.is_local:
+        cache = download.cache_dir(workspace.workspace_root(), "model", source_uri.canonical)
+        files, known, facts = _fetch_remote(entry, source_uri, patterns, cache)
+
+    with atomic.staged(dest) as partial:
+        records, linked = {}, 0
+        for rel, src in files.items():
+            size, sha256, how = _place(src, partial / rel, known.get(rel))
+            records[rel] = {"size": size, "sha256": sha256}
+            linked += how == "linked"
+            _log(f"{how} {rel} ({size} bytes)")
+        manifest = {**expect, **facts, "files": records, "created": atomic.now_iso()}
+        atomic.write_manifest(partial, manifest)
+    if cache is not None:
+        download.remove_cache(cache)
+    total = sum(r["size"] for r in records.values())
+    _log(
+        f"delivered {len(records)} files ({total} bytes; {linked} hard-linked, "
+        f"{len(records) - linked} copied) from {source_uri.display} to {dest}"
+    )
+
+
+def _checked_local(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source: Path) -> Path:
     if not source.is_dir():
         raise BadInputError(
             f"model at {source_uri.display!r} is not a directory; point "
@@ -48,38 +121,79 @@ def initialize() -> None:
         )
     _check_required_files(entry, source_uri, source)
     _check_config(entry, source_uri, source / "config.json")
-    files = _source_files(source)
-    log(PROGRAM, f"{source_uri.display} has every file {entry.name} needs ({len(files)} files)")
+    return source
 
-    dest = workspace.model_dir()
-    for stale in atomic.remove_stale_partials(dest):
-        log(PROGRAM, f"removed {stale.name} left by an interrupted run")
-    expect = {
-        "kind": "model",
-        "source": source_uri.canonical,
-        "source_fingerprint": atomic.source_fingerprint(files),
-        "model": entry.name,
-    }
-    reason = atomic.why_incomplete(dest, expect)
-    if reason is None:
-        log(PROGRAM, f"{dest} already complete ({entry.name} from {source_uri.display})")
-        return
-    log(PROGRAM, f"building {dest}: {reason}")
 
-    with atomic.staged(dest) as partial:
-        records, linked = {}, 0
-        for rel, src in files.items():
-            size, sha256, how = _place(src, partial / rel)
-            records[rel] = {"size": size, "sha256": sha256}
-            linked += how == "linked"
-            log(PROGRAM, f"{how} {rel} ({size} bytes)")
-        atomic.write_manifest(partial, {**expect, "files": records, "created": atomic.now_iso()})
-    total = sum(r["size"] for r in records.values())
-    log(
-        PROGRAM,
-        f"delivered {len(records)} files ({total} bytes; {linked} hard-linked, "
-        f"{len(records) - linked} copied) from {source_uri.display} to {dest}",
+def _patterns() -> dict[str, list[str]]:
+    def read(name: str, default: tuple[str, ...]) -> list[str]:
+        raw = os.environ.get(name)
+        if raw is None or not raw.strip():
+            return list(default)
+        return [p.strip() for p in raw.split(",") if p.strip()]
+
+    return {"allow": read(ALLOW_ENV, DEFAULT_ALLOW), "ignore": read(IGNORE_ENV, ())}
+
+
+def _wanted(rel: str, patterns: dict[str, list[str]]) -> bool:
+    if any(part.startswith(".") for part in rel.split("/")):
+        return False  # .gitattributes and friends are repository plumbing
+    allowed = any(fnmatch.fnmatchcase(rel, p) for p in patterns["allow"])
+    return allowed and not any(fnmatch.fnmatchcase(rel, p) for p in patterns["ignore"])
+
+
+def _fetch_remote(
+    entry: catalog.ModelEntry,
+    source_uri: uri.StorageUri,
+    patterns: dict[str, list[str]],
+    cache: Path,
+) -> tuple[dict[str, Path], dict[str, str], dict[str, object]]:
+    """Download the model into ``cache``; return (files, known sha256 by file, manifest facts)."""
+    for stale in download.prune_other_caches(cache):
+        _log(f"removed the download cache of another source ({stale.name})")
+    source = uri.remote_source(source_uri)
+    listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
+
+    if source_uri.scheme in ("https", "http"):
+        (archive,) = listing.files
+        if not is_archive(archive.path):
+            raise BadInputError(
+                f"model at {source_uri.display!r} is a single file, but a model is a "
+                f"directory; give a .tar, .tar.gz or .zip archive of it, an hf:// repository "
+                f"or an s3:// prefix"
+            )
+        download.fetch(source, [archive], cache, _log)
+        extracted = extract(cache / archive.path, cache / "extracted", source_uri.display)
+        root = _checked_local(entry, source_uri, extracted)
+        return _source_files(root), {}, listing.facts
+
+    by_path = {f.path: f for f in listing.files}
+    missing = [rel for rel in entry.required_files() if rel not in by_path]
+    if missing:
+        raise _missing_files_error(entry, source_uri, missing)
+    required = set(entry.required_files())
+    chosen = [f for f in listing.files if f.path in required or _wanted(f.path, patterns)]
+    skipped = [f.path for f in listing.files if f not in chosen]
+    if skipped:
+        more = f" and {len(skipped) - 6} more" if len(skipped) > 6 else ""
+        shown = ", ".join(skipped[:6]) + more
+        _log(
+            f"not downloading {len(skipped)} files that {ALLOW_ENV}/{IGNORE_ENV} leave out: {shown}"
+        )
+    size = sum(f.size or 0 for f in chosen)
+    _log(
+        f"{source_uri.display} has every file {entry.name} needs; downloading {len(chosen)} "
+        f"files ({size} bytes)"
     )
+    config = by_path["config.json"]
+    if hasattr(source, "probe"):
+        retrying(f"checking access to {source_uri.display!r}", lambda: source.probe(config), _log)
+    # config.json first: a model meant for another runtime fails before the weights move.
+    fetched = download.fetch(source, [config], cache, _log)
+    _check_config(entry, source_uri, fetched["config.json"].path)
+    rest: list[RemoteFile] = [f for f in chosen if f.path != "config.json"]
+    fetched.update(download.fetch(source, rest, cache, _log))
+    files = {f.path: fetched[f.path].path for f in sorted(chosen, key=lambda f: f.path)}
+    return files, {rel: v.sha256 for rel, v in fetched.items()}, listing.facts
 
 
 def _catalog_entry() -> catalog.ModelEntry:
@@ -103,10 +217,15 @@ def _check_required_files(
     entry: catalog.ModelEntry, source_uri: uri.StorageUri, source: Path
 ) -> None:
     missing = [rel for rel in entry.required_files() if not (source / rel).is_file()]
-    if not missing:
-        return
+    if missing:
+        raise _missing_files_error(entry, source_uri, missing)
+
+
+def _missing_files_error(
+    entry: catalog.ModelEntry, source_uri: uri.StorageUri, missing: list[str]
+) -> BadInputError:
     parts = "; and ".join(f"{rel}, which {_purpose(entry, rel)} needs" for rel in missing)
-    raise BadInputError(
+    return BadInputError(
         f"model at {source_uri.display!r} is missing {parts}. Point "
         f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
     )
@@ -158,18 +277,19 @@ def _source_files(root: Path) -> dict[str, Path]:
             elif child.is_file():
                 files[rel] = child.resolve()
             else:
-                log(PROGRAM, f"skipping {rel} (not a regular file)")
+                _log(f"skipping {rel} (not a regular file)")
 
     walk(root, "", frozenset())
     files.pop(workspace.MANIFEST_FILE, None)
     return files
 
 
-def _place(src: Path, dst: Path) -> tuple[int, str, str]:
+def _place(src: Path, dst: Path, sha256: str | None = None) -> tuple[int, str, str]:
     """Deliver one file by hard link where possible, else by copy; return (size, sha256, how).
 
     A hard link costs no space or time and leaves the source untouched; it fails across
-    filesystems or without permission, and then the copy computes the hash as it goes.
+    filesystems or without permission, and then the copy computes the hash as it goes. A
+    downloaded file's sha256 is already known (it was verified as it arrived).
     """
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -177,7 +297,7 @@ def _place(src: Path, dst: Path) -> tuple[int, str, str]:
     except OSError:
         size, sha256 = _copy_hashed(src, dst)
         return size, sha256, "copied"
-    return dst.stat().st_size, atomic.sha256_file(dst), "linked"
+    return dst.stat().st_size, sha256 or atomic.sha256_file(dst), "linked"
 
 
 def _copy_hashed(src: Path, dst: Path) -> tuple[int, str]:

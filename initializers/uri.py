@@ -1,17 +1,16 @@
-"""``STORAGE_URI``: parsing, redaction and the table of source handlers.
+"""``STORAGE_URI``: parsing, redaction and the table of sources.
 
-A source handler turns a parsed URI into a local path the initializer reads from. Only local
-files exist in this version; ``hf://``, ``s3://`` and ``https://`` are reserved in the table so a
-user gets a precise "not supported yet" instead of "unknown scheme", and so adding one later is
-a new entry here rather than a change to the initializers.
+Each scheme maps to a module under ``tunepack.initializers.sources`` that validates the URI's form
+(``parse``) and builds the source that lists and streams its files (``Source``). Modules are
+imported on first use: a re-run on a complete workspace, or a file:// run, never pays for boto3.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
@@ -37,6 +36,12 @@ class StorageUri:
     scheme: str
     location: str
     revision: str | None = None
+    # Options carried in the URI's query (``?split=test``) or fragment (``#sha256=...``).
+    options: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def is_local(self) -> bool:
+        return self.scheme == "file"
 
     @property
     def display(self) -> str:
@@ -81,7 +86,8 @@ def parse(raw: str | None) -> StorageUri:
     if not raw:
         raise BadInputError(
             f"{STORAGE_URI_ENV} is not set; set it to where the initializer reads from: "
-            f"file:///absolute/path or a plain path"
+            f"hf://org/name, s3://bucket/prefix, https://host/file, file:///absolute/path or a "
+            f"plain path"
         )
     match = _SCHEME_RE.match(raw)
     if match is None:
@@ -90,19 +96,13 @@ def parse(raw: str | None) -> StorageUri:
         return StorageUri(raw=raw, scheme="file", location=_absolute(path))
 
     scheme = match.group(1).lower()
-    if scheme not in _HANDLERS:
+    if scheme not in _SOURCES:
         raise BadInputError(
             f"unsupported storage URI {redact(raw)!r}: expected one of {_supported_text()}"
         )
-    if _HANDLERS[scheme] is None:
-        raise BadInputError(
-            f"storage URI {redact(raw)!r} uses {scheme}://, which this version of tunepack does "
-            f"not support yet; supported: {_supported_text()}. Download the files and point "
-            f"{STORAGE_URI_ENV} at them."
-        )
     if scheme == "file":
         return _parse_file_uri(raw)
-    return StorageUri(raw=raw, scheme=scheme, location=raw[match.end() :])
+    return _module(scheme).parse(raw, scheme, raw[match.end() :])
 
 
 def from_env() -> StorageUri:
@@ -111,13 +111,19 @@ def from_env() -> StorageUri:
 
 
 def resolve(uri: StorageUri) -> Path:
-    """A local path holding the source's content, through the scheme's handler."""
-    handler = _HANDLERS.get(uri.scheme)
-    if handler is None:  # parse() refuses these; guard against hand-built StorageUri values
-        raise BadInputError(
-            f"unsupported storage URI {uri.display!r}: expected one of {_supported_text()}"
-        )
-    return handler(uri)
+    """The local path a file:// URI names; it must exist."""
+    if not uri.is_local:
+        raise AssertionError(f"{uri.scheme}:// is remote; use remote_source()")
+    return _local_path(uri)
+
+
+def remote_source(uri: StorageUri):
+    """The ``RemoteSource`` that lists and streams a remote URI's files."""
+    return _module(uri.scheme).Source(uri)
+
+
+def _module(scheme: str):
+    return importlib.import_module(f"tunepack.initializers.sources.{_SOURCES[scheme]}")
 
 
 def _parse_file_uri(raw: str) -> StorageUri:
@@ -149,14 +155,15 @@ def _local_path(uri: StorageUri) -> Path:
 
 
 def _supported_text() -> str:
-    schemes = [f"{scheme}://" for scheme, handler in _HANDLERS.items() if handler is not None]
-    return ", ".join([*schemes, "<path>"])
+    return "file://, hf://, s3://, https://, <path>"
 
 
-# scheme -> handler. None marks a scheme of tunepack's vocabulary this version cannot read yet.
-_HANDLERS: dict[str, Callable[[StorageUri], Path] | None] = {
-    "file": _local_path,
-    "hf": None,
-    "s3": None,
-    "https": None,
+# scheme -> module under tunepack.initializers.sources. http:// shares the https module, which
+# accepts it only for loopback hosts (test servers): anything else must be encrypted.
+_SOURCES: dict[str, str] = {
+    "file": "files",
+    "hf": "hf",
+    "s3": "s3",
+    "https": "https",
+    "http": "https",
 }

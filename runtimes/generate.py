@@ -63,6 +63,20 @@ RUN_AS = 1000  # the non-root user of the tunepack images
 # Small: initializers download and verify files; they do not hold a model in memory.
 INITIALIZER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}}
 
+# Credentials reach the initializers only by reference to Secrets the user creates in the
+# TrainJob's namespace; optional, so public sources need no Secret at all. The hub token is
+# HF_TOKEN (ACCESS_TOKEN stays free for Kubeflow's per-job initializer secretRef, which wins).
+HUB_TOKEN_SECRET = "tunepack-hub-token"
+S3_CREDENTIALS_SECRET = "tunepack-s3-credentials"
+INITIALIZER_SECRET_ENV = (
+    ("HF_TOKEN", HUB_TOKEN_SECRET, "token"),
+    ("AWS_ACCESS_KEY_ID", S3_CREDENTIALS_SECRET, "AWS_ACCESS_KEY_ID"),
+    ("AWS_SECRET_ACCESS_KEY", S3_CREDENTIALS_SECRET, "AWS_SECRET_ACCESS_KEY"),
+    ("AWS_SESSION_TOKEN", S3_CREDENTIALS_SECRET, "AWS_SESSION_TOKEN"),
+    ("AWS_ENDPOINT_URL", S3_CREDENTIALS_SECRET, "AWS_ENDPOINT_URL"),
+    ("AWS_REGION", S3_CREDENTIALS_SECRET, "AWS_REGION"),
+)
+
 # Trainer environment from field practice (DESIGN.md). NCCL interface/IB settings are
 # cluster-specific and belong in an overlay. The model initializer already fetched the model,
 # so the trainer must never reach for the hub itself.
@@ -264,6 +278,13 @@ def _container(step: Step, entry: ModelEntry, extra_env: dict[str, str]) -> dict
 
 def _initializer_container(step: Step, entry: ModelEntry) -> dict:
     container = _container(step, entry, {})
+    container["env"] += [
+        {
+            "name": name,
+            "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}},
+        }
+        for name, secret, key in INITIALIZER_SECRET_ENV
+    ]
     container["resources"] = INITIALIZER_RESOURCES
     return container
 

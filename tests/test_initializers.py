@@ -130,20 +130,31 @@ def test_dataset_from_jsonl_writes_normalized_rows_and_manifest(tmp_path):
     created = manifest.pop("created")
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", created)
     assert isinstance(manifest.pop("source_fingerprint"), str)
+    train_sha256 = sha256(out / "train.jsonl")
     assert manifest == {
         "kind": "dataset",
         "source": source.as_uri(),
-        "format": "jsonl",
+        "split": "train",
+        "requested_schema": "auto",
+        "column_map": {},
         "schema": "instruction",
+        "format": "jsonl",
+        "source_format": "jsonl",
+        "source_schema": "instruction",
+        "source_files": ["instructions.jsonl"],
         "rows": 3,
+        "content_sha256": train_sha256,
         "files": {
             "train.jsonl": {
                 "size": (out / "train.jsonl").stat().st_size,
-                "sha256": sha256(out / "train.jsonl"),
+                "sha256": train_sha256,
             }
         },
     }
-    assert "dataset-initializer: read 3 rows from instructions.jsonl; wrote " in result.stdout
+    assert (
+        "dataset-initializer: read 3 rows (instruction, split train) from instructions.jsonl; "
+        "wrote " in result.stdout
+    )
     assert leftovers(tmp_path) == []
 
 
@@ -168,7 +179,10 @@ def test_dataset_from_directory_concatenates_files_sorted_by_name(tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert read_jsonl(tmp_path / "ws" / "dataset" / "train.jsonl") == NORMALIZED
-    assert "dataset-initializer: ignoring README.md (not .json or .jsonl files)" in result.stdout
+    assert (
+        "dataset-initializer: ignoring README.md (not .json, .jsonl, .csv, .parquet or .arrow "
+        "files)" in result.stdout
+    )
     manifest = json.loads((tmp_path / "ws" / "dataset" / MANIFEST_FILE).read_text())
     assert (manifest["source"], manifest["rows"]) == (data.as_uri(), 3)
 
@@ -253,24 +267,15 @@ def test_dataset_failed_rebuild_keeps_previous_complete_dataset(tmp_path):
 # --- dataset: bad input --------------------------------------------------------------------------
 
 
+SUPPORTED = "file://, hf://, s3://, https://, <path>"
+
+
 def test_unknown_scheme(tmp_path):
     result = run_program("dataset", tmp_path, "ftp://x")
     assert_bad_input(
-        result, "dataset", "unsupported storage URI 'ftp://x': expected one of file://, <path>"
+        result, "dataset", f"unsupported storage URI 'ftp://x': expected one of {SUPPORTED}"
     )
     assert not (tmp_path / "ws").exists()
-
-
-@pytest.mark.parametrize("scheme", ["hf", "s3", "https"])
-def test_planned_scheme_is_not_supported_yet(tmp_path, scheme):
-    result = run_program("dataset", tmp_path, f"{scheme}://org/data")
-    assert_bad_input(
-        result,
-        "dataset",
-        f"storage URI '{scheme}://org/data' uses {scheme}://, which this version of tunepack "
-        f"does not support yet; supported: file://, <path>. Download the files and point "
-        f"STORAGE_URI at them.",
-    )
 
 
 @pytest.mark.parametrize("value", [None, "  "])
@@ -279,8 +284,8 @@ def test_missing_storage_uri(tmp_path, value):
     assert_bad_input(
         result,
         "dataset",
-        "STORAGE_URI is not set; set it to where the initializer reads from: "
-        "file:///absolute/path or a plain path",
+        "STORAGE_URI is not set; set it to where the initializer reads from: hf://org/name, "
+        "s3://bucket/prefix, https://host/file, file:///absolute/path or a plain path",
     )
 
 
@@ -290,7 +295,7 @@ def test_credentials_are_redacted_from_messages(tmp_path):
         result,
         "dataset",
         "unsupported storage URI 'ftp://***@host/d.jsonl?token=***&split=t': "
-        "expected one of file://, <path>",
+        f"expected one of {SUPPORTED}",
     )
 
 
@@ -325,24 +330,24 @@ def test_empty_dataset(tmp_path, name, content):
 
 def test_directory_without_data_files(tmp_path):
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "train.csv").write_text("a,b\n")
+    (tmp_path / "data" / "train.tsv").write_text("a\tb\n")
     result = run_program("dataset", tmp_path, "data")
     assert_bad_input(
         result,
         "dataset",
-        "dataset directory 'data' has no .json or .jsonl files; put the training rows there "
-        "as a JSON array (.json) or JSON Lines (.jsonl)",
+        "dataset directory 'data' has no .json, .jsonl, .csv, .parquet or .arrow files; put the "
+        "training rows there",
     )
 
 
 def test_unsupported_file_type(tmp_path):
-    (tmp_path / "train.csv").write_text("a,b\n")
-    result = run_program("dataset", tmp_path, "train.csv")
+    (tmp_path / "train.tsv").write_text("a\tb\n")
+    result = run_program("dataset", tmp_path, "train.tsv")
     assert_bad_input(
         result,
         "dataset",
-        "dataset 'train.csv' is not a .json or .jsonl file; give a JSON array of rows (.json), "
-        "JSON Lines (.jsonl) or a directory of such files",
+        "dataset 'train.tsv' is not a .json, .jsonl, .csv, .parquet or .arrow file; give a "
+        "data file or a directory of them",
     )
 
 

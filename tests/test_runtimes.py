@@ -33,7 +33,7 @@ def _container(job: dict) -> dict:
 
 
 def _env(container: dict) -> dict[str, str]:
-    return {var["name"]: var["value"] for var in container["env"]}
+    return {var["name"]: var["value"] for var in container["env"] if "value" in var}
 
 
 # --- validity and freshness ---------------------------------------------------------------------
@@ -175,7 +175,21 @@ def test_environment(entry):
         # Injected by the Trainer controller from the TrainJob; a runtime value would be a trap.
         assert "STORAGE_URI" not in env
         assert not any(name.startswith("PET_") for name in env)
+    for job in ("dataset-initializer", "model-initializer"):
+        refs = {v["name"]: v["valueFrom"] for v in _container(jobs[job])["env"] if "valueFrom" in v}
+        # Credentials only by reference to optional Secrets, never as literal values.
+        assert refs["HF_TOKEN"] == {
+            "secretKeyRef": {"name": "tunepack-hub-token", "key": "token", "optional": True}
+        }
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            assert refs[name] == {
+                "secretKeyRef": {"name": "tunepack-s3-credentials", "key": name, "optional": True}
+            }
+        assert not {"HF_TOKEN", "ACCESS_TOKEN", "AWS_SECRET_ACCESS_KEY"} & set(
+            _env(_container(jobs[job]))
+        )
     trainer_env = _env(_container(jobs["node"]))
+    assert not any("valueFrom" in v for v in _container(jobs["node"])["env"])
     assert trainer_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert trainer_env["TOKENIZERS_PARALLELISM"] == "false"
     assert trainer_env["NCCL_DEBUG"] == "WARN"

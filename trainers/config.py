@@ -20,7 +20,22 @@ from tunepack.trainers.args import TrainArgs
 from tunepack.workspace import MANIFEST_FILE
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
-DATASET_BUILDERS = {"instruction": "torchtune.datasets.alpaca_dataset"}
+DATASET_BUILDERS = {
+    "instruction": "torchtune.datasets.alpaca_dataset",
+    "chat": "torchtune.datasets.chat_dataset",
+    "text": "torchtune.datasets.text_completion_dataset",
+}
+# Builder keywords per schema: the initializer writes chat rows as OpenAI-style "messages" and
+# text rows as "text"; text completion has no prompt to mask, so no train_on_input.
+DATASET_OPTIONS: dict[str, dict[str, object]] = {
+    "instruction": {"train_on_input": True},
+    "chat": {
+        "conversation_column": "messages",
+        "conversation_style": "openai",
+        "train_on_input": True,
+    },
+    "text": {"column": "text"},
+}
 
 
 def resolve_device(device: str) -> str:
@@ -108,10 +123,13 @@ def build_config(
         },
         "dataset": {
             "_component_": DATASET_BUILDERS[manifest["schema"]],
+            **{
+                key: args.train_on_input if key == "train_on_input" else value
+                for key, value in DATASET_OPTIONS[manifest["schema"]].items()
+            },
             "source": "json",
             "data_files": data_files,
             "split": "train",
-            "train_on_input": args.train_on_input,
             "packed": False,
             "cache_dir": str(cache_dir),
         },

@@ -1,0 +1,237 @@
+"""Dataset schemas: detecting them, checking every row, and normalizing what the trainer reads.
+
+====================  ======================================  ================================
+schema                a row holds                             written as (manifest ``schema``)
+====================  ======================================  ================================
+instruction (alpaca)  instruction, optional input, output     the same three fields (instruction)
+chat                  messages: [{role, content}, ...]        {"messages": [...]} (chat)
+sharegpt              conversations: [{from, value}, ...]     {"messages": [...]} (chat)
+text                  text                                    {"text": ...} (text)
+====================  ======================================  ================================
+
+``DATASET_SCHEMA`` picks one; otherwise the first row decides. ``COLUMN_MAP`` renames columns
+first (``question:instruction,answer:output`` or a JSON object), so a dataset with other names
+fits a schema without being rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tunepack.errors import BadInputError
+from tunepack.initializers.formats import json_type
+
+SCHEMA_ENV = "DATASET_SCHEMA"
+COLUMN_MAP_ENV = "COLUMN_MAP"
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+
+Normalized = tuple[dict | None, str | None]  # (the row to write, or the problem)
+
+
+@dataclass(frozen=True)
+class Schema:
+    name: str
+    output: str  # the schema the trainer reads (manifest "schema")
+    marker: str  # the field whose presence identifies the schema
+    hint: str
+    normalize: Callable[[dict, bool], Normalized]
+
+
+def _string_field(row: dict, field: str, required: bool = True) -> str | None:
+    """The problem with ``row[field]`` as a string field, or None."""
+    if field not in row or (not required and row[field] is None):
+        return f"field {field!r} is missing" if required else None
+    if not isinstance(row[field], str):
+        return f"field {field!r} must be a string, got {json_type(row[field])}"
+    return None
+
+
+def _instruction(row: dict, text_cells: bool) -> Normalized:
+    for field in ("instruction", "output"):
+        if problem := _string_field(row, field):
+            return None, problem
+    if problem := _string_field(row, "input", required=False):
+        return None, problem
+    # One fixed shape for every row: extra fields dropped, a missing or null input becomes "".
+    return {
+        "instruction": row["instruction"],
+        "input": row.get("input") or "",
+        "output": row["output"],
+    }, None
+
+
+def _turns(row: dict, field: str, text_cells: bool) -> tuple[list | None, str | None]:
+    if field not in row:
+        return None, f"field {field!r} is missing"
+    value = row[field]
+    if text_cells and isinstance(value, str):
+        # CSV cells are text; a conversation column holds its turns as JSON.
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            return None, f"field {field!r} is not a JSON array ({error.msg})"
+    if not isinstance(value, list):
+        return None, f"field {field!r} must be an array, got {json_type(value)}"
+    if not value:
+        return None, f"field {field!r} is empty"
+    return value, None
+
+
+def _messages(turns: list, field: str, role_key: str, text_key: str, roles: dict) -> Normalized:
+    messages = []
+    for index, turn in enumerate(turns):
+        where = f"{field}[{index}]"
+        if not isinstance(turn, dict):
+            return None, (
+                f"{where}: expected an object with {role_key!r} and {text_key!r}, got "
+                f"{json_type(turn)}"
+            )
+        role = turn.get(role_key)
+        if role not in roles:
+            allowed = ", ".join(roles)
+            if role is None:
+                return None, f"{where}: field {role_key!r} is missing (one of {allowed})"
+            return None, f"{where}: {role_key} {role!r} is not one of {allowed}"
+        content = turn.get(text_key)
+        if not isinstance(content, str):
+            return None, f"{where}: field {text_key!r} must be a string, got {json_type(content)}"
+        messages.append({"role": roles[role], "content": content})
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, f"field {field!r} has no assistant turn, so there is nothing to learn"
+    return {"messages": messages}, None
+
+
+def _chat(row: dict, text_cells: bool) -> Normalized:
+    turns, problem = _turns(row, "messages", text_cells)
+    if problem:
+        return None, problem
+    return _messages(turns, "messages", "role", "content", {r: r for r in ROLES})
+
+
+def _sharegpt(row: dict, text_cells: bool) -> Normalized:
+    turns, problem = _turns(row, "conversations", text_cells)
+    if problem:
+        return None, problem
+    return _messages(turns, "conversations", "from", "value", SHAREGPT_ROLES)
+
+
+def _text(row: dict, text_cells: bool) -> Normalized:
+    if problem := _string_field(row, "text"):
+        return None, problem
+    if not row["text"].strip():
+        return None, "field 'text' is empty"
+    return {"text": row["text"]}, None
+
+
+SCHEMAS: dict[str, Schema] = {
+    s.name: s
+    for s in (
+        Schema(
+            "instruction",
+            "instruction",
+            "instruction",
+            "each row must be a JSON object with string fields 'instruction' and 'output' and "
+            "an optional string 'input'",
+            _instruction,
+        ),
+        Schema(
+            "chat",
+            "chat",
+            "messages",
+            "each row must hold 'messages': an array of objects with 'role' (system, user or "
+            "assistant) and string 'content', with at least one assistant turn",
+            _chat,
+        ),
+        Schema(
+            "sharegpt",
+            "chat",
+            "conversations",
+            "each row must hold 'conversations': an array of objects with 'from' (system, "
+            "human or gpt) and string 'value', with at least one gpt turn",
+            _sharegpt,
+        ),
+        Schema("text", "text", "text", "each row must hold a non-empty string field 'text'", _text),
+    )
+}
+# Detection order: the most specific marker first ("text" is a common extra column).
+_DETECT = ("chat", "sharegpt", "instruction", "text")
+
+
+def requested() -> Schema | None:
+    """The schema named by ``DATASET_SCHEMA``, or None to detect it."""
+    raw = os.environ.get(SCHEMA_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw == "alpaca":
+        raw = "instruction"
+    if raw not in SCHEMAS:
+        raise BadInputError(
+            f"{SCHEMA_ENV}={raw!r} is not a dataset schema; use one of {', '.join(SCHEMAS)} or auto"
+        )
+    return SCHEMAS[raw]
+
+
+def detect(row: object, source: str) -> Schema:
+    """The schema of a dataset, from its first decodable row."""
+    if isinstance(row, dict):
+        for name in _DETECT:
+            if SCHEMAS[name].marker in row:
+                return SCHEMAS[name]
+        fields = ", ".join(repr(k) for k in list(row)[:8]) or "no fields"
+        problem = f"its first row has {fields}"
+    else:
+        problem = f"its first row is a JSON {json_type(row)}, not an object"
+    raise BadInputError(
+        f"cannot tell the schema of dataset {source!r}: {problem}. Rows need 'instruction' and "
+        f"'output' (instruction), 'messages' (chat), 'conversations' (sharegpt) or 'text'; "
+        f"rename columns with {COLUMN_MAP_ENV}=from:to,... or set {SCHEMA_ENV}"
+    )
+
+
+def column_map() -> dict[str, str]:
+    """``COLUMN_MAP`` as {source column: schema field}."""
+    raw = os.environ.get(COLUMN_MAP_ENV, "").strip()
+    if not raw:
+        return {}
+    bad = BadInputError(
+        f"{COLUMN_MAP_ENV}={raw!r} is not valid: write source:target pairs separated by "
+        f"commas (question:instruction,answer:output) or a JSON object of strings"
+    )
+    if raw.startswith("{"):
+        try:
+            mapping = json.loads(raw)
+        except json.JSONDecodeError:
+            raise bad from None
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in mapping.items()):
+            raise bad
+    else:
+        mapping = {}
+        for pair in raw.split(","):
+            src, sep, dst = (part.strip() for part in pair.partition(":"))
+            if not sep or not src or not dst:
+                raise bad
+            mapping[src] = dst
+    targets = list(mapping.values())
+    if len(set(targets)) != len(targets):
+        raise BadInputError(f"{COLUMN_MAP_ENV}={raw!r} maps two columns to the same field")
+    return mapping
+
+
+def rename(row: object, mapping: dict[str, str]) -> object:
+    if not mapping or not isinstance(row, dict):
+        return row
+    renamed = {k: v for k, v in row.items() if k not in mapping}
+    for src, dst in mapping.items():
+        if src in row:
+            renamed[dst] = row[src]
+    return renamed

@@ -1,0 +1,272 @@
+"""A small Hugging Face Hub on loopback, serving the endpoints huggingface_hub and tunepack call.
+
+- ``GET /api/{models,datasets}/<repo>[/revision/<rev>]``: repository info (``sha``, ``gated``);
+- ``GET /api/{models,datasets}/<repo>/tree/<rev>[/<path>]``: the recursive file listing with
+  sizes, git blob ids and LFS sha256, as ``list_repo_tree`` and ``snapshot_download`` read it;
+- ``HEAD``/``GET /[datasets/]<repo>/resolve/<rev>/<path>``: file bytes with ``ETag``,
+  ``X-Repo-Commit``, ``X-Linked-Etag``/``X-Linked-Size`` (LFS) and byte ranges.
+
+Access rules follow the real hub: a gated repository lists publicly but its files need a token
+(401 ``GatedRepo`` without one), an unknown or private repository is 401 ``RepoNotFound`` without
+a token and 404 with one, an unknown revision is 404 ``RevisionNotFound``, and a malformed token
+is 401 "Invalid credentials in Authorization header". Tests can corrupt a file's bytes, throttle
+it, or make its next requests fail with 503, and read the request log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+LFS_SUFFIXES = (".safetensors", ".parquet", ".arrow", ".bin", ".model")
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    files: dict[str, bytes]
+    repo_type: str = "model"
+    gated: bool = False
+    private: bool = False
+    # Bytes served instead of a file's real content (its metadata still describes the real one).
+    corrupt: dict[str, bytes] = field(default_factory=dict)
+    throttle: dict[str, float] = field(default_factory=dict)  # path -> bytes per second
+    fail: dict[str, int] = field(default_factory=dict)  # path -> number of 503s still to answer
+
+    @property
+    def commit(self) -> str:
+        digest = hashlib.sha1(self.repo_id.encode())
+        for path in sorted(self.files):
+            digest.update(path.encode() + b"\0" + self.files[path])
+        return digest.hexdigest()
+
+    def is_lfs(self, path: str) -> bool:
+        return path.endswith(LFS_SUFFIXES)
+
+    def entry(self, path: str) -> dict:
+        data = self.files[path]
+        item = {"type": "file", "oid": git_blob_id(data), "size": len(data), "path": path}
+        if self.is_lfs(path):
+            item["lfs"] = {
+                "oid": hashlib.sha256(data).hexdigest(),
+                "size": len(data),
+                "pointerSize": 134,
+            }
+        return item
+
+
+class FakeHub:
+    def __init__(self, tokens: tuple[str, ...] = ()):
+        self.repos: dict[tuple[str, str], Repo] = {}
+        self.tokens = set(tokens)
+        self.requests: list[dict] = []
+        self._lock = threading.Lock()
+        hub = self
+
+        class Handler(_Handler):
+            pass
+
+        Handler.hub = hub
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def add(self, repo: Repo) -> Repo:
+        self.repos[(repo.repo_type, repo.repo_id)] = repo
+        return repo
+
+    def start(self) -> FakeHub:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def log(self, **entry) -> None:
+        with self._lock:
+            self.requests.append(entry)
+
+    def gets(self, path: str) -> list[dict]:
+        """The GET requests for one file (by repo path)."""
+        return [r for r in self.requests if r["method"] == "GET" and r.get("file") == path]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    hub: FakeHub
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format, *args):  # noqa: A002 - quiet test output
+        pass
+
+    def do_GET(self):
+        self._route(head=False)
+
+    def do_HEAD(self):
+        self._route(head=True)
+
+    # --- routing ----------------------------------------------------------------------------
+
+    def _route(self, head: bool) -> None:
+        url = urlsplit(self.path)
+        parts = [unquote(p) for p in url.path.strip("/").split("/")]
+        auth = self.headers.get("Authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
+        entry = {
+            "method": "HEAD" if head else "GET",
+            "path": url.path,
+            "token": token,
+            "range": self.headers.get("Range"),
+        }
+        if parts[0] == "api" and len(parts) >= 4 and parts[1] in ("models", "datasets"):
+            repo_type = parts[1][:-1]
+            repo_key = (repo_type, f"{parts[2]}/{parts[3]}")
+            rest = parts[4:]
+            self.hub.log(**entry)
+            repo = self._access(repo_key, token, listing=True)
+            if repo is None:
+                return
+            if not rest or rest[0] == "revision":
+                rev = rest[1] if len(rest) > 1 else "main"
+                if self._revision(repo, rev):
+                    self._json(self._info(repo))
+                return
+            if rest[0] == "tree" and len(rest) >= 2:
+                if self._revision(repo, rest[1]):
+                    prefix = "/".join(rest[2:])
+                    recursive = parse_qs(url.query).get("recursive", ["false"])[0] == "true"
+                    self._json(self._tree(repo, prefix, recursive))
+                return
+            return self._error(404, "EntryNotFound", "no such endpoint")
+        repo_type = "model"
+        if parts[0] == "datasets":
+            repo_type, parts = "dataset", parts[1:]
+        if len(parts) >= 5 and parts[2] == "resolve":
+            repo_key = (repo_type, f"{parts[0]}/{parts[1]}")
+            path = "/".join(parts[4:])
+            self.hub.log(**entry, file=path)
+            repo = self._access(repo_key, token, listing=False)
+            if repo is not None and self._revision(repo, parts[3]):
+                self._file(repo, path, head)
+            return
+        self.hub.log(**entry)
+        self._error(404, None, "not found")
+
+    def _access(self, key: tuple[str, str], token: str | None, listing: bool) -> Repo | None:
+        if token is not None and token not in self.hub.tokens:
+            self._error(401, None, "Invalid credentials in Authorization header")
+            return None
+        repo = self.hub.repos.get(key)
+        if repo is None or (repo.private and token is None):
+            self._error(401 if token is None else 404, "RepoNotFound", "Repository not found")
+            return None
+        if repo.gated and token is None and not listing:
+            self._error(401, "GatedRepo", f"Access to {key[0]} {key[1]} is restricted.")
+            return None
+        return repo
+
+    def _revision(self, repo: Repo, rev: str) -> bool:
+        if rev in ("main", repo.commit):
+            return True
+        self._error(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        return False
+
+    # --- answers ----------------------------------------------------------------------------
+
+    def _info(self, repo: Repo) -> dict:
+        return {
+            "id": repo.repo_id,
+            "sha": repo.commit,
+            "private": repo.private,
+            "gated": "manual" if repo.gated else False,
+            "siblings": [{"rfilename": p} for p in sorted(repo.files)],
+        }
+
+    def _tree(self, repo: Repo, prefix: str, recursive: bool) -> list[dict]:
+        base = prefix + "/" if prefix else ""
+        out, dirs = [], set()
+        for path in sorted(repo.files):
+            if not path.startswith(base):
+                continue
+            rel = path[len(base) :]
+            if "/" in rel and not recursive:
+                dirs.add(base + rel.split("/")[0])
+                continue
+            for i in range(1, rel.count("/") + 1):
+                dirs.add(base + "/".join(rel.split("/")[:i]))
+            out.append(repo.entry(path))
+        folders = [{"type": "directory", "oid": "0" * 40, "path": d} for d in sorted(dirs)]
+        return folders + out
+
+    def _file(self, repo: Repo, path: str, head: bool) -> None:
+        if path not in repo.files:
+            return self._error(404, "EntryNotFound", f"{path} does not exist")
+        if repo.fail.get(path, 0) > 0 and not head:
+            repo.fail[path] -= 1
+            return self._error(503, None, "Service Unavailable")
+        data = repo.corrupt.get(path, repo.files[path])
+        meta = repo.entry(path)
+        etag = meta["lfs"]["oid"] if "lfs" in meta else meta["oid"]
+        start = 0
+        range_header = self.headers.get("Range", "")
+        if range_header.startswith("bytes="):
+            first, _, last = range_header[6:].partition("-")
+            start = int(first)
+            end = int(last) + 1 if last else len(data)
+            body = data[start:end]
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+        else:
+            body = data
+            self.send_response(200)
+        self.send_header("ETag", f'"{etag}"')
+        self.send_header("X-Repo-Commit", repo.commit)
+        if "lfs" in meta:
+            self.send_header("X-Linked-Etag", f'"{etag}"')
+            self.send_header("X-Linked-Size", str(len(repo.files[path])))
+        self.send_header("Accept-Ranges", "bytes")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if head:
+            return
+        rate = repo.throttle.get(path)
+        step = 16 * 1024
+        try:
+            for offset in range(0, len(body), step):
+                self.wfile.write(body[offset : offset + step])
+                if rate:
+                    self.wfile.flush()
+                    time.sleep(step / rate)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def _json(self, data: object) -> None:
+        body = json.dumps(data).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, status: int, code: str | None, message: str) -> None:
+        body = json.dumps({"error": message}).encode()
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
+        self.send_header("X-Error-Message", message)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
