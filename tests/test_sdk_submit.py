@@ -22,7 +22,6 @@ from kubeflow.trainer import Initializer as KfInitializer
 from tunepack import submit
 from tunepack.errors import BadInputError
 from tunepack.finetune import FineTune
-from tunepack.initializers import uri as uri_module
 from tunepack.runtimes.catalog import CATALOG
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainers.args import VOCABULARY, parse_trainer_args
@@ -219,14 +218,11 @@ def test_method_must_exist_for_the_model_and_missing_initializer_is_named():
         _build(FineTune(), runtime="tunepack-nope")
 
 
-def test_hub_uris_follow_what_the_initializers_support():
+def test_hub_uris_pass_through_to_the_initializers():
     init = Initializer(dataset="hf://tatsu-lab/alpaca", model="hf://meta-llama/Llama-3.1-8B")
-    if uri_module._HANDLERS.get("hf") is None:
-        with pytest.raises(BadInputError, match="hf://, which this version of tunepack does not"):
-            _build(FineTune(), init)
-    else:
-        job = _build(FineTune(), init)
-        assert job["spec"]["initializer"]["dataset"]["storageUri"] == "hf://tatsu-lab/alpaca"
+    job = _build(FineTune(), init)
+    assert job["spec"]["initializer"]["dataset"]["storageUri"] == "hf://tatsu-lab/alpaca"
+    assert job["spec"]["initializer"]["model"]["storageUri"] == "hf://meta-llama/Llama-3.1-8B"
 
 
 def test_planner_refuses_a_shape_that_cannot_fit_with_the_numbers():
