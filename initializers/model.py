@@ -29,6 +29,8 @@ _CONFIG_SHAPE_KEYS = {
     "num_attention_heads": "num_heads",
     "num_key_value_heads": "num_kv_heads",
     "intermediate_size": "intermediate_dim",
+    "head_dim": "head_dim",
+    "tie_word_embeddings": "tied_embeddings",
 }
 
 
@@ -47,6 +49,7 @@ def initialize() -> None:
             f"{', '.join(entry.required_files())}"
         )
     _check_required_files(entry, source_uri, source)
+    _check_shards(entry, source_uri, source)
     _check_config(entry, source_uri, source / "config.json")
     files = _source_files(source)
     log(PROGRAM, f"{source_uri.display} has every file {entry.name} needs ({len(files)} files)")
@@ -112,6 +115,17 @@ def _check_required_files(
     )
 
 
+def _check_shards(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source: Path) -> None:
+    """A sharded checkpoint's index names its shards; every one must be there too."""
+    missing = [rel for rel in entry.weight_files(source) if not (source / rel).is_file()]
+    if missing:
+        raise BadInputError(
+            f"model at {source_uri.display!r} is missing {len(missing)} checkpoint shard(s) "
+            f"named by {catalog.SAFETENSORS_INDEX}: {', '.join(missing)}. Point "
+            f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
+        )
+
+
 def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: Path) -> None:
     try:
         config = json.loads(path.read_bytes())
@@ -131,6 +145,10 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
         for key, field in _CONFIG_SHAPE_KEYS.items()
         if key in config and config[key] != getattr(entry.shape, field)
     ]
+    if "model_type" in config and config["model_type"] != entry.family.hf_model_type:
+        mismatches.insert(
+            0, f"model_type={config['model_type']!r} (expected {entry.family.hf_model_type!r})"
+        )
     if mismatches:
         raise BadInputError(
             f"model at {source_uri.display!r} is not {entry.name}: its config.json has "
