@@ -40,6 +40,8 @@ _CONFIG_SHAPE_KEYS = {
     "num_attention_heads": "num_heads",
     "num_key_value_heads": "num_kv_heads",
     "intermediate_size": "intermediate_dim",
+    "head_dim": "head_dim",
+    "tie_word_embeddings": "tied_embeddings",
 }
 ALLOW_ENV = "ALLOW_PATTERNS"
 IGNORE_ENV = "IGNORE_PATTERNS"
@@ -120,6 +122,7 @@ def _checked_local(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source
             f"{', '.join(entry.required_files())}"
         )
     _check_required_files(entry, source_uri, source)
+    _check_shards(entry, source_uri, source)
     _check_config(entry, source_uri, source / "config.json")
     return source
 
@@ -231,6 +234,17 @@ def _missing_files_error(
     )
 
 
+def _check_shards(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source: Path) -> None:
+    """A sharded checkpoint's index names its shards; every one must be there too."""
+    missing = [rel for rel in entry.weight_files(source) if not (source / rel).is_file()]
+    if missing:
+        raise BadInputError(
+            f"model at {source_uri.display!r} is missing {len(missing)} checkpoint shard(s) "
+            f"named by {catalog.SAFETENSORS_INDEX}: {', '.join(missing)}. Point "
+            f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
+        )
+
+
 def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: Path) -> None:
     try:
         config = json.loads(path.read_bytes())
@@ -250,6 +264,10 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
         for key, field in _CONFIG_SHAPE_KEYS.items()
         if key in config and config[key] != getattr(entry.shape, field)
     ]
+    if "model_type" in config and config["model_type"] != entry.family.hf_model_type:
+        mismatches.insert(
+            0, f"model_type={config['model_type']!r} (expected {entry.family.hf_model_type!r})"
+        )
     if mismatches:
         raise BadInputError(
             f"model at {source_uri.display!r} is not {entry.name}: its config.json has "

@@ -2,7 +2,21 @@
 
 Everything else is derived from it: the ClusterTrainingRuntime YAML (``runtimes/generate.py``),
 the trainer's torchtune configuration (``trainers/config.py``), the model initializer's file
-checks, the runtime list the CLI and SDK show, and the docs.
+checks, the runtime list the CLI and SDK show, the tiny test models (``tunepack.tiny``) and the
+docs.
+
+It is organised in two layers:
+
+- a ``Family`` per torchtune model package (``torchtune.models.<family>``): the facts shared by
+  every size, such as the Hugging Face format, the tokenizer, the checkpoint conversion and the
+  shape-taking component builders;
+- a ``ModelEntry`` per published size: hub id, shape (read from torchtune's model builders; a
+  test builds every entry on the meta device and compares parameter counts), named builders and
+  resources.
+
+``TINY`` holds one tiny random variant per family for tests and offline work. Only
+``tiny-llama3`` is published as a runtime (the quickstart uses it); the others train through the
+same code paths but stay out of the runtime list.
 
 Component paths here (``torchtune.models...``) are chosen by tunepack, never by a user: user
 arguments only fill in values such as the LoRA rank.
@@ -10,9 +24,13 @@ arguments only fill in values such as the LoRA rank.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 RUNTIME_PREFIX = "tunepack-"
+# A sharded Hugging Face checkpoint names its shards in this file's ``weight_map``.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -28,10 +46,14 @@ class Shape:
     max_seq_len: int
     tied_embeddings: bool = False
     qkv_bias: bool = False
+    # 0 means embed_dim // num_heads; Gemma sets it explicitly (256 with a 2048 model dim).
+    head_dim: int = 0
+    # RMSNorms per layer: before attention and MLP; Gemma 2 also normalises their outputs.
+    norms_per_layer: int = 2
 
-    @property
-    def head_dim(self) -> int:
-        return self.embed_dim // self.num_heads
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.embed_dim // self.num_heads)
 
     def parameter_count(self) -> int:
         d, hd = self.embed_dim, self.head_dim
@@ -40,7 +62,7 @@ class Shape:
         if self.qkv_bias:
             attention += q_out + 2 * kv_out
         mlp = 3 * d * self.intermediate_dim
-        norms = 2 * d
+        norms = self.norms_per_layer * d
         embeddings = self.vocab_size * d * (1 if self.tied_embeddings else 2)
         return embeddings + self.num_layers * (attention + mlp + norms) + d
 
@@ -58,28 +80,57 @@ class Tokenizer:
 
 @dataclass(frozen=True)
 class Resources:
-    """Default per-node resources of the runtime's trainer Pod."""
+    """Default per-node resources of the runtime's trainer Pods, and how many nodes."""
 
     gpus: int
     cpu: str
     memory: str
     workspace_storage: str
+    nodes: int = 1
+
+
+@dataclass(frozen=True)
+class Family:
+    """What every size of one torchtune model family shares."""
+
+    name: str  # the torchtune package: torchtune.models.<name>
+    title: str
+    hf_model_type: str  # config.json "model_type"
+    hf_architecture: str  # config.json "architectures"[0]
+    tokenizer: Tokenizer
+    checkpoint_model_type: str  # torchtune's ModelType for the HF checkpointer
+    # Builders that take the shape as keywords (tiny variants use them).
+    component_builders: dict[str, str]
+    # Architecture constants the component builders take besides the shape; the tiny generator
+    # writes the same values into config.json so both formats describe one model.
+    options: dict[str, object]
+    # Shape fields the component builders take beyond the common seven, by keyword.
+    shape_keywords: tuple[str, ...] = ()
+    # Default of ModelEntry.lora_output for the family's sizes.
+    lora_output: bool = True
+    # torchtune's lora_llama2 takes no rope_base and builds RoPE with base 10000, right for
+    # Llama 2 but not for Code Llama (1e6); the trainer rebuilds it with options["rope_base"].
+    lora_takes_rope_base: bool = True
 
 
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
-    family: str
+    family: Family
     hub_id: str
     description: str
     shape: Shape
     # torchtune builders by method. A builder taking the shape as keywords sets ``shape_kwargs``.
     builders: dict[str, str]
-    tokenizer: Tokenizer
+    # Weight files: listed, or (for sharded checkpoints) read from SAFETENSORS_INDEX.
     checkpoint_files: tuple[str, ...]
-    checkpoint_model_type: str  # torchtune's ModelType for the HF checkpointer
     resources: Resources
     shape_kwargs: bool = False
+    # Whether the LoRA builder takes apply_lora_to_output. Builders of models whose output
+    # projection is tied to the embeddings (Gemma, Qwen 2 0.5B/1.5B) do not: LoRA cannot reach it.
+    lora_output: bool = True
+    # Where a repository keeps its tokenizer somewhere else than the family's usual place.
+    tokenizer_files: dict[str, str] | None = None
     # The catalog's default trainer arguments for this model (users override per job).
     defaults: dict[str, object] = field(default_factory=dict)
 
@@ -95,16 +146,53 @@ class ModelEntry:
     def parameter_count(self) -> int:
         return self.shape.parameter_count()
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        base = self.family.tokenizer
+        if self.tokenizer_files is None:
+            return base
+        return Tokenizer(component=base.component, files=self.tokenizer_files)
+
+    @property
+    def checkpoint_model_type(self) -> str:
+        return self.family.checkpoint_model_type
+
     def required_files(self) -> tuple[str, ...]:
-        """Files the model initializer must deliver for the trainer to start."""
+        """Files the model initializer must deliver for the trainer to start.
+
+        A sharded checkpoint's shards are not listed here: ``weight_files`` reads them from the
+        index, which is required instead.
+        """
         return ("config.json", *self.checkpoint_files, *self.tokenizer.files.values())
 
-    def builder_kwargs(self) -> dict[str, object]:
+    def weight_files(self, model_dir: Path) -> tuple[str, ...]:
+        """The weight files of the model in ``model_dir``, shards resolved through the index."""
+        if self.checkpoint_files != (SAFETENSORS_INDEX,):
+            return self.checkpoint_files
+        from tunepack.errors import BadInputError
+
+        path = Path(model_dir) / SAFETENSORS_INDEX
+        try:
+            weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            raise BadInputError(
+                f"cannot read the shard list of {self.name} from {path} ({error}); it must be the "
+                f"{SAFETENSORS_INDEX} of {self.hub_id}, with a weight_map of tensor -> file"
+            ) from None
+        if not shards or not all(isinstance(s, str) and "/" not in s for s in shards):
+            raise BadInputError(
+                f"{path} names no usable shard files ({shards!r}); replace it with the "
+                f"{SAFETENSORS_INDEX} of {self.hub_id}"
+            )
+        return tuple(shards)
+
+    def builder_kwargs(self, method: str = "full") -> dict[str, object]:
         """Keyword arguments for a builder that takes the shape (``llama3.llama3``)."""
         if not self.shape_kwargs:
             return {}
         s = self.shape
-        return {
+        kwargs: dict[str, object] = {
             "vocab_size": s.vocab_size,
             "num_layers": s.num_layers,
             "num_heads": s.num_heads,
@@ -113,162 +201,394 @@ class ModelEntry:
             "intermediate_dim": s.intermediate_dim,
             "max_seq_len": s.max_seq_len,
         }
+        kwargs |= {kw: getattr(s, _SHAPE_FIELD[kw]) for kw in self.family.shape_keywords}
+        kwargs |= self.family.options
+        if method == "lora" and not self.family.lora_takes_rope_base:
+            del kwargs["rope_base"]
+        return kwargs
 
 
-_LLAMA3_TOKENIZER = Tokenizer(
-    component="torchtune.models.llama3.llama3_tokenizer",
-    files={"path": "original/tokenizer.model", "special_tokens_path": "tokenizer.json"},
+# Component builder keyword -> Shape field, for Family.shape_keywords.
+_SHAPE_FIELD = {"head_dim": "head_dim", "tie_word_embeddings": "tied_embeddings"}
+
+
+# --- families ------------------------------------------------------------------------------------
+
+_SENTENCEPIECE = {"path": "tokenizer.model"}
+# Llama 3's tiktoken model lives under original/; tokenizer.json supplies the special tokens.
+_TIKTOKEN = {"path": "original/tokenizer.model", "special_tokens_path": "tokenizer.json"}
+# GPT-2-style byte-level BPE; tokenizer.json supplies the special tokens and their ids.
+_QWEN_BPE = {
+    "path": "vocab.json",
+    "merges_file": "merges.txt",
+    "special_tokens_path": "tokenizer.json",
+}
+_LLAMA2_OPTIONS = {"rope_base": 10_000.0, "norm_eps": 1e-5}
+_LLAMA3_OPTIONS = {"rope_base": 500_000.0, "norm_eps": 1e-5}
+
+
+def _family(name: str, title: str, hf_model_type: str, hf_architecture: str, *,
+            tokenizer: Tokenizer, model_type: str, builders: str, options: dict,
+            **extra) -> Family:  # fmt: skip
+    """``builders`` is the component builder's module path: ``torchtune.models.qwen2.qwen2``."""
+    package, function = builders.rsplit(".", 1)
+    return Family(
+        name=name,
+        title=title,
+        hf_model_type=hf_model_type,
+        hf_architecture=hf_architecture,
+        tokenizer=tokenizer,
+        checkpoint_model_type=model_type,
+        component_builders={"full": builders, "lora": f"{package}.lora_{function}"},
+        options=options,
+        **extra,
+    )
+
+
+def _tokenizer(family: str, files: dict[str, str], builder: str | None = None) -> Tokenizer:
+    return Tokenizer(f"torchtune.models.{family}.{builder or family + '_tokenizer'}", files)
+
+
+_LLAMA2_TOKENIZER = _tokenizer("llama2", _SENTENCEPIECE)
+_LLAMA3_TOKENIZER = _tokenizer("llama3", _TIKTOKEN)
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        _family("llama2", "Llama 2", "llama", "LlamaForCausalLM",
+                tokenizer=_LLAMA2_TOKENIZER, model_type="LLAMA2",
+                builders="torchtune.models.llama2.llama2", options=_LLAMA2_OPTIONS,
+                lora_takes_rope_base=False),
+        # Code Llama is a Llama 2 with a longer RoPE period; torchtune builds it with llama2().
+        _family("code_llama2", "Code Llama 2", "llama", "LlamaForCausalLM",
+                tokenizer=_LLAMA2_TOKENIZER, model_type="LLAMA2",
+                builders="torchtune.models.llama2.llama2",
+                options={"rope_base": 1_000_000.0, "norm_eps": 1e-5},
+                lora_takes_rope_base=False),
+        _family("llama3", "Llama 3", "llama", "LlamaForCausalLM",
+                tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
+                builders="torchtune.models.llama3.llama3", options=_LLAMA3_OPTIONS),
+        # 3.1 and 3.3 stretch RoPE by 8 for their 128K context; 3.2 by 32 and ties embeddings.
+        _family("llama3_1", "Llama 3.1", "llama", "LlamaForCausalLM",
+                tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
+                builders="torchtune.models.llama3_1.llama3_1",
+                options=_LLAMA3_OPTIONS | {"scale_factor": 8}),
+        _family("llama3_2", "Llama 3.2", "llama", "LlamaForCausalLM",
+                tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3_2",
+                builders="torchtune.models.llama3_2.llama3_2",
+                options=_LLAMA3_OPTIONS | {"scale_factor": 32},
+                shape_keywords=("tie_word_embeddings",)),
+        # torchtune's llama3_3 builders are its llama3_1 builders under another name.
+        _family("llama3_3", "Llama 3.3", "llama", "LlamaForCausalLM",
+                tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
+                builders="torchtune.models.llama3_1.llama3_1",
+                options=_LLAMA3_OPTIONS | {"scale_factor": 8}),
+        _family("mistral", "Mistral", "mistral", "MistralForCausalLM",
+                tokenizer=_tokenizer("mistral", _SENTENCEPIECE), model_type="MISTRAL",
+                builders="torchtune.models.mistral.mistral", options=_LLAMA2_OPTIONS),
+        # Gemma: GeGLU MLP, embeddings scaled by sqrt(dim) and tied to the output, (1 + w) norms.
+        _family("gemma", "Gemma", "gemma", "GemmaForCausalLM",
+                tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA",
+                builders="torchtune.models.gemma.gemma",
+                options={"rope_base": 10_000.0, "norm_eps": 1e-6},
+                shape_keywords=("head_dim",), lora_output=False),
+        # Gemma 2 adds attention soft-capping, sliding-window attention on every other layer and
+        # post-attention/post-MLP norms. The capping values are the ones torchtune's gemma2_*
+        # builders pass (see the report in tests/test_families.py about how they differ from HF).
+        _family("gemma2", "Gemma 2", "gemma2", "Gemma2ForCausalLM",
+                tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA2",
+                builders="torchtune.models.gemma2.gemma2",
+                options={"rope_base": 10_000.0, "norm_eps": 1e-6, "hidden_capping_value": 30.0,
+                         "final_capping_value": 50.0, "sliding_window_size": 4096},
+                shape_keywords=("head_dim",), lora_output=False),
+        # Phi-3 fuses q/k/v and gate/up in its HF checkpoint; the checkpointer splits them.
+        _family("phi3", "Phi-3", "phi3", "Phi3ForCausalLM",
+                tokenizer=_tokenizer("phi3", {**_SENTENCEPIECE, "special_tokens_path":
+                                              "tokenizer.json"}, "phi3_mini_tokenizer"),
+                model_type="PHI3_MINI", builders="torchtune.models.phi3.phi3",
+                options=_LLAMA2_OPTIONS),
+        # Phi-4 is a Phi-3 architecture (torchtune builds it with phi3()) with a tiktoken-derived
+        # byte-level BPE vocabulary shipped as vocab.json + merges.txt.
+        _family("phi4", "Phi-4", "phi3", "Phi3ForCausalLM",
+                tokenizer=_tokenizer("phi4", {"vocab_path": "vocab.json",
+                                              "merges_path": "merges.txt",
+                                              "special_tokens_path": "tokenizer.json"}),
+                model_type="PHI4", builders="torchtune.models.phi3.phi3",
+                options=_LLAMA2_OPTIONS),
+        _family("qwen2", "Qwen 2", "qwen2", "Qwen2ForCausalLM",
+                tokenizer=_tokenizer("qwen2", _QWEN_BPE), model_type="QWEN2",
+                builders="torchtune.models.qwen2.qwen2",
+                options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
+                shape_keywords=("tie_word_embeddings",)),
+        # Qwen 2.5 is the Qwen 2 architecture with more special tokens.
+        _family("qwen2_5", "Qwen 2.5", "qwen2", "Qwen2ForCausalLM",
+                tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
+                builders="torchtune.models.qwen2.qwen2",
+                options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
+                shape_keywords=("tie_word_embeddings",)),
+    )
+}  # fmt: skip
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tier:
+    """Defaults by model size: GPUs (bf16 LoRA with FSDP across them), memory, batch size."""
+
+    up_to_billions: float
+    resources: Resources
+    batch_size: int
+
+
+_TIERS = (
+    _Tier(4, Resources(gpus=1, cpu="8", memory="48Gi", workspace_storage="30Gi"), 4),
+    _Tier(10, Resources(gpus=1, cpu="16", memory="96Gi", workspace_storage="60Gi"), 2),
+    _Tier(16, Resources(gpus=2, cpu="16", memory="160Gi", workspace_storage="100Gi"), 2),
+    _Tier(40, Resources(gpus=4, cpu="32", memory="320Gi", workspace_storage="200Gi"), 1),
+    _Tier(100, Resources(gpus=8, cpu="64", memory="640Gi", workspace_storage="500Gi"), 1),
+    # 405B in bf16 is 810 GB of weights alone: FSDP over two 8-GPU nodes.
+    _Tier(1000, Resources(gpus=8, cpu="96", memory="1280Gi", workspace_storage="2Ti", nodes=2), 1),
 )
-_QWEN2_5_TOKENIZER = Tokenizer(
-    component="torchtune.models.qwen2_5.qwen2_5_tokenizer",
-    files={
-        "path": "vocab.json",
-        "merges_file": "merges.txt",
-        "special_tokens_path": "tokenizer.json",
-    },
-)
+
+
+def _tier(shape: Shape) -> _Tier:
+    billions = shape.parameter_count() / 1e9
+    return next(tier for tier in _TIERS if billions <= tier.up_to_billions)
 
 
 def _shards(count: int) -> tuple[str, ...]:
     return tuple(f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1))
 
 
-_ENTRIES = (
-    ModelEntry(
-        name="tiny-llama3",
-        family="llama3",
-        hub_id="tunepack/tiny-llama3",
-        description="Tiny random Llama-3 model for the quickstart and tests (CPU, no download)",
-        shape=Shape(
-            vocab_size=384,
-            num_layers=3,
-            num_heads=4,
-            num_kv_heads=2,
-            embed_dim=96,
-            intermediate_dim=256,
-            max_seq_len=512,
-        ),
-        builders={
-            "full": "torchtune.models.llama3.llama3",
-            "lora": "torchtune.models.llama3.lora_llama3",
-        },
-        shape_kwargs=True,
-        tokenizer=_LLAMA3_TOKENIZER,
-        checkpoint_files=("model.safetensors",),
-        checkpoint_model_type="LLAMA3",
-        resources=Resources(gpus=0, cpu="2", memory="4Gi", workspace_storage="1Gi"),
-        # A random base learns only through the adapter, so it wants a higher rate than real ones.
+# Explicit shard lists are the ones torchtune 0.6.1's own recipe configs name for the same
+# repository; every other sharded checkpoint is resolved through its index file, which the
+# model initializer reads to check each shard is present.
+_SINGLE = ("model.safetensors",)
+_INDEXED = (SAFETENSORS_INDEX,)
+
+
+def _entry(family: str, name: str, hub_id: str, description: str, shape: Shape, builder: str,
+           checkpoint: tuple[str, ...], **extra) -> ModelEntry:  # fmt: skip
+    """A published size. ``builder`` is torchtune's name without ``lora_``: ``qwen2_5_3b``."""
+    fam = FAMILIES[family]
+    module = f"torchtune.models.{family}"
+    tier = _tier(shape)
+    extra.setdefault("lora_output", fam.lora_output)
+    return ModelEntry(
+        name=name,
+        family=fam,
+        hub_id=hub_id,
+        description=description,
+        shape=shape,
+        builders={"full": f"{module}.{builder}", "lora": f"{module}.lora_{builder}"},
+        checkpoint_files=checkpoint,
+        resources=tier.resources,
         defaults={
-            "max_seq_len": 256,
-            "batch_size": 8,
-            "lora_rank": 8,
-            "lora_alpha": 16,
-            "lr": 3e-3,
+            "max_seq_len": min(2048, shape.max_seq_len),
+            "batch_size": tier.batch_size,
+            "lora_rank": 16,
+            "lora_alpha": 32,
         },
-    ),
-    ModelEntry(
-        name="llama3.2-1b",
-        family="llama3_2",
-        hub_id="meta-llama/Llama-3.2-1B-Instruct",
-        description="Llama 3.2 1B Instruct",
-        shape=Shape(
-            vocab_size=128_256,
-            num_layers=16,
-            num_heads=32,
-            num_kv_heads=8,
-            embed_dim=2048,
-            intermediate_dim=8192,
-            max_seq_len=131_072,
-            tied_embeddings=True,
-        ),
-        builders={
-            "full": "torchtune.models.llama3_2.llama3_2_1b",
-            "lora": "torchtune.models.llama3_2.lora_llama3_2_1b",
-        },
-        tokenizer=_LLAMA3_TOKENIZER,
-        checkpoint_files=("model.safetensors",),
-        checkpoint_model_type="LLAMA3_2",
-        resources=Resources(gpus=1, cpu="8", memory="32Gi", workspace_storage="20Gi"),
-        defaults={"max_seq_len": 2048, "batch_size": 4, "lora_rank": 16, "lora_alpha": 32},
-    ),
-    ModelEntry(
-        name="llama3.1-8b",
-        family="llama3_1",
-        hub_id="meta-llama/Llama-3.1-8B-Instruct",
-        description="Llama 3.1 8B Instruct",
-        shape=Shape(
-            vocab_size=128_256,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            embed_dim=4096,
-            intermediate_dim=14_336,
-            max_seq_len=131_072,
-        ),
-        builders={
-            "full": "torchtune.models.llama3_1.llama3_1_8b",
-            "lora": "torchtune.models.llama3_1.lora_llama3_1_8b",
-        },
-        tokenizer=_LLAMA3_TOKENIZER,
-        checkpoint_files=_shards(4),
-        checkpoint_model_type="LLAMA3",
-        resources=Resources(gpus=1, cpu="16", memory="96Gi", workspace_storage="60Gi"),
-        defaults={"max_seq_len": 2048, "batch_size": 2, "lora_rank": 16, "lora_alpha": 32},
-    ),
-    ModelEntry(
-        name="qwen2.5-1.5b",
-        family="qwen2_5",
-        hub_id="Qwen/Qwen2.5-1.5B-Instruct",
-        description="Qwen 2.5 1.5B Instruct",
-        shape=Shape(
-            vocab_size=151_936,
-            num_layers=28,
-            num_heads=12,
-            num_kv_heads=2,
-            embed_dim=1536,
-            intermediate_dim=8960,
-            max_seq_len=32_768,
-            tied_embeddings=True,
-            qkv_bias=True,
-        ),
-        builders={
-            "full": "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct",
-            "lora": "torchtune.models.qwen2_5.lora_qwen2_5_1_5b_instruct",
-        },
-        tokenizer=_QWEN2_5_TOKENIZER,
-        checkpoint_files=("model.safetensors",),
-        checkpoint_model_type="QWEN2",
-        resources=Resources(gpus=1, cpu="8", memory="32Gi", workspace_storage="20Gi"),
-        defaults={"max_seq_len": 2048, "batch_size": 4, "lora_rank": 16, "lora_alpha": 32},
-    ),
-    ModelEntry(
-        name="qwen2.5-7b",
-        family="qwen2_5",
-        hub_id="Qwen/Qwen2.5-7B-Instruct",
-        description="Qwen 2.5 7B Instruct",
-        shape=Shape(
-            vocab_size=152_064,
-            num_layers=28,
-            num_heads=28,
-            num_kv_heads=4,
-            embed_dim=3584,
-            intermediate_dim=18_944,
-            max_seq_len=32_768,
-            qkv_bias=True,
-        ),
-        builders={
-            "full": "torchtune.models.qwen2_5.qwen2_5_7b_instruct",
-            "lora": "torchtune.models.qwen2_5.lora_qwen2_5_7b_instruct",
-        },
-        tokenizer=_QWEN2_5_TOKENIZER,
-        checkpoint_files=_shards(4),
-        checkpoint_model_type="QWEN2",
-        resources=Resources(gpus=1, cpu="16", memory="96Gi", workspace_storage="60Gi"),
-        defaults={"max_seq_len": 2048, "batch_size": 2, "lora_rank": 16, "lora_alpha": 32},
-    ),
+        **extra,
+    )
+
+
+def _llama(vocab: int, layers: int, heads: int, kv: int, dim: int, ffn: int, seq: int,
+           tied: bool = False) -> Shape:  # fmt: skip
+    return Shape(vocab, layers, heads, kv, dim, ffn, seq, tied_embeddings=tied)
+
+
+def _gemma(layers: int, heads: int, head_dim: int, kv: int, dim: int, ffn: int,
+           norms: int = 2) -> Shape:  # fmt: skip
+    return Shape(256_000, layers, heads, kv, dim, ffn, 8192, tied_embeddings=True,
+                 head_dim=head_dim, norms_per_layer=norms)  # fmt: skip
+
+
+def _qwen(vocab: int, layers: int, heads: int, kv: int, dim: int, ffn: int,
+          tied: bool) -> Shape:  # fmt: skip
+    # The instruct builders cap the context at 32K (the base ones at 128K with YaRN in mind).
+    return Shape(vocab, layers, heads, kv, dim, ffn, 32_768, tied_embeddings=tied, qkv_bias=True)
+
+
+_QWEN_SMALL_VOCAB, _QWEN_LARGE_VOCAB = 151_936, 152_064
+
+# Shapes are copied from torchtune 0.6.1's model builders; test_catalog builds each one.
+_PUBLISHED = (
+    # Llama 2 / Code Llama: torchtune has no separate chat builders; we pick the chat/instruct
+    # repositories, which share the base architecture.
+    _entry("llama2", "llama2-7b", "meta-llama/Llama-2-7b-chat-hf", "Llama 2 7B Chat",
+           _llama(32_000, 32, 32, 32, 4096, 11_008, 4096), "llama2_7b", _INDEXED),
+    _entry("llama2", "llama2-13b", "meta-llama/Llama-2-13b-chat-hf", "Llama 2 13B Chat",
+           _llama(32_000, 40, 40, 40, 5120, 13_824, 4096), "llama2_13b", _INDEXED),
+    _entry("llama2", "llama2-70b", "meta-llama/Llama-2-70b-chat-hf", "Llama 2 70B Chat",
+           _llama(32_000, 80, 64, 8, 8192, 28_672, 4096), "llama2_70b", _INDEXED),
+    _entry("code_llama2", "code-llama2-7b", "meta-llama/CodeLlama-7b-Instruct-hf",
+           "Code Llama 7B Instruct", _llama(32_016, 32, 32, 32, 4096, 11_008, 16_384),
+           "code_llama2_7b", _INDEXED),
+    _entry("code_llama2", "code-llama2-13b", "meta-llama/CodeLlama-13b-Instruct-hf",
+           "Code Llama 13B Instruct", _llama(32_016, 40, 40, 40, 5120, 13_824, 16_384),
+           "code_llama2_13b", _INDEXED),
+    _entry("code_llama2", "code-llama2-70b", "meta-llama/CodeLlama-70b-Instruct-hf",
+           "Code Llama 70B Instruct", _llama(32_016, 80, 64, 8, 8192, 28_672, 16_384),
+           "code_llama2_70b", _INDEXED),
+    _entry("llama3", "llama3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "Llama 3 8B Instruct",
+           _llama(128_256, 32, 32, 8, 4096, 14_336, 8192), "llama3_8b", _INDEXED),
+    _entry("llama3", "llama3-70b", "meta-llama/Meta-Llama-3-70B-Instruct",
+           "Llama 3 70B Instruct", _llama(128_256, 80, 64, 8, 8192, 28_672, 8192), "llama3_70b",
+           _shards(30)),
+    _entry("llama3_1", "llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "Llama 3.1 8B Instruct",
+           _llama(128_256, 32, 32, 8, 4096, 14_336, 131_072), "llama3_1_8b", _shards(4)),
+    _entry("llama3_1", "llama3.1-70b", "meta-llama/Llama-3.1-70B-Instruct",
+           "Llama 3.1 70B Instruct", _llama(128_256, 80, 64, 8, 8192, 28_672, 131_072),
+           "llama3_1_70b", _shards(30)),
+    # The 405B repository keeps its tokenizer beside the 8-way model-parallel original weights.
+    _entry("llama3_1", "llama3.1-405b", "meta-llama/Llama-3.1-405B-Instruct",
+           "Llama 3.1 405B Instruct (two 8-GPU nodes)",
+           _llama(128_256, 126, 128, 8, 16_384, 53_248, 131_072), "llama3_1_405b", _shards(191),
+           tokenizer_files={**_TIKTOKEN, "path": "original/mp8/tokenizer.model"}),
+    _entry("llama3_2", "llama3.2-1b", "meta-llama/Llama-3.2-1B-Instruct", "Llama 3.2 1B Instruct",
+           _llama(128_256, 16, 32, 8, 2048, 8192, 131_072, tied=True), "llama3_2_1b", _SINGLE),
+    _entry("llama3_2", "llama3.2-3b", "meta-llama/Llama-3.2-3B-Instruct", "Llama 3.2 3B Instruct",
+           _llama(128_256, 28, 24, 8, 3072, 8192, 131_072, tied=True), "llama3_2_3b",
+           _shards(2)),
+    _entry("llama3_3", "llama3.3-70b", "meta-llama/Llama-3.3-70B-Instruct",
+           "Llama 3.3 70B Instruct", _llama(128_256, 80, 64, 8, 8192, 28_672, 131_072),
+           "llama3_3_70b", _shards(30)),
+    # torchtune's mistral_7b is v0.1 (RoPE base 10000, 32000 tokens); v0.2 and later differ.
+    _entry("mistral", "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.1",
+           "Mistral 7B Instruct v0.1", _llama(32_000, 32, 32, 8, 4096, 14_336, 32_768),
+           "mistral_7b", _INDEXED),
+    _entry("gemma", "gemma-2b", "google/gemma-2b-it", "Gemma 2B Instruct",
+           _gemma(18, 8, 256, 1, 2048, 16_384), "gemma_2b", _INDEXED),
+    _entry("gemma", "gemma-7b", "google/gemma-7b-it", "Gemma 7B Instruct",
+           _gemma(28, 16, 256, 16, 3072, 24_576), "gemma_7b", _INDEXED),
+    _entry("gemma2", "gemma2-2b", "google/gemma-2-2b-it", "Gemma 2 2B Instruct",
+           _gemma(26, 8, 256, 4, 2304, 9216, norms=4), "gemma2_2b", _INDEXED),
+    _entry("gemma2", "gemma2-9b", "google/gemma-2-9b-it", "Gemma 2 9B Instruct",
+           _gemma(42, 16, 256, 8, 3584, 14_336, norms=4), "gemma2_9b", _INDEXED),
+    _entry("gemma2", "gemma2-27b", "google/gemma-2-27b-it", "Gemma 2 27B Instruct",
+           _gemma(46, 32, 128, 16, 4608, 36_864, norms=4), "gemma2_27b", _INDEXED),
+    _entry("phi3", "phi3-mini", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 Mini 4K Instruct",
+           _llama(32_064, 32, 32, 32, 3072, 8192, 4096), "phi3_mini", _shards(2)),
+    _entry("phi4", "phi4-14b", "microsoft/phi-4", "Phi-4 14B (instruction-tuned)",
+           _llama(100_352, 40, 40, 10, 5120, 17_920, 16_384), "phi4_14b", _shards(6)),
+    _entry("qwen2", "qwen2-0.5b", "Qwen/Qwen2-0.5B-Instruct", "Qwen 2 0.5B Instruct",
+           _qwen(_QWEN_SMALL_VOCAB, 24, 14, 2, 896, 4864, tied=True), "qwen2_0_5b", _SINGLE,
+           lora_output=False),
+    _entry("qwen2", "qwen2-1.5b", "Qwen/Qwen2-1.5B-Instruct", "Qwen 2 1.5B Instruct",
+           _qwen(_QWEN_SMALL_VOCAB, 28, 12, 2, 1536, 8960, tied=True), "qwen2_1_5b", _SINGLE,
+           lora_output=False),
+    _entry("qwen2", "qwen2-7b", "Qwen/Qwen2-7B-Instruct", "Qwen 2 7B Instruct",
+           _qwen(_QWEN_LARGE_VOCAB, 28, 28, 4, 3584, 18_944, tied=False), "qwen2_7b",
+           _shards(4)),
+    # Qwen 2.5: torchtune has base and instruct builders from 1.5B up; we use the instruct ones
+    # (0.5B and 3B have a single builder that serves both).
+    _entry("qwen2_5", "qwen2.5-0.5b", "Qwen/Qwen2.5-0.5B-Instruct", "Qwen 2.5 0.5B Instruct",
+           _qwen(_QWEN_SMALL_VOCAB, 24, 14, 2, 896, 4864, tied=True), "qwen2_5_0_5b", _SINGLE),
+    _entry("qwen2_5", "qwen2.5-1.5b", "Qwen/Qwen2.5-1.5B-Instruct",
+           "Qwen 2.5 1.5B Instruct (torchtune's instruct builder)",
+           _qwen(_QWEN_SMALL_VOCAB, 28, 12, 2, 1536, 8960, tied=True),
+           "qwen2_5_1_5b_instruct", _SINGLE),
+    _entry("qwen2_5", "qwen2.5-3b", "Qwen/Qwen2.5-3B-Instruct", "Qwen 2.5 3B Instruct",
+           _qwen(_QWEN_SMALL_VOCAB, 36, 16, 2, 2048, 11_008, tied=True), "qwen2_5_3b",
+           _shards(2)),
+    _entry("qwen2_5", "qwen2.5-7b", "Qwen/Qwen2.5-7B-Instruct",
+           "Qwen 2.5 7B Instruct (torchtune's instruct builder)",
+           _qwen(_QWEN_LARGE_VOCAB, 28, 28, 4, 3584, 18_944, tied=False),
+           "qwen2_5_7b_instruct", _shards(4)),
+    _entry("qwen2_5", "qwen2.5-14b", "Qwen/Qwen2.5-14B-Instruct",
+           "Qwen 2.5 14B Instruct (torchtune's instruct builder)",
+           _qwen(_QWEN_LARGE_VOCAB, 48, 40, 8, 5120, 13_824, tied=False),
+           "qwen2_5_14b_instruct", _shards(8)),
+    _entry("qwen2_5", "qwen2.5-32b", "Qwen/Qwen2.5-32B-Instruct",
+           "Qwen 2.5 32B Instruct (torchtune's instruct builder)",
+           _qwen(_QWEN_LARGE_VOCAB, 64, 40, 8, 5120, 27_648, tied=False),
+           "qwen2_5_32b_instruct", _shards(17)),
+    _entry("qwen2_5", "qwen2.5-72b", "Qwen/Qwen2.5-72B-Instruct",
+           "Qwen 2.5 72B Instruct (torchtune's instruct builder)",
+           _qwen(_QWEN_LARGE_VOCAB, 80, 64, 8, 8192, 29_568, tied=False),
+           "qwen2_5_72b_instruct", _shards(37)),
+)  # fmt: skip
+
+
+# --- tiny variants -------------------------------------------------------------------------------
+
+_TINY_RESOURCES = Resources(gpus=0, cpu="2", memory="4Gi", workspace_storage="1Gi")
+# A random base learns only through the adapter, so it wants a higher rate than real ones.
+_TINY_DEFAULTS = {"max_seq_len": 256, "batch_size": 8, "lora_rank": 8, "lora_alpha": 16, "lr": 3e-3}
+
+
+def _tiny(family: str, name: str, shape: Shape, description: str = "") -> ModelEntry:
+    """A tiny random model of ``family`` built by its component builders from ``shape``.
+
+    ``tunepack.tiny.write_tiny_model`` writes it in the family's Hugging Face format, with a
+    tokenizer of the family's kind whose vocabulary fits ``shape.vocab_size``.
+    """
+    fam = FAMILIES[family]
+    return ModelEntry(
+        name=name,
+        family=fam,
+        hub_id=f"tunepack/{name}",
+        description=description or f"Tiny random {fam.title} model for tests (CPU, no download)",
+        shape=shape,
+        builders=dict(fam.component_builders),
+        shape_kwargs=True,
+        checkpoint_files=_SINGLE,
+        lora_output=fam.lora_output,
+        resources=_TINY_RESOURCES,
+        defaults=dict(_TINY_DEFAULTS),
+    )
+
+
+def _tiny_shape(vocab: int = 384, kv: int = 2, **extra) -> Shape:
+    """Two layers of width 64: small enough that a few training steps take a second."""
+    return Shape(vocab, num_layers=2, num_heads=4, num_kv_heads=kv, embed_dim=64,
+                 intermediate_dim=128, max_seq_len=512, **extra)  # fmt: skip
+
+
+TINY_LLAMA3 = _tiny(
+    "llama3",
+    "tiny-llama3",
+    Shape(
+        384,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=96,
+        intermediate_dim=256,
+        max_seq_len=512,
+    ),  # fmt: skip
+    "Tiny random Llama-3 model for the quickstart and tests (CPU, no download)",
 )
 
-CATALOG: dict[str, ModelEntry] = {entry.name: entry for entry in _ENTRIES}
+# One per family. The shapes exercise what sets each family apart: tied embeddings, explicit
+# head_dim (twice embed_dim // num_heads), multi-query and multi-head attention, q/k/v biases.
+TINY: dict[str, ModelEntry] = {
+    entry.family.name: entry
+    for entry in (
+        _tiny("llama2", "tiny-llama2", _tiny_shape()),
+        _tiny("code_llama2", "tiny-code-llama2", _tiny_shape()),
+        TINY_LLAMA3,
+        _tiny("llama3_1", "tiny-llama3.1", _tiny_shape()),
+        _tiny("llama3_2", "tiny-llama3.2", _tiny_shape(tied_embeddings=True)),
+        _tiny("llama3_3", "tiny-llama3.3", _tiny_shape()),
+        _tiny("mistral", "tiny-mistral", _tiny_shape()),
+        _tiny("gemma", "tiny-gemma", _tiny_shape(kv=1, tied_embeddings=True, head_dim=32)),
+        _tiny("gemma2", "tiny-gemma2",
+              _tiny_shape(tied_embeddings=True, head_dim=32, norms_per_layer=4)),
+        _tiny("phi3", "tiny-phi3", _tiny_shape(kv=4)),
+        # Phi-4's 96 special tokens (mostly placeholders) need room beside the learned merges.
+        _tiny("phi4", "tiny-phi4", _tiny_shape(vocab=448)),
+        _tiny("qwen2", "tiny-qwen2", _tiny_shape(tied_embeddings=True, qkv_bias=True)),
+        _tiny("qwen2_5", "tiny-qwen2.5", _tiny_shape(qkv_bias=True)),
+    )
+}  # fmt: skip
+assert set(TINY) == set(FAMILIES), "every family needs a tiny variant"
+
+# The published runtimes: every real size, and the quickstart's tiny model.
+CATALOG: dict[str, ModelEntry] = {entry.name: entry for entry in (TINY_LLAMA3, *_PUBLISHED)}
 
 
 def get(name: str) -> ModelEntry:
@@ -279,7 +599,7 @@ def get(name: str) -> ModelEntry:
     try:
         return CATALOG[key]
     except KeyError:
-        known = ", ".join(entry.runtime_name for entry in _ENTRIES)
+        known = ", ".join(entry.runtime_name for entry in CATALOG.values())
         raise BadInputError(
             f"unknown runtime or model {name!r}; tunepack runtimes are: {known}"
         ) from None

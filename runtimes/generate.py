@@ -160,7 +160,7 @@ def build_runtime(entry: ModelEntry) -> dict:
             },
         },
         "spec": {
-            "mlPolicy": {"numNodes": 1, "torch": {}},
+            "mlPolicy": {"numNodes": entry.resources.nodes, "torch": {}},
             "podGroupPolicy": {
                 "coscheduling": {"scheduleTimeoutSeconds": SCHEDULE_TIMEOUT_SECONDS}
             },
@@ -172,14 +172,14 @@ def build_runtime(entry: ModelEntry) -> dict:
 def _jobset_spec(entry: ModelEntry) -> dict:
     return {
         # JobSet creates this PVC once per TrainJob and adds it to every pod that mounts it.
-        # ReadWriteOnce suits one node; multi-node needs a ReadWriteMany overlay.
+        # ReadWriteOnce suits one node; pods on several nodes must share it: ReadWriteMany.
         "volumeClaimPolicies": [
             {
                 "templates": [
                     {
                         "metadata": {"name": WORKSPACE_VOLUME},
                         "spec": {
-                            "accessModes": ["ReadWriteOnce"],
+                            "accessModes": [_access_mode(entry)],
                             "resources": {
                                 "requests": {"storage": entry.resources.workspace_storage}
                             },
@@ -210,6 +210,10 @@ def _jobset_spec(entry: ModelEntry) -> dict:
             ),
         ],
     }
+
+
+def _access_mode(entry: ModelEntry) -> str:
+    return "ReadWriteMany" if entry.resources.nodes > 1 else "ReadWriteOnce"
 
 
 def _replicated_job(

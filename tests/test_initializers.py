@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.initializers import uri
 from tunepack.runtimes import catalog
 from tunepack.workspace import MANIFEST_FILE
@@ -668,3 +668,18 @@ def test_parse_forms(tmp_path, monkeypatch):
 )
 def test_redact(raw, shown):
     assert uri.redact(raw) == shown
+
+
+def test_missing_shard_named_by_the_index_is_reported(tmp_path):
+    from tunepack.initializers import model as model_initializer
+
+    entry = catalog.get("gemma-2b")  # a sharded checkpoint resolved through its index
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors"}}
+    index["weight_map"]["b"] = "model-00002-of-00002.safetensors"
+    (tmp_path / catalog.SAFETENSORS_INDEX).write_text(json.dumps(index))
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    source_uri = uri.parse(f"file://{tmp_path}")
+    with pytest.raises(BadInputError, match="missing 1 checkpoint shard.*00002-of-00002"):
+        model_initializer._check_shards(entry, source_uri, tmp_path)
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    model_initializer._check_shards(entry, source_uri, tmp_path)

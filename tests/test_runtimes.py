@@ -117,6 +117,11 @@ def test_ml_policy_and_gang_scheduling():
     assert spec["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] > 0
 
 
+def test_multi_node_runtime():
+    spec = build_runtime(catalog.get("llama3.1-405b"))["spec"]
+    assert spec["mlPolicy"] == {"numNodes": 2, "torch": {}}
+
+
 def test_steps_labels_names_images_and_commands():
     jobs = _jobs(build_runtime(GPU))
     assert list(jobs) == ["dataset-initializer", "model-initializer", "node"]
@@ -156,7 +161,9 @@ def test_shared_workspace(entry):
     (policy,) = jobset["volumeClaimPolicies"]
     (claim,) = policy["templates"]
     assert claim["metadata"]["name"] == "workspace"
-    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    # Trainer pods on several nodes share the workspace.
+    mode = "ReadWriteMany" if entry.resources.nodes > 1 else "ReadWriteOnce"
+    assert claim["spec"]["accessModes"] == [mode]
     assert claim["spec"]["resources"]["requests"]["storage"] == entry.resources.workspace_storage
     for job in jobset["replicatedJobs"]:
         mounts = {m["name"]: m["mountPath"] for m in _container(job)["volumeMounts"]}

@@ -189,7 +189,11 @@ def test_empty_dir_is_filled_and_foreign_dir_refused(tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "message"),
-    [("qwen2.5-1.5b", "not Llama 3's"), ("llama3.2-1b", "too large for the tiny tokenizer")],
+    [
+        ("qwen2.5-1.5b", "vocab_size 151936 is too large for the tiny tokenizer"),
+        ("llama3.1-8b", r"checkpoint files \(.*\) are not one model.safetensors"),
+        ("llama3.2-1b", "too large for the tiny tokenizer"),
+    ],
 )
 def test_unsuitable_entries_are_refused(tmp_path, name, message):
     with pytest.raises(BadInputError, match=message):

@@ -69,6 +69,20 @@ def read_dataset_manifest(dataset_dir: Path) -> dict:
     return manifest
 
 
+# Wraps LoRA builders that torchtune's own cannot serve as they are (see trainers/builders.py).
+LORA_ADAPTER = "tunepack.trainers.builders.lora_model"
+
+
+def _adapt_lora_builder(entry: ModelEntry, model: dict) -> dict:
+    """Route the LoRA model through LORA_ADAPTER where the entry's builder needs it."""
+    adapt: dict = {}
+    if not entry.lora_output:  # the builder takes no apply_lora_to_output
+        adapt["builder"] = model["_component_"]
+    if not entry.family.lora_takes_rope_base:  # the builder ignores the family's RoPE base
+        adapt |= {"builder": model["_component_"], "rope_base": entry.family.options["rope_base"]}
+    return {**model, "_component_": LORA_ADAPTER, **adapt} if adapt else model
+
+
 def build_config(
     entry: ModelEntry,
     args: TrainArgs,
@@ -82,7 +96,10 @@ def build_config(
     manifest = read_dataset_manifest(dataset_dir)
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
 
-    model: dict = {"_component_": entry.builders[args.method], **entry.builder_kwargs()}
+    model: dict = {
+        "_component_": entry.builders[args.method],
+        **entry.builder_kwargs(args.method),
+    }
     if args.method == "lora":
         model.update(
             lora_attn_modules=list(args.lora_attn_modules),
@@ -92,6 +109,7 @@ def build_config(
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
         )
+        model = _adapt_lora_builder(entry, model)
 
     tokenizer = {
         "_component_": entry.tokenizer.component,
@@ -117,7 +135,7 @@ def build_config(
         "checkpointer": {
             "_component_": "torchtune.training.FullModelHFCheckpointer",
             "checkpoint_dir": str(model_dir),
-            "checkpoint_files": list(entry.checkpoint_files),
+            "checkpoint_files": list(entry.weight_files(model_dir)),
             "model_type": entry.checkpoint_model_type,
             "output_dir": str(output_dir / ".torchtune"),
         },

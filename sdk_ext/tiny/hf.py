@@ -1,0 +1,162 @@
+"""Hugging Face model formats: config.json and safetensors key names, one dataclass per format.
+
+Weights are random, normal(0, 0.02) like a fresh HF model, except the RMSNorm weights, which are
+drawn around their neutral value (1, or 0 for Gemma's ``1 + w`` norms) so that a checkpoint
+converter mixing up two norms shows in the logits instead of hiding behind identical weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tunepack.runtimes.catalog import ModelEntry
+from tunepack.tiny.bpe import TokenizerFiles
+
+INIT_STD = 0.02
+_NORM_STD = 0.1
+# torchtune's Llama3ScaledRoPE defaults, which its llama3_1 / llama3_2 builders use.
+_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _llama_extra(entry: ModelEntry) -> dict:
+    options = entry.family.options
+    scaling = None
+    if "scale_factor" in options:
+        scaling = {"rope_type": "llama3", "factor": float(options["scale_factor"]), **_LLAMA3_ROPE}
+    return {"rope_scaling": scaling, "attention_bias": False, "mlp_bias": False}
+
+
+def _gemma2_extra(entry: ModelEntry) -> dict:
+    options = entry.family.options
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "attn_logit_softcapping": options["hidden_capping_value"],
+        "final_logit_softcapping": options["final_capping_value"],
+        # torchtune scales queries by head_dim ** -0.5 unless told otherwise; so does this.
+        "query_pre_attn_scalar": entry.shape.head_dim,
+        "sliding_window": options["sliding_window_size"],
+    }
+
+
+@dataclass(frozen=True)
+class HfFormat:
+    hidden_act: str = "silu"
+    # Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj.
+    fused: bool = False
+    # Gemma's RMSNorm multiplies by (1 + weight), so a neutral weight is 0.
+    offset_norms: bool = False
+    # Gemma 2 also normalises the attention and MLP outputs.
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    extra: Callable[[ModelEntry], dict] = field(default=lambda entry: {})
+
+    def config(self, entry: ModelEntry, tokenizer: TokenizerFiles) -> dict:
+        s, options = entry.shape, entry.family.options
+        config = {
+            "architectures": [entry.family.hf_architecture],
+            "model_type": entry.family.hf_model_type,
+            "vocab_size": s.vocab_size,
+            "hidden_size": s.embed_dim,
+            "intermediate_size": s.intermediate_dim,
+            "num_hidden_layers": s.num_layers,
+            "num_attention_heads": s.num_heads,
+            "num_key_value_heads": s.num_kv_heads,
+            "head_dim": s.head_dim,
+            "hidden_act": self.hidden_act,
+            "max_position_embeddings": s.max_seq_len,
+            "initializer_range": INIT_STD,
+            # The family's builder options: both formats must describe the same model.
+            "rms_norm_eps": options["norm_eps"],
+            "rope_theta": options["rope_base"],
+            "rope_scaling": None,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": s.tied_embeddings,
+            "bos_token_id": tokenizer.bos_id,
+            "eos_token_id": tokenizer.eos_id,
+            "pad_token_id": tokenizer.pad_id,
+            "torch_dtype": "float32",
+            "use_cache": True,
+        }
+        return config | self.extra(entry)
+
+    def weights(self, entry: ModelEntry, seed: int) -> dict:
+        import torch
+
+        s = entry.shape
+        generator = torch.Generator().manual_seed(seed)
+
+        def normal(*size: int) -> torch.Tensor:
+            return torch.randn(*size, generator=generator) * INIT_STD
+
+        def norm() -> torch.Tensor:
+            neutral = 0.0 if self.offset_norms else 1.0
+            return neutral + torch.randn(d, generator=generator) * _NORM_STD
+
+        d, q_out, kv_out = s.embed_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        weights = {"model.embed_tokens.weight": normal(s.vocab_size, d)}
+        for n in range(s.num_layers):
+            attn, mlp = f"model.layers.{n}.self_attn", f"model.layers.{n}.mlp"
+            q, k, v = normal(q_out, d), normal(kv_out, d), normal(kv_out, d)
+            gate, up = normal(s.intermediate_dim, d), normal(s.intermediate_dim, d)
+            layer = {
+                f"{attn}.o_proj.weight": normal(d, q_out),
+                f"{mlp}.down_proj.weight": normal(d, s.intermediate_dim),
+            }
+            if self.fused:
+                layer[f"{attn}.qkv_proj.weight"] = torch.cat([q, k, v])
+                layer[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up])
+            else:
+                layer |= {
+                    f"{attn}.{name}_proj.weight": w
+                    for name, w in zip("qkv", (q, k, v), strict=True)
+                }
+                layer |= {f"{mlp}.gate_proj.weight": gate, f"{mlp}.up_proj.weight": up}
+            if s.qkv_bias:
+                sizes = {"q": q_out, "k": kv_out, "v": kv_out}
+                layer |= {f"{attn}.{name}_proj.bias": normal(size) for name, size in sizes.items()}
+            layer |= {f"model.layers.{n}.{name}.weight": norm() for name in self.layer_norms}
+            weights |= layer
+        weights["model.norm.weight"] = norm()
+        if not s.tied_embeddings:
+            weights["lm_head.weight"] = normal(s.vocab_size, d)
+        return weights
+
+
+LLAMA = HfFormat(extra=_llama_extra)
+MISTRAL = HfFormat(extra=lambda entry: {"sliding_window": None})
+GEMMA = HfFormat(
+    hidden_act="gelu_pytorch_tanh",
+    offset_norms=True,
+    extra=lambda entry: {"hidden_activation": "gelu_pytorch_tanh"},
+)
+GEMMA2 = HfFormat(
+    hidden_act="gelu_pytorch_tanh",
+    offset_norms=True,
+    layer_norms=(
+        "input_layernorm",
+        "post_attention_layernorm",
+        "pre_feedforward_layernorm",
+        "post_feedforward_layernorm",
+    ),
+    extra=_gemma2_extra,
+)
+PHI3 = HfFormat(
+    fused=True,
+    extra=lambda entry: {
+        "original_max_position_embeddings": entry.shape.max_seq_len,
+        "sliding_window": None,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+    },
+)
+QWEN2 = HfFormat(
+    extra=lambda entry: {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": entry.shape.num_layers,
+    }
+)
