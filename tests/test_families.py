@@ -141,3 +141,14 @@ def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path)
     adapter_config = json.loads((adapter / "adapter_config.json").read_text())
     assert adapter_config["r"] == entry.defaults["lora_rank"]
     assert adapter_config["base_model_name_or_path"] == entry.hub_id
+
+    # The exported adapter, applied by peft to the HF model, must reproduce the trained model.
+    if entry.family.name not in CONVERSION_MISMATCH:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            peft_logits = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+        assert (peft_logits - hf_logits).abs().max() > 1e-3  # the adapter changes the model
+        assert _max_diff(recipe.model, tokens, peft_logits) < 1e-4

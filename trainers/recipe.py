@@ -27,19 +27,15 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 from torchtune import config, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
-from torchtune.models.convert_weights import (
-    tune_to_peft_adapter_config,
-    tune_to_peft_adapter_weights,
-)
 from torchtune.modules.peft import (
     get_adapter_params,
     get_adapter_state_dict,
-    get_lora_module_names,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
 
 from tunepack.errors import BadInputError
+from tunepack.trainers.peft_export import export_adapter
 
 log = logging.getLogger("tunepack.trainer")
 
@@ -222,42 +218,36 @@ class FineTuneRecipe:
         return json.loads((Path(self.cfg.checkpointer.checkpoint_dir) / "config.json").read_text())
 
     def _write_adapter(self, directory: Path) -> None:
-        m, hf = self.cfg.model, self._hf_config()
+        m = self.cfg.model
         # Copy out of the live model: the exported tensors must not alias training state.
         adapter = {
             k: v.detach().to("cpu", dtype=torch.float32, copy=True)
             for k, v in get_adapter_state_dict(self.model.state_dict()).items()
         }
-        peft_weights = tune_to_peft_adapter_weights(
+        weights, targets = export_adapter(
             adapter,
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf["num_key_value_heads"],
-            dim=hf["hidden_size"],
-            head_dim=hf.get("head_dim"),
+            model_type=self.cfg.checkpointer.model_type,
+            hf_config=self._hf_config(),
+            rank=m.lora_rank,
+            alpha=m.lora_alpha,
         )
-        peft_weights = {k: v.contiguous() for k, v in peft_weights.items()}
-        save_file(peft_weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-        adapter_config = tune_to_peft_adapter_config(
-            {
-                "r": m.lora_rank,
-                "lora_alpha": m.lora_alpha,
-                "target_modules": get_lora_module_names(
-                    list(m.lora_attn_modules), m.apply_lora_to_mlp, m.apply_lora_to_output
-                ),
-                "peft_type": "LORA",
-            },
-            base_model_name_or_path=self.cfg.hub_id,
-        )
-        adapter_config.update(
-            task_type="CAUSAL_LM",
-            lora_dropout=m.lora_dropout,
-            bias="none",
-            fan_in_fan_out=False,
-            inference_mode=True,
-            use_dora=False,
-            use_rslora=False,
-            modules_to_save=None,
-        )
+        weights = {k: v.contiguous() for k, v in weights.items()}
+        save_file(weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+        adapter_config = {
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": self.cfg.hub_id,
+            "r": m.lora_rank,
+            "lora_alpha": m.lora_alpha,
+            "lora_dropout": m.lora_dropout,
+            "bias": "none",
+            "fan_in_fan_out": False,
+            "inference_mode": True,
+            "use_dora": False,
+            "use_rslora": False,
+            "modules_to_save": None,
+            **targets,
+        }
         (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
     def _write_full_model(self, directory: Path) -> None:

@@ -1,0 +1,134 @@
+"""Export torchtune LoRA/DoRA adapter weights as a PEFT adapter for the Hugging Face model.
+
+torchtune's own exporter (``tune_to_peft_adapter_weights``) assumes the Llama layout everywhere.
+That is right for families whose HF checkpoints torchtune converts by permuting q/k rows (Llama,
+Mistral, Gemma), but wrong for the others:
+
+- Qwen 2/2.5 keep HF's q/k row order in torchtune, so no permutation applies;
+- Phi-3/Phi-4 fuse ``qkv_proj`` and ``gate_up_proj`` in HF, so PEFT must target the fused
+  modules. A LoRA pair per part becomes one LoRA of summed rank on the fused module:
+  ``A = [A_q; A_k; A_v]`` and ``B = blockdiag(B_q, B_k, B_v)``, so ``B @ A`` stacks the parts'
+  updates. ``rank_pattern``/``alpha_pattern`` keep each module's ``alpha / r`` scale unchanged.
+
+tests/test_families.py loads every family's exported adapter with peft and compares logits with
+the trained torchtune model.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+# torchtune module path (inside a layer) -> HF module path, for unfused families.
+_MODULES = {
+    "attn.q_proj": "self_attn.q_proj",
+    "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj",
+    "attn.output_proj": "self_attn.o_proj",
+    "mlp.w1": "mlp.gate_proj",
+    "mlp.w2": "mlp.down_proj",
+    "mlp.w3": "mlp.up_proj",
+}
+# Phi's fused HF modules: parts in the order HF stacks their rows.
+_FUSED = {
+    "self_attn.qkv_proj": ("attn.q_proj", "attn.k_proj", "attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.w1", "mlp.w3"),
+}
+_PEFT_TENSOR = {"lora_a": "lora_A", "lora_b": "lora_B", "magnitude": "lora_magnitude_vector"}
+# torchtune ModelType values by how their HF checkpoints are converted.
+PERMUTED_QK = {"LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA", "GEMMA2", "CODE_LLAMA2"}
+FUSED = {"PHI3_MINI", "PHI4"}
+_KEY = re.compile(r"^layers\.(\d+)\.(.+)\.(lora_a|lora_b|magnitude)(?:\.weight)?$")
+
+
+def _permute_rows(t: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """torchtune's interleaved rotary row order -> HF's half-split order (rows are outputs)."""
+    trailing = t.shape[1:]
+    return (
+        t.reshape(n_heads, head_dim // 2, 2, *trailing)
+        .transpose(1, 2)
+        .reshape(n_heads * head_dim, *trailing)
+    )
+
+
+def _hf_key(layer: str, module: str, tensor: str) -> str:
+    suffix = "" if tensor == "magnitude" else ".weight"
+    return f"base_model.model.model.layers.{layer}.{module}.{_PEFT_TENSOR[tensor]}{suffix}"
+
+
+def export_adapter(
+    adapter: dict[str, torch.Tensor],
+    *,
+    model_type: str,
+    hf_config: dict,
+    rank: int,
+    alpha: float,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Return PEFT weights and the extra config (target modules, rank/alpha patterns)."""
+    n_heads, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
+    parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, value in adapter.items():
+        match = _KEY.match(key)
+        if not match:
+            raise ValueError(f"unexpected adapter parameter {key!r} (LoRA on the output layer?)")
+        layer, module, tensor = match.groups()
+        # B and the DoRA magnitude are indexed by output row, so they follow the row order.
+        qk = module in ("attn.q_proj", "attn.k_proj")
+        if model_type in PERMUTED_QK and qk and tensor != "lora_a":
+            value = _permute_rows(value, n_heads if module == "attn.q_proj" else n_kv, head_dim)
+        parts.setdefault((layer, module), {})[tensor] = value
+
+    if model_type not in FUSED:
+        weights = {
+            _hf_key(layer, _MODULES[module], tensor): value
+            for (layer, module), tensors in parts.items()
+            for tensor, value in tensors.items()
+        }
+        targets = sorted({_MODULES[module].split(".")[-1] for _, module in parts})
+        return weights, {"target_modules": targets}
+
+    weights, targets, rank_pattern, alpha_pattern = {}, set(), {}, {}
+    layers = sorted({layer for layer, _ in parts}, key=int)
+    for layer in layers:
+        for module in ("attn.output_proj", "mlp.w2"):  # unfused in HF too
+            for tensor, value in parts.get((layer, module), {}).items():
+                weights[_hf_key(layer, _MODULES[module], tensor)] = value
+                targets.add(_MODULES[module].split(".")[-1])
+        for fused, members in _FUSED.items():
+            present = [m for m in members if (layer, m) in parts]
+            if not present:
+                continue
+            if any("magnitude" in parts[(layer, m)] for m in present):
+                raise ValueError("DoRA adapters cannot be exported for fused Phi modules")
+            # Every part's output rows appear in the fused B, zero where a part has no LoRA.
+            out_rows = [_part_rows(m, hf_config, n_heads, n_kv, head_dim) for m in members]
+            lora_a = torch.cat([parts[(layer, m)]["lora_a"] for m in present], dim=0)
+            lora_b = torch.zeros(sum(out_rows), lora_a.shape[0], dtype=lora_a.dtype)
+            row, col = 0, 0
+            for member, rows in zip(members, out_rows, strict=True):
+                if member in present:
+                    b = parts[(layer, member)]["lora_b"]
+                    lora_b[row : row + rows, col : col + b.shape[1]] = b
+                    col += b.shape[1]
+                row += rows
+            weights[_hf_key(layer, fused, "lora_a")] = lora_a
+            weights[_hf_key(layer, fused, "lora_b")] = lora_b
+            name = fused.split(".")[-1]
+            targets.add(name)
+            rank_pattern[name] = rank * len(present)
+            alpha_pattern[name] = alpha * len(present)  # same alpha / r as the parts had
+    return weights, {
+        "target_modules": sorted(targets),
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+    }
+
+
+def _part_rows(module: str, hf_config: dict, n_heads: int, n_kv: int, head_dim: int) -> int:
+    if module == "attn.q_proj":
+        return n_heads * head_dim
+    if module in ("attn.k_proj", "attn.v_proj"):
+        return n_kv * head_dim
+    return hf_config["intermediate_size"]  # mlp.w1 (gate) and mlp.w3 (up)
