@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))  # the fake hub lives in the test suite
 
-from fakehub import FakeHub, Repo  # noqa: E402
-
+from tests.fakehub import FakeHub, Repo  # noqa: E402
 from tunepack.tiny import write_tiny_model  # noqa: E402
 
 REPO = "bench/tiny-llama3"

@@ -132,7 +132,7 @@ def _remote_files(
     """Download the split's data files into ``cache``; return them and manifest facts."""
     for stale in download.prune_other_caches(cache):
         _log(f"removed the download cache of another source ({stale.name})")
-    source = uri.remote_source(source_uri)
+    source = uri.remote_source(source_uri, "dataset")
     listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
     if source_uri.scheme in ("https", "http"):
         (file,) = listing.files

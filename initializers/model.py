@@ -153,7 +153,7 @@ def _fetch_remote(
     """Download the model into ``cache``; return (files, known sha256 by file, manifest facts)."""
     for stale in download.prune_other_caches(cache):
         _log(f"removed the download cache of another source ({stale.name})")
-    source = uri.remote_source(source_uri)
+    source = uri.remote_source(source_uri, "model")
     listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
 
     if source_uri.scheme in ("https", "http"):

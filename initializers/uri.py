@@ -117,9 +117,13 @@ def resolve(uri: StorageUri) -> Path:
     return _local_path(uri)
 
 
-def remote_source(uri: StorageUri):
-    """The ``RemoteSource`` that lists and streams a remote URI's files."""
-    return _module(uri.scheme).Source(uri)
+def remote_source(uri: StorageUri, kind: str):
+    """The ``RemoteSource`` that lists and streams a remote URI's files.
+
+    ``kind`` ("dataset" or "model") is what the calling initializer fetches; sources whose URIs
+    are ambiguous about it (``hf://org/name``) use it as the default.
+    """
+    return _module(uri.scheme).Source(uri, kind)
 
 
 def _module(scheme: str):

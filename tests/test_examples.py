@@ -39,8 +39,6 @@ EXAMPLES = {
 
 # Features other branches bring: (what is pending) -> reason. Remove an entry when it merges.
 PENDING = {
-    "scheme:hf": "hf:// arrives with the initializers branch",
-    "scheme:s3": "s3:// arrives with the initializers branch",
     "method:qlora": "method=qlora arrives with the trainer branch (qlora/dora)",
 }
 

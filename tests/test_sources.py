@@ -22,8 +22,8 @@ from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, Thread
 from threading import Thread
 
 import pytest
-from fakehub import FakeHub, Repo
 
+from tests.fakehub import FakeHub, Repo
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.runtimes import catalog
 from tunepack.workspace import MANIFEST_FILE
@@ -333,6 +333,15 @@ def dataset_hub(hub):
         )
     )
     return hub
+
+
+def test_dataset_initializer_reads_bare_hub_ids_as_dataset_repos(tmp_path, dataset_hub):
+    """hf://org/name means a dataset repo to the dataset initializer, as in Kubeflow's own."""
+    result = run_init("dataset", tmp_path, "hf://org/chats", {"HF_ENDPOINT": dataset_hub.url})
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(tmp_path, "dataset")
+    assert (manifest["schema"], manifest["rows"]) == ("chat", 3)
+    assert manifest["commit"] == dataset_hub.repos[("dataset", "org/chats")].commit
 
 
 def test_hf_dataset_splits(tmp_path, dataset_hub):

@@ -54,8 +54,9 @@ class RemoteSource(ABC):
     #: How many files are transferred at once.
     concurrency = 8
 
-    def __init__(self, uri: StorageUri):
+    def __init__(self, uri: StorageUri, kind: str):
         self.uri = uri
+        self.kind = kind  # "dataset" or "model": what the initializer using this source fetches
 
     @abstractmethod
     def list(self) -> Listing:

@@ -99,10 +99,13 @@ def token() -> str | None:
 
 
 class Source(RemoteSource):
-    def __init__(self, uri: StorageUri):
-        super().__init__(uri)
+    def __init__(self, uri: StorageUri, kind: str):
+        super().__init__(uri, kind)
         segments = uri.location.split("/")
-        self.repo_type = "model"
+        # hf://org/name names a dataset repo for the dataset initializer, a model repo for the
+        # model initializer (as in Kubeflow's own initializers); a datasets/ or models/ prefix
+        # says so explicitly.
+        self.repo_type = "dataset" if kind == "dataset" else "model"
         if segments[0] in ("datasets", "models"):
             self.repo_type = _TYPE_PREFIXES[segments[0]]
             segments = segments[1:]

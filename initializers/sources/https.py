@@ -76,8 +76,8 @@ def _is_loopback(host: str) -> bool:
 class Source(RemoteSource):
     concurrency = 1
 
-    def __init__(self, uri: StorageUri):
-        super().__init__(uri)
+    def __init__(self, uri: StorageUri, kind: str):
+        super().__init__(uri, kind)
         parts = urlsplit(uri.raw)
         self.url = urlunsplit((parts.scheme, parts.netloc, parts.path, parts.query, ""))
         name = PurePosixPath(unquote(parts.path)).name

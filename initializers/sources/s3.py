@@ -102,8 +102,8 @@ def _endpoint() -> str | None:
 class Source(RemoteSource):
     concurrency = 8
 
-    def __init__(self, uri: StorageUri):
-        super().__init__(uri)
+    def __init__(self, uri: StorageUri, kind: str):
+        super().__init__(uri, kind)
         self.bucket, _, self.prefix = uri.location.partition("/")
         endpoint = _endpoint()
         style = os.environ.get("S3_ADDRESSING_STYLE", "").strip() or (
