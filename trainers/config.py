@@ -90,11 +90,11 @@ def build_config(
     cache_dir: Path,
     checkpoint_dir: Path | None = None,
 ) -> DictConfig:
+    if args.method == "qlora":
+        check_nf4_shapes(entry)
     device = resolve_device(args.device)
     manifest = read_dataset_manifest(dataset_dir)
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
-    if args.method == "qlora":
-        check_nf4_shapes(entry)
 
     model: dict = {"_component_": builder_for(entry, args.method), **entry.builder_kwargs()}
     if args.method in LORA_FAMILY:

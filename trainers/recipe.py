@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -504,6 +505,16 @@ class FineTuneRecipe:
             dim=hf["hidden_size"],
             head_dim=hf.get("head_dim"),
         )
+        # HF orders q/k rows for its rotary layout; torchtune 0.6.1 permutes LoRA B to match but
+        # not DoRA's per-row magnitude, so PEFT would scale the wrong rows. Permute it here.
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        for key, value in peft_weights.items():
+            for proj, heads in (
+                ("q_proj", "num_attention_heads"),
+                ("k_proj", "num_key_value_heads"),
+            ):
+                if key.endswith(f"{proj}.lora_magnitude_vector"):
+                    peft_weights[key] = _rope_rows_to_hf(value, hf[heads], head_dim)
         peft_weights = {k: v.contiguous() for k, v in peft_weights.items()}
         save_file(peft_weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
         adapter_config = tune_to_peft_adapter_config(
@@ -543,12 +554,25 @@ class FineTuneRecipe:
         ckpt = dict(self.cfg.checkpointer)
         ckpt["output_dir"] = str(directory / ".staging")
         checkpointer = config.instantiate(OmegaConf.create(ckpt))
+        # torchtune's HF checkpointer learns which shard file each weight belongs in while it
+        # loads; it never loaded here. Read the same map from the shards' headers rather than
+        # load a second full copy of the model.
+        weight_map = {}
+        for index, name in enumerate(self.cfg.checkpointer.checkpoint_files, start=1):
+            with safe_open(Path(self.cfg.checkpointer.checkpoint_dir) / name, "pt") as shard:
+                weight_map.update(dict.fromkeys(shard.keys(), f"{index:04}"))
+        checkpointer._weight_map = weight_map
         checkpointer.save_checkpoint({training.MODEL_KEY: state}, epoch=0)
         # torchtune writes weights plus the source's config/tokenizer files under epoch_0/.
         staged = directory / ".staging" / "epoch_0"
         for item in staged.iterdir():
             shutil.move(str(item), directory / item.name)
         shutil.rmtree(directory / ".staging")
+
+
+def _rope_rows_to_hf(vector: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """torchtune -> HF row order of a q/k projection (interleaved -> half-split rotary pairs)."""
+    return vector.view(num_heads, head_dim // 2, 2).transpose(1, 2).reshape(-1)
 
 
 def peak_memory_gib(device: torch.device) -> float:
