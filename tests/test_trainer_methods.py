@@ -103,7 +103,9 @@ def test_dora_adapter_loads_with_peft_and_merge_matches_it(initialized_workspace
 
 
 def test_qlora_on_a_model_nf4_cannot_quantize_fails_with_the_reason(tmp_path):
-    with pytest.raises(BadInputError, match="method=qlora cannot quantize tiny-llama3: its q_proj weight .96x96"):
+    with pytest.raises(
+        BadInputError, match="method=qlora cannot quantize tiny-llama3: its q_proj weight .96x96"
+    ):
         build_config(
             TINY,
             parse_trainer_args(["method=qlora"], TINY),

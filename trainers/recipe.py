@@ -241,8 +241,14 @@ class FineTuneRecipe:
                 padding_idx=self.tokenizer.pad_id,
                 ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
             )
+        # A generator of its own: a DataLoader otherwise draws a seed from the global RNG each
+        # time it starts an epoch, so a resumed run would see different dropout masks.
         return DataLoader(
-            dataset, batch_size=cfg.batch_size, sampler=self.sampler, collate_fn=collate
+            dataset,
+            batch_size=cfg.batch_size,
+            sampler=self.sampler,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(cfg.seed),
         )
 
     def _resume_or_start_fresh(self) -> None:
