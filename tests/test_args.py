@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from tunepack.trainers.args import (
     VOCABULARY,
     available_methods,
     builder_for,
+    markdown_table,
     parse_trainer_args,
 )
 
@@ -95,3 +97,13 @@ def test_tri_state_and_checkpoint_arguments():
 def test_every_vocabulary_key_has_help():
     assert all(arg.help for arg in VOCABULARY)
     assert len({arg.name for arg in VOCABULARY}) == len(VOCABULARY)
+
+
+def test_docs_list_every_argument_in_the_generated_table():
+    doc = (Path(__file__).parent.parent / "docs" / "trainer.md").read_text()
+    block = doc.split("<!-- vocabulary:begin -->\n")[1].split("<!-- vocabulary:end -->")[0]
+    assert block == markdown_table(), (
+        "docs/trainer.md is stale: run python -m tunepack.trainers.args"
+    )
+    for arg in VOCABULARY:
+        assert f"| `{arg.name}` |" in block

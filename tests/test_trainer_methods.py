@@ -210,3 +210,13 @@ def test_progress_server_down_never_fails_training(initialized_workspace, tmp_pa
     monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", "https://127.0.0.1:9/status")  # discard port
     recipe = train_in_process(initialized_workspace, tmp_path, ["max_steps=2"])
     assert recipe.global_step == 2
+
+
+def test_packed_sequences_train(initialized_workspace, tmp_path):
+    recipe = train_in_process(initialized_workspace, tmp_path, ["packed=true", "max_steps=2"])
+    assert recipe.cfg.dataset.packed and recipe.global_step == 2
+    # Packed rows are exactly max_seq_len long and carry per-example attention masks/positions.
+    batch = next(iter(recipe.dataloader))
+    assert batch["tokens"].shape[1] == recipe.cfg.tokenizer.max_seq_len
+    assert {"mask", "input_pos"} <= set(batch)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

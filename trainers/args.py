@@ -100,7 +100,7 @@ def _modules(key: str, raw: str) -> tuple[str, ...]:
 
 
 VOCABULARY: tuple[Arg, ...] = (
-    Arg("method", _choice(METHODS), "fine-tuning method", "lora"),
+    Arg("method", _choice(METHODS), "lora, qlora (NF4-quantized base), dora or full", "lora"),
     Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
     Arg("max_steps", _int(1), "stop after this many optimizer steps (default: no limit)"),
     Arg("batch_size", _int(1, 4096), "examples per device per step (default: catalog)"),
@@ -270,3 +270,14 @@ def vocabulary_table() -> list[tuple[str, str, str]]:
             default = str(default).lower()
         rows.append((arg.name, "catalog/method" if default is None else str(default), arg.help))
     return rows
+
+
+def markdown_table() -> str:
+    """The vocabulary as the Markdown table in docs/trainer.md (``python -m`` this module)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in vocabulary_table()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")
