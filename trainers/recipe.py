@@ -410,6 +410,7 @@ class FineTuneRecipe:
             "epoch": self.epoch + 1 if self.batch_in_epoch else self.epoch,  # 1-based
             "loss": round(self.last_loss, 6),
             "lr": lr,
+            "tokens": int(step_tokens),
             "tokens_per_second": round(tokens_per_s, 1),
             "peak_memory_gib": round(peak_memory_gib(self.device), 3),
             "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
