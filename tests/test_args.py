@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from tunepack.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
-from tunepack.trainers.args import VOCABULARY, parse_trainer_args
+from tunepack.trainers.args import (
+    VOCABULARY,
+    available_methods,
+    builder_for,
+    markdown_table,
+    parse_trainer_args,
+)
 
 TINY = catalog.get("tiny-llama3")
 LLAMA_8B = catalog.get("tunepack-llama3.1-8b")
@@ -47,7 +56,11 @@ def test_given_values_are_parsed_and_recorded():
         (["model._component_=os.system"], "tunepack does not take torchtune config overrides"),
         (["epochs"], "trainer argument 'epochs' is not of the form key=value"),
         (["epochs=1", "epochs=2"], "trainer argument 'epochs' is given twice"),
-        (["method=qlora"], "method='qlora' is not valid: expected one of lora, full"),
+        (["method=ia3"], "method='ia3' is not valid: expected one of lora, qlora, dora, full"),
+        (["compile=maybe"], "compile='maybe' is not valid: expected true or false"),
+        (["activation_checkpointing=on"], "activation_checkpointing='on' is not valid"),
+        (["keep_checkpoints=0"], "keep_checkpoints='0' is not valid: expected an integer from 1"),
+        (["checkpoint_every_minutes=-1"], "checkpoint_every_minutes='-1' is not valid"),
         (["lora_mlp=maybe"], "lora_mlp='maybe' is not valid: expected true or false"),
         (["lora_attn_modules=q_proj,up"], "expected a comma-separated subset of q_proj"),
         (["max_seq_len=100000"], "max_seq_len=100000 is larger than tiny-llama3's context window"),
@@ -60,6 +73,37 @@ def test_bad_arguments_name_the_value_and_the_expectation(argv, message):
     assert err.value.exit_code == EXIT_BAD_INPUT
 
 
+def test_lora_variants_are_available_where_lora_is():
+    for method in ("qlora", "dora"):
+        args = parse_trainer_args([f"method={method}"], LLAMA_8B)
+        assert args.method == method and args.lr == 3e-4
+        assert builder_for(LLAMA_8B, method) == LLAMA_8B.builders["lora"]
+    assert available_methods(LLAMA_8B) == ("lora", "qlora", "dora", "full")
+    only_full = dataclasses.replace(LLAMA_8B, builders={"full": LLAMA_8B.builders["full"]})
+    assert available_methods(only_full) == ("full",)
+    with pytest.raises(BadInputError, match="method='dora' is not available for llama3.1-8b"):
+        parse_trainer_args(["method=dora"], only_full)
+
+
+def test_tri_state_and_checkpoint_arguments():
+    args = parse_trainer_args([], TINY)
+    assert args.activation_checkpointing == "auto"
+    assert (args.checkpoint_every_steps, args.checkpoint_every_minutes) == (0, 10.0)
+    assert (args.keep_checkpoints, args.resume, args.merge) == (2, True, False)
+    args = parse_trainer_args(["activation_checkpointing=false", "resume=false"], TINY)
+    assert args.activation_checkpointing is False and args.resume is False
+
+
 def test_every_vocabulary_key_has_help():
     assert all(arg.help for arg in VOCABULARY)
     assert len({arg.name for arg in VOCABULARY}) == len(VOCABULARY)
+
+
+def test_docs_list_every_argument_in_the_generated_table():
+    doc = (Path(__file__).parent.parent / "docs" / "trainer.md").read_text()
+    block = doc.split("<!-- vocabulary:begin -->\n")[1].split("<!-- vocabulary:end -->")[0]
+    assert block == markdown_table(), (
+        "docs/trainer.md is stale: run python -m tunepack.trainers.args"
+    )
+    for arg in VOCABULARY:
+        assert f"| `{arg.name}` |" in block

@@ -18,6 +18,10 @@ from tunepack.runtimes.catalog import ModelEntry
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+METHODS = ("lora", "qlora", "dora", "full")
+# QLoRA (NF4-quantized frozen base) and DoRA (LoRA plus a learned magnitude) are built by the
+# catalog's LoRA builder with extra keywords, so they are available wherever LoRA is.
+LORA_FAMILY = ("lora", "qlora", "dora")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ def _bool(key: str, raw: str) -> bool:
     raise BadInputError(f"{key}={raw!r} is not valid: expected true or false")
 
 
+def _auto_bool(key: str, raw: str) -> str | bool:
+    """``auto`` (decided per device when the config is built) or a boolean."""
+    return "auto" if raw.lower() == "auto" else _bool(key, raw)
+
+
 def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
     allowed = tuple(choices)
 
@@ -91,7 +100,7 @@ def _modules(key: str, raw: str) -> tuple[str, ...]:
 
 
 VOCABULARY: tuple[Arg, ...] = (
-    Arg("method", _choice(("lora", "full")), "fine-tuning method", "lora"),
+    Arg("method", _choice(METHODS), "lora, qlora (NF4-quantized base), dora or full", "lora"),
     Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
     Arg("max_steps", _int(1), "stop after this many optimizer steps (default: no limit)"),
     Arg("batch_size", _int(1, 4096), "examples per device per step (default: catalog)"),
@@ -110,9 +119,42 @@ VOCABULARY: tuple[Arg, ...] = (
     Arg("log_every", _int(1), "write a metrics line every N optimizer steps", 1),
     Arg("dtype", _choice(DTYPES), "training precision; auto = bf16 on GPU, fp32 on CPU", "auto"),
     Arg("device", _choice(DEVICES), "auto = cuda when a GPU is visible, else cpu", "auto"),
+    Arg(
+        "activation_checkpointing",
+        _auto_bool,
+        "recompute layer activations in backward to save memory; auto = on for cuda, off for cpu",
+        "auto",
+    ),
+    Arg(
+        "compile",
+        _bool,
+        "torch.compile the model and loss (minutes of warm-up; worth it for long GPU runs)",
+        False,
+    ),
+    Arg("packed", _bool, "pack several examples into each max_seq_len sequence", False),
+    Arg(
+        "checkpoint_every_steps",
+        _int(0),
+        "write a resumable checkpoint every N optimizer steps (0: only by time)",
+        0,
+    ),
+    Arg(
+        "checkpoint_every_minutes",
+        _float(0.0),
+        "write a resumable checkpoint every T minutes of training (0: only by steps)",
+        10.0,
+    ),
+    Arg("keep_checkpoints", _int(1, 100), "how many of the newest checkpoints to keep", 2),
+    Arg("resume", _bool, "resume from the newest complete checkpoint of the same run", True),
+    Arg(
+        "merge",
+        _bool,
+        "LoRA methods: also write a merged HF model (the adapter folded into a copy of the base)",
+        False,
+    ),
 )
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
-_DEFAULT_LR = {"lora": 3e-4, "full": 2e-5}
+_DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5}
 
 
 @dataclass(frozen=True)
@@ -136,6 +178,14 @@ class TrainArgs:
     log_every: int
     dtype: str
     device: str
+    activation_checkpointing: str | bool
+    compile: bool
+    packed: bool
+    checkpoint_every_steps: int
+    checkpoint_every_minutes: float
+    keep_checkpoints: int
+    resume: bool
+    merge: bool
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
 
 
@@ -171,10 +221,11 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     pairs = split_pairs(args)
     values = {name: _BY_NAME[name].parse(name, raw) for name, raw in pairs.items()}
     method = values.get("method", "lora")
-    if method not in entry.methods:
+    available = available_methods(entry)
+    if method not in available:
         raise BadInputError(
             f"method={method!r} is not available for {entry.name}: "
-            f"expected one of {', '.join(entry.methods)}"
+            f"expected one of {', '.join(available)}"
         )
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
@@ -193,6 +244,21 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     return TrainArgs(**{n: resolved[n] for n in names}, given=pairs)
 
 
+def available_methods(entry: ModelEntry) -> tuple[str, ...]:
+    """The methods a catalog entry supports: its builders, plus the LoRA variants where LoRA is."""
+    methods = list(entry.methods)
+    if "lora" in methods:
+        methods += [m for m in LORA_FAMILY if m not in methods]
+    return tuple(m for m in METHODS if m in methods)
+
+
+def builder_for(entry: ModelEntry, method: str) -> str:
+    """The torchtune builder for a method (the LoRA variants share the LoRA builder)."""
+    if method in entry.builders:
+        return entry.builders[method]
+    return entry.builders["lora"]
+
+
 def vocabulary_table() -> list[tuple[str, str, str]]:
     """(key, default, description) rows for docs and ``tunepack args``."""
     rows = []
@@ -200,5 +266,18 @@ def vocabulary_table() -> list[tuple[str, str, str]]:
         default = arg.default
         if isinstance(default, tuple):
             default = ",".join(default)
+        elif isinstance(default, bool):
+            default = str(default).lower()
         rows.append((arg.name, "catalog/method" if default is None else str(default), arg.help))
     return rows
+
+
+def markdown_table() -> str:
+    """The vocabulary as the Markdown table in docs/trainer.md (``python -m`` this module)."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in vocabulary_table()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

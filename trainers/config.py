@@ -16,8 +16,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.trainers.args import TrainArgs
+from tunepack.trainers.args import LORA_FAMILY, TrainArgs, builder_for
 from tunepack.workspace import MANIFEST_FILE
+
+# torchao's NF4 quantizes a weight in blocks of 64 values with one scale each, and those scales
+# again in blocks of 256: a weight's size must be a multiple of both, or building the model fails
+# deep inside torchao with an assertion.
+NF4_BLOCK = 64 * 256
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {
@@ -50,6 +55,27 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bf16" if device == "cuda" else "fp32"
     return dtype
+
+
+def check_nf4_shapes(entry: ModelEntry) -> None:
+    """Refuse ``method=qlora`` for a model whose projection weights NF4 cannot quantize."""
+    s = entry.shape
+    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    weights = {
+        "q_proj": (q_out, s.embed_dim),
+        "k_proj": (kv_out, s.embed_dim),
+        "v_proj": (kv_out, s.embed_dim),
+        "o_proj": (s.embed_dim, q_out),
+        "gate_proj/up_proj": (s.intermediate_dim, s.embed_dim),
+        "down_proj": (s.embed_dim, s.intermediate_dim),
+    }
+    for name, (rows, cols) in weights.items():
+        if rows * cols % NF4_BLOCK:
+            raise BadInputError(
+                f"method=qlora cannot quantize {entry.name}: its {name} weight ({rows}x{cols} = "
+                f"{rows * cols} values) is not a multiple of NF4's block of {NF4_BLOCK} values; "
+                "use method=lora for this model"
+            )
 
 
 def read_dataset_manifest(dataset_dir: Path) -> dict:
@@ -91,16 +117,21 @@ def build_config(
     dataset_dir: Path,
     output_dir: Path,
     cache_dir: Path,
+    checkpoint_dir: Path | None = None,
 ) -> DictConfig:
+    if args.method == "qlora":
+        check_nf4_shapes(entry)
     device = resolve_device(args.device)
     manifest = read_dataset_manifest(dataset_dir)
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
 
+    # The LoRA variants share the LoRA builder (and its keyword set).
+    builder_method = "lora" if args.method in LORA_FAMILY else args.method
     model: dict = {
-        "_component_": entry.builders[args.method],
-        **entry.builder_kwargs(args.method),
+        "_component_": builder_for(entry, args.method),
+        **entry.builder_kwargs(builder_method),
     }
-    if args.method == "lora":
+    if args.method in LORA_FAMILY:
         model.update(
             lora_attn_modules=list(args.lora_attn_modules),
             apply_lora_to_mlp=args.lora_mlp,
@@ -109,6 +140,10 @@ def build_config(
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
         )
+        if args.method == "qlora":
+            model["quantize_base"] = True
+        if args.method == "dora":
+            model["use_dora"] = True
         model = _adapt_lora_builder(entry, model)
 
     tokenizer = {
@@ -124,12 +159,30 @@ def build_config(
         "seed": args.seed,
         "device": device,
         "dtype": resolve_dtype(args.dtype, device),
+        # Recomputing activations trades ~30% more compute for memory: the GPU's scarce resource,
+        # not the CPU's (whose runs here are small).
+        "activation_checkpointing": (
+            device == "cuda"
+            if args.activation_checkpointing == "auto"
+            else args.activation_checkpointing
+        ),
+        "compile": args.compile,
         "epochs": args.epochs,
         "max_steps": args.max_steps,
         "batch_size": args.batch_size,
         "gradient_accumulation_steps": args.grad_accum,
         "log_every_n_steps": args.log_every,
         "output_dir": str(output_dir),
+        "merge": args.merge,
+        "checkpointing": {
+            "dir": str(checkpoint_dir or output_dir / "checkpoints"),
+            "every_steps": args.checkpoint_every_steps,
+            "every_minutes": args.checkpoint_every_minutes,
+            "keep": args.keep_checkpoints,
+            "resume": args.resume,
+        },
+        # Ties checkpoints and results to the data they were trained on, not just its path.
+        "dataset_sha256": {n: info.get("sha256") for n, info in sorted(manifest["files"].items())},
         "model": model,
         "tokenizer": tokenizer,
         "checkpointer": {
@@ -148,7 +201,7 @@ def build_config(
             "source": "json",
             "data_files": data_files,
             "split": "train",
-            "packed": False,
+            "packed": args.packed,
             "cache_dir": str(cache_dir),
         },
         "optimizer": {

@@ -3,9 +3,27 @@
     python -m tunepack.trainers.launch method=lora lora_rank=16 epochs=3 ...
 
 It reads the catalog model from ``TUNEPACK_MODEL``, the workspace from ``TUNEPACK_WORKSPACE``
-(``/workspace`` in a Pod), the process layout from the ``PET_*`` variables the Kubeflow torch
-plugin injects, validates the ``key=value`` arguments against tunepack's vocabulary, writes the
-torchtune config it derived to ``<output>/config.yaml`` and runs the recipe.
+(``/workspace`` in a Pod), validates the ``key=value`` arguments against tunepack's vocabulary,
+writes the torchtune config it derived to ``<output>/config.yaml`` and runs the recipe.
+
+The process layout comes from the variables the Kubeflow torch plugin injects into each node Pod:
+
+    PET_NNODES          number of nodes (Pods)
+    PET_NPROC_PER_NODE  processes per node: an integer, or ``auto`` = one per visible GPU, or
+                        1 on a CPU-only node (torchrun's own ``auto`` would start one process per
+                        CPU core there, each with its own copy of the model)
+    PET_NODE_RANK       this node's index (the Job completion index)
+    PET_MASTER_ADDR     node 0's address; PET_MASTER_PORT its port
+
+One process in all trains in this process. More start torchrun with every flag explicit and a
+static rendezvous (the Pods are gang-scheduled with fixed ranks; ``tune run`` would force
+``--standalone`` and two nodes would wait for each other forever). torchrun runs in its own
+session; SIGTERM/SIGINT are forwarded to it, it stops its workers (which checkpoint first), and
+any worker still alive afterwards is killed, so nothing outlives the Pod's main process.
+
+Exit codes (``tunepack.errors``): 0 done; 65 bad input or configuration (do not retry); 75
+transient: stopped by SIGTERM after a checkpoint, or a network failure (a restart resumes); any
+other code is an unexpected failure (see the log; the JobSet restarts it a bounded number of times).
 """
 
 from __future__ import annotations
@@ -14,27 +32,42 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from tunepack import workspace
-from tunepack.errors import BadInputError, TunepackError
+from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import build_config
 
 PROGRAM = "trainer"
+EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"  # the recipe's name for it; kept here to avoid heavy imports
+WORKER_MODULE = "tunepack.trainers.recipe"
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    if name == "PET_NPROC_PER_NODE" and raw == "auto":
-        import torch
+@dataclass(frozen=True)
+class Layout:
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
 
-        return max(torch.cuda.device_count(), 1)
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def _positive_int(name: str, raw: str) -> int:
     try:
         value = int(raw)
     except ValueError:
@@ -44,10 +77,73 @@ def _env_int(name: str, default: int) -> int:
     return value
 
 
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def layout_from_env(device: str) -> Layout:
+    """The process layout from the ``PET_*`` variables (absent: one process on this machine)."""
+    env = os.environ
+    nnodes = _positive_int("PET_NNODES", env.get("PET_NNODES") or "1")
+    raw_nproc = env.get("PET_NPROC_PER_NODE") or "1"
+    if raw_nproc == "auto":
+        nproc = max(_gpu_count(), 1) if device == "cuda" else 1
+    else:
+        nproc = _positive_int("PET_NPROC_PER_NODE", raw_nproc)
+    if device == "cuda" and nproc > _gpu_count():
+        raise BadInputError(
+            f"PET_NPROC_PER_NODE={raw_nproc} asks for {nproc} processes, one per GPU, but this "
+            f"node has {_gpu_count()} GPUs; set numProcPerNode to at most that (or auto)"
+        )
+    try:
+        node_rank = int(env.get("PET_NODE_RANK") or "0")
+    except ValueError:
+        node_rank = -1
+    if not 0 <= node_rank < nnodes:
+        raise BadInputError(
+            f"PET_NODE_RANK={env.get('PET_NODE_RANK')!r} is not valid: expected 0 to {nnodes - 1}"
+        )
+    addr = env.get("PET_MASTER_ADDR") or "127.0.0.1"
+    port = _positive_int("PET_MASTER_PORT", env.get("PET_MASTER_PORT") or "29500")
+    if nnodes > 1 and not env.get("PET_MASTER_ADDR"):
+        raise BadInputError(f"PET_NNODES={nnodes} but PET_MASTER_ADDR is not set")
+    return Layout(nnodes, nproc, node_rank, addr, port)
+
+
+def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str]:
+    # torchrun also reads PET_* as defaults for its flags; every flag here is explicit, so
+    # PET_NPROC_PER_NODE=auto (one process per CPU core, to torchrun) never reaches it.
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={layout.nnodes}",
+        f"--nproc-per-node={layout.nproc_per_node}",
+        f"--node-rank={layout.node_rank}",
+        "--rdzv-backend=static",
+        f"--rdzv-endpoint={layout.master_addr}:{layout.master_port}",
+        "--max-restarts=0",  # the JobSet restarts the whole gang; resume does the rest
+        "-m",
+        WORKER_MODULE,
+        "--config",
+        str(config_path),
+        "--digest",
+        digest,
+    ]
+
+
 def _config_digest(cfg) -> str:
     return hashlib.sha256(
         json.dumps(OmegaConf.to_container(cfg), sort_keys=True).encode()
     ).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def run(argv: list[str]) -> int:
@@ -59,13 +155,6 @@ def run(argv: list[str]) -> int:
     entry = catalog.get(model_name)
     args = parse_trainer_args(argv, entry)
 
-    nnodes, nproc = _env_int("PET_NNODES", 1), _env_int("PET_NPROC_PER_NODE", 1)
-    if nnodes * nproc != 1:
-        raise BadInputError(
-            f"PET_NNODES={nnodes} x PET_NPROC_PER_NODE={nproc}: this tunepack version trains "
-            "on one process; run with numNodes=1 and numProcPerNode=1"
-        )
-
     root = workspace.workspace_root()
     output = workspace.output_dir()
     cfg = build_config(
@@ -75,7 +164,9 @@ def run(argv: list[str]) -> int:
         dataset_dir=workspace.dataset_dir(),
         output_dir=output,
         cache_dir=root / ".cache" / "datasets",
+        checkpoint_dir=root / "checkpoints",
     )
+    layout = layout_from_env(cfg.device)
     digest = _config_digest(cfg)
     result_path = output / "result.json"
     if result_path.exists() and json.loads(result_path.read_text()).get("config_digest") == digest:
@@ -83,25 +174,125 @@ def run(argv: list[str]) -> int:
         return 0
 
     output.mkdir(parents=True, exist_ok=True)
-    (output / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    config_text = OmegaConf.to_yaml(cfg)
+    if layout.node_rank == 0:  # every node derives the same config; one records it
+        _write_atomic(output / "config.yaml", config_text)
     print(
         f"{PROGRAM}: {entry.runtime_name} method={args.method} device={cfg.device} "
-        f"dtype={cfg.dtype}; config written to {output / 'config.yaml'}",
+        f"dtype={cfg.dtype} nodes={layout.nnodes} processes/node={layout.nproc_per_node}; "
+        f"config written to {output / 'config.yaml'}",
         flush=True,
     )
-
     # tiktoken caches even local tokenizer files, keyed by path: a new model at the same
     # /workspace path would silently get the old vocabulary. Read the file itself.
     os.environ["TIKTOKEN_CACHE_DIR"] = ""
-    from tunepack.trainers import recipe  # heavy imports only once the input is valid
 
-    result = recipe.run(cfg, extra={"config_digest": digest})
+    if layout.world_size == 1:
+        from tunepack.trainers import recipe  # heavy imports only once the input is valid
+
+        result = recipe.run(cfg, extra={"config_digest": digest})
+        _print_done(result)
+        return 0
+    code = run_torchrun(layout, config_text, digest)
+    if code == 0 and layout.node_rank == 0 and result_path.exists():
+        _print_done(json.loads(result_path.read_text()))
+    return code
+
+
+def _print_done(result: dict) -> None:
     print(
         f"{PROGRAM}: done: {result['steps']} steps, loss {result['first_loss']:.4f} -> "
         f"{result['final_loss']:.4f}; result at {result['artifact']}",
         flush=True,
     )
-    return 0
+
+
+def run_torchrun(layout: Layout, config_text: str, digest: str) -> int:
+    """Run torchrun over the recipe on this node; forward stop signals; leave no worker behind."""
+    scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))
+    try:
+        config_path = scratch / "config.yaml"  # node-local: no race with other nodes' writes
+        config_path.write_text(config_text)
+        exit_dir = scratch / "exit"
+        exit_dir.mkdir()
+        env = {**os.environ, EXIT_DIR_ENV: str(exit_dir)}
+        proc = subprocess.Popen(
+            torchrun_command(layout, config_path, digest), env=env, start_new_session=True
+        )
+        signalled: list[int] = []
+
+        def forward(signum, _frame):
+            signalled.append(signum)
+            try:
+                os.kill(proc.pid, signum)  # the agent relays it to its workers, then reaps them
+            except ProcessLookupError:
+                pass
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            returncode = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        _kill_leftovers(proc.pid, exit_dir)
+        return _exit_code(returncode, _worker_codes(exit_dir), bool(signalled))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _worker_codes(exit_dir: Path) -> list[int]:
+    codes = []
+    for path in exit_dir.glob("rank-*"):
+        try:
+            codes.append(int(path.read_text()))
+        except ValueError:
+            continue
+    return codes
+
+
+def _exit_code(torchrun_code: int, worker_codes: list[int], signalled: bool) -> int:
+    """One exit code for the node from torchrun's (which only says "failed") and the workers'."""
+    if EXIT_BAD_INPUT in worker_codes:
+        return EXIT_BAD_INPUT
+    if torchrun_code == 0:
+        return 0
+    if EXIT_TRANSIENT in worker_codes or signalled:
+        return EXIT_TRANSIENT
+    return torchrun_code
+
+
+def _kill_leftovers(agent_pid: int, exit_dir: Path) -> None:
+    """SIGKILL whatever is left of torchrun's process group and of its workers' sessions."""
+    pids = []
+    for path in exit_dir.glob("pid-*"):
+        try:
+            pids.append(int(path.read_text()))
+        except ValueError:
+            continue
+    for pid in pids:
+        if _is_worker(pid):
+            _kill(lambda p=pid: os.kill(p, signal.SIGKILL))
+    _kill(lambda: os.killpg(agent_pid, signal.SIGKILL))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_is_worker(pid) for pid in pids):
+        time.sleep(0.05)
+
+
+def _is_worker(pid: int) -> bool:
+    """A live (not zombie) process running the recipe, so a reused pid is left alone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and WORKER_MODULE.encode() in cmdline
+
+
+def _kill(action) -> None:
+    try:
+        action()
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

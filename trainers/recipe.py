@@ -1,20 +1,31 @@
-"""tunepack's fine-tuning recipe: LoRA or full fine-tuning on one device.
+"""tunepack's fine-tuning recipe: full, LoRA, QLoRA or DoRA, on one process or many (FSDP2).
+
+    python -m tunepack.trainers.recipe --config <output>/config.yaml   # a torchrun worker
 
 Read it top to bottom: ``setup`` builds the tokenizer, model, data, optimizer and schedule from
-the config (see ``trainers/config.py``); ``train`` runs the loop and logs one JSON line per
-logging step; ``save`` writes the result to the output directory.
+the config (see ``trainers/config.py``) and resumes from the newest complete checkpoint;
+``train`` runs the loop, logs one JSON line per logging step, checkpoints every N steps / T
+minutes and stops cleanly (checkpoint first) when the process is asked to; ``save`` writes the
+result. The launcher (``trainers/launch.py``) runs it in-process for one process, or as torchrun's
+worker for more; ``trainers/distributed.py`` hides the difference.
 
-Unlike torchtune's stock ``lora_finetune_single_device``, saving never merges the adapter into
-the live model: on CPU ``tensor.cpu()`` is not a copy, so the stock recipe's merge corrupts the
-base weights it keeps training on. Here the adapter is copied out and the base stays frozen.
+Why not torchtune's stock recipes (0.6.1): the distributed ones hard-code NCCL and CUDA memory
+calls, none checkpoints mid-epoch, the single-device one forgets the global step on resume, and
+on CPU the LoRA ones merge the adapter into the live base weights at every save (``tensor.cpu()``
+is not a copy there). This recipe keeps their components and never merges into live weights.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import math
 import os
+import resource
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from functools import partial
@@ -22,55 +33,123 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
-from torchtune import config, training
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_sft
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils.data import DataLoader, Sampler
+from torchtune import config, modules, training
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_packed, padded_collate_sft
 from torchtune.modules.peft import (
     get_adapter_params,
     get_adapter_state_dict,
+    get_merged_lora_ckpt,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
 
-from tunepack.errors import BadInputError
+from tunepack.errors import BadInputError, TransientError, TunepackError
+from tunepack.trainers import checkpoint, distributed
+from tunepack.trainers.args import LORA_FAMILY
 from tunepack.trainers.peft_export import export_adapter
+from tunepack.trainers.progress import StatusReporter
 
 log = logging.getLogger("tunepack.trainer")
 
 ADAPTER_DIR = "adapter"
 MODEL_DIR = "model"
+MERGED_DIR = "merged"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+# Where the launcher asks each worker to leave its exit code (torchrun reports only "failed").
+EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"
+# Config keys that change how a run is observed or saved, not what it computes: a checkpoint
+# written under other values of these is still the same training run.
+BOOKKEEPING_KEYS = ("checkpointing", "trainer_args", "log_every_n_steps", "merge", "compile")
+
+
+class Stopped(TransientError):
+    """The process was asked to stop (SIGTERM: pod eviction, preemption) and has checkpointed."""
+
+
+def run_digest(cfg: DictConfig) -> str:
+    """Identity of the training computation, to match checkpoints to the run that wrote them."""
+    import hashlib
+
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for key in BOOKKEEPING_KEYS:
+        data.pop(key, None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+class ResumableSampler(Sampler[int]):
+    """Each epoch's shuffled order, split across ranks, able to start part-way through.
+
+    The order of epoch ``e`` is ``randperm(len, seed + e)`` (what DistributedSampler does), padded
+    to a multiple of the world size and dealt out round-robin. ``set_epoch(e, start)`` skips the
+    first ``start`` samples of the global order, which is exactly the batches every rank had
+    consumed when a checkpoint was written: no batch is loaded only to be thrown away.
+    """
+
+    def __init__(self, size: int, *, rank: int, world_size: int, seed: int) -> None:
+        self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
+        self.epoch, self.start = 0, 0
+        self.total = math.ceil(size / world_size) * world_size
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        self.epoch, self.start = epoch, start
+
+    def __iter__(self):
+        order = torch.randperm(
+            self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+        )
+        order = torch.cat([order, order[: self.total - self.size]])  # equal shares per rank
+        return iter(order[self.start :][self.rank :: self.world_size].tolist())
+
+    def __len__(self) -> int:
+        return (self.total - self.start) // self.world_size
 
 
 class FineTuneRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
+        self.topo, self.device = distributed.init(cfg.device)
         self.dtype = training.get_dtype(cfg.dtype, device=self.device)
         self.output_dir = Path(cfg.output_dir)
-        self.is_lora = cfg.method == "lora"
+        self.method = cfg.method
+        self.is_lora = cfg.method in LORA_FAMILY
+        self.digest = run_digest(cfg)
+        self.stop_requested = False  # set by the SIGTERM handler; honoured after each step
+        # Training progress, all of it saved in checkpoints.
         self.global_step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0  # micro-batches this rank consumed in the current epoch
         self.tokens_seen = 0
-        self.losses: list[float] = []
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self.prior_wall_time = 0.0  # training time of earlier attempts of this run
+        self.resumed_from: int | None = None
+        self.restarts = 0
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
-        training.set_seed(seed=cfg.seed)
+        training.set_seed(seed=cfg.seed)  # seed + rank on each rank, as torchtune does
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.model = self._setup_model(self._load_base_weights())
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
+        if cfg.compile:
+            self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
         self.dataloader = self._setup_data()
 
+        # Micro-batches that make whole optimizer steps; a ragged remainder is left out.
         self.steps_per_epoch = len(self.dataloader) // cfg.gradient_accumulation_steps
         if self.steps_per_epoch == 0:
             raise BadInputError(
                 f"the dataset has {len(self.dataloader.dataset)} examples, fewer than one "
-                f"optimizer step needs (batch_size={cfg.batch_size} x "
-                f"grad_accum={cfg.gradient_accumulation_steps}); lower batch_size or add data"
+                f"optimizer step needs ({self.topo.world_size} processes x batch_size="
+                f"{cfg.batch_size} x grad_accum={cfg.gradient_accumulation_steps}); "
+                "lower batch_size or grad_accum, or add data"
             )
         self.total_steps = self.steps_per_epoch * cfg.epochs
         if cfg.max_steps is not None:
@@ -81,37 +160,65 @@ class FineTuneRecipe:
         self.lr_scheduler = config.instantiate(
             cfg.lr_scheduler, self.optimizer, num_training_steps=self.total_steps
         )
-        log.info(
-            "model %s (%s): %d trainable of %d parameters; %d examples, %d steps",
-            cfg.model_name,
-            cfg.method,
-            sum(p.numel() for p in trainable),
-            sum(p.numel() for p in self.model.parameters()),
-            len(self.dataloader.dataset),
-            self.total_steps,
-        )
+        self._resume_or_start_fresh()
+        if self.topo.is_main:
+            log.info(
+                "model %s (%s, %s, %d process%s): %d trainable parameters; %d examples, "
+                "%d steps, starting at step %d",
+                cfg.model_name,
+                cfg.method,
+                cfg.dtype,
+                self.topo.world_size,
+                "" if self.topo.world_size == 1 else "es",
+                sum(p.numel() for p in trainable),
+                len(self.dataloader.dataset),
+                self.total_steps,
+                self.global_step,
+            )
 
     def _load_base_weights(self) -> dict[str, torch.Tensor]:
+        # Every rank reads the full base, then FSDP keeps only its shard: simple, and fine while
+        # a node's host memory holds one copy per process. (Rank-0-only loading would broadcast.)
         checkpointer = config.instantiate(self.cfg.checkpointer)
         return checkpointer.load_checkpoint()[training.MODEL_KEY]
 
     def _setup_model(self, base_state: dict[str, torch.Tensor]) -> nn.Module:
+        cfg = self.cfg
         with training.set_default_dtype(self.dtype), self.device:
-            model = config.instantiate(self.cfg.model)
+            model = config.instantiate(cfg.model)
         if not self.is_lora:
             model.load_state_dict(base_state, strict=True)
-            return model
+        else:
+            set_trainable_params(model, get_adapter_params(model))
+            missing, unexpected = model.load_state_dict(base_state, strict=False)
+            validate_missing_and_unexpected_for_lora(
+                lora_attn_modules=list(cfg.model.lora_attn_modules),
+                apply_lora_to_mlp=cfg.model.apply_lora_to_mlp,
+                apply_lora_to_output=cfg.model.apply_lora_to_output,
+                base_missing=missing,
+                base_unexpected=unexpected,
+            )
+            # DoRA's magnitude starts as the norm of the base weight it scales: only now known.
+            for module in model.modules():
+                if hasattr(module, "initialize_dora_magnitude"):
+                    module.initialize_dora_magnitude()
+        del base_state
 
-        set_trainable_params(model, get_adapter_params(model))
-        missing, unexpected = model.load_state_dict(base_state, strict=False)
-        m = self.cfg.model
-        validate_missing_and_unexpected_for_lora(
-            lora_attn_modules=list(m.lora_attn_modules),
-            apply_lora_to_mlp=m.apply_lora_to_mlp,
-            apply_lora_to_output=m.apply_lora_to_output,
-            base_missing=missing,
-            base_unexpected=unexpected,
-        )
+        if cfg.activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        if cfg.compile:
+            training.compile_model(model, verbose=self.topo.is_main)
+        if self.topo.distributed:
+            # FSDP2: each transformer layer is one unit of all-gather / reduce-scatter. LoRA's
+            # frozen base and trainable adapters share units; only the adapters get gradients.
+            training.shard_model(
+                model,
+                [lambda _name, m: isinstance(m, modules.TransformerSelfAttentionLayer)],
+                cpu_offload=False,
+                reshard_after_forward=True,
+            )
         return model
 
     def _setup_data(self) -> DataLoader:
@@ -119,14 +226,59 @@ class FineTuneRecipe:
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
         if len(dataset) == 0:
             raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
-        # One replica for now; the sampler's (seed, epoch) makes the order reproducible.
-        sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=cfg.seed)
-        collate = partial(
-            padded_collate_sft,
-            padding_idx=self.tokenizer.pad_id,
-            ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
+        self.sampler = ResumableSampler(
+            len(dataset), rank=self.topo.rank, world_size=self.topo.world_size, seed=cfg.seed
         )
-        return DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, collate_fn=collate)
+        if cfg.dataset.packed:
+            collate = padded_collate_packed
+        else:
+            collate = partial(
+                padded_collate_sft,
+                padding_idx=self.tokenizer.pad_id,
+                ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
+            )
+        # A generator of its own: a DataLoader otherwise draws a seed from the global RNG each
+        # time it starts an epoch, so a resumed run would see different dropout masks.
+        return DataLoader(
+            dataset,
+            batch_size=cfg.batch_size,
+            sampler=self.sampler,
+            collate_fn=collate,
+            generator=torch.Generator().manual_seed(cfg.seed),
+        )
+
+    def _resume_or_start_fresh(self) -> None:
+        ckpt = self.cfg.checkpointing
+        root = Path(ckpt.dir)
+        found = checkpoint.find_resumable(root, self.digest) if ckpt.resume else None
+        if found is None:
+            # A fresh run: checkpoints of another configuration (or resume=false) would only
+            # confuse the next restart's choice, so they go.
+            if self.topo.is_main and checkpoint.complete_checkpoints(root):
+                log.info("starting fresh: removing earlier checkpoints under %s", root)
+                checkpoint.clear(root)
+            distributed.barrier()
+            return
+        manifest = checkpoint.load(
+            found,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            topo=self.topo,
+        )
+        self.global_step = manifest["step"]
+        self.epoch = manifest["epoch"]
+        # Stored as global samples so a run restarted with another world size resumes too.
+        self.batch_in_epoch = manifest["samples_in_epoch"] // (
+            self.cfg.batch_size * self.topo.world_size
+        )
+        self.tokens_seen = manifest["tokens_seen"]
+        self.first_loss, self.last_loss = manifest["first_loss"], manifest["last_loss"]
+        self.prior_wall_time = manifest["wall_time_s"]
+        self.restarts = manifest.get("restarts", 0) + 1
+        self.resumed_from = self.global_step
+        if self.topo.is_main:
+            log.info("resumed from %s (step %d)", found, self.global_step)
 
     # ---------------------------------------------------------------- train
     def _loss_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -136,94 +288,221 @@ class FineTuneRecipe:
         # Predict token t+1 from position t: shift labels left, ignore the last position.
         ignore = torch.full_like(labels[:, :1], CROSS_ENTROPY_IGNORE_IDX)
         labels = torch.cat([labels[:, 1:], ignore], dim=1)
-        logits = self.model(tokens)
+        extra = {}
+        if "mask" in batch:  # packed: attend only within each example, positions restart
+            extra = {"mask": batch["mask"].to(self.device), "input_pos": batch["input_pos"]}
+            extra["input_pos"] = extra["input_pos"].to(self.device)
+        logits = self.model(tokens, **extra)
         loss = self.loss_fn(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
         return loss, int((labels != CROSS_ENTROPY_IGNORE_IDX).sum())
 
     def train(self) -> None:
-        cfg = self.cfg
+        cfg, topo = self.cfg, self.topo
         accum = cfg.gradient_accumulation_steps
-        metrics_path = self.output_dir / METRICS_FILE
-        metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
+        usable = self.steps_per_epoch * accum  # micro-batches per epoch that make whole steps
+        every_steps = cfg.checkpointing.every_steps
+        every_s = cfg.checkpointing.every_minutes * 60
+        reporter = StatusReporter.from_env() if topo.is_main else None
+        metrics = self._open_metrics() if topo.is_main else None
+        started = last_ckpt = time.monotonic()
+        steps_at_start = self.global_step
 
         self.model.train()
-        with metrics_path.open("w") as metrics:
-            for epoch in range(cfg.epochs):
-                self.dataloader.sampler.set_epoch(epoch)
-                step_loss, step_tokens, step_started = 0.0, 0, time.perf_counter()
-                for index, batch in enumerate(self.dataloader):
+        try:
+            while self.global_step < self.total_steps and self.epoch < cfg.epochs:
+                self.sampler.set_epoch(
+                    self.epoch, start=self.batch_in_epoch * cfg.batch_size * topo.world_size
+                )
+                step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
+                for batch in self.dataloader:
                     loss, n_tokens = self._loss_and_tokens(batch)
                     loss.backward()
                     step_loss += loss.item()
                     step_tokens += n_tokens
-                    if (index + 1) % accum:
+                    self.batch_in_epoch += 1
+                    if self.batch_in_epoch % accum:
                         continue
-                    # Normalise by every token in the accumulated step, as one big batch would.
-                    training.scale_grads(self.model, torch.tensor(1.0 / max(step_tokens, 1)))
+
+                    # One collective per step: the loss and token sums of every rank, whether any
+                    # rank was asked to stop, and whether rank 0's clock says a checkpoint is due.
+                    time_due = (
+                        topo.is_main and every_s > 0 and time.monotonic() - last_ckpt >= every_s
+                    )
+                    total_loss, total_tokens, stops, due = distributed.all_reduce_sum(
+                        [step_loss, step_tokens, float(self.stop_requested), float(time_due)],
+                        self.device,
+                    )
+                    # Normalise by every token in the step on every rank, as one big batch would.
+                    # FSDP averages gradients over ranks, hence the world size in the numerator.
+                    scale = topo.world_size / max(total_tokens, 1.0)
+                    training.scale_grads(self.model, torch.tensor(scale, device=self.device))
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     self.lr_scheduler.step()
                     self.global_step += 1
-                    self.tokens_seen += step_tokens
-                    self.losses.append(step_loss / max(step_tokens, 1))
+                    self.tokens_seen += int(total_tokens)
+                    self.last_loss = total_loss / max(total_tokens, 1.0)
+                    if self.first_loss is None:
+                        self.first_loss = self.last_loss
+                    if self.batch_in_epoch >= usable:  # the epoch's last whole step
+                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
-                    if self.global_step % cfg.log_every_n_steps == 0:
-                        elapsed = time.perf_counter() - step_started
-                        record = {
-                            "event": "step",
-                            "step": self.global_step,
-                            "total_steps": self.total_steps,
-                            "epoch": epoch + 1,
-                            "loss": round(self.losses[-1], 6),
-                            "lr": self.optimizer.param_groups[0]["lr"],
-                            "tokens_per_second": round(step_tokens / max(elapsed, 1e-9), 1),
-                            "elapsed_s": round(time.perf_counter() - started, 3),
-                        }
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                        print(json.dumps(record), flush=True)
-                    step_loss, step_tokens, step_started = 0.0, 0, time.perf_counter()
-                    if self.global_step >= self.total_steps:
-                        break
-                if self.global_step >= self.total_steps:
-                    break
-        self.wall_time = time.perf_counter() - started
+                    elapsed = time.monotonic() - step_started
+                    if topo.is_main:
+                        self._report(
+                            metrics, reporter, total_tokens, elapsed, started, steps_at_start
+                        )
+                    finished = self.global_step >= self.total_steps
+                    by_steps = every_steps > 0 and self.global_step % every_steps == 0
+                    if stops or (not finished and (by_steps or due)):
+                        self.save_checkpoint(time.monotonic() - started)
+                        last_ckpt = time.monotonic()
+                    if stops:
+                        raise Stopped(
+                            f"asked to stop (SIGTERM); checkpoint of step {self.global_step} "
+                            "written, a restart resumes from it"
+                        )
+                    if finished or self.batch_in_epoch == 0:
+                        break  # done, or on to the next epoch (the remainder is left out)
+                    step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
+        finally:
+            self.wall_time = self.prior_wall_time + time.monotonic() - started
+            if metrics is not None:
+                metrics.close()
+            if reporter is not None:
+                reporter.close()
+
+    def _open_metrics(self):
+        path = self.output_dir / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # A resumed run appends: the file keeps the whole history of the run.
+        return path.open("a" if self.resumed_from is not None else "w")
+
+    def _report(self, metrics, reporter, step_tokens, step_s, started, steps_at_start) -> None:
+        """Rank 0: one JSON line per logging step, and the newest snapshot for the controller."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        tokens_per_s = step_tokens / max(step_s, 1e-9)
+        done_here = self.global_step - steps_at_start
+        per_step = (time.monotonic() - started) / max(done_here, 1)
+        remaining = int(per_step * (self.total_steps - self.global_step))
+        if reporter is not None:
+            reporter.update(
+                100 * self.global_step // self.total_steps,
+                remaining,
+                {
+                    "loss": round(self.last_loss, 6),
+                    "learning_rate": lr,
+                    "tokens_per_second": round(tokens_per_s, 1),
+                    "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+                    "step": self.global_step,
+                },
+            )
+        if self.global_step % self.cfg.log_every_n_steps and self.global_step != self.total_steps:
+            return
+        record = {
+            "event": "step",
+            "step": self.global_step,
+            "total_steps": self.total_steps,
+            "epoch": self.epoch + 1 if self.batch_in_epoch else self.epoch,  # 1-based
+            "loss": round(self.last_loss, 6),
+            "lr": lr,
+            "tokens": int(step_tokens),
+            "tokens_per_second": round(tokens_per_s, 1),
+            "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+            "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
+        }
+        metrics.write(json.dumps(record) + "\n")
+        metrics.flush()
+        print(json.dumps(record), flush=True)
+
+    def save_checkpoint(self, wall_time_s: float) -> Path:
+        manifest = {
+            "step": self.global_step,
+            "epoch": self.epoch,
+            "samples_in_epoch": self.batch_in_epoch * self.cfg.batch_size * self.topo.world_size,
+            "tokens_seen": self.tokens_seen,
+            "first_loss": self.first_loss,
+            "last_loss": self.last_loss,
+            "wall_time_s": round(self.prior_wall_time + wall_time_s, 3),
+            "restarts": self.restarts,
+            "world_size": self.topo.world_size,
+            "method": self.method,
+            "digest": self.digest,
+        }
+        path = checkpoint.save(
+            Path(self.cfg.checkpointing.dir),
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            manifest=manifest,
+            topo=self.topo,
+            keep=self.cfg.checkpointing.keep,
+        )
+        if self.topo.is_main:
+            print(
+                json.dumps({"event": "checkpoint", "step": self.global_step, "path": str(path)}),
+                flush=True,
+            )
+        return path
 
     # ---------------------------------------------------------------- save
     def save(self, extra: dict | None = None) -> Path:
-        """Write the adapter (LoRA) or HF model (full), then ``result.json`` (plus ``extra``)."""
-        if self.is_lora:
-            artifact = _publish(self.output_dir / ADAPTER_DIR, self._write_adapter)
-        else:
-            artifact = _publish(self.output_dir / MODEL_DIR, self._write_full_model)
-        result = {
-            "model": self.cfg.model_name,
-            "base_model": self.cfg.hub_id,
-            "method": self.cfg.method,
-            "steps": self.global_step,
-            "epochs": self.cfg.epochs,
-            "first_loss": self.losses[0] if self.losses else None,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "tokens_seen": self.tokens_seen,
-            "wall_time_s": round(getattr(self, "wall_time", 0.0), 3),
-            "artifact": str(artifact),
-            "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
-            **(extra or {}),
-        }
-        _write_json_atomic(self.output_dir / RESULT_FILE, result)
+        """Write the adapter (LoRA family) or HF model (full), then ``result.json`` (rank 0)."""
+        state = self._gather_state(trainable_only=self.is_lora)  # collective: every rank calls
+        artifact = self.output_dir / (ADAPTER_DIR if self.is_lora else MODEL_DIR)
+        if self.topo.is_main:
+            if self.is_lora:
+                _publish(artifact, partial(self._write_adapter, state))
+                if self.cfg.merge:
+                    _publish(self.output_dir / MERGED_DIR, partial(self._write_merged, state))
+            else:
+                _publish(artifact, partial(self._write_hf_model, state))
+            result = {
+                "model": self.cfg.model_name,
+                "base_model": self.cfg.hub_id,
+                "method": self.method,
+                "steps": self.global_step,
+                "epochs": self.cfg.epochs,
+                "first_loss": self.first_loss,
+                "final_loss": self.last_loss,
+                "tokens_seen": self.tokens_seen,
+                "wall_time_s": round(getattr(self, "wall_time", 0.0), 3),
+                "world_size": self.topo.world_size,
+                "device": self.device.type,
+                "dtype": self.cfg.dtype,
+                "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+                "resumed_from_step": self.resumed_from,
+                "restarts": self.restarts,
+                "artifact": str(artifact),
+                "merged_model": str(self.output_dir / MERGED_DIR) if self.cfg.merge else None,
+                "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
+                **(extra or {}),
+            }
+            _write_json_atomic(self.output_dir / RESULT_FILE, result)
+        distributed.barrier()  # no rank exits before the result is complete
         return artifact
+
+    def _gather_state(self, trainable_only: bool) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU copies of the weights on rank 0; an empty dict on other ranks."""
+        if self.topo.distributed:
+            options = StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
+            )
+            return get_model_state_dict(self.model, options=options)
+        state = self.model.state_dict()
+        if trainable_only:
+            state = get_adapter_state_dict(state)
+        # Copies: on CPU ``.to("cpu")`` would alias the live weights that training still owns.
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
     def _hf_config(self) -> dict:
         return json.loads((Path(self.cfg.checkpointer.checkpoint_dir) / "config.json").read_text())
 
-    def _write_adapter(self, directory: Path) -> None:
+    def _write_adapter(self, state: dict[str, torch.Tensor], directory: Path) -> None:
         m = self.cfg.model
-        # Copy out of the live model: the exported tensors must not alias training state.
-        adapter = {
-            k: v.detach().to("cpu", dtype=torch.float32, copy=True)
-            for k, v in get_adapter_state_dict(self.model.state_dict()).items()
-        }
+        adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
+        # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
+        # magnitude unpermuted); export_adapter follows each family's HF layout.
         weights, targets = export_adapter(
             adapter,
             model_type=self.cfg.checkpointer.model_type,
@@ -233,6 +512,7 @@ class FineTuneRecipe:
         )
         weights = {k: v.contiguous() for k, v in weights.items()}
         save_file(weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+        # QLoRA's adapter is an ordinary LoRA adapter: it applies to the unquantized base too.
         adapter_config = {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
@@ -243,24 +523,47 @@ class FineTuneRecipe:
             "bias": "none",
             "fan_in_fan_out": False,
             "inference_mode": True,
-            "use_dora": False,
+            "use_dora": self.method == "dora",
             "use_rslora": False,
             "modules_to_save": None,
             **targets,
         }
         (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
-    def _write_full_model(self, directory: Path) -> None:
+    def _write_merged(self, adapter_state: dict[str, torch.Tensor], directory: Path) -> None:
+        """Fold the adapter into a fresh copy of the base read from disk, never the live model."""
+        merged = config.instantiate(self.cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
+        merged.update(get_adapter_state_dict(adapter_state))
+        merged = get_merged_lora_ckpt(
+            merged, rank=self.cfg.model.lora_rank, alpha=self.cfg.model.lora_alpha
+        )
+        self._write_hf_model(merged, directory)
+
+    def _write_hf_model(self, state: dict[str, torch.Tensor], directory: Path) -> None:
         ckpt = dict(self.cfg.checkpointer)
         ckpt["output_dir"] = str(directory / ".staging")
         checkpointer = config.instantiate(OmegaConf.create(ckpt))
-        state = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        # torchtune's HF checkpointer learns which shard file each weight belongs in while it
+        # loads; it never loaded here. Read the same map from the shards' headers rather than
+        # load a second full copy of the model.
+        weight_map = {}
+        for index, name in enumerate(self.cfg.checkpointer.checkpoint_files, start=1):
+            with safe_open(Path(self.cfg.checkpointer.checkpoint_dir) / name, "pt") as shard:
+                weight_map.update(dict.fromkeys(shard.keys(), f"{index:04}"))
+        checkpointer._weight_map = weight_map
         checkpointer.save_checkpoint({training.MODEL_KEY: state}, epoch=0)
         # torchtune writes weights plus the source's config/tokenizer files under epoch_0/.
         staged = directory / ".staging" / "epoch_0"
         for item in staged.iterdir():
             shutil.move(str(item), directory / item.name)
         shutil.rmtree(directory / ".staging")
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak accelerator memory on GPU; peak resident set size of this process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 def _publish(destination: Path, write) -> Path:
@@ -288,10 +591,84 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def install_stop_handler(recipe: FineTuneRecipe) -> None:
+    """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step.
+
+    A second signal is not waited on: the process dies as it would without the handler.
+    """
+
+    def handle(signum, _frame):
+        if recipe.stop_requested:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        recipe.stop_requested = True
+        print(
+            f"trainer: got signal {signum}; stopping after this step", file=sys.stderr, flush=True
+        )
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+
+
 def run(cfg: DictConfig, extra: dict | None = None) -> dict:
     """Set up, train and save; return the result record (``extra`` is added to it)."""
     recipe = FineTuneRecipe(cfg)
-    recipe.setup()
-    recipe.train()
-    recipe.save(extra)
-    return json.loads((recipe.output_dir / RESULT_FILE).read_text())
+    install_stop_handler(recipe)
+    try:
+        recipe.setup()
+        recipe.train()
+        recipe.save(extra)
+    except torch.OutOfMemoryError as err:
+        raise BadInputError(
+            f"out of memory on {recipe.device}: lower batch_size or max_seq_len (raise "
+            f"grad_accum to keep the effective batch), or set activation_checkpointing=true; {err}"
+        ) from None
+    result = {}
+    if recipe.topo.is_main:
+        result = json.loads((recipe.output_dir / RESULT_FILE).read_text())
+    distributed.shutdown()
+    return result
+
+
+def _set_parent_death_signal() -> None:
+    """Die (SIGTERM) with the torchrun agent: a killed agent must not leave workers training."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        return  # not Linux: the agent's own shutdown still signals its workers
+
+
+def main(argv: list[str] | None = None) -> int:
+    """torchrun's worker: train from a config file and leave the exit code for the launcher."""
+    parser = argparse.ArgumentParser(prog="python -m tunepack.trainers.recipe")
+    parser.add_argument("--config", required=True, type=Path)
+    parser.add_argument("--digest", default=None, help="recorded as config_digest in result.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    _set_parent_death_signal()
+    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    rank = os.environ.get("RANK", "0")
+    if exit_dir:  # lets the launcher make sure no worker outlives it
+        Path(exit_dir, f"pid-{rank}").write_text(str(os.getpid()))
+    code = 0
+    try:
+        cfg = OmegaConf.load(args.config)
+        run(cfg, extra={"config_digest": args.digest} if args.digest else None)
+    except TunepackError as err:
+        print(f"trainer: error: {err}", file=sys.stderr, flush=True)
+        code = err.exit_code
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        if exit_dir:
+            Path(exit_dir, f"rank-{rank}").write_text(str(code))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

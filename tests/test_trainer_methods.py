@@ -1,0 +1,222 @@
+"""Every method in one process, in-process: full, DoRA (+ merge), QLoRA; the progress reporter."""
+
+from __future__ import annotations
+
+import dataclasses
+import http.server
+import json
+import ssl
+import subprocess
+import threading
+
+import pytest
+import torch
+
+from tests.conftest import run_program
+from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.runtimes import catalog
+from tunepack.tiny import write_tiny_model
+from tunepack.trainers import recipe as recipe_module
+from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.config import build_config
+
+TINY = catalog.get("tiny-llama3")
+# NF4 quantizes in blocks of 64 x 256 values; tiny-llama3's projections are too small for that.
+NF4_TINY = dataclasses.replace(
+    TINY,
+    name="tiny-llama3-nf4",
+    shape=dataclasses.replace(
+        TINY.shape, num_layers=2, embed_dim=256, num_heads=4, num_kv_heads=2, intermediate_dim=512
+    ),
+)
+FAST = ["warmup_steps=0", "batch_size=8", "checkpoint_every_minutes=0"]
+
+
+def train_in_process(workspace, output, argv, entry=TINY, model_dir=None):
+    args = parse_trainer_args([*FAST, *argv], entry)
+    cfg = build_config(
+        entry,
+        args,
+        model_dir=model_dir or workspace / "model",
+        dataset_dir=workspace / "dataset",
+        output_dir=output,
+        cache_dir=output / ".cache",
+    )
+    recipe = recipe_module.FineTuneRecipe(cfg)
+    recipe.setup()
+    recipe.train()
+    recipe.save()
+    return recipe
+
+
+def sample_tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 20), generator=torch.Generator().manual_seed(3))
+
+
+def test_full_fine_tune_writes_an_hf_model_that_reproduces_the_trained_one(
+    initialized_workspace, tmp_path
+):
+    transformers = pytest.importorskip("transformers")
+    recipe = train_in_process(initialized_workspace, tmp_path, ["method=full", "max_steps=3"])
+    model_dir = tmp_path / "model"
+    assert (model_dir / "config.json").is_file()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    tokens = sample_tokens(TINY.shape.vocab_size)
+    recipe.model.eval()
+    with torch.no_grad():
+        assert torch.allclose(hf(tokens).logits, recipe.model(tokens), atol=1e-4)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["method"], result["steps"], result["world_size"]) == ("full", 3, 1)
+    assert result["peak_memory_gib"] > 0 and result["tokens_seen"] > 0
+
+
+def test_dora_adapter_loads_with_peft_and_merge_matches_it(initialized_workspace, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    recipe = train_in_process(
+        initialized_workspace, tmp_path, ["method=dora", "max_steps=8", "merge=true"]
+    )
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["use_dora"] is True and adapter_config["peft_type"] == "LORA"
+
+    def load_base():
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            initialized_workspace / "model", torch_dtype=torch.float32
+        )
+
+    tokens = sample_tokens(TINY.shape.vocab_size)
+    recipe.model.eval()
+    with torch.no_grad():
+        base_logits = load_base()(tokens).logits
+        tuned = peft.PeftModel.from_pretrained(load_base(), tmp_path / "adapter").eval()
+        peft_logits = tuned(tokens).logits
+        trained_logits = recipe.model(tokens)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "merged", torch_dtype=torch.float32
+        )
+        merged_logits = merged(tokens).logits
+    assert torch.allclose(peft_logits, trained_logits, atol=1e-4)
+    assert torch.allclose(merged_logits, trained_logits, atol=1e-4)
+    assert (peft_logits - base_logits).abs().max() > 1e-3  # the adapter did learn something
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["merged_model"] == str(tmp_path / "merged")
+
+
+def test_qlora_on_a_model_nf4_cannot_quantize_fails_with_the_reason(tmp_path):
+    with pytest.raises(
+        BadInputError, match="method=qlora cannot quantize tiny-llama3: its q_proj weight .96x96"
+    ):
+        build_config(
+            TINY,
+            parse_trainer_args(["method=qlora"], TINY),
+            model_dir=tmp_path,
+            dataset_dir=tmp_path,
+            output_dir=tmp_path,
+            cache_dir=tmp_path,
+        )
+
+
+def test_qlora_trains_on_cpu_and_exports_a_plain_lora_adapter(initialized_workspace, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    model_dir = write_tiny_model(tmp_path / "nf4-model", NF4_TINY)
+    recipe = train_in_process(
+        initialized_workspace,
+        tmp_path / "out",
+        ["method=qlora", "max_steps=4", "lr=1e-2"],
+        entry=NF4_TINY,
+        model_dir=model_dir,
+    )
+    assert type(recipe.model.layers[0].attn.k_proj.weight).__name__ == "NF4Tensor"
+    adapter_dir = tmp_path / "out" / "adapter"
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    assert config["use_dora"] is False
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    tokens = sample_tokens(NF4_TINY.shape.vocab_size)
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+        tuned = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+        assert (tuned(tokens).logits - base_logits).abs().max() > 1e-4
+
+
+def test_launcher_refuses_qlora_for_tiny_with_exit_65(initialized_workspace):
+    env = {"TUNEPACK_WORKSPACE": str(initialized_workspace), "TUNEPACK_MODEL": "tiny-llama3"}
+    done = run_program("tunepack.trainers.launch", env, "method=qlora")
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr
+    assert "use method=lora for this model" in done.stderr
+
+
+# ------------------------------------------------------------------ progress
+
+
+class _StatusHandler(http.server.BaseHTTPRequestHandler):
+    received: list[tuple[str, dict]] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.received.append((self.headers.get("Authorization"), body))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def status_server(tmp_path):
+    """A local HTTPS endpoint with a self-signed certificate, like the controller's."""
+    cert, key = tmp_path / "ca.crt", tmp_path / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True,
+        capture_output=True,
+    )
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StatusHandler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    _StatusHandler.received = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"https://127.0.0.1:{server.server_address[1]}/status", cert, _StatusHandler.received
+    server.shutdown()
+
+
+def test_progress_reaches_an_https_server_with_token_and_ca(
+    initialized_workspace, tmp_path, status_server, monkeypatch
+):
+    url, ca_file, received = status_server
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", url)
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_CA_CERT", str(ca_file))
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_TOKEN", str(token))
+    train_in_process(initialized_workspace, tmp_path / "out", ["max_steps=5"])
+
+    assert received, "no status update arrived"
+    assert all(auth == "Bearer s3cret" for auth, _ in received)
+    # Rate-limited: 5 steps in a few seconds make the first post and the final one, not five.
+    assert len(received) < 5
+    final = received[-1][1]["trainerStatus"]
+    assert final["progressPercentage"] == 100 and final["estimatedRemainingSeconds"] == 0
+    metrics = {m["name"]: m["value"] for m in final["metrics"]}
+    assert set(metrics) >= {"loss", "learning_rate", "tokens_per_second", "peak_memory_gib"}
+    assert float(metrics["loss"]) > 0 and final["lastUpdatedTime"]
+
+
+def test_progress_server_down_never_fails_training(initialized_workspace, tmp_path, monkeypatch):
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", "https://127.0.0.1:9/status")  # discard port
+    recipe = train_in_process(initialized_workspace, tmp_path, ["max_steps=2"])
+    assert recipe.global_step == 2
+
+
+def test_packed_sequences_train(initialized_workspace, tmp_path):
+    recipe = train_in_process(initialized_workspace, tmp_path, ["packed=true", "max_steps=2"])
+    assert recipe.cfg.dataset.packed and recipe.global_step == 2
+    # Packed rows are exactly max_seq_len long and carry per-example attention masks/positions.
+    batch = next(iter(recipe.dataloader))
+    assert batch["tokens"].shape[1] == recipe.cfg.tokenizer.max_seq_len
+    assert {"mask", "input_pos"} <= set(batch)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()

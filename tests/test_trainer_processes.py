@@ -1,0 +1,228 @@
+"""The trainer as the platform runs it: launcher processes, torchrun, FSDP2, kills and restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.trainers.launch import _exit_code, layout_from_env
+from tunepack.trainers.recipe import ResumableSampler
+
+LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
+# 8 steps of 2 accumulated micro-batches; dropout makes the result depend on the restored random
+# state too. (Crossing an epoch boundary would double the runtime: the sampler test covers it.)
+RESUME_ARGS = ["max_steps=8", "batch_size=8", "grad_accum=2", "lora_dropout=0.1", "warmup_steps=2"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _workspace(initialized_workspace: Path, tmp_path: Path, name: str = "ws") -> Path:
+    target = tmp_path / name
+    shutil.copytree(initialized_workspace, target)
+    return target
+
+
+def _env(workspace: Path, **pet: object) -> dict[str, str]:
+    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
+    # One math thread per process: on a shared 2-core machine, spinning thread pools of several
+    # processes slow each other down several times over. (torchrun sets the same for workers.)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update({f"PET_{k.upper()}": str(v) for k, v in pet.items()})
+    return env
+
+
+def _launch(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*LAUNCH, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _start_and_wait_for_step(env: dict, args: list[str], step: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [*LAUNCH, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for line in proc.stdout:
+        if line.startswith("{") and json.loads(line).get("step", 0) >= step:
+            return proc
+    raise AssertionError(f"the trainer ended (rc {proc.wait()}) before step {step}")
+
+
+def _adapter(workspace: Path) -> dict[str, torch.Tensor]:
+    return load_file(workspace / "output" / "adapter" / "adapter_model.safetensors")
+
+
+def _result(workspace: Path) -> dict:
+    return json.loads((workspace / "output" / "result.json").read_text())
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ------------------------------------------------------------------ fast unit checks
+
+
+def test_sampler_started_mid_epoch_continues_the_same_order():
+    full = ResumableSampler(50, rank=1, world_size=2, seed=7)
+    full.set_epoch(3)
+    resumed = ResumableSampler(50, rank=1, world_size=2, seed=7)
+    resumed.set_epoch(3, start=2 * 4 * 2)  # 2 batches of 4 on each of 2 ranks consumed
+    assert list(resumed) == list(full)[8:]
+    other = ResumableSampler(50, rank=0, world_size=2, seed=7)
+    other.set_epoch(3)
+    assert sorted([*full, *other]) == sorted({*full, *other})  # disjoint shares (no padding)
+
+
+def test_exit_code_prefers_bad_input_then_transient():
+    assert _exit_code(1, [EXIT_BAD_INPUT, 1], signalled=False) == EXIT_BAD_INPUT
+    assert _exit_code(1, [EXIT_TRANSIENT], signalled=False) == EXIT_TRANSIENT
+    assert _exit_code(1, [], signalled=True) == EXIT_TRANSIENT
+    assert _exit_code(1, [1], signalled=False) == 1
+    assert _exit_code(0, [0, 0], signalled=False) == 0
+
+
+def test_layout_from_pet_variables(monkeypatch):
+    for key, value in {"NNODES": "2", "NPROC_PER_NODE": "auto", "NODE_RANK": "1"}.items():
+        monkeypatch.setenv(f"PET_{key}", value)
+    monkeypatch.setenv("PET_MASTER_ADDR", "job-node-0-0.job")
+    monkeypatch.setenv("PET_MASTER_PORT", "29500")
+    layout = layout_from_env("cpu")
+    assert (layout.nnodes, layout.nproc_per_node, layout.node_rank) == (2, 1, 1)  # auto on CPU
+    assert layout.world_size == 2 and layout.master_addr == "job-node-0-0.job"
+    monkeypatch.setenv("PET_NODE_RANK", "2")
+    with pytest.raises(Exception, match="PET_NODE_RANK='2' is not valid: expected 0 to 1"):
+        layout_from_env("cpu")
+
+
+# ------------------------------------------------------------------ single process
+
+
+def test_kill_9_then_restart_resumes_and_ends_bit_identical(initialized_workspace, tmp_path):
+    reference = _workspace(initialized_workspace, tmp_path, "reference")
+    done = _launch(_env(reference), *RESUME_ARGS, "checkpoint_every_minutes=0")
+    assert done.returncode == 0, done.stderr
+    assert not (reference / "checkpoints").exists()  # checkpointing is off there
+
+    interrupted = _workspace(initialized_workspace, tmp_path, "interrupted")
+    args = [*RESUME_ARGS, "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
+    proc = _start_and_wait_for_step(_env(interrupted), args, step=5)
+    proc.kill()  # SIGKILL: no handler runs, whatever was being written stays half-written
+    proc.wait()
+    assert not (interrupted / "output" / "result.json").exists()
+    checkpoints = sorted(p.name for p in (interrupted / "checkpoints").glob("step-*"))
+    assert checkpoints and checkpoints[-1] in ("step-00000003", "step-00000006")
+
+    again = _launch(_env(interrupted), *args)
+    assert again.returncode == 0, again.stderr
+    result = _result(interrupted)
+    assert result["resumed_from_step"] in (3, 6) and result["restarts"] == 1
+    assert result["steps"] == 8 == _result(reference)["steps"]
+    assert result["tokens_seen"] == _result(reference)["tokens_seen"]
+    expected, got = _adapter(reference), _adapter(interrupted)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    # keep_checkpoints=2: only the newest two remain
+    assert len(list((interrupted / "checkpoints").glob("step-*"))) <= 2
+
+
+# ------------------------------------------------------------------ torchrun, FSDP2
+
+
+def test_two_processes_full_fine_tune_with_fsdp(initialized_workspace, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    ws = _workspace(initialized_workspace, tmp_path)
+    env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
+    done = _launch(env, "method=full", "max_steps=3", "warmup_steps=0", "lr=1e-3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = _result(ws)
+    assert (result["world_size"], result["method"], result["steps"]) == (2, "full", 3)
+    trained = transformers.AutoModelForCausalLM.from_pretrained(ws / "output" / "model")
+    base = transformers.AutoModelForCausalLM.from_pretrained(ws / "model")
+    delta = trained.model.layers[0].mlp.up_proj.weight - base.model.layers[0].mlp.up_proj.weight
+    assert delta.abs().max() > 0
+
+
+def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspace, tmp_path):
+    ws = _workspace(initialized_workspace, tmp_path)
+    env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
+    args = ["max_steps=12", "warmup_steps=0", "checkpoint_every_minutes=0"]
+    proc = _start_and_wait_for_step(env, args, step=2)
+    workers = _descendants(proc.pid)
+    assert len(workers) >= 3  # torchrun's agent and two workers
+    proc.send_signal(signal.SIGTERM)  # what the kubelet does on eviction
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_TRANSIENT, output
+    stopped = [p.name for p in (ws / "checkpoints").glob("step-*")]
+    assert len(stopped) == 1 and "asked to stop (SIGTERM)" in output
+    assert not [pid for pid in workers if _alive(pid)], "processes outlived the launcher"
+
+    env["PET_MASTER_PORT"] = str(_free_port())
+    done = _launch(env, *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = _result(ws)
+    assert result["steps"] == 12 and result["resumed_from_step"] == int(stopped[0][5:])
+
+
+def test_two_nodes_of_one_process_train_lora_from_pet_variables(initialized_workspace, tmp_path):
+    ws = _workspace(initialized_workspace, tmp_path)
+    port = _free_port()
+    nodes = [
+        subprocess.Popen(
+            [*LAUNCH, "max_steps=4", "warmup_steps=0"],
+            env=_env(
+                ws,
+                nnodes=2,
+                nproc_per_node=1,
+                node_rank=rank,
+                master_addr="127.0.0.1",
+                master_port=port,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs
+    result = _result(ws)
+    assert (result["world_size"], result["method"], result["steps"]) == (2, "lora", 4)
+    assert (ws / "output" / "adapter" / "adapter_config.json").is_file()
+    assert "trainer: done" in outputs[0]  # rank 0's node reports the result
