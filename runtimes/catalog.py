@@ -29,6 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RUNTIME_PREFIX = "tunepack-"
+# Methods that build the LoRA model with one more keyword (quantize_base, use_dora), so a model
+# with a LoRA builder supports them (QLoRA only where NF4 can quantize its weights).
+LORA_VARIANTS = ("qlora", "dora")
+# torchao's NF4 quantizes a weight in blocks of 64 values with one scale each, and those scales
+# again in blocks of 256: a weight's size must be a multiple of both, or building the model fails
+# deep inside torchao with an assertion.
+NF4_BLOCK = 64 * 256
 # A sharded Hugging Face checkpoint names its shards in this file's ``weight_map``.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -54,6 +61,28 @@ class Shape:
     def __post_init__(self) -> None:
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.embed_dim // self.num_heads)
+
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """(rows, cols) of each projection weight of a layer, by HF module name."""
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {
+            "q_proj": (q_out, self.embed_dim),
+            "k_proj": (kv_out, self.embed_dim),
+            "v_proj": (kv_out, self.embed_dim),
+            "o_proj": (self.embed_dim, q_out),
+            "gate_proj/up_proj": (self.intermediate_dim, self.embed_dim),
+            "down_proj": (self.embed_dim, self.intermediate_dim),
+        }
+
+    def nf4_obstacle(self) -> str | None:
+        """Why NF4 (QLoRA) cannot quantize this shape's weights, or None when it can."""
+        for name, (rows, cols) in self.projections().items():
+            if rows * cols % NF4_BLOCK:
+                return (
+                    f"its {name} weight ({rows}x{cols} = {rows * cols} values) is not a "
+                    f"multiple of NF4's block of {NF4_BLOCK} values"
+                )
+        return None
 
     def parameter_count(self) -> int:
         d, hd = self.embed_dim, self.head_dim
@@ -140,7 +169,17 @@ class ModelEntry:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return tuple(self.builders)
+        """The fine-tuning methods this model supports: its builders, plus the LoRA variants."""
+        methods = tuple(self.builders)
+        if "lora" in methods:
+            methods += tuple(m for m in LORA_VARIANTS if self.why_not(m) is None)
+        return methods
+
+    def why_not(self, method: str) -> str | None:
+        """Why a LoRA variant cannot run on this model (None: nothing known against it)."""
+        if method == "qlora" and (obstacle := self.shape.nf4_obstacle()):
+            return f"method=qlora cannot quantize {self.name}: {obstacle}; use method=lora"
+        return None
 
     @property
     def parameter_count(self) -> int:

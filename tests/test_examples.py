@@ -38,9 +38,7 @@ EXAMPLES = {
 }
 
 # Features other branches bring: (what is pending) -> reason. Remove an entry when it merges.
-PENDING = {
-    "method:qlora": "method=qlora arrives with the trainer branch (qlora/dora)",
-}
+PENDING = {}
 
 
 class Pending(Exception):

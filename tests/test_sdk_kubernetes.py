@@ -105,7 +105,11 @@ def test_install_train_status_logs_delete(server):
 
     runtimes = tc.list_runtimes()
     one_b = next(r for r in runtimes if r.name == RUNTIME)
-    assert (one_b.model, one_b.default_gpus, one_b.methods) == ("llama3.2-1b", 1, ("full", "lora"))
+    assert (one_b.model, one_b.default_gpus, one_b.methods) == (
+        "llama3.2-1b",
+        1,
+        ("full", "lora", "qlora", "dora"),
+    )
 
     name = tc.train(
         runtime=RUNTIME,

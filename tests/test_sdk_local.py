@@ -33,7 +33,11 @@ def test_list_runtimes_is_a_table_of_tunepack_runtimes(client):
     assert isinstance(runtimes, RuntimeList)
     tiny = next(r for r in runtimes if r.name == RUNTIME)
     assert isinstance(tiny, TunepackRuntime)
-    assert (tiny.model, tiny.methods, tiny.default_gpus) == ("tiny-llama3", ("full", "lora"), 0)
+    assert (tiny.model, tiny.methods, tiny.default_gpus) == (
+        "tiny-llama3",
+        ("full", "lora", "dora"),
+        0,
+    )
     html = runtimes._repr_html_()
     assert "<td>tunepack-llama3.1-8b</td>" in html and "<th>default_gpus</th>" in html
     assert client.get_runtime(RUNTIME).trainer.image.startswith("ghcr.io/tunepack/trainer:")

@@ -184,15 +184,9 @@ def test_untranslatable_torchtune_fields_are_refused_by_name(config, field):
         from_torchtune_config(config)
 
 
-def test_qlora_via_quantize_base_maps_to_method_qlora_or_says_it_is_missing():
+def test_qlora_via_quantize_base_maps_to_method_qlora():
     config = TorchTuneConfig(peft_config=LoraConfig(quantize_base=True))
-    if "qlora" in CATALOG["llama3.1-8b"].methods:
-        assert from_torchtune_config(config).method == "qlora"
-    else:
-        with pytest.raises(
-            BadInputError, match="LoraConfig.quantize_base=True means method='qlora'"
-        ):
-            from_torchtune_config(config)
+    assert from_torchtune_config(config).method == "qlora"
 
 
 def test_plain_tokens_are_refused_and_secrets_go_by_reference():

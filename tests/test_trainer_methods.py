@@ -26,7 +26,13 @@ NF4_TINY = dataclasses.replace(
     TINY,
     name="tiny-llama3-nf4",
     shape=dataclasses.replace(
-        TINY.shape, num_layers=2, embed_dim=256, num_heads=4, num_kv_heads=2, intermediate_dim=512
+        TINY.shape,
+        num_layers=2,
+        embed_dim=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_dim=512,
     ),
 )
 FAST = ["warmup_steps=0", "batch_size=8", "checkpoint_every_minutes=0"]
@@ -102,18 +108,12 @@ def test_dora_adapter_loads_with_peft_and_merge_matches_it(initialized_workspace
     assert result["merged_model"] == str(tmp_path / "merged")
 
 
-def test_qlora_on_a_model_nf4_cannot_quantize_fails_with_the_reason(tmp_path):
+def test_qlora_on_a_model_nf4_cannot_quantize_fails_with_the_reason():
+    assert "qlora" not in TINY.methods and "qlora" in NF4_TINY.methods
     with pytest.raises(
         BadInputError, match="method=qlora cannot quantize tiny-llama3: its q_proj weight .96x96"
     ):
-        build_config(
-            TINY,
-            parse_trainer_args(["method=qlora"], TINY),
-            model_dir=tmp_path,
-            dataset_dir=tmp_path,
-            output_dir=tmp_path,
-            cache_dir=tmp_path,
-        )
+        parse_trainer_args(["method=qlora"], TINY)
 
 
 def test_qlora_trains_on_cpu_and_exports_a_plain_lora_adapter(initialized_workspace, tmp_path):
@@ -143,7 +143,8 @@ def test_launcher_refuses_qlora_for_tiny_with_exit_65(initialized_workspace):
     env = {"TUNEPACK_WORKSPACE": str(initialized_workspace), "TUNEPACK_MODEL": "tiny-llama3"}
     done = run_program("tunepack.trainers.launch", env, "method=qlora")
     assert done.returncode == EXIT_BAD_INPUT, done.stderr
-    assert "use method=lora for this model" in done.stderr
+    assert "method=qlora cannot quantize tiny-llama3" in done.stderr
+    assert "use method=lora" in done.stderr
 
 
 # ------------------------------------------------------------------ progress

@@ -224,7 +224,8 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     available = available_methods(entry)
     if method not in available:
         raise BadInputError(
-            f"method={method!r} is not available for {entry.name}: "
+            entry.why_not(method)
+            or f"method={method!r} is not available for {entry.name}: "
             f"expected one of {', '.join(available)}"
         )
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
@@ -245,11 +246,8 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
 
 
 def available_methods(entry: ModelEntry) -> tuple[str, ...]:
-    """The methods a catalog entry supports: its builders, plus the LoRA variants where LoRA is."""
-    methods = list(entry.methods)
-    if "lora" in methods:
-        methods += [m for m in LORA_FAMILY if m not in methods]
-    return tuple(m for m in METHODS if m in methods)
+    """The methods a catalog entry supports, in the vocabulary's order."""
+    return tuple(m for m in METHODS if m in entry.methods)
 
 
 def builder_for(entry: ModelEntry, method: str) -> str:

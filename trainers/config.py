@@ -19,11 +19,6 @@ from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.args import LORA_FAMILY, TrainArgs, builder_for
 from tunepack.workspace import MANIFEST_FILE
 
-# torchao's NF4 quantizes a weight in blocks of 64 values with one scale each, and those scales
-# again in blocks of 256: a weight's size must be a multiple of both, or building the model fails
-# deep inside torchao with an assertion.
-NF4_BLOCK = 64 * 256
-
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {
     "instruction": "torchtune.datasets.alpaca_dataset",
@@ -55,27 +50,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bf16" if device == "cuda" else "fp32"
     return dtype
-
-
-def check_nf4_shapes(entry: ModelEntry) -> None:
-    """Refuse ``method=qlora`` for a model whose projection weights NF4 cannot quantize."""
-    s = entry.shape
-    q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    weights = {
-        "q_proj": (q_out, s.embed_dim),
-        "k_proj": (kv_out, s.embed_dim),
-        "v_proj": (kv_out, s.embed_dim),
-        "o_proj": (s.embed_dim, q_out),
-        "gate_proj/up_proj": (s.intermediate_dim, s.embed_dim),
-        "down_proj": (s.embed_dim, s.intermediate_dim),
-    }
-    for name, (rows, cols) in weights.items():
-        if rows * cols % NF4_BLOCK:
-            raise BadInputError(
-                f"method=qlora cannot quantize {entry.name}: its {name} weight ({rows}x{cols} = "
-                f"{rows * cols} values) is not a multiple of NF4's block of {NF4_BLOCK} values; "
-                "use method=lora for this model"
-            )
 
 
 def read_dataset_manifest(dataset_dir: Path) -> dict:
@@ -119,8 +93,6 @@ def build_config(
     cache_dir: Path,
     checkpoint_dir: Path | None = None,
 ) -> DictConfig:
-    if args.method == "qlora":
-        check_nf4_shapes(entry)
     device = resolve_device(args.device)
     manifest = read_dataset_manifest(dataset_dir)
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
