@@ -140,6 +140,9 @@ class Family:
     # torchtune's lora_llama2 takes no rope_base and builds RoPE with base 10000, right for
     # Llama 2 but not for Code Llama (1e6); the trainer rebuilds it with options["rope_base"].
     lora_takes_rope_base: bool = True
+    # A known reason the family cannot be fine-tuned correctly with the pinned torchtune; tunepack
+    # refuses to start such a run (it would train a different model than the checkpoint's).
+    defect: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +177,16 @@ class ModelEntry:
         if "lora" in methods:
             methods += tuple(m for m in LORA_VARIANTS if self.why_not(m) is None)
         return methods
+
+    def check_trainable(self) -> None:
+        """Refuse, before anything runs, a model the pinned torchtune cannot fine-tune right."""
+        if self.family.defect:
+            from tunepack.errors import BadInputError
+
+            raise BadInputError(
+                f"{self.runtime_name} cannot be fine-tuned correctly yet: {self.family.defect}. "
+                f"Choose another model (tunepack runtimes lists them)"
+            )
 
     def why_not(self, method: str) -> str | None:
         """Why a LoRA variant cannot run on this model (None: nothing known against it)."""
@@ -339,7 +352,10 @@ FAMILIES: dict[str, Family] = {
                 builders="torchtune.models.gemma2.gemma2",
                 options={"rope_base": 10_000.0, "norm_eps": 1e-6, "hidden_capping_value": 30.0,
                          "final_capping_value": 50.0, "sliding_window_size": 4096},
-                shape_keywords=("head_dim",), lora_output=False),
+                shape_keywords=("head_dim",), lora_output=False,
+                defect="torchtune 0.6.1 converts Hugging Face Gemma 2 checkpoints into a model "
+                "with different outputs (its key map swaps the feed-forward norms and it "
+                "soft-caps in other places), so fine-tuning would start from a different model"),
         # Phi-3 fuses q/k/v and gate/up in its HF checkpoint; the checkpointer splits them.
         _family("phi3", "Phi-3", "phi3", "Phi3ForCausalLM",
                 tokenizer=_tokenizer("phi3", {**_SENTENCEPIECE, "special_tokens_path":

@@ -99,3 +99,23 @@ def test_bad_index_is_named_with_a_hint(tmp_path, content):
     (tmp_path / catalog.SAFETENSORS_INDEX).write_text(content)
     with pytest.raises(BadInputError, match=r"model\.safetensors\.index\.json.*Llama-2-7b-chat"):
         catalog.get("llama2-7b").weight_files(tmp_path)
+
+
+def test_a_family_with_a_known_defect_is_refused_before_anything_runs(tmp_path):
+    """Gemma 2's torchtune conversion differs from HF (see test_families.py): never train it."""
+    from tests.helpers import run_program
+    from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+    from tunepack.runtimes.generate import build_runtime
+    from tunepack.trainjob import build_trainjob
+
+    gemma2 = catalog.get("tunepack-gemma2-9b")
+    message = "tunepack-gemma2-9b cannot be fine-tuned correctly yet: torchtune 0.6.1 converts"
+    with pytest.raises(BadInputError, match=message):
+        build_trainjob("g", "tunepack-gemma2-9b", "file:///d.jsonl", "file:///m", [])
+    env = {"TUNEPACK_WORKSPACE": str(tmp_path), "TUNEPACK_MODEL": gemma2.name}
+    done = run_program("tunepack.trainers.launch", env)
+    assert done.returncode == EXIT_BAD_INPUT and message in done.stderr
+    annotations = build_runtime(gemma2)["metadata"]["annotations"]
+    assert "soft-caps" in annotations["tunepack.dev/known-defect"]
+    # Families without a known defect are not refused.
+    catalog.get("tunepack-gemma-7b").check_trainable()
