@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tunepack import durable
 from tunepack.errors import BadInputError
 from tunepack.workspace import MANIFEST_FILE, WORKSPACE_ENV
 
@@ -59,14 +60,7 @@ def read_manifest(directory: Path) -> dict | None:
 
 def write_manifest(directory: Path, manifest: Mapping[str, object]) -> None:
     """Write the manifest durably, through a rename so it never writes into a hard-linked file."""
-    path = directory / MANIFEST_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    durable.write_json(directory / MANIFEST_FILE, dict(manifest))
 
 
 def why_incomplete(
@@ -160,7 +154,7 @@ def _publish(partial: Path, dest: Path) -> None:
         old = dest.with_name(dest.name + PARTIAL_MARK + "old-" + secrets.token_hex(4))
         os.rename(dest, old)
     os.rename(partial, dest)
-    _fsync_dir(dest.parent)
+    durable.fsync_dir(dest.parent)
     if old is not None:
         _remove(old)
 
@@ -170,11 +164,3 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -29,7 +29,7 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
-from tunepack import submit
+from tunepack import durable, submit
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.generate import load_runtime
@@ -64,10 +64,7 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    tmp.replace(path)  # readers never see half a file
+_write_json = durable.write_json  # readers (other processes) never see half a state file
 
 
 class LocalBackend(RuntimeBackend):
@@ -215,7 +212,26 @@ class LocalBackend(RuntimeBackend):
             time.sleep(0.2)
 
     def get_job_events(self, name: str) -> list[kf.Event]:
-        raise NotImplementedError("the local backend has no events; see get_job(name).message")
+        """The steps' starts and ends, in time order (what Kubernetes events show on a cluster)."""
+        state = json.loads((self.job_dir(name) / STATE_FILE).read_text())
+        events = []
+        for step, info in state["steps"].items():
+            if "started" in info:
+                events.append((info["started"], step, "Started", f"step {step} started"))
+            if "finished" in info:
+                reason = "Completed" if info["status"] == "Succeeded" else "Failed"
+                message = f"step {step} {reason.lower()} (exit code {info['exit_code']})"
+                events.append((info["finished"], step, reason, message))
+        return [
+            kf.Event(
+                involved_object_kind="Job",
+                involved_object_name=step,
+                message=message,
+                reason=reason,
+                event_time=datetime.fromisoformat(when),
+            )
+            for when, step, reason, message in sorted(events)
+        ]
 
     def wait_for_job_status(
         self,
@@ -326,13 +342,19 @@ def run(job_dir: Path) -> int:
     state["status"] = kc.TRAINJOB_RUNNING
     _write_json(state_path, state)
     for step in steps:
+        started = _now()
         for n in names[step.name]:
-            state["steps"][n] = {"status": "Running"}
+            state["steps"][n] = {"status": "Running", "started": started}
         _write_json(state_path, state)
         outcome = run_step(step, workspace / "logs", echo=None)
         phase = "Succeeded" if outcome.exit_code == 0 else "Failed"
         for n in names[step.name]:
-            state["steps"][n] = {"status": phase, "exit_code": outcome.exit_code}
+            state["steps"][n] = {
+                "status": phase,
+                "exit_code": outcome.exit_code,
+                "started": started,
+                "finished": _now(),
+            }
         if outcome.exit_code != 0:
             reason = outcome.error_line()
             state["status"] = kc.TRAINJOB_FAILED

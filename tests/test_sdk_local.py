@@ -53,6 +53,10 @@ def test_train_wait_logs_and_result(client, finished):
     assert any('"event": "step"' in line for line in logs)
     init_logs = list(client.get_job_logs(name, step="dataset-initializer"))
     assert init_logs, "the dataset initializer's log is empty"
+    events = [(e.involved_object_name, e.reason) for e in client.get_job_events(name)]
+    assert events[0] == ("dataset-initializer", "Started")
+    assert events[-1] == ("node-0", "Completed")
+    assert events.index(("model-initializer", "Completed")) < events.index(("node-0", "Started"))
     assert name in [j.name for j in client.list_jobs()]
     result = client.result(name)
     assert result.method == "lora" and result.path.endswith("output/adapter")

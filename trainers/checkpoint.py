@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
 import warnings
@@ -34,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from tunepack import durable
 from tunepack.trainers import distributed
 from tunepack.trainers.distributed import Topology
 
@@ -128,11 +128,11 @@ def save(
 
     if topo.is_main:
         torch.save({"lr_scheduler": lr_scheduler.state_dict()}, staging / TRAINER_STATE)
-        _write_synced(staging / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+        durable.write_json(staging / MANIFEST, manifest)
         if final.exists():  # the same step saved again (e.g. a stop request right after resume)
             shutil.rmtree(final)
         staging.rename(final)
-        _fsync_dir(root)
+        durable.fsync_dir(root)
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
@@ -184,18 +184,3 @@ def _quiet_single_process():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with path.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

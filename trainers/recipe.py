@@ -26,7 +26,6 @@ import resource
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -48,6 +47,7 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
+from tunepack import durable
 from tunepack.errors import BadInputError, TransientError, TunepackError
 from tunepack.trainers import checkpoint, distributed
 from tunepack.trainers.args import LORA_FAMILY
@@ -452,11 +452,13 @@ class FineTuneRecipe:
         artifact = self.output_dir / (ADAPTER_DIR if self.is_lora else MODEL_DIR)
         if self.topo.is_main:
             if self.is_lora:
-                _publish(artifact, partial(self._write_adapter, state))
+                durable.publish_dir(artifact, partial(self._write_adapter, state))
                 if self.cfg.merge:
-                    _publish(self.output_dir / MERGED_DIR, partial(self._write_merged, state))
+                    durable.publish_dir(
+                        self.output_dir / MERGED_DIR, partial(self._write_merged, state)
+                    )
             else:
-                _publish(artifact, partial(self._write_hf_model, state))
+                durable.publish_dir(artifact, partial(self._write_hf_model, state))
             result = {
                 "model": self.cfg.model_name,
                 "base_model": self.cfg.hub_id,
@@ -478,7 +480,7 @@ class FineTuneRecipe:
                 "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
                 **(extra or {}),
             }
-            _write_json_atomic(self.output_dir / RESULT_FILE, result)
+            durable.write_json(self.output_dir / RESULT_FILE, result)
         distributed.barrier()  # no rank exits before the result is complete
         return artifact
 
@@ -564,31 +566,6 @@ def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
-
-
-def _publish(destination: Path, write) -> Path:
-    """Run ``write(tmpdir)`` and move the result to ``destination`` only once it is complete."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
-    try:
-        write(staging)
-        if destination.exists():
-            old = destination.with_name(f".{destination.name}.old-{os.getpid()}")
-            destination.rename(old)
-            staging.rename(destination)
-            shutil.rmtree(old)
-        else:
-            staging.rename(destination)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
-    return destination
-
-
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def install_stop_handler(recipe: FineTuneRecipe) -> None:
