@@ -104,7 +104,15 @@ class LocalBackend(RuntimeBackend):
         return TunepackRuntime.wrap(base)
 
     def get_runtime_packages(self, runtime: kf.Runtime):
-        raise NotImplementedError("the local backend runs in this Python environment: pip list")
+        """Print the Python and packages the runtime's steps run with: this environment's."""
+        from importlib.metadata import distributions
+
+        print(f"Python: {sys.version}")
+        rows = sorted(
+            (d.metadata["Name"], d.version) for d in distributions() if d.metadata["Name"]
+        )
+        for name, version in rows:
+            print(f"{name}=={version}")
 
     # --- jobs ----------------------------------------------------------------------------------
 

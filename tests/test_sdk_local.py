@@ -91,3 +91,10 @@ def test_wrong_values_fail_in_the_notebook_before_anything_runs(client):
         FineTune(lora_rank=0)
     with pytest.raises(ValueError, match="unknown runtime or model"):
         client.train(runtime="tunepack-nope", initializer=Initializer("a", "b"), trainer=FineTune())
+
+
+def test_runtime_packages_are_this_environments(client, capsys):
+    client.get_runtime_packages(client.get_runtime(RUNTIME))
+    printed = capsys.readouterr().out
+    assert printed.startswith("Python: 3.11")
+    assert "torchtune==0.6.1" in printed.splitlines()
