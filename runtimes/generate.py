@@ -92,6 +92,9 @@ TRAINER_ENV = {
 # preemption) restarts the JobSet, whose initializers skip verified files and whose trainer
 # resumes from its newest checkpoint.
 MAX_JOBSET_RESTARTS = 3
+# On eviction the trainer checkpoints, then exits 75; torchrun gives its workers 30 s for that
+# before killing them. Kubernetes' default grace (30 s) would kill the Pod first.
+TRAINER_GRACE_SECONDS = 90
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,8 @@ def _replicated_job(
     }
     if volumes:
         pod_spec["volumes"] = volumes
+    if step is TRAINER_STEP:
+        pod_spec["terminationGracePeriodSeconds"] = TRAINER_GRACE_SECONDS
     job["template"] = {
         "metadata": {"labels": {ANCESTOR_LABEL: step.ancestor}},
         "spec": {

@@ -330,3 +330,12 @@ def _failure(obj: dict) -> str:
     with pytest.raises(BadInputError) as caught:
         validate_runtime(obj)
     return str(caught.value)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_trainer_pod_outlasts_torchruns_checkpoint_grace(entry):
+    """SIGTERM -> checkpoint -> exit 75 needs torchrun's 30 s grace and then some."""
+    jobs = build_runtime(entry)["spec"]["template"]["spec"]["replicatedJobs"]
+    pods = {job["name"]: job["template"]["spec"]["template"]["spec"] for job in jobs}
+    assert pods["node"]["terminationGracePeriodSeconds"] > 30
+    assert "terminationGracePeriodSeconds" not in pods["dataset-initializer"]
