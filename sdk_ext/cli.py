@@ -306,6 +306,23 @@ def main(argv: list[str] | None = None) -> int:
     except TunepackError as err:
         print(f"tunepack: error: {err}", file=sys.stderr)
         return err.exit_code
+    except RuntimeError as err:
+        # The Kubeflow SDK wraps the cluster's API errors (a missing TrainJob, a refused request)
+        # in RuntimeError: say it in one line with the API server's reason, not a traceback.
+        cause = _api_message(err.__cause__)
+        print(f"tunepack: error: {err}" + (f": {cause}" if cause else ""), file=sys.stderr)
+        return 1
+
+
+def _api_message(err: BaseException | None) -> str | None:
+    """The message of the Kubernetes Status body an ``ApiException`` carries, if any."""
+    body = getattr(err, "body", None)
+    if not body:
+        return None
+    try:
+        return json.loads(body).get("message")
+    except (ValueError, AttributeError):
+        return None
 
 
 if __name__ == "__main__":

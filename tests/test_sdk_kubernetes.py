@@ -6,8 +6,10 @@ The same flow runs against a real cluster in test_cluster.py (opt-in, ``-m clust
 from __future__ import annotations
 
 import pytest
+import yaml
 from kubernetes import client
 
+from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.install import apply, runtime_objects
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
@@ -173,3 +175,91 @@ def test_train_refuses_a_runtime_that_is_not_installed(server):
         _client(url).train(
             runtime=RUNTIME, initializer=Initializer("file:///d", "file:///m"), trainer=FineTune()
         )
+
+
+def _kubeconfig(path, url: str):
+    """A kubeconfig whose current context is the fake server, namespace NS."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "fake",
+                "clusters": [{"name": "fake", "cluster": {"server": url}}],
+                "users": [{"name": "dev", "user": {"token": "not-a-secret"}}],
+                "contexts": [
+                    {"name": "fake", "context": {"cluster": "fake", "user": "dev", "namespace": NS}}
+                ],
+            }
+        )
+    )
+    return {"KUBECONFIG": str(path)}
+
+
+def test_cli_install_train_status_logs_against_the_server(server, tmp_path):
+    fake, url = server
+    # The Trainer control plane's version ConfigMap, which the SDK reads when it connects.
+    fake.objects[("configmaps", "kubeflow-system", "kubeflow-trainer-public")] = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "kubeflow-trainer-public", "namespace": "kubeflow-system"},
+        "data": {"kubeflow_trainer_version": "v2.1.0"},
+    }
+    env = _kubeconfig(tmp_path / "kubeconfig", url)
+
+    def tunepack(*args):
+        return run_program("tunepack.cli", env, *args, timeout=120)
+
+    done = tunepack("install")
+    assert done.returncode == 0, done.stderr
+    patches = [r for r in fake.requests if r.method == "PATCH"]
+    names = [o["metadata"]["name"] for o in runtime_objects()]
+    assert [r.path for r in patches] == [f"{GROUP_PATH}/clustertrainingruntimes/{n}" for n in names]
+    for req in patches:
+        assert req.content_type == "application/apply-patch+yaml"
+        assert req.query == {"fieldManager": ["tunepack"], "force": ["true"]}
+    assert len(done.stdout.splitlines()) == len(names)
+    assert "applied ClusterTrainingRuntime tunepack-tiny-llama3 (fieldManager tunepack)" in (
+        done.stdout.splitlines()
+    )
+
+    done = tunepack(
+        "train", "--runtime", "tunepack-tiny-llama3", "--dataset", "file:///d.jsonl",
+        "--model", "file:///m", "--name", "cli-job", "epochs=1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"tunepack: submitted TrainJob {NS}/cli-job\n"
+    (post,) = [r for r in fake.requests if r.method == "POST"]
+    assert post.path == f"{GROUP_PATH}/namespaces/{NS}/trainjobs"
+    validate_trainjob(post.body)
+    spec = post.body["spec"]
+    assert post.body["metadata"] == {"name": "cli-job", "namespace": NS}
+    assert spec["runtimeRef"]["name"] == "tunepack-tiny-llama3"
+    assert spec["trainer"]["args"] == ["epochs=1"]
+    assert spec["initializer"]["dataset"]["storageUri"] == "file:///d.jsonl"
+    assert spec["initializer"]["model"]["storageUri"] == "file:///m"
+
+    done = tunepack("status", "cli-job")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "cli-job  Created  runtime tunepack-tiny-llama3\n"
+
+    _controller_runs(fake, "cli-job")
+    done = tunepack("status", "cli-job")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "cli-job  Complete  runtime tunepack-tiny-llama3"
+    assert ["node-0", "Succeeded"] in [line.split() for line in lines]
+    assert "  progress 100%  loss 1.2500" in lines
+
+    done = tunepack("logs", "cli-job")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "hello from node\nsecond line\n"
+    done = tunepack("logs", "cli-job", "--step", "dataset-initializer")
+    assert done.stdout.splitlines()[0] == "hello from dataset-initializer"
+
+    # A job that is not there: one line with the API server's reason, not a traceback.
+    done = tunepack("status", "nope")
+    assert done.returncode == 1
+    assert done.stderr == (
+        f'tunepack: error: Failed to get TrainJob: {NS}/nope: trainjobs "nope" not found\n'
+    )

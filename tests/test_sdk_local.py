@@ -1,9 +1,16 @@
-"""The local backend through TrainingClient: train, wait, logs, result, and a failure."""
+"""The local backend through TrainingClient: train, wait, logs, result, and a failure; the
+progress bar, plot_loss, and `tunepack status`/`tunepack logs` on the same job."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
+import json
+
 import pytest
 
+from tests.helpers import run_program
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 from tunepack.types import RuntimeList, TunepackRuntime
 
@@ -12,7 +19,9 @@ RUNTIME = "tunepack-tiny-llama3"
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    return TrainingClient(LocalBackendConfig(root_dir=str(tmp_path_factory.mktemp("jobs"))))
+    # <home>/jobs: the layout TUNEPACK_HOME names, so the CLI can find these jobs both ways.
+    root = tmp_path_factory.mktemp("home") / "jobs"
+    return TrainingClient(LocalBackendConfig(root_dir=str(root)))
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +33,10 @@ def finished(client, tiny_model_dir, tiny_dataset_file):
         ),
         trainer=FineTune(method="lora", epochs=1, max_steps=6),
     )
-    job = client.wait_for_job_status(name, timeout=300, polling_interval=1)
-    return name, job
+    bar = io.StringIO()  # tqdm (not in a notebook) writes the bar to sys.stderr
+    with contextlib.redirect_stderr(bar):
+        job = client.wait_for_job_status(name, timeout=300, polling_interval=1, progress=True)
+    return name, job, bar.getvalue()
 
 
 def test_list_runtimes_is_a_table_of_tunepack_runtimes(client):
@@ -44,7 +55,7 @@ def test_list_runtimes_is_a_table_of_tunepack_runtimes(client):
 
 
 def test_train_wait_logs_and_result(client, finished):
-    name, job = finished
+    name, job, _ = finished
     assert job.status == "Complete", job.message
     assert [s.name for s in job.steps] == ["dataset-initializer", "model-initializer", "node-0"]
     assert all(s.status == "Succeeded" for s in job.steps)
@@ -98,3 +109,67 @@ def test_runtime_packages_are_this_environments(client, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith("Python: 3.11")
     assert "torchtune==0.6.1" in printed.splitlines()
+
+
+def test_wait_with_progress_shows_a_bar_that_reaches_100_percent(finished):
+    name, job, bar = finished
+    # The bar counts percent (a cluster's trainerStatus has no step counter), so 6/6 steps is
+    # 100/100; its last frame carries the final loss and the status.
+    last = bar.rstrip().split("\r")[-1]
+    assert last.startswith(f"{name}: 100%"), bar
+    assert "100/100" in last
+    assert "status=Running" in bar  # it followed the job while it ran, not only at the end
+    assert f"loss={job.progress.loss:.4f}" in last and "status=Complete" in last
+
+
+def _losses(client, name) -> list[float]:
+    metrics = client.backend.workspace(name) / "output" / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r and "step" in r]
+
+
+def test_plot_loss_plots_the_jobs_metrics_or_says_matplotlib_is_missing(client, finished):
+    name, _, _ = finished
+    losses = _losses(client, name)
+    assert len(losses) == 6
+    if importlib.util.find_spec("matplotlib") is None:
+        with pytest.raises(ImportError) as err:
+            client.plot_loss(name)
+        assert str(err.value) == (
+            "plot_loss needs matplotlib: pip install matplotlib (the metrics are available "
+            "without it from the job's output/metrics.jsonl)"
+        )
+    else:
+        fig = client.plot_loss(name)
+        (line,) = fig.axes[0].get_lines()
+        assert list(line.get_ydata()) == losses
+
+
+def test_cli_status_and_logs_find_the_local_job(client, finished):
+    name, job, _ = finished
+    root = client.backend.root
+    # status via $TUNEPACK_HOME (<home>/jobs), logs via --jobs-dir
+    status = run_program(
+        "tunepack.cli", {"TUNEPACK_HOME": str(root.parent)}, "status", name, "--local"
+    )
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0] == f"{name}  Complete  runtime {RUNTIME}"
+    assert [line.split() for line in lines[1:4]] == [
+        ["dataset-initializer", "Succeeded"],
+        ["model-initializer", "Succeeded"],
+        ["node-0", "Succeeded"],
+    ]
+    assert f"  progress 100%  loss {job.progress.loss:.4f}" in lines
+
+    logs = run_program("tunepack.cli", {}, "logs", name, "--local", "--jobs-dir", str(root))
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.splitlines() == list(client.get_job_logs(name))
+    assert any('"event": "step"' in line for line in logs.stdout.splitlines())
+
+    for cmd in ("status", "logs"):
+        unknown = run_program("tunepack.cli", {}, cmd, "nope", "--local", "--jobs-dir", str(root))
+        assert unknown.returncode == 65
+        assert unknown.stderr == (
+            f"tunepack: error: no local TrainJob 'nope' under {root}; see list_jobs()\n"
+        )
