@@ -307,11 +307,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tunepack: error: {err}", file=sys.stderr)
         return err.exit_code
     except RuntimeError as err:
-        # The Kubeflow SDK wraps the cluster's API errors (a missing TrainJob, a refused request)
-        # in RuntimeError: say it in one line with the API server's reason, not a traceback.
+        # The Kubeflow SDK wraps the cluster's API and connection errors (a missing TrainJob, a
+        # refused request, no API server) in RuntimeError: say those in one line with the
+        # server's reason. Any other RuntimeError is a bug and keeps its traceback.
+        if not _is_cluster_error(err.__cause__):
+            raise
         cause = _api_message(err.__cause__)
         print(f"tunepack: error: {err}" + (f": {cause}" if cause else ""), file=sys.stderr)
         return 1
+
+
+def _is_cluster_error(err: BaseException | None) -> bool:
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    return isinstance(err, ApiException | HTTPError | OSError)
 
 
 def _api_message(err: BaseException | None) -> str | None:
