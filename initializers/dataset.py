@@ -130,10 +130,7 @@ def _remote_files(
     source_uri: uri.StorageUri, split: str, cache: Path
 ) -> tuple[dict[str, Path], dict[str, object]]:
     """Download the split's data files into ``cache``; return them and manifest facts."""
-    for stale in download.prune_other_caches(cache):
-        _log(f"removed the download cache of another source ({stale.name})")
-    source = uri.remote_source(source_uri, "dataset")
-    listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
+    source, listing = download.open_listing(source_uri, "dataset", cache, _log)
     if source_uri.scheme in ("https", "http"):
         (file,) = listing.files
         if is_archive(file.path):

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tunepack.errors import BadInputError
+from tunepack.initializers import uri
 from tunepack.initializers.progress import Progress
 from tunepack.initializers.retry import retrying
-from tunepack.initializers.sources import RemoteFile, RemoteSource
+from tunepack.initializers.sources import Listing, RemoteFile, RemoteSource
 
 CACHE_ROOT = ".tunepack-downloads"
 VERIFIED_FILE = ".tunepack-verified.json"
@@ -62,6 +63,16 @@ def prune_other_caches(keep: Path) -> list[Path]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
+
+
+def open_listing(
+    source_uri: uri.StorageUri, kind: str, cache: Path, log
+) -> tuple[RemoteSource, Listing]:
+    """Clear other sources' caches, then open ``source_uri`` and list it (with retries)."""
+    for stale in prune_other_caches(cache):
+        log(f"removed the download cache of another source ({stale.name})")
+    source = uri.remote_source(source_uri, kind)
+    return source, retrying(f"listing {source_uri.display!r}", source.list, log)
 
 
 def remove_cache(directory: Path) -> None:

@@ -151,10 +151,7 @@ def _fetch_remote(
     cache: Path,
 ) -> tuple[dict[str, Path], dict[str, str], dict[str, object]]:
     """Download the model into ``cache``; return (files, known sha256 by file, manifest facts)."""
-    for stale in download.prune_other_caches(cache):
-        _log(f"removed the download cache of another source ({stale.name})")
-    source = uri.remote_source(source_uri, "model")
-    listing = retrying(f"listing {source_uri.display!r}", source.list, _log)
+    source, listing = download.open_listing(source_uri, "model", cache, _log)
 
     if source_uri.scheme in ("https", "http"):
         (archive,) = listing.files
