@@ -28,6 +28,7 @@ from kubeflow.trainer.constants import constants as kc
 
 from tunepack import progress as progress_ui
 from tunepack.backend_local import LocalBackend, LocalBackendConfig
+from tunepack.errors import NotAvailableError
 from tunepack.result import Result, result_for
 
 
@@ -86,7 +87,7 @@ class TrainingClient(TrainerClient):
             return progress_ui.read_metrics(
                 self.backend.workspace(name) / "output" / "metrics.jsonl"
             )
-        raise NotImplementedError(
+        raise NotAvailableError(
             "per-step metrics live on the job's workspace volume on a cluster; the TrainJob's "
             "trainerStatus carries only the latest values (get_job(name).progress). See "
             "docs/cluster.md for reading the PVC."

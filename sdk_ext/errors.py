@@ -28,6 +28,11 @@ class BadInputError(TunepackError, ValueError):
     exit_code = EXIT_BAD_INPUT
 
 
+class NotAvailableError(TunepackError):
+    """An operation this backend cannot do (the files it needs are on the cluster's volume);
+    the message says how to get the same thing another way."""
+
+
 class TransientError(TunepackError):
     """A failure that may pass on its own (network, preemption); the step may be retried."""
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from tunepack.errors import NotAvailableError
+
 
 @dataclass
 class Result:
@@ -26,7 +28,7 @@ class Result:
     def load(self):
         """(model, tokenizer) with transformers + peft (local backend only)."""
         if not self.local:
-            raise NotImplementedError(
+            raise NotAvailableError(
                 f"the result is on the cluster volume {self.path}; copy it out first "
                 "(docs/cluster.md, 'Getting the result') and load it from there"
             )

@@ -263,3 +263,16 @@ def test_cli_install_train_status_logs_against_the_server(server, tmp_path):
     assert done.stderr == (
         f'tunepack: error: Failed to get TrainJob: {NS}/nope: trainjobs "nope" not found\n'
     )
+
+
+def test_cluster_only_operations_say_where_the_files_are(server):
+    """Per-step metrics and the result's files live on the job's volume on a cluster."""
+    from tunepack.errors import NotAvailableError
+    from tunepack.result import Result
+
+    _, url = server
+    with pytest.raises(NotAvailableError, match="per-step metrics live on the job's workspace"):
+        _client(url).plot_loss("any-job")
+    remote = Result(job="j", path="/workspace/output/adapter", base_model="org/m", local=False)
+    with pytest.raises(NotAvailableError, match="on the cluster volume /workspace/output/adapter"):
+        remote.load()
