@@ -24,6 +24,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from tunepack.planner import estimate
 from tunepack.runtimes import catalog
+from tunepack.trainers.config import model_component
 
 GPU_CONFIGS = [  # model, method, seq_len, batch size
     ("llama3.2-1b", "lora", 2048, 4),
@@ -36,7 +37,7 @@ LORA_RANK = 16
 
 
 def build(entry: catalog.ModelEntry, method: str) -> torch.nn.Module:
-    cfg = {"_component_": entry.builders[method], **entry.builder_kwargs()}
+    cfg = model_component(entry, method)
     if method == "lora":
         cfg.update(
             lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],

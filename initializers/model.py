@@ -261,6 +261,15 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
         for key, field in _CONFIG_SHAPE_KEYS.items()
         if key in config and config[key] != getattr(entry.shape, field)
     ]
+    # Values the shape does not hold but the trainer builds the model with: a checkpoint that
+    # differs would be fine-tuned as a different model, with no error anywhere.
+    nested = config.get("rope_parameters")  # where transformers 5 writes rope_theta
+    found = {**(nested if isinstance(nested, dict) else {}), **config}
+    mismatches += [
+        f"{key}={found[key]!r} (expected {expected})"
+        for key, expected in _architecture(entry).items()
+        if key in found and not _same(found[key], expected)
+    ]
     if "model_type" in config and config["model_type"] != entry.family.hf_model_type:
         mismatches.insert(
             0, f"model_type={config['model_type']!r} (expected {entry.family.hf_model_type!r})"
@@ -271,6 +280,22 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
             f"{', '.join(mismatches)}; use the runtime made for this model or point "
             f"{workspace.STORAGE_URI_ENV} at {entry.hub_id}"
         )
+
+
+def _architecture(entry: catalog.ModelEntry) -> dict[str, object]:
+    """config.json key -> the value the trainer builds ``entry``'s model with, beyond its shape."""
+    facts: dict[str, object] = {"rope_theta": entry.family.options["rope_base"]}
+    if entry.shape.sliding_window is not None:  # only where the trainer's model has the window
+        facts["sliding_window"] = entry.shape.sliding_window
+    if entry.family.softcapping is not None:
+        facts["attn_logit_softcapping"], facts["final_logit_softcapping"] = entry.family.softcapping
+    return facts
+
+
+def _same(found: object, expected: object) -> bool:
+    if isinstance(found, bool) or not isinstance(found, int | float):
+        return found == expected
+    return float(found) == float(expected)
 
 
 def _source_files(root: Path) -> dict[str, Path]:

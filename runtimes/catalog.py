@@ -57,6 +57,9 @@ class Shape:
     head_dim: int = 0
     # RMSNorms per layer: before attention and MLP; Gemma 2 also normalises their outputs.
     norms_per_layer: int = 2
+    # Tokens each query sees in the layers that use sliding-window attention (Gemma 2's every
+    # other layer); None where every layer sees the whole context.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -137,12 +140,11 @@ class Family:
     shape_keywords: tuple[str, ...] = ()
     # Default of ModelEntry.lora_output for the family's sizes.
     lora_output: bool = True
-    # torchtune's lora_llama2 takes no rope_base and builds RoPE with base 10000, right for
-    # Llama 2 but not for Code Llama (1e6); the trainer rebuilds it with options["rope_base"].
-    lora_takes_rope_base: bool = True
-    # A known reason the family cannot be fine-tuned correctly with the pinned torchtune; tunepack
-    # refuses to start such a run (it would train a different model than the checkpoint's).
-    defect: str | None = None
+    # (attention, final logit) tanh soft-capping of the HF model, for Gemma 2: torchtune's Gemma 2
+    # caps elsewhere, so the trainer corrects the model it builds (trainers/builders.py).
+    softcapping: tuple[float, float] | None = None
+    # Why the trainer refuses packed=true for this family, if it does.
+    no_packing: str | None = None
 
 
 @dataclass(frozen=True)
@@ -177,16 +179,6 @@ class ModelEntry:
         if "lora" in methods:
             methods += tuple(m for m in LORA_VARIANTS if self.why_not(m) is None)
         return methods
-
-    def check_trainable(self) -> None:
-        """Refuse, before anything runs, a model the pinned torchtune cannot fine-tune right."""
-        if self.family.defect:
-            from tunepack.errors import BadInputError
-
-            raise BadInputError(
-                f"{self.runtime_name} cannot be fine-tuned correctly yet: {self.family.defect}. "
-                f"Choose another model (tunepack runtimes lists them)"
-            )
 
     def why_not(self, method: str) -> str | None:
         """Why a LoRA variant cannot run on this model (None: nothing known against it)."""
@@ -239,7 +231,7 @@ class ModelEntry:
             )
         return tuple(shards)
 
-    def builder_kwargs(self, method: str = "full") -> dict[str, object]:
+    def builder_kwargs(self) -> dict[str, object]:
         """Keyword arguments for a builder that takes the shape (``llama3.llama3``)."""
         if not self.shape_kwargs:
             return {}
@@ -255,13 +247,15 @@ class ModelEntry:
         }
         kwargs |= {kw: getattr(s, _SHAPE_FIELD[kw]) for kw in self.family.shape_keywords}
         kwargs |= self.family.options
-        if method == "lora" and not self.family.lora_takes_rope_base:
-            del kwargs["rope_base"]
         return kwargs
 
 
 # Component builder keyword -> Shape field, for Family.shape_keywords.
-_SHAPE_FIELD = {"head_dim": "head_dim", "tie_word_embeddings": "tied_embeddings"}
+_SHAPE_FIELD = {
+    "head_dim": "head_dim",
+    "tie_word_embeddings": "tied_embeddings",
+    "sliding_window_size": "sliding_window",
+}
 
 
 # --- families ------------------------------------------------------------------------------------
@@ -309,14 +303,12 @@ FAMILIES: dict[str, Family] = {
     for f in (
         _family("llama2", "Llama 2", "llama", "LlamaForCausalLM",
                 tokenizer=_LLAMA2_TOKENIZER, model_type="LLAMA2",
-                builders="torchtune.models.llama2.llama2", options=_LLAMA2_OPTIONS,
-                lora_takes_rope_base=False),
+                builders="torchtune.models.llama2.llama2", options=_LLAMA2_OPTIONS),
         # Code Llama is a Llama 2 with a longer RoPE period; torchtune builds it with llama2().
         _family("code_llama2", "Code Llama 2", "llama", "LlamaForCausalLM",
                 tokenizer=_LLAMA2_TOKENIZER, model_type="LLAMA2",
                 builders="torchtune.models.llama2.llama2",
-                options={"rope_base": 1_000_000.0, "norm_eps": 1e-5},
-                lora_takes_rope_base=False),
+                options={"rope_base": 1_000_000.0, "norm_eps": 1e-5}),
         _family("llama3", "Llama 3", "llama", "LlamaForCausalLM",
                 tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
                 builders="torchtune.models.llama3.llama3", options=_LLAMA3_OPTIONS),
@@ -344,18 +336,17 @@ FAMILIES: dict[str, Family] = {
                 builders="torchtune.models.gemma.gemma",
                 options={"rope_base": 10_000.0, "norm_eps": 1e-6},
                 shape_keywords=("head_dim",), lora_output=False),
-        # Gemma 2 adds attention soft-capping, sliding-window attention on every other layer and
-        # post-attention/post-MLP norms. The capping values are the ones torchtune's gemma2_*
-        # builders pass (see the report in tests/test_families.py about how they differ from HF).
+        # Gemma 2 adds tanh soft-capping of attention scores and logits, sliding-window attention
+        # on every other layer and post-attention/post-MLP norms. torchtune 0.6.1 gets the norms'
+        # order and the capping wrong; the trainer corrects its model (trainers/builders.py).
         _family("gemma2", "Gemma 2", "gemma2", "Gemma2ForCausalLM",
                 tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA2",
                 builders="torchtune.models.gemma2.gemma2",
-                options={"rope_base": 10_000.0, "norm_eps": 1e-6, "hidden_capping_value": 30.0,
-                         "final_capping_value": 50.0, "sliding_window_size": 4096},
-                shape_keywords=("head_dim",), lora_output=False,
-                defect="torchtune 0.6.1 converts Hugging Face Gemma 2 checkpoints into a model "
-                "with different outputs (its key map swaps the feed-forward norms and it "
-                "soft-caps in other places), so fine-tuning would start from a different model"),
+                options={"rope_base": 10_000.0, "norm_eps": 1e-6},
+                shape_keywords=("head_dim", "sliding_window_size"), lora_output=False,
+                softcapping=(50.0, 30.0),
+                no_packing="torchtune 0.6.1's Gemma 2 attention cannot take the block masks "
+                "packing uses on a GPU"),
         # Phi-3 fuses q/k/v and gate/up in its HF checkpoint; the checkpointer splits them.
         _family("phi3", "Phi-3", "phi3", "Phi3ForCausalLM",
                 tokenizer=_tokenizer("phi3", {**_SENTENCEPIECE, "special_tokens_path":
@@ -369,7 +360,9 @@ FAMILIES: dict[str, Family] = {
                                               "merges_path": "merges.txt",
                                               "special_tokens_path": "tokenizer.json"}),
                 model_type="PHI4", builders="torchtune.models.phi3.phi3",
-                options=_LLAMA2_OPTIONS),
+                # microsoft/phi-4's rope_theta; torchtune's phi4_14b builds 10000 (the trainer
+                # rebuilds RoPE, trainers/builders.py).
+                options={"rope_base": 250_000.0, "norm_eps": 1e-5}),
         _family("qwen2", "Qwen 2", "qwen2", "Qwen2ForCausalLM",
                 tokenizer=_tokenizer("qwen2", _QWEN_BPE), model_type="QWEN2",
                 builders="torchtune.models.qwen2.qwen2",
@@ -456,9 +449,12 @@ def _llama(vocab: int, layers: int, heads: int, kv: int, dim: int, ffn: int, seq
 
 
 def _gemma(layers: int, heads: int, head_dim: int, kv: int, dim: int, ffn: int,
-           norms: int = 2) -> Shape:  # fmt: skip
+           **gemma2) -> Shape:  # fmt: skip
     return Shape(256_000, layers, heads, kv, dim, ffn, 8192, tied_embeddings=True,
-                 head_dim=head_dim, norms_per_layer=norms)  # fmt: skip
+                 head_dim=head_dim, **gemma2)  # fmt: skip
+
+
+_GEMMA2 = {"norms_per_layer": 4, "sliding_window": 4096}
 
 
 def _qwen(vocab: int, layers: int, heads: int, kv: int, dim: int, ffn: int,
@@ -520,11 +516,11 @@ _PUBLISHED = (
     _entry("gemma", "gemma-7b", "google/gemma-7b-it", "Gemma 7B Instruct",
            _gemma(28, 16, 256, 16, 3072, 24_576), "gemma_7b", _INDEXED),
     _entry("gemma2", "gemma2-2b", "google/gemma-2-2b-it", "Gemma 2 2B Instruct",
-           _gemma(26, 8, 256, 4, 2304, 9216, norms=4), "gemma2_2b", _INDEXED),
+           _gemma(26, 8, 256, 4, 2304, 9216, **_GEMMA2), "gemma2_2b", _INDEXED),
     _entry("gemma2", "gemma2-9b", "google/gemma-2-9b-it", "Gemma 2 9B Instruct",
-           _gemma(42, 16, 256, 8, 3584, 14_336, norms=4), "gemma2_9b", _INDEXED),
+           _gemma(42, 16, 256, 8, 3584, 14_336, **_GEMMA2), "gemma2_9b", _INDEXED),
     _entry("gemma2", "gemma2-27b", "google/gemma-2-27b-it", "Gemma 2 27B Instruct",
-           _gemma(46, 32, 128, 16, 4608, 36_864, norms=4), "gemma2_27b", _INDEXED),
+           _gemma(46, 32, 128, 16, 4608, 36_864, **_GEMMA2), "gemma2_27b", _INDEXED),
     _entry("phi3", "phi3-mini", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 Mini 4K Instruct",
            _llama(32_064, 32, 32, 32, 3072, 8192, 4096), "phi3_mini", _shards(2)),
     _entry("phi4", "phi4-14b", "microsoft/phi-4", "Phi-4 14B (instruction-tuned)",
@@ -619,7 +615,8 @@ TINY_LLAMA3 = _tiny(
 )
 
 # One per family. The shapes exercise what sets each family apart: tied embeddings, explicit
-# head_dim (twice embed_dim // num_heads), multi-query and multi-head attention, q/k/v biases.
+# head_dim (twice embed_dim // num_heads), multi-query and multi-head attention, q/k/v biases,
+# and a sliding window shorter than the test sequences.
 TINY: dict[str, ModelEntry] = {
     entry.family.name: entry
     for entry in (
@@ -632,7 +629,8 @@ TINY: dict[str, ModelEntry] = {
         _tiny("mistral", "tiny-mistral", _tiny_shape()),
         _tiny("gemma", "tiny-gemma", _tiny_shape(kv=1, tied_embeddings=True, head_dim=32)),
         _tiny("gemma2", "tiny-gemma2",
-              _tiny_shape(tied_embeddings=True, head_dim=32, norms_per_layer=4)),
+              _tiny_shape(tied_embeddings=True, head_dim=32, norms_per_layer=4,
+                          sliding_window=32)),
         _tiny("phi3", "tiny-phi3", _tiny_shape(kv=4)),
         # Phi-4's 96 special tokens (mostly placeholders) need room beside the learned merges.
         _tiny("phi4", "tiny-phi4", _tiny_shape(vocab=448)),

@@ -160,12 +160,6 @@ def build_runtime(entry: ModelEntry) -> dict:
                 ANNOTATION_PREFIX + "methods": ",".join(entry.methods),
                 ANNOTATION_PREFIX + "parameters": str(entry.parameter_count),
                 ANNOTATION_PREFIX + "default-gpus": str(entry.resources.gpus),
-                # Submissions to such a runtime are refused by the SDK, the CLI and the trainer.
-                **(
-                    {ANNOTATION_PREFIX + "known-defect": entry.family.defect}
-                    if entry.family.defect
-                    else {}
-                ),
             },
         },
         "spec": {

@@ -55,7 +55,6 @@ def build_trainjob(
     if namespace is not None:
         _check_dns_label("namespace", namespace)
     entry = catalog.get(runtime)  # BadInputError listing the runtimes when unknown
-    entry.check_trainable()
     _check_trainer_args(trainer_args, entry)
     for what, uri in (("dataset_uri", dataset_uri), ("model_uri", model_uri)):
         if not isinstance(uri, str) or not uri.strip():

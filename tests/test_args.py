@@ -73,6 +73,19 @@ def test_bad_arguments_name_the_value_and_the_expectation(argv, message):
     assert err.value.exit_code == EXIT_BAD_INPUT
 
 
+def test_gemma2_refuses_packing_and_says_why():
+    """On a GPU torchtune packs with flex-attention block masks, which its Gemma 2 rejects."""
+    gemma2 = catalog.get("gemma2-9b")
+    with pytest.raises(BadInputError) as err:
+        parse_trainer_args(["packed=true"], gemma2)
+    assert str(err.value) == (
+        "packed=true is not available for gemma2-9b: torchtune 0.6.1's Gemma 2 attention cannot "
+        "take the block masks packing uses on a GPU; set packed=false"
+    )
+    assert not parse_trainer_args(["packed=false"], gemma2).packed
+    assert parse_trainer_args(["packed=true"], catalog.get("gemma-7b")).packed
+
+
 def test_lora_variants_are_available_where_lora_is():
     for method in ("qlora", "dora"):
         args = parse_trainer_args([f"method={method}"], LLAMA_8B)

@@ -1,4 +1,4 @@
-"""The catalog agrees with torchtune: every entry's builders build a model of the stated shape."""
+"""The catalog agrees with torchtune: each entry builds (as the trainer builds it) its model."""
 
 from __future__ import annotations
 
@@ -13,21 +13,26 @@ from torchtune import config
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
+from tunepack.trainers.builders import Gemma2Layer, SoftCappedTiedLinear
+from tunepack.trainers.config import model_component
 
 PUBLISHED = list(catalog.CATALOG.values())
 TINY = list(catalog.TINY.values())
 EVERY = {entry.name: entry for entry in (*PUBLISHED, *TINY)}.values()
 
 
-def _instantiate(component: str, **kwargs) -> torch.nn.Module:
-    # The meta device allocates nothing, so even 405B builds in a fraction of a second.
+def _instantiate(entry: catalog.ModelEntry, method: str, **kwargs) -> torch.nn.Module:
+    """The model the trainer builds for ``method``, on the meta device.
+
+    The meta device allocates nothing, so even 405B builds in a fraction of a second.
+    """
     with torch.device("meta"):
-        return config.instantiate(OmegaConf.create({"_component_": component, **kwargs}))
+        return config.instantiate(OmegaConf.create({**model_component(entry, method), **kwargs}))
 
 
 @pytest.mark.parametrize("entry", EVERY, ids=lambda e: e.name)
 def test_parameter_count_is_torchtunes(entry):
-    model = _instantiate(entry.builders["full"], **entry.builder_kwargs())
+    model = _instantiate(entry, "full")
     assert sum(p.numel() for p in model.parameters()) == entry.parameter_count
     assert model.max_seq_len == entry.shape.max_seq_len
     assert model.tok_embeddings.num_embeddings == entry.shape.vocab_size
@@ -45,9 +50,7 @@ def test_lora_builder_takes_the_shape_and_lora_settings(entry):
     assert ("apply_lora_to_output" in signature.parameters) == entry.lora_output
     if entry.lora_output:
         lora["apply_lora_to_output"] = False
-    model = _instantiate(
-        entry.builders["lora"], **entry.builder_kwargs("lora"), **lora, lora_rank=4, lora_alpha=8
-    )
+    model = _instantiate(entry, "lora", **lora, lora_rank=4, lora_alpha=8)
     adapters = [name for name, _ in model.named_parameters() if "lora_" in name]
     # q, v and the three MLP projections, A and B each, in every layer.
     assert len(adapters) == entry.shape.num_layers * 5 * 2
@@ -101,21 +104,36 @@ def test_bad_index_is_named_with_a_hint(tmp_path, content):
         catalog.get("llama2-7b").weight_files(tmp_path)
 
 
-def test_a_family_with_a_known_defect_is_refused_before_anything_runs(tmp_path):
-    """Gemma 2's torchtune conversion differs from HF (see test_families.py): never train it."""
-    from tests.helpers import run_program
-    from tunepack.errors import EXIT_BAD_INPUT, BadInputError
-    from tunepack.runtimes.generate import build_runtime
-    from tunepack.trainjob import build_trainjob
+@pytest.mark.parametrize("entry", EVERY, ids=lambda e: e.name)
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_trainers_model_has_the_checkpoints_rope_and_soft_capping(entry, method):
+    """Where torchtune's builders differ from the HF model (Code Llama's and Phi-4's RoPE base,
+    Gemma 2's norms and capping), the model the trainer builds must not. The tiny models prove
+    the corrections against transformers (test_families.py); this covers every published size,
+    whose named builders the tiny models do not use."""
+    lora = {"lora_attn_modules": ["q_proj"], "lora_rank": 4, "lora_alpha": 8}
+    lora = lora if method == "lora" else {}
+    model = _instantiate(entry, method, **lora)
+    bases = {float(layer.attn.pos_embeddings.base) for layer in model.layers}
+    assert bases == {entry.family.options["rope_base"]}
+    if entry.family.softcapping:
+        attention_cap, final_cap = entry.family.softcapping
+        assert all(type(layer) is Gemma2Layer for layer in model.layers)
+        assert {layer.attn.softcapping for layer in model.layers} == {attention_cap}
+        assert isinstance(model.output, SoftCappedTiedLinear) and model.output.cap == final_cap
+        assert isinstance(model.norm.logit_capping, torch.nn.Identity)
+        windows = [layer.attn.sliding_window_size for layer in model.layers]
+        assert windows[::2] == [entry.shape.sliding_window] * len(windows[::2])
+        assert set(windows[1::2]) == {None}
+    else:
+        assert {type(layer).__name__ for layer in model.layers} == {"TransformerSelfAttentionLayer"}
 
-    gemma2 = catalog.get("tunepack-gemma2-9b")
-    message = "tunepack-gemma2-9b cannot be fine-tuned correctly yet: torchtune 0.6.1 converts"
-    with pytest.raises(BadInputError, match=message):
-        build_trainjob("g", "tunepack-gemma2-9b", "file:///d.jsonl", "file:///m", [])
-    env = {"TUNEPACK_WORKSPACE": str(tmp_path), "TUNEPACK_MODEL": gemma2.name}
-    done = run_program("tunepack.trainers.launch", env)
-    assert done.returncode == EXIT_BAD_INPUT and message in done.stderr
-    annotations = build_runtime(gemma2)["metadata"]["annotations"]
-    assert "soft-caps" in annotations["tunepack.dev/known-defect"]
-    # Families without a known defect are not refused.
-    catalog.get("tunepack-gemma-7b").check_trainable()
+
+def test_phi4_needs_the_rope_correction():
+    """torchtune 0.6.1's phi4_14b builds RoPE base 10000; microsoft/phi-4 uses 250000."""
+    from torchtune.models.phi4 import phi4_14b
+
+    with torch.device("meta"):
+        stock = phi4_14b()
+    assert stock.layers[0].attn.pos_embeddings.base == 10_000
+    assert catalog.get("phi4-14b").family.options["rope_base"] == 250_000

@@ -1,10 +1,11 @@
 """Every catalog family end to end, on a tiny random instance of its Hugging Face format.
 
 For each family (``catalog.TINY``): the generated model loads in transformers and, converted by
-torchtune's ``FullModelHFCheckpointer``, gives the same logits in torchtune (checkpoint
-conversion); the family's torchtune tokenizer loads the generated tokenizer files (tokenizer
-wiring); and a few LoRA steps run through tunepack's trainer, whose freshly built LoRA model
-(adapters start at zero) must also give those logits (builders).
+torchtune's ``FullModelHFCheckpointer`` into the model the trainer builds, gives the same logits
+(checkpoint conversion, and tunepack's corrections of torchtune's builders where they differ from
+HF: Gemma 2, RoPE bases); the family's torchtune tokenizer loads the generated tokenizer files
+(tokenizer wiring); and a few LoRA steps run through tunepack's trainer, whose freshly built LoRA
+model (adapters start at zero) must also give those logits (builders).
 """
 
 from __future__ import annotations
@@ -22,16 +23,10 @@ from tunepack import tiny
 from tunepack.runtimes import catalog
 from tunepack.trainers import recipe as recipe_module
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.config import build_config
+from tunepack.trainers.config import build_config, model_component
 
 ENTRIES = list(catalog.TINY.values())
 STEPS = 12
-# Families whose torchtune 0.6.1 checkpoint conversion does not reproduce the HF model. Gemma 2:
-# its HF -> torchtune key map puts pre_feedforward_layernorm on the MLP's output and
-# post_feedforward_layernorm on its input (the reverse of HF), and it soft-caps the normalised
-# hidden state where HF soft-caps the logits; swapping the two norms back does not close the gap
-# alone, so there is at least one more difference. Strict: the test fails once it matches.
-CONVERSION_MISMATCH = {"gemma2": "torchtune 0.6.1's Gemma 2 differs from transformers' Gemma 2"}
 TEXT = "What is the capital of Iceland? Reverse the letters of this word: zebra."
 
 
@@ -77,11 +72,8 @@ def test_model_dir_has_the_files_the_catalog_requires(family):
     assert hf_config["model_type"] == entry.family.hf_model_type
 
 
-def test_torchtune_conversion_gives_transformers_logits(family, tmp_path, request):
+def test_torchtune_conversion_gives_transformers_logits(family, tmp_path):
     entry, model_dir, tokens, hf_logits = family
-    if entry.family.name in CONVERSION_MISMATCH:
-        reason = CONVERSION_MISMATCH[entry.family.name]
-        request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
     checkpointer = FullModelHFCheckpointer(
         checkpoint_dir=str(model_dir),
         checkpoint_files=list(entry.weight_files(model_dir)),
@@ -89,9 +81,7 @@ def test_torchtune_conversion_gives_transformers_logits(family, tmp_path, reques
         output_dir=str(tmp_path),
     )
     state = checkpointer.load_checkpoint()[MODEL_KEY]
-    model = tt_config.instantiate(
-        OmegaConf.create({"_component_": entry.builders["full"], **entry.builder_kwargs()})
-    )
+    model = tt_config.instantiate(OmegaConf.create(model_component(entry, "full")))
     model.load_state_dict(state, strict=True)
     assert _max_diff(model, tokens, hf_logits) < 1e-4
 
@@ -128,8 +118,7 @@ def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path)
     recipe = recipe_module.FineTuneRecipe(cfg)
     recipe.setup()
     # LoRA's B matrices start at zero: before training the trainer's model is the base model.
-    if entry.family.name not in CONVERSION_MISMATCH:
-        assert _max_diff(recipe.model, tokens, hf_logits) < 1e-4
+    assert _max_diff(recipe.model, tokens, hf_logits) < 1e-4
     recipe.train()
     recipe.save()
 
@@ -144,12 +133,44 @@ def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path)
     assert adapter_config["base_model_name_or_path"] == entry.hub_id
 
     # The exported adapter, applied by peft to the HF model, must reproduce the trained model.
-    if entry.family.name not in CONVERSION_MISMATCH:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        with torch.no_grad():
-            peft_logits = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
-        assert (peft_logits - hf_logits).abs().max() > 1e-3  # the adapter changes the model
-        assert _max_diff(recipe.model, tokens, peft_logits) < 1e-4
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+    assert (peft_logits - hf_logits).abs().max() > 1e-3  # the adapter changes the model
+    assert _max_diff(recipe.model, tokens, peft_logits) < 1e-4
+
+
+def test_full_fine_tune_saves_an_hf_model_that_reproduces_the_trained_one(
+    family, initialized_workspace, tmp_path
+):
+    """The way back: trained weights (norms included) converted to the family's HF format.
+
+    With activation checkpointing on, which must wrap every layer, Gemma 2's included.
+    """
+    from transformers import AutoModelForCausalLM
+
+    entry, model_dir, tokens, hf_logits = family
+    given = ["method=full", "max_steps=4", "warmup_steps=0", "batch_size=4", "lr=1e-3"]
+    args = parse_trainer_args([*given, "activation_checkpointing=true"], entry)
+    cfg = build_config(
+        entry,
+        args,
+        model_dir=model_dir,
+        dataset_dir=initialized_workspace / "dataset",
+        output_dir=tmp_path / "output",
+        cache_dir=tmp_path / "cache",
+    )
+    recipe = recipe_module.FineTuneRecipe(cfg)
+    recipe.setup()
+    assert {type(layer).__name__ for layer in recipe.model.layers} == {"CheckpointWrapper"}
+    recipe.train()
+    recipe.save()
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "output" / "model", dtype=torch.float32)
+    with torch.no_grad():
+        saved_logits = saved.eval()(tokens).logits
+    assert (saved_logits - hf_logits).abs().max() > 1e-3  # training changed the model
+    assert _max_diff(recipe.model, tokens, saved_logits) < 1e-4

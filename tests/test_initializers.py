@@ -543,6 +543,17 @@ def test_model_config_must_parse_and_match_the_catalog(tmp_path):
         f"STORAGE_URI at tunepack/tiny-llama3",
     )
 
+    # Values beyond the shape that the trainer builds the model with: here the RoPE base.
+    source = fake_model(tmp_path / "y", rope_theta=10_000)
+    result = run_program("model", tmp_path, str(source))
+    assert_bad_input(
+        result,
+        "model",
+        f"model at '{source}' is not tiny-llama3: its config.json has rope_theta=10000 "
+        f"(expected 500000.0); use the runtime made for this model or point "
+        f"STORAGE_URI at tunepack/tiny-llama3",
+    )
+
     (source / "config.json").write_text('{"vocab_size": ')
     result = run_program("model", tmp_path, str(source))
     assert_bad_input(

@@ -238,6 +238,11 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             f"max_seq_len={resolved['max_seq_len']} is larger than {entry.name}'s context "
             f"window of {entry.shape.max_seq_len} tokens"
         )
+    if resolved["packed"] and entry.family.no_packing:
+        raise BadInputError(
+            f"packed=true is not available for {entry.name}: {entry.family.no_packing}; "
+            "set packed=false"
+        )
     names = {f.name for f in fields(TrainArgs)} - {"given"}
     missing = sorted(n for n in names if resolved.get(n) is None and n != "max_steps")
     if missing:  # a catalog entry without a default for a required key is a tunepack bug

@@ -69,18 +69,22 @@ def read_dataset_manifest(dataset_dir: Path) -> dict:
     return manifest
 
 
-# Wraps LoRA builders that torchtune's own cannot serve as they are (see trainers/builders.py).
-LORA_ADAPTER = "tunepack.trainers.builders.lora_model"
+# Every model is built by this function around the catalog's torchtune builder: it corrects
+# the builders that would not reproduce their checkpoint (see trainers/builders.py).
+MODEL_BUILDER = "tunepack.trainers.builders.build"
 
 
-def _adapt_lora_builder(entry: ModelEntry, model: dict) -> dict:
-    """Route the LoRA model through LORA_ADAPTER where the entry's builder needs it."""
-    adapt: dict = {}
-    if not entry.lora_output:  # the builder takes no apply_lora_to_output
-        adapt["builder"] = model["_component_"]
-    if not entry.family.lora_takes_rope_base:  # the builder ignores the family's RoPE base
-        adapt |= {"builder": model["_component_"], "rope_base": entry.family.options["rope_base"]}
-    return {**model, "_component_": LORA_ADAPTER, **adapt} if adapt else model
+def model_component(entry: ModelEntry, method: str) -> dict:
+    """The model's config node for ``method``, before any LoRA settings."""
+    node: dict = {
+        "_component_": MODEL_BUILDER,
+        "builder": builder_for(entry, method),
+        **entry.builder_kwargs(),
+        "rope_base": entry.family.options["rope_base"],
+    }
+    if entry.family.softcapping is not None:
+        node["softcapping"] = list(entry.family.softcapping)
+    return node
 
 
 def build_config(
@@ -97,12 +101,7 @@ def build_config(
     manifest = read_dataset_manifest(dataset_dir)
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
 
-    # The LoRA variants share the LoRA builder (and its keyword set).
-    builder_method = "lora" if args.method in LORA_FAMILY else args.method
-    model: dict = {
-        "_component_": builder_for(entry, args.method),
-        **entry.builder_kwargs(builder_method),
-    }
+    model = model_component(entry, args.method)
     if args.method in LORA_FAMILY:
         model.update(
             lora_attn_modules=list(args.lora_attn_modules),
@@ -116,7 +115,6 @@ def build_config(
             model["quantize_base"] = True
         if args.method == "dora":
             model["use_dora"] = True
-        model = _adapt_lora_builder(entry, model)
 
     tokenizer = {
         "_component_": entry.tokenizer.component,

@@ -153,7 +153,6 @@ def run(argv: list[str]) -> int:
             f"{workspace.MODEL_ENV} is not set: the runtime must name its catalog model"
         )
     entry = catalog.get(model_name)
-    entry.check_trainable()
     args = parse_trainer_args(argv, entry)
 
     root = workspace.workspace_root()

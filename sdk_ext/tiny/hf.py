@@ -32,14 +32,14 @@ def _llama_extra(entry: ModelEntry) -> dict:
 
 
 def _gemma2_extra(entry: ModelEntry) -> dict:
-    options = entry.family.options
+    attention_cap, final_cap = entry.family.softcapping
     return {
         "hidden_activation": "gelu_pytorch_tanh",
-        "attn_logit_softcapping": options["hidden_capping_value"],
-        "final_logit_softcapping": options["final_capping_value"],
+        "attn_logit_softcapping": attention_cap,
+        "final_logit_softcapping": final_cap,
         # torchtune scales queries by head_dim ** -0.5 unless told otherwise; so does this.
         "query_pre_attn_scalar": entry.shape.head_dim,
-        "sliding_window": options["sliding_window_size"],
+        "sliding_window": entry.shape.sliding_window,
     }
 
 
