@@ -57,8 +57,9 @@ class Shape:
     head_dim: int = 0
     # RMSNorms per layer: before attention and MLP; Gemma 2 also normalises their outputs.
     norms_per_layer: int = 2
-    # Tokens each query sees in the layers that use sliding-window attention (Gemma 2's every
-    # other layer); None where every layer sees the whole context.
+    # Tokens each query sees in the layers that use sliding-window attention (every layer for
+    # Mistral v0.1 and Phi-3 Mini, every other layer for Gemma 2), as config.json says; None
+    # where every layer sees the whole context.
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
@@ -189,6 +190,17 @@ class ModelEntry:
     @property
     def parameter_count(self) -> int:
         return self.shape.parameter_count()
+
+    @property
+    def window_limit(self) -> int | None:
+        """The longest ``max_seq_len`` that trains the checkpoint's model, where there is one.
+
+        torchtune's Mistral and Phi-3 attend over the whole sequence; the HF models attend over
+        a sliding window. The two agree on sequences no longer than the window.
+        """
+        if self.shape.sliding_window is None or "sliding_window_size" in self.family.shape_keywords:
+            return None  # no window, or torchtune's model of the family has it
+        return self.shape.sliding_window
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -424,7 +436,7 @@ def _entry(family: str, name: str, hub_id: str, description: str, shape: Shape, 
     module = f"torchtune.models.{family}"
     tier = _tier(shape)
     extra.setdefault("lora_output", fam.lora_output)
-    return ModelEntry(
+    entry = ModelEntry(
         name=name,
         family=fam,
         hub_id=hub_id,
@@ -433,19 +445,17 @@ def _entry(family: str, name: str, hub_id: str, description: str, shape: Shape, 
         builders={"full": f"{module}.{builder}", "lora": f"{module}.lora_{builder}"},
         checkpoint_files=checkpoint,
         resources=tier.resources,
-        defaults={
-            "max_seq_len": min(2048, shape.max_seq_len),
-            "batch_size": tier.batch_size,
-            "lora_rank": 16,
-            "lora_alpha": 32,
-        },
+        defaults={"batch_size": tier.batch_size, "lora_rank": 16, "lora_alpha": 32},
         **extra,
     )
+    limits = (2048, shape.max_seq_len, entry.window_limit or shape.max_seq_len)
+    entry.defaults["max_seq_len"] = min(limits)
+    return entry
 
 
 def _llama(vocab: int, layers: int, heads: int, kv: int, dim: int, ffn: int, seq: int,
-           tied: bool = False) -> Shape:  # fmt: skip
-    return Shape(vocab, layers, heads, kv, dim, ffn, seq, tied_embeddings=tied)
+           tied: bool = False, **extra) -> Shape:  # fmt: skip
+    return Shape(vocab, layers, heads, kv, dim, ffn, seq, tied_embeddings=tied, **extra)
 
 
 def _gemma(layers: int, heads: int, head_dim: int, kv: int, dim: int, ffn: int,
@@ -509,7 +519,8 @@ _PUBLISHED = (
            "llama3_3_70b", _shards(30)),
     # torchtune's mistral_7b is v0.1 (RoPE base 10000, 32000 tokens); v0.2 and later differ.
     _entry("mistral", "mistral-7b", "mistralai/Mistral-7B-Instruct-v0.1",
-           "Mistral 7B Instruct v0.1", _llama(32_000, 32, 32, 8, 4096, 14_336, 32_768),
+           "Mistral 7B Instruct v0.1",
+           _llama(32_000, 32, 32, 8, 4096, 14_336, 32_768, sliding_window=4096),
            "mistral_7b", _INDEXED),
     _entry("gemma", "gemma-2b", "google/gemma-2b-it", "Gemma 2B Instruct",
            _gemma(18, 8, 256, 1, 2048, 16_384), "gemma_2b", _INDEXED),
@@ -522,7 +533,8 @@ _PUBLISHED = (
     _entry("gemma2", "gemma2-27b", "google/gemma-2-27b-it", "Gemma 2 27B Instruct",
            _gemma(46, 32, 128, 16, 4608, 36_864, **_GEMMA2), "gemma2_27b", _INDEXED),
     _entry("phi3", "phi3-mini", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 Mini 4K Instruct",
-           _llama(32_064, 32, 32, 32, 3072, 8192, 4096), "phi3_mini", _shards(2)),
+           _llama(32_064, 32, 32, 32, 3072, 8192, 4096, sliding_window=2047), "phi3_mini",
+           _shards(2)),
     _entry("phi4", "phi4-14b", "microsoft/phi-4", "Phi-4 14B (instruction-tuned)",
            _llama(100_352, 40, 40, 10, 5120, 17_920, 16_384), "phi4_14b", _shards(6)),
     _entry("qwen2", "qwen2-0.5b", "Qwen/Qwen2-0.5B-Instruct", "Qwen 2 0.5B Instruct",
@@ -626,12 +638,12 @@ TINY: dict[str, ModelEntry] = {
         _tiny("llama3_1", "tiny-llama3.1", _tiny_shape()),
         _tiny("llama3_2", "tiny-llama3.2", _tiny_shape(tied_embeddings=True)),
         _tiny("llama3_3", "tiny-llama3.3", _tiny_shape()),
-        _tiny("mistral", "tiny-mistral", _tiny_shape()),
+        _tiny("mistral", "tiny-mistral", _tiny_shape(sliding_window=256)),
         _tiny("gemma", "tiny-gemma", _tiny_shape(kv=1, tied_embeddings=True, head_dim=32)),
         _tiny("gemma2", "tiny-gemma2",
               _tiny_shape(tied_embeddings=True, head_dim=32, norms_per_layer=4,
                           sliding_window=32)),
-        _tiny("phi3", "tiny-phi3", _tiny_shape(kv=4)),
+        _tiny("phi3", "tiny-phi3", _tiny_shape(kv=4, sliding_window=256)),
         # Phi-4's 96 special tokens (mostly placeholders) need room beside the learned merges.
         _tiny("phi4", "tiny-phi4", _tiny_shape(vocab=448)),
         _tiny("qwen2", "tiny-qwen2", _tiny_shape(tied_embeddings=True, qkv_bias=True)),

@@ -73,6 +73,26 @@ def test_bad_arguments_name_the_value_and_the_expectation(argv, message):
     assert err.value.exit_code == EXIT_BAD_INPUT
 
 
+def test_sequences_stay_within_a_window_torchtune_does_not_implement():
+    """HF's Mistral v0.1 and Phi-3 Mini attend over a sliding window; torchtune's over everything.
+    They agree only on sequences no longer than the window (Gemma 2's window is implemented)."""
+    mistral, phi3 = catalog.get("mistral-7b"), catalog.get("phi3-mini")
+    assert (mistral.window_limit, phi3.window_limit, catalog.get("gemma2-2b").window_limit) == (
+        4096,
+        2047,
+        None,
+    )
+    assert parse_trainer_args([], phi3).max_seq_len == 2047  # the default respects it
+    assert parse_trainer_args(["max_seq_len=4096"], mistral).max_seq_len == 4096
+    with pytest.raises(BadInputError) as err:
+        parse_trainer_args(["max_seq_len=8192"], mistral)
+    assert str(err.value) == (
+        "max_seq_len=8192 is longer than mistral-7b's sliding attention window of 4096 tokens, "
+        "which torchtune's Mistral does not implement, so longer sequences would train a "
+        "different model than the checkpoint; use max_seq_len<=4096"
+    )
+
+
 def test_gemma2_refuses_packing_and_says_why():
     """On a GPU torchtune packs with flex-attention block masks, which its Gemma 2 rejects."""
     gemma2 = catalog.get("gemma2-9b")

@@ -70,7 +70,7 @@ def test_every_family_has_published_sizes_and_a_tiny_variant():
 def test_published_entries_are_consistent(entry):
     assert entry.runtime_name == f"tunepack-{entry.name}"
     assert entry.hub_id.count("/") == 1
-    assert entry.defaults["max_seq_len"] <= entry.shape.max_seq_len
+    assert entry.defaults["max_seq_len"] <= min(entry.shape.max_seq_len, entry.window_limit or 1e9)
     for builder in entry.builders.values():
         assert builder.startswith(f"torchtune.models.{entry.family.name}.")
     if entry.name != "tiny-llama3":

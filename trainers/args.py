@@ -238,6 +238,13 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             f"max_seq_len={resolved['max_seq_len']} is larger than {entry.name}'s context "
             f"window of {entry.shape.max_seq_len} tokens"
         )
+    if (window := entry.window_limit) and resolved["max_seq_len"] > window:
+        raise BadInputError(
+            f"max_seq_len={resolved['max_seq_len']} is longer than {entry.name}'s sliding "
+            f"attention window of {window} tokens, which torchtune's {entry.family.title} does "
+            f"not implement, so longer sequences would train a different model than the "
+            f"checkpoint; use max_seq_len<={window}"
+        )
     if resolved["packed"] and entry.family.no_packing:
         raise BadInputError(
             f"packed=true is not available for {entry.name}: {entry.family.no_packing}; "

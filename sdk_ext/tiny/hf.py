@@ -127,7 +127,7 @@ class HfFormat:
 
 
 LLAMA = HfFormat(extra=_llama_extra)
-MISTRAL = HfFormat(extra=lambda entry: {"sliding_window": None})
+MISTRAL = HfFormat(extra=lambda entry: {"sliding_window": entry.shape.sliding_window})
 GEMMA = HfFormat(
     hidden_act="gelu_pytorch_tanh",
     offset_norms=True,
@@ -148,7 +148,7 @@ PHI3 = HfFormat(
     fused=True,
     extra=lambda entry: {
         "original_max_position_embeddings": entry.shape.max_seq_len,
-        "sliding_window": None,
+        "sliding_window": entry.shape.sliding_window,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
     },
