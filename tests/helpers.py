@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
+
+from tunepack.runtimes import catalog
+
+TINY = catalog.get("tiny-llama3")
+# NF4 quantizes in blocks of 64 x 256 values; tiny-llama3's projections are too small for that.
+NF4_TINY = dataclasses.replace(
+    TINY,
+    name="tiny-llama3-nf4",
+    shape=dataclasses.replace(
+        TINY.shape,
+        num_layers=2,
+        embed_dim=256,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_dim=512,
+    ),
+)
 
 
 def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import http.server
 import json
 import ssl
@@ -12,29 +11,13 @@ import threading
 import pytest
 import torch
 
-from tests.conftest import run_program
+from tests.helpers import NF4_TINY, TINY, run_program
 from tunepack.errors import EXIT_BAD_INPUT, BadInputError
-from tunepack.runtimes import catalog
 from tunepack.tiny import write_tiny_model
 from tunepack.trainers import recipe as recipe_module
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import build_config
 
-TINY = catalog.get("tiny-llama3")
-# NF4 quantizes in blocks of 64 x 256 values; tiny-llama3's projections are too small for that.
-NF4_TINY = dataclasses.replace(
-    TINY,
-    name="tiny-llama3-nf4",
-    shape=dataclasses.replace(
-        TINY.shape,
-        num_layers=2,
-        embed_dim=256,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_dim=512,
-    ),
-)
 FAST = ["warmup_steps=0", "batch_size=8", "checkpoint_every_minutes=0"]
 
 
@@ -221,3 +204,30 @@ def test_packed_sequences_train(initialized_workspace, tmp_path):
     assert batch["tokens"].shape[1] == recipe.cfg.tokenizer.max_seq_len
     assert {"mask", "input_pos"} <= set(batch)
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def _losses(output) -> list[float]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def test_compiled_training_matches_eager(initialized_workspace, tmp_path):
+    """compile=true (torch.compile of model and loss; inductor's C++ code on a CPU) changes the
+    speed, not the numbers."""
+    train_in_process(initialized_workspace, tmp_path / "eager", ["max_steps=4"])
+    recipe = train_in_process(
+        initialized_workspace, tmp_path / "compiled", ["max_steps=4", "compile=true"]
+    )
+    assert recipe.cfg.compile
+    eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
+    assert len(compiled) == 4 and compiled[-1] < compiled[0]
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-3, (eager, compiled)
+
+
+def test_bf16_trains_in_bf16(initialized_workspace, tmp_path):
+    recipe = train_in_process(initialized_workspace, tmp_path, ["max_steps=6", "dtype=bf16"])
+    layer = recipe.model.layers[0].attn.q_proj
+    assert layer.weight.dtype == layer.lora_a.weight.dtype == torch.bfloat16
+    losses = _losses(tmp_path)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert json.loads((tmp_path / "result.json").read_text())["dtype"] == "bf16"
