@@ -179,6 +179,22 @@ def test_two_processes_full_fine_tune_with_fsdp(initialized_workspace, tmp_path)
     assert delta.abs().max() > 0
 
 
+def test_sharded_load_and_gather_give_back_the_base_weights(initialized_workspace, tmp_path):
+    """Rank 0 alone reads the checkpoint and streams each weight into both ranks' shards; the
+    saved model is gathered from the shards. A step too small to move any weight must save the
+    base back bit for bit: a shard left unloaded or misplaced would show."""
+    ws = _workspace(initialized_workspace, tmp_path)
+    env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
+    done = _launch(env, "method=full", "max_steps=1", "lr=1e-30", "weight_decay=0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    base = load_file(ws / "model" / "model.safetensors")
+    saved = {}
+    for shard in sorted((ws / "output" / "model").glob("*.safetensors")):
+        saved.update(load_file(shard))
+    assert saved.keys() == base.keys()
+    assert all(torch.equal(saved[key], base[key]) for key in base)
+
+
 def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspace, tmp_path):
     ws = _workspace(initialized_workspace, tmp_path)
     env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())

@@ -35,11 +35,17 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.utils.data import DataLoader, Sampler
 from torchtune import config, modules, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_packed, padded_collate_sft
 from torchtune.modules.peft import (
+    DoRALinear,
+    LoRALinear,
     get_adapter_params,
     get_adapter_state_dict,
     get_merged_lora_ckpt,
@@ -177,49 +183,104 @@ class FineTuneRecipe:
             )
 
     def _load_base_weights(self) -> dict[str, torch.Tensor]:
-        # Every rank reads the full base, then FSDP keeps only its shard: simple, and fine while
-        # a node's host memory holds one copy per process. (Rank-0-only loading would broadcast.)
+        """The base model's full state dict, on the ranks that need it.
+
+        A sharded run reads it on rank 0 only, which streams each weight to the other ranks'
+        shards (``_load_shards``): one copy in host memory instead of one per process. QLoRA is
+        the exception: torchtune quantizes each rank's NF4 shard from that rank's own full copy.
+        """
+        if self.topo.distributed and not self.topo.is_main and self.method != "qlora":
+            return {}
         checkpointer = config.instantiate(self.cfg.checkpointer)
         return checkpointer.load_checkpoint()[training.MODEL_KEY]
 
     def _setup_model(self, base_state: dict[str, torch.Tensor]) -> nn.Module:
+        if self.topo.distributed:
+            return self._setup_sharded_model(base_state)
         cfg = self.cfg
         with training.set_default_dtype(self.dtype), self.device:
             model = config.instantiate(cfg.model)
-        if not self.is_lora:
-            model.load_state_dict(base_state, strict=True)
-        else:
+        if self.is_lora:
             set_trainable_params(model, get_adapter_params(model))
-            missing, unexpected = model.load_state_dict(base_state, strict=False)
-            validate_missing_and_unexpected_for_lora(
-                lora_attn_modules=list(cfg.model.lora_attn_modules),
-                apply_lora_to_mlp=cfg.model.apply_lora_to_mlp,
-                apply_lora_to_output=cfg.model.apply_lora_to_output,
-                base_missing=missing,
-                base_unexpected=unexpected,
-            )
-            # DoRA's magnitude starts as the norm of the base weight it scales: only now known.
-            for module in model.modules():
-                if hasattr(module, "initialize_dora_magnitude"):
-                    module.initialize_dora_magnitude()
+        missing, unexpected = model.load_state_dict(base_state, strict=not self.is_lora)
         del base_state
-
+        self._check_loaded(model, missing, unexpected)
         if cfg.activation_checkpointing:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
         if cfg.compile:
             training.compile_model(model, verbose=self.topo.is_main)
-        if self.topo.distributed:
-            # FSDP2: each transformer layer is one unit of all-gather / reduce-scatter. LoRA's
-            # frozen base and trainable adapters share units; only the adapters get gradients.
-            training.shard_model(
-                model,
-                [lambda _name, m: isinstance(m, modules.TransformerSelfAttentionLayer)],
-                cpu_offload=False,
-                reshard_after_forward=True,
-            )
         return model
+
+    def _setup_sharded_model(self, base_state: dict[str, torch.Tensor]) -> nn.Module:
+        """FSDP2: built on the meta device, sharded, then each rank fills only its shard, so no
+        process ever holds the whole model on its GPU."""
+        cfg = self.cfg
+        with training.set_default_dtype(self.dtype), torch.device("meta"):
+            model = config.instantiate(cfg.model)
+        if self.is_lora:
+            set_trainable_params(model, get_adapter_params(model))
+        if cfg.activation_checkpointing:
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+            )
+        if cfg.compile:
+            training.compile_model(model, verbose=self.topo.is_main)
+        # Each transformer layer is one unit of all-gather / reduce-scatter. LoRA's frozen base
+        # and trainable adapters share units; only the adapters get gradients.
+        training.shard_model(
+            model,
+            [lambda _name, m: isinstance(m, modules.TransformerSelfAttentionLayer)],
+            cpu_offload=False,
+            reshard_after_forward=True,
+        )
+        # What the checkpoint does not hold: fresh adapters and the RoPE tables.
+        with training.set_default_dtype(self.dtype), self.device:
+            for module in model.modules():
+                if isinstance(module, LoRALinear | DoRALinear):
+                    module.to_empty(device=self.device)
+                    module.initialize_parameters()
+                if hasattr(module, "rope_init"):
+                    module.rope_init()
+        missing, unexpected = self._load_shards(model, base_state)
+        del base_state
+        self._check_loaded(model, missing, unexpected)
+        training.validate_no_params_on_meta_device(model)
+        on_meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+        if on_meta:
+            raise RuntimeError(f"buffers left on the meta device: {on_meta}")
+        return model
+
+    def _load_shards(self, model: nn.Module, base_state: dict[str, torch.Tensor]):
+        if self.method == "qlora":
+            return training.load_from_full_model_state_dict(
+                model, base_state, self.device, strict=False
+            )
+        base_state = {k: v.to(self.dtype) for k, v in base_state.items()}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        return set_model_state_dict(model, base_state, options=options)
+
+    def _check_loaded(self, model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+        """Every base weight found a place, and only adapters were left out of the checkpoint."""
+        if not self.is_lora:
+            if missing or unexpected:
+                raise RuntimeError(
+                    f"the checkpoint does not fit the model: missing {missing}, "
+                    f"unexpected {unexpected}"
+                )
+            return
+        validate_missing_and_unexpected_for_lora(
+            lora_attn_modules=list(self.cfg.model.lora_attn_modules),
+            apply_lora_to_mlp=self.cfg.model.apply_lora_to_mlp,
+            apply_lora_to_output=self.cfg.model.apply_lora_to_output,
+            base_missing=missing,
+            base_unexpected=unexpected,
+        )
+        # DoRA's magnitude starts as the norm of the base weight it scales: only now known.
+        for module in model.modules():
+            if hasattr(module, "initialize_dora_magnitude"):
+                module.initialize_dora_magnitude()
 
     def _setup_data(self) -> DataLoader:
         cfg = self.cfg
