@@ -104,19 +104,25 @@ def test_torchtune_tokenizer_loads_the_generated_files(family):
     assert tokenizer.pad_id is not None and tokenizer.pad_id < entry.shape.vocab_size
 
 
-def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path):
-    entry, model_dir, tokens, hf_logits = family
-    args = parse_trainer_args([f"max_steps={STEPS}", "warmup_steps=0", "batch_size=4"], entry)
+def _recipe(family, workspace, output, argv: list[str]) -> recipe_module.FineTuneRecipe:
+    """The trainer's recipe for this family's tiny model, set up (built and loaded)."""
+    entry, model_dir, *_ = family
     cfg = build_config(
         entry,
-        args,
+        parse_trainer_args([*argv, "warmup_steps=0", "batch_size=4"], entry),
         model_dir=model_dir,
-        dataset_dir=initialized_workspace / "dataset",
-        output_dir=tmp_path / "output",
-        cache_dir=tmp_path / "cache",
+        dataset_dir=workspace / "dataset",
+        output_dir=output,
+        cache_dir=output.parent / "cache",
     )
     recipe = recipe_module.FineTuneRecipe(cfg)
     recipe.setup()
+    return recipe
+
+
+def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path):
+    entry, model_dir, tokens, hf_logits = family
+    recipe = _recipe(family, initialized_workspace, tmp_path / "output", [f"max_steps={STEPS}"])
     # LoRA's B matrices start at zero: before training the trainer's model is the base model.
     assert _max_diff(recipe.model, tokens, hf_logits) < 1e-4
     recipe.train()
@@ -152,19 +158,9 @@ def test_full_fine_tune_saves_an_hf_model_that_reproduces_the_trained_one(
     """
     from transformers import AutoModelForCausalLM
 
-    entry, model_dir, tokens, hf_logits = family
-    given = ["method=full", "max_steps=4", "warmup_steps=0", "batch_size=4", "lr=1e-3"]
-    args = parse_trainer_args([*given, "activation_checkpointing=true"], entry)
-    cfg = build_config(
-        entry,
-        args,
-        model_dir=model_dir,
-        dataset_dir=initialized_workspace / "dataset",
-        output_dir=tmp_path / "output",
-        cache_dir=tmp_path / "cache",
-    )
-    recipe = recipe_module.FineTuneRecipe(cfg)
-    recipe.setup()
+    _, _, tokens, hf_logits = family
+    given = ["method=full", "max_steps=4", "lr=1e-3", "activation_checkpointing=true"]
+    recipe = _recipe(family, initialized_workspace, tmp_path / "output", given)
     assert {type(layer).__name__ for layer in recipe.model.layers} == {"CheckpointWrapper"}
     recipe.train()
     recipe.save()
