@@ -311,3 +311,16 @@ def test_lora_variants_train_sharded(initialized_workspace, tmp_path, method, dt
         before = base(tokens).logits
         after = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
     assert (after - before).abs().max() > 1e-3
+
+
+def test_sharded_load_benchmark_runs():
+    """The benchmark (by hand, not CI) keeps working: both ways shard alike and it reports."""
+    done = subprocess.run(
+        [sys.executable, "benchmarks/sharded_load_bench.py", "--layers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "tunepack / baseline, summed peak RSS:" in done.stdout
+    assert done.stdout.count("rank 1") == 2
