@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from tunepack.runtimes import catalog
 
@@ -35,3 +36,22 @@ def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600
         text=True,
         timeout=timeout,
     )
+
+
+def setup_recipe(entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path):
+    """The trainer's recipe for ``entry`` and ``key=value`` arguments, set up (built, loaded)."""
+    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.trainers.config import build_config
+    from tunepack.trainers.recipe import FineTuneRecipe
+
+    cfg = build_config(
+        entry,
+        parse_trainer_args(argv, entry),
+        model_dir=model_dir,
+        dataset_dir=dataset_dir,
+        output_dir=output,
+        cache_dir=output / ".cache",
+    )
+    recipe = FineTuneRecipe(cfg)
+    recipe.setup()
+    return recipe

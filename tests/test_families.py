@@ -19,11 +19,10 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 from torchtune.training import MODEL_KEY, FullModelHFCheckpointer
 
+from tests.helpers import setup_recipe
 from tunepack import tiny
 from tunepack.runtimes import catalog
-from tunepack.trainers import recipe as recipe_module
-from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.config import build_config, model_component
+from tunepack.trainers.config import model_component
 
 ENTRIES = list(catalog.TINY.values())
 STEPS = 12
@@ -104,20 +103,16 @@ def test_torchtune_tokenizer_loads_the_generated_files(family):
     assert tokenizer.pad_id is not None and tokenizer.pad_id < entry.shape.vocab_size
 
 
-def _recipe(family, workspace, output, argv: list[str]) -> recipe_module.FineTuneRecipe:
+def _recipe(family, workspace, output, argv: list[str]):
     """The trainer's recipe for this family's tiny model, set up (built and loaded)."""
     entry, model_dir, *_ = family
-    cfg = build_config(
+    return setup_recipe(
         entry,
-        parse_trainer_args([*argv, "warmup_steps=0", "batch_size=4"], entry),
+        [*argv, "warmup_steps=0", "batch_size=4"],
         model_dir=model_dir,
         dataset_dir=workspace / "dataset",
-        output_dir=output,
-        cache_dir=output.parent / "cache",
+        output=output,
     )
-    recipe = recipe_module.FineTuneRecipe(cfg)
-    recipe.setup()
-    return recipe
 
 
 def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path):

@@ -8,12 +8,9 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import run_program
+from tests.helpers import run_program, setup_recipe
 from tunepack.errors import EXIT_BAD_INPUT
 from tunepack.runtimes import catalog
-from tunepack.trainers import recipe as recipe_module
-from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.config import build_config
 
 TINY = catalog.get("tiny-llama3")
 
@@ -22,17 +19,13 @@ TINY = catalog.get("tiny-llama3")
 def trained(initialized_workspace, tmp_path_factory):
     """Train in-process for 2 epochs so the test can compare the live model with the export."""
     output = tmp_path_factory.mktemp("output")
-    args = parse_trainer_args(["epochs=2", "warmup_steps=2", "lr=3e-3", "batch_size=8"], TINY)
-    cfg = build_config(
+    recipe = setup_recipe(
         TINY,
-        args,
+        ["epochs=2", "warmup_steps=2", "lr=3e-3", "batch_size=8"],
         model_dir=initialized_workspace / "model",
         dataset_dir=initialized_workspace / "dataset",
-        output_dir=output,
-        cache_dir=output / ".cache",
+        output=output,
     )
-    recipe = recipe_module.FineTuneRecipe(cfg)
-    recipe.setup()
     base_before = {k: v.clone() for k, v in recipe.model.state_dict().items() if "lora" not in k}
     recipe.train()
     recipe.save()

@@ -11,28 +11,22 @@ import threading
 import pytest
 import torch
 
-from tests.helpers import NF4_TINY, TINY, run_program
+from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe
 from tunepack.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.tiny import write_tiny_model
-from tunepack.trainers import recipe as recipe_module
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.config import build_config
 
 FAST = ["warmup_steps=0", "batch_size=8", "checkpoint_every_minutes=0"]
 
 
 def train_in_process(workspace, output, argv, entry=TINY, model_dir=None):
-    args = parse_trainer_args([*FAST, *argv], entry)
-    cfg = build_config(
+    recipe = setup_recipe(
         entry,
-        args,
+        [*FAST, *argv],
         model_dir=model_dir or workspace / "model",
         dataset_dir=workspace / "dataset",
-        output_dir=output,
-        cache_dir=output / ".cache",
+        output=output,
     )
-    recipe = recipe_module.FineTuneRecipe(cfg)
-    recipe.setup()
     recipe.train()
     recipe.save()
     return recipe

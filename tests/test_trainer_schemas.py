@@ -10,11 +10,9 @@ import sys
 
 import pytest
 
+from tests.helpers import setup_recipe
 from tunepack.runtimes import catalog
 from tunepack.tiny import tiny_dataset_rows
-from tunepack.trainers import recipe as recipe_module
-from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.config import build_config
 
 TINY = catalog.get("tiny-llama3")
 
@@ -51,17 +49,13 @@ def test_schema_trains_a_few_steps(schema, to_row, initialized_workspace, tmp_pa
     assert manifest["schema"] == schema
 
     output = tmp_path / "out"
-    args = parse_trainer_args(["max_steps=2", "warmup_steps=0", "batch_size=4"], TINY)
-    cfg = build_config(
+    recipe = setup_recipe(
         TINY,
-        args,
+        ["max_steps=2", "warmup_steps=0", "batch_size=4"],
         model_dir=workspace / "model",
         dataset_dir=workspace / "dataset",
-        output_dir=output,
-        cache_dir=output / ".cache",
+        output=output,
     )
-    recipe = recipe_module.FineTuneRecipe(cfg)
-    recipe.setup()
     assert len(recipe.dataloader.dataset) == 32
     recipe.train()
     losses = [json.loads(x)["loss"] for x in (output / "metrics.jsonl").read_text().splitlines()]
