@@ -14,7 +14,9 @@ sharing a ``/workspace`` volume:
 Platform contract (Kubeflow Trainer v2.3) this file encodes: the step labels and container names
 the controller looks for, ``trainer.kubeflow.org/framework: torch`` (the torchtune plugin would
 refuse a tunepack runtime, see DESIGN.md), ``mlPolicy.torch`` with no ``numProcPerNode`` (gone in
-v2.3: it comes from the TrainJob), and ``STORAGE_URI`` / ``PET_*`` being injected by the controller.
+v2.3: it comes from the TrainJob), the shared volume named ``initializer`` (the TrainJob webhook
+requires it), no ``podGroupPolicy`` (see ``build_runtime``), and ``STORAGE_URI`` / ``PET_*``
+being injected by the controller.
 """
 
 from __future__ import annotations
@@ -55,9 +57,18 @@ PART_OF_LABEL = "app.kubernetes.io/part-of"
 MODEL_LABEL = "tunepack.dev/model"
 ANNOTATION_PREFIX = "tunepack.dev/"
 
-WORKSPACE_VOLUME = "workspace"  # the JobSet-managed PVC; its PVC is named workspace-<trainjob>
+# The shared workspace volume (mounted at /workspace). Its name is not ours to choose: Trainer
+# v2.3's TrainJob webhook rejects a TrainJob that sets spec.initializer.dataset/.model unless the
+# dataset-initializer/model-initializer container mounts a volume named exactly "initializer"
+# (jobsetplgconsts.VolumeNameInitializer). JobSet names the PVC it creates <claim>-<jobset>, and
+# the JobSet is named after the TrainJob: see workspace_pvc().
+INITIALIZER_VOLUME = "initializer"
+WORKSPACE_VOLUME = INITIALIZER_VOLUME  # the older name, still imported by sdk_ext
+# JobSet deletes the PVCs of its volumeClaimPolicies with the JobSet (that is, with the TrainJob)
+# unless retained. The result (adapter or model under /workspace/output) must outlive the job:
+# the user deletes the PVC once the result is fetched or served.
+WORKSPACE_RETENTION = "Retain"
 SHM_VOLUME = "dshm"
-SCHEDULE_TIMEOUT_SECONDS = 300
 RUN_AS = 1000  # the non-root user of the tunepack images
 
 # Small: initializers download and verify files; they do not hold a model in memory.
@@ -164,9 +175,12 @@ def build_runtime(entry: ModelEntry) -> dict:
         },
         "spec": {
             "mlPolicy": {"numNodes": entry.resources.nodes, "torch": {}},
-            "podGroupPolicy": {
-                "coscheduling": {"scheduleTimeoutSeconds": SCHEDULE_TIMEOUT_SECONDS}
-            },
+            # No podGroupPolicy: the Trainer's coscheduling and Volcano plugins make a PodGroup
+            # whose minMember counts the pods of every replicatedJob, initializers included,
+            # while JobSet creates the node Job only after both initializers complete, so the
+            # gang could never be whole (and without the PodGroup CRD the controller cannot
+            # build the TrainJob at all). Upstream's torchtune runtimes carry none either. Kueue
+            # admits a TrainJob labelled kueue.x-k8s.io/queue-name as a whole.
             "template": {"spec": _jobset_spec(entry)},
         },
     }
@@ -174,13 +188,14 @@ def build_runtime(entry: ModelEntry) -> dict:
 
 def _jobset_spec(entry: ModelEntry) -> dict:
     return {
-        # JobSet creates this PVC once per TrainJob and adds it to every pod that mounts it.
-        # ReadWriteOnce suits one node; pods on several nodes must share it: ReadWriteMany.
+        # JobSet creates this PVC once per TrainJob (initializer-<trainjob>) and adds it to every
+        # pod that mounts it. ReadWriteOnce suits one node; pods on several nodes must share it:
+        # ReadWriteMany. Retained when the TrainJob is deleted: it holds the result.
         "volumeClaimPolicies": [
             {
                 "templates": [
                     {
-                        "metadata": {"name": WORKSPACE_VOLUME},
+                        "metadata": {"name": INITIALIZER_VOLUME},
                         "spec": {
                             "accessModes": [_access_mode(entry)],
                             "resources": {
@@ -188,7 +203,8 @@ def _jobset_spec(entry: ModelEntry) -> dict:
                             },
                         },
                     }
-                ]
+                ],
+                "retentionPolicy": {"whenDeleted": WORKSPACE_RETENTION},
             }
         ],
         "failurePolicy": {
@@ -213,6 +229,14 @@ def _jobset_spec(entry: ModelEntry) -> dict:
             ),
         ],
     }
+
+
+def workspace_pvc(trainjob: str) -> str:
+    """The name of the PVC JobSet creates for a TrainJob's workspace: ``initializer-<trainjob>``.
+
+    It is retained when the TrainJob is deleted; delete it once the result is fetched.
+    """
+    return f"{INITIALIZER_VOLUME}-{trainjob}"
 
 
 def _access_mode(entry: ModelEntry) -> str:
@@ -277,7 +301,7 @@ def _container(step: Step, entry: ModelEntry, extra_env: dict[str, str]) -> dict
         "image": step.image_ref,
         "command": step.command,
         "env": [{"name": name, "value": value} for name, value in env.items()],
-        "volumeMounts": [{"name": WORKSPACE_VOLUME, "mountPath": DEFAULT_WORKSPACE}],
+        "volumeMounts": [{"name": INITIALIZER_VOLUME, "mountPath": DEFAULT_WORKSPACE}],
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},

@@ -113,10 +113,19 @@ def test_metadata(entry):
     assert notes["tunepack.dev/description"] == entry.description
 
 
-def test_ml_policy_and_gang_scheduling():
+def test_ml_policy():
     spec = build_runtime(GPU)["spec"]
     assert spec["mlPolicy"] == {"numNodes": 1, "torch": {}}  # no numProcPerNode in v2.3
-    assert spec["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] > 0
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
+def test_no_pod_group_policy(entry):
+    """A PodGroup counts the initializer pods too, which never run with the trainer pods."""
+    spec = build_runtime(entry)["spec"]
+    assert "podGroupPolicy" not in spec
+    assert set(spec) == {"mlPolicy", "template"}
+    # Kueue's queue label belongs on the TrainJob, not on the JobSet the Trainer owns.
+    assert "metadata" not in spec["template"]
 
 
 def test_multi_node_runtime():
@@ -162,16 +171,42 @@ def test_shared_workspace(entry):
     jobset = build_runtime(entry)["spec"]["template"]["spec"]
     (policy,) = jobset["volumeClaimPolicies"]
     (claim,) = policy["templates"]
-    assert claim["metadata"]["name"] == "workspace"
+    assert claim["metadata"]["name"] == "initializer"
+    # The result must outlive the TrainJob: JobSet deletes the PVC with it unless retained.
+    assert policy["retentionPolicy"] == {"whenDeleted": "Retain"}
     # Trainer pods on several nodes share the workspace.
     mode = "ReadWriteMany" if entry.resources.nodes > 1 else "ReadWriteOnce"
     assert claim["spec"]["accessModes"] == [mode]
     assert claim["spec"]["resources"]["requests"]["storage"] == entry.resources.workspace_storage
     for job in jobset["replicatedJobs"]:
         mounts = {m["name"]: m["mountPath"] for m in _container(job)["volumeMounts"]}
-        assert mounts["workspace"] == "/workspace"
+        assert mounts["initializer"] == "/workspace"
         # JobSet adds the claim itself and refuses a pod volume of the same name.
-        assert "workspace" not in {v["name"] for v in _pod(job).get("volumes", [])}
+        assert "initializer" not in {v["name"] for v in _pod(job).get("volumes", [])}
+
+
+def test_initializer_containers_pass_the_trainjob_webhook():
+    """Trainer v2.3 rejects a TrainJob with spec.initializer.dataset/.model unless the
+    dataset-initializer/model-initializer container mounts a volume named exactly
+    ``initializer`` (jobsetplgconsts.VolumeNameInitializer)."""
+    jobs = _jobs(build_runtime(GPU))
+    for name in ("dataset-initializer", "model-initializer"):
+        container = next(c for c in _pod(jobs[name])["containers"] if c["name"] == name)
+        assert "initializer" in {m["name"] for m in container["volumeMounts"]}
+    assert generate.INITIALIZER_VOLUME == "initializer"
+    assert generate.WORKSPACE_VOLUME == generate.INITIALIZER_VOLUME  # the name sdk_ext imports
+
+
+def test_workspace_pvc_name_is_what_jobset_creates():
+    # JobSet names the PVC <claim>-<jobset>; the JobSet is named after the TrainJob.
+    assert generate.workspace_pvc("my-job") == "initializer-my-job"
+
+
+def test_node_job_is_third():
+    """manifests/components/gpu-nodes patches replicatedJobs/2 (and tests that it is `node`)."""
+    for entry in ENTRIES:
+        jobs = build_runtime(entry)["spec"]["template"]["spec"]["replicatedJobs"]
+        assert jobs[2]["name"] == "node"
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
