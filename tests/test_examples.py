@@ -144,12 +144,47 @@ def test_example_storage_uri_parses(name, what, raw):
     assert parsed.scheme == _scheme(raw)
 
 
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_sets_num_proc_per_node(name):
+    """Left out, the Trainer writes `auto` into PET_NPROC_PER_NODE, and on a node without a GPU
+    limit it writes the CPU request instead: every example says how many processes it wants."""
+    trainer = _load(name)["spec"]["trainer"]
+    assert isinstance(trainer.get("numProcPerNode"), int) and trainer["numProcPerNode"] >= 1
+
+
+# The TrainJob CRD's CEL rule for every initializer storageUri.
+STORAGE_URI_CEL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.+$")
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_storage_uris_pass_the_crd_rule(name):
+    for what, raw in _uris(name).items():
+        assert STORAGE_URI_CEL.match(raw), f"{name}: {what} storageUri {raw!r} has no scheme://"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_names_the_workspace_pvc_jobset_creates(name):
+    """The result is on initializer-<trainjob>, kept when the TrainJob is deleted."""
+    comments = _comments(name)
+    assert "workspace-<" not in comments and "workspace-" + _load(name)["metadata"]["name"] not in (
+        comments
+    )
+    assert generate.workspace_pvc("<name>") in comments
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_points_only_to_paths_that_exist(name):
+    root = EXAMPLES_DIR.parent
+    for path in re.findall(r"\b((?:manifests|docs|examples)/[\w./-]*[\w-])", _comments(name)):
+        assert (root / path).exists(), f"{name} mentions {path}, which does not exist"
+
+
 @pytest.mark.parametrize("name", ARG_CASES)
 def test_example_fits_the_gpu_its_comments_name(name):
     entry, args = _resolved(name)
     trainer = _load(name)["spec"]["trainer"]
     gpus = trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]
-    per_node = trainer.get("numProcPerNode", gpus)
+    per_node = trainer["numProcPerNode"]
     assert per_node == gpus, "one trainer process per GPU"
     # BadInputError with the planner's breakdown when it does not fit.
     plan = submit.check_memory(
@@ -215,7 +250,10 @@ def test_runtime_patches_target_what_the_runtime_has(name):
             assert job_patch["name"] in jobs, f"no job {job_patch['name']!r} in the runtime"
             pod = jobs[job_patch["name"]]["template"]["spec"]["template"]["spec"]
             pod_patch = job_patch["template"]["spec"]["template"]["spec"]
-            runtime_volumes = {v["name"] for v in pod.get("volumes", [])} | {"workspace"}
+            # The runtime's pod volumes, plus the workspace JobSet adds from its claim template.
+            runtime_volumes = {v["name"] for v in pod.get("volumes", [])} | {
+                generate.INITIALIZER_VOLUME
+            }
             patch_volumes = {v["name"] for v in pod_patch.get("volumes", [])}
             assert not patch_volumes & runtime_volumes, "a patched volume shadows the runtime's"
             containers = {c["name"] for c in pod["containers"]}
