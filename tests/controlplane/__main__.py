@@ -1,0 +1,130 @@
+"""Build, start and stop the loopback control plane by hand.
+
+    python -m tests.controlplane build              # build.sh: build or reuse the binaries
+    python -m tests.controlplane up [--dir D]       # start in the background; prints KUBECONFIG
+    python -m tests.controlplane down [--dir D]     # stop exactly what `up` started
+    python -m tests.controlplane serve --dir D      # foreground (what `up` runs)
+
+`up` runs a supervisor that owns every process of the control plane; they die with it, and it
+stops by itself after --ttl seconds (default 2 h) so nothing outlives a forgotten session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tests.controlplane.cluster import ControlPlane, ControlPlaneError, build
+
+DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "tunepack-controlplane"
+
+
+def serve(root: Path, ttl: float, gates: dict[str, bool], executor: bool = True) -> int:
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: done.set())
+    cp = ControlPlane(root, feature_gates=gates)
+    try:
+        cp.start(executor=executor)
+    except ControlPlaneError as err:
+        print(f"control plane failed to start: {err}", file=sys.stderr)
+        return 1
+    (root / "READY").write_text(str(cp.kubeconfig) + "\n")
+    print(f"control plane up: KUBECONFIG={cp.kubeconfig}", flush=True)
+    try:
+        done.wait(ttl)
+    finally:
+        (root / "READY").unlink(missing_ok=True)
+        cp.stop()
+    return 0
+
+
+def up(root: Path, ttl: float, gates: list[str], executor: bool = True) -> int:
+    if (root / "serve.pid").exists() and _alive(int((root / "serve.pid").read_text())):
+        print(f"already running: KUBECONFIG={root / 'admin.kubeconfig'}")
+        return 0
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "READY").unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "tests.controlplane", "serve", f"--dir={root}", f"--ttl={ttl}"]
+    argv += [f"--feature-gate={g}" for g in gates]
+    if not executor:
+        argv.append("--no-executor")
+    with open(root / "serve.log", "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    (root / "serve.pid").write_text(str(proc.pid))
+    while proc.poll() is None and not (root / "READY").exists():
+        time.sleep(0.5)
+    if proc.poll() is not None:
+        print((root / "serve.log").read_text()[-4000:], file=sys.stderr)
+        return 1
+    print(f"export KUBECONFIG={root / 'admin.kubeconfig'}")
+    return 0
+
+
+def down(root: Path) -> int:
+    pidfile = root / "serve.pid"
+    if not pidfile.exists():
+        print(f"nothing running under {root}")
+        return 0
+    pid = int(pidfile.read_text())
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(300):
+            if not _alive(pid):
+                break
+            time.sleep(0.1)
+    pidfile.unlink()
+    print("control plane stopped")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # Our own supervisor, not a recycled PID.
+    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    return b"tests.controlplane" in cmdline and b"serve" in cmdline
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.controlplane", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("build")
+    for name in ("up", "serve", "down"):
+        p = sub.add_parser(name)
+        p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+        if name != "down":
+            p.add_argument("--ttl", type=float, default=7200.0)
+            p.add_argument("--feature-gate", action="append", default=[], metavar="NAME=BOOL")
+            p.add_argument("--no-executor", action="store_true", help="KWOK nodes only")
+    args = parser.parse_args(argv)
+    if args.cmd == "build":
+        print(build())
+        return 0
+    if args.cmd == "down":
+        return down(args.dir.resolve())
+    if args.cmd == "up":
+        return up(args.dir.resolve(), args.ttl, args.feature_gate, not args.no_executor)
+    gates = {}
+    for g in args.feature_gate:
+        k, _, v = g.partition("=")
+        gates[k] = v.lower() in ("1", "true", "yes")
+    return serve(args.dir.resolve(), args.ttl, gates, not args.no_executor)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

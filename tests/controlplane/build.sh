@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Build the real control plane the cluster tier runs on, from published Go modules, and cache the
+# binaries outside the checkout, one directory per component@version:
+#   $TUNEPACK_CONTROLPLANE_CACHE/<component>@<version>/<binaries>
+# A component whose directory is complete is not rebuilt, so a kept machine starts in seconds.
+# Prints the cache directory on its last line. Needs only `go` and the Go module proxy.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=versions.env
+. "$here/versions.env"
+cache=${TUNEPACK_CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tunepack/controlplane}
+mkdir -p "$cache"
+export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+ldflags_base="-s -w"
+
+log() { printf '[controlplane build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# done_or_build NAME VERSION FUNCTION: runs FUNCTION with $out (a fresh staging directory) unless
+# NAME@VERSION is complete; the directory is renamed into place only when every binary is there.
+done_or_build() {
+  local name=$1 version=$2 fn=$3 dest="$cache/$1@$2"
+  if [ -f "$dest/.complete" ]; then log "$name@$version: cached"; return 0; fi
+  local started=$SECONDS
+  out=$(mktemp -d "$cache/.$name@$version.XXXXXX")
+  chmod 755 "$out"
+  local buildlog="$cache/$name@$version.build.log"
+  log "$name@$version: building (go's output: $buildlog)"
+  # In the background so that `set -e` holds inside the build function (it would not in `if`).
+  "$fn" > "$buildlog" 2>&1 &
+  if ! wait $!; then
+    tail -n 40 "$buildlog" >&2
+    log "$name@$version: build FAILED (full output: $buildlog)"
+    rm -rf "$out"
+    exit 1
+  fi
+  date -u +%FT%TZ > "$out/.complete"
+  rm -rf "$dest"; mv "$out" "$dest"
+  log "$name@$version: built in $((SECONDS - started)) s"
+}
+
+# A scratch module in which $1 is a dependency; replaces derived from the dependency's go.mod.
+scratch() {
+  local dir; dir=$(mktemp -d "$cache/.scratch.XXXXXX")
+  printf 'module tunepack.local/controlplane\n\ngo 1.26.0\n' > "$dir/go.mod"
+  echo "$dir"
+}
+
+# `go install mod/cmd@version` would be shortest, but it asks the proxy for the module's version
+# list (deprecation check), which the proxy may refuse; `go get` of the exact version in a scratch
+# module builds the same dependency set (MVS over the module's own go.mod).
+build_module() { # MODULE VERSION PACKAGE BINARY
+  local dir; dir=$(scratch)
+  (cd "$dir" && go get "$1@$2" && go build -o "$out/$4" -ldflags "$ldflags_base" "$3")
+  rm -rf "$dir"
+}
+
+build_trainer() {
+  build_module github.com/kubeflow/trainer/v2 "$TRAINER_VERSION" \
+    github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager trainer-controller-manager
+}
+
+build_jobset() {
+  build_module sigs.k8s.io/jobset "$JOBSET_VERSION" sigs.k8s.io/jobset jobset
+}
+
+build_kwok() {
+  build_module sigs.k8s.io/kwok "$KWOK_VERSION" sigs.k8s.io/kwok/cmd/kwok kwok
+}
+
+# etcd's server module replaces its sibling modules with ../paths, so `go install` refuses it:
+# depend on it from a scratch module, with every go.etcd.io sibling at the same version.
+build_etcd() {
+  local dir; dir=$(scratch)
+  (
+    cd "$dir"
+    local gomod; gomod=$(go mod download -json "go.etcd.io/etcd/server/v3@$ETCD_VERSION" \
+      | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+    sed -n 's#^[[:space:]]*\(go\.etcd\.io/etcd/[a-z0-9/]*\) => \.\./.*#\1#p' "$gomod" \
+      | while read -r m; do echo "replace $m => $m $ETCD_VERSION" >> go.mod; done
+    go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+    go build -o "$out/etcd" -ldflags "$ldflags_base" "go.etcd.io/etcd/server/v3"
+  )
+  rm -rf "$dir"
+}
+
+# k8s.io/kubernetes replaces its staging modules with ./staging paths: pin each to its published
+# v0.x.y twin, keep its godebug line, and stamp the version so /version tells the truth.
+build_kubernetes() {
+  local dir; dir=$(scratch)
+  (
+    cd "$dir"
+    local gomod minor; gomod=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" \
+      | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+    minor="v0.${KUBERNETES_VERSION#v1.}"
+    grep -m1 '^godebug' "$gomod" >> go.mod || true
+    sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$gomod" \
+      | while read -r m; do echo "replace $m => $m $minor" >> go.mod; done
+    local cmds="kube-apiserver kube-controller-manager kube-scheduler"
+    local pkgs=""; for c in $cmds; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@$KUBERNETES_VERSION"; done
+    # shellcheck disable=SC2086
+    go get $pkgs
+    local v="k8s.io/component-base/version" commit
+    commit=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" \
+      | sed -n 's/^[[:space:]]*"Hash": "\(.*\)",\{0,1\}$/\1/p' | head -1)
+    local ld="$ldflags_base -X $v.gitVersion=$KUBERNETES_VERSION -X $v.gitCommit=${commit:-unknown}"
+    ld="$ld -X $v.gitTreeState=clean -X $v.gitMajor=1 -X $v.gitMinor=$(echo "$KUBERNETES_VERSION" | cut -d. -f2)"
+    for c in $cmds; do
+      go build -o "$out/$c" -ldflags "$ld" "k8s.io/kubernetes/cmd/$c"
+    done
+  )
+  rm -rf "$dir"
+}
+
+command -v go >/dev/null || { echo "build.sh: go is not on PATH (the cluster tier needs Go 1.26)" >&2; exit 2; }
+total=$SECONDS
+done_or_build kubernetes "$KUBERNETES_VERSION" build_kubernetes
+done_or_build etcd "$ETCD_VERSION" build_etcd
+done_or_build trainer "$TRAINER_VERSION" build_trainer
+done_or_build jobset "$JOBSET_VERSION" build_jobset
+done_or_build kwok "$KWOK_VERSION" build_kwok
+log "all components ready in $((SECONDS - total)) s"
+echo "$cache"

