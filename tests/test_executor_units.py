@@ -1,0 +1,434 @@
+"""The pod executor's pure parts (tests/controlplane/podspec.py) and its container init, no cluster.
+
+The expansion cases are the kubelet's own rules (third_party/forked/golang/expansion)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.controlplane import podspec
+from tests.controlplane.podspec import ConfigError, ContainerState
+
+
+def pod(**spec) -> dict:
+    return {
+        "metadata": {
+            "name": "job-node-0-0-abcde",
+            "namespace": "team",
+            "uid": "u-1",
+            "labels": {"app": "x"},
+            "annotations": {"batch.kubernetes.io/job-completion-index": "3"},
+        },
+        "spec": {"nodeName": "tunepack-executor", "serviceAccountName": "default", **spec},
+    }
+
+
+VARS = {"VAR_A": "A", "VAR_B": "B", "VAR_EMPTY": "", "VAR_REF": "$(VAR_A)"}
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("$(VAR_A)", "A"),
+        ("___$(VAR_B)___", "___B___"),
+        ("$(VAR_A)-$(VAR_A)", "A-A"),
+        ("$(VAR_A", "$(VAR_A"),
+        ("$$(VAR_B)_$(VAR_A)", "$(VAR_B)_A"),
+        ("$$$(VAR_B)", "$B"),
+        ("$$$$(VAR_A)", "$$(VAR_A)"),
+        ("$(VAR_DNE)", "$(VAR_DNE)"),
+        ("$VAR_A", "$VAR_A"),
+        ("$()", "$()"),
+        ("$", "$"),
+        ("$$", "$"),
+        ("f000-$$VAR_A", "f000-$VAR_A"),
+        ("foo\\$(VAR_A)bar", "foo\\Abar"),
+        ("$(VAR_A)$", "A$"),
+        ("$(", "$("),
+        ("$)", "$)"),
+        ("$((VAR_A))", "$((VAR_A))"),
+        ("$(VAR_EMPTY)", ""),
+        ("$(VAR_REF)", "$(VAR_A)"),  # no recursion
+        ("no refs at all", "no refs at all"),
+        ("", ""),
+    ],
+)
+def test_expand_follows_the_kubelet(text, expected):
+    assert podspec.expand(text, VARS) == expected
+
+
+def lookup_from(objects: dict):
+    return lambda kind, name: objects.get((kind, name))
+
+
+INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+
+
+def test_env_values_field_refs_and_order():
+    container = {
+        "name": "node",
+        "env": [
+            {"name": "FIRST", "value": "x-$(LATER)-$(PET_NODE_RANK)"},
+            {
+                "name": "PET_NODE_RANK",
+                "valueFrom": {"fieldRef": {"fieldPath": INDEX}},
+            },
+            {"name": "LATER", "value": "rank=$(PET_NODE_RANK) $$(PET_NODE_RANK)"},
+            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            {"name": "UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
+            {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+            {"name": "NOPE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['nope']"}}},
+            {"name": "NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            {"name": "SA", "valueFrom": {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}},
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.hostIP"}}},
+            {"name": "EMPTY"},
+        ],
+    }
+    env = podspec.resolve_env(pod(), container, lookup_from({}))
+    assert env == {
+        "FIRST": "x-$(LATER)-$(PET_NODE_RANK)",  # only variables defined before it expand
+        "PET_NODE_RANK": "3",
+        "LATER": "rank=3 $(PET_NODE_RANK)",
+        "POD": "job-node-0-0-abcde",
+        "NS": "team",
+        "UID": "u-1",
+        "APP": "x",
+        "NOPE": "",
+        "NODE": "tunepack-executor",
+        "SA": "default",
+        "IP": "127.0.0.1",
+        "HOST": "127.0.0.1",
+        "EMPTY": "",
+    }
+
+
+def test_env_from_secrets_and_config_maps():
+    objects = {
+        ("configMap", "cm"): {"A": "1", "B": "2"},
+        ("secret", "creds"): {"token": "s3cr3t"},
+    }
+    container = {
+        "name": "c",
+        "envFrom": [
+            {"configMapRef": {"name": "cm"}, "prefix": "CM_"},
+            {"secretRef": {"name": "absent", "optional": True}},
+        ],
+        "env": [
+            {"name": "CM_A", "value": "overridden-$(CM_B)"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "token"}}},
+            {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "cm", "key": "B"}}},
+            {
+                "name": "OPT",
+                "valueFrom": {"secretKeyRef": {"name": "gone", "key": "k", "optional": True}},
+            },
+            {
+                "name": "OPTKEY",
+                "valueFrom": {"secretKeyRef": {"name": "creds", "key": "k", "optional": True}},
+            },
+        ],
+    }
+    env = podspec.resolve_env(pod(), container, lookup_from(objects))
+    assert env == {"CM_A": "overridden-2", "CM_B": "2", "TOKEN": "s3cr3t", "B": "2"}
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ({"secretKeyRef": {"name": "creds", "key": "nokey"}}, "couldn't find key nokey in Secret"),
+        ({"secretKeyRef": {"name": "gone", "key": "k"}}, 'secret "gone" not found'),
+        ({"configMapKeyRef": {"name": "gone", "key": "k"}}, 'configmap "gone" not found'),
+    ],
+)
+def test_missing_required_keys_are_retriable_config_errors(source, message):
+    container = {"name": "c", "env": [{"name": "X", "valueFrom": source}]}
+    with pytest.raises(ConfigError, match=message) as err:
+        podspec.resolve_env(pod(), container, lookup_from({("secret", "creds"): {"t": "1"}}))
+    assert err.value.retriable
+
+
+def test_env_from_a_missing_required_object_is_an_error():
+    container = {"name": "c", "envFrom": [{"secretRef": {"name": "absent"}}]}
+    with pytest.raises(ConfigError, match='secret "absent" not found'):
+        podspec.resolve_env(pod(), container, lookup_from({}))
+
+
+def test_resource_field_refs():
+    container = {
+        "name": "c",
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "env": [
+            {"name": "REQ_CPU", "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu"}}},
+            {"name": "LIM_CPU", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
+            {
+                "name": "LIM_MEM",
+                "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}},
+            },
+        ],
+    }
+    env = podspec.resolve_env(pod(), container, lookup_from({}))
+    assert env == {"REQ_CPU": "1", "LIM_CPU": "16", "LIM_MEM": "2048"}
+
+
+def test_command_and_args_expand_against_the_pod_env():
+    container = {
+        "name": "c",
+        "command": ["python", "-m", "$(MOD)"],
+        "args": ["--rank=$(RANK)", "$$(RANK)", "$(UNSET)"],
+    }
+    argv = podspec.expand_command(container, {"MOD": "tunepack.trainers.launch", "RANK": "0"})
+    assert argv == ["python", "-m", "tunepack.trainers.launch", "--rank=0", "$(RANK)", "$(UNSET)"]
+    with pytest.raises(ConfigError, match="no command"):
+        podspec.expand_command({"name": "c", "args": ["x"]}, {})
+
+
+def test_identity_follows_security_contexts():
+    p = pod(securityContext={"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 2000,
+                             "supplementalGroups": [3000]})  # fmt: skip
+    assert podspec.identity(p, {"name": "c"}) == podspec.Identity(1000, 0, (2000, 3000), 2000)
+    c = {"name": "c", "securityContext": {"runAsUser": 1001, "runAsGroup": 1001}}
+    assert podspec.identity(p, c).uid == 1001 and podspec.identity(p, c).gid == 1001
+    assert podspec.identity(pod(), {"name": "c"}) == podspec.Identity(0, 0, (), None)
+    with pytest.raises(ConfigError, match="runAsNonRoot and image will run as root"):
+        podspec.identity(pod(securityContext={"runAsNonRoot": True}), {"name": "c"})
+    with pytest.raises(ConfigError, match="breaks non-root policy"):
+        podspec.identity(pod(), {"name": "c", "securityContext": {"runAsNonRoot": True,
+                                                                  "runAsUser": 0}})  # fmt: skip
+
+
+def test_volumes_and_mount_plan():
+    p = pod(
+        volumes=[
+            {"name": "workspace", "persistentVolumeClaim": {"claimName": "initializer-job"}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+            {"name": "creds", "secret": {"secretName": "creds"}},
+            {"name": "scratch", "emptyDir": {}},
+        ]
+    )
+    volumes = podspec.classify_volumes(p)
+    assert volumes["dshm"].memory and not volumes["scratch"].memory
+    dirs = {"workspace": "/pv/ws/", "creds": "/root/pods/u/creds", "scratch": "/root/pods/u/s"}
+    container = {
+        "name": "node",
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": "/workspace/model", "subPath": "model"},
+            {"name": "workspace", "mountPath": "/workspace", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "creds", "mountPath": "/etc/creds"},
+        ],
+    }
+    plan = podspec.mount_plan(container, volumes, dirs)
+    assert plan == [  # parents before children
+        podspec.Mount("/workspace", "/pv/ws", read_only=True),
+        podspec.Mount("/workspace/model", "/pv/ws/model"),
+        podspec.Mount("/dev/shm", None, tmpfs_bytes=16 * 2**30),
+        podspec.Mount("/etc/creds", "/root/pods/u/creds", read_only=True),
+    ]
+    bad = {"name": "c", "volumeMounts": [{"name": "scratch", "mountPath": "/x", "subPath": "../e"}]}
+    with pytest.raises(ConfigError, match="without"):
+        podspec.mount_plan(bad, volumes, dirs)
+    with pytest.raises(ConfigError, match="names no volume"):
+        podspec.mount_plan({"name": "c", "volumeMounts": [{"name": "x", "mountPath": "/x"}]},
+                           volumes, dirs)  # fmt: skip
+
+
+def test_unsupported_volume_types_fail_clearly():
+    p = pod(volumes=[{"name": "data", "nfs": {"server": "nfs", "path": "/"}}])
+    with pytest.raises(ConfigError, match='volume "data" has type nfs'):
+        podspec.classify_volumes(p)
+
+
+def test_projected_files_of_secrets_and_config_maps():
+    data = podspec.decode_data({"data": {"a": base64.b64encode(b"1").decode()}}, "secret")
+    assert data == {"a": b"1"}
+    cm = podspec.decode_data(
+        {"data": {"x": "y"}, "binaryData": {"b": base64.b64encode(b"\0").decode()}}, "configMap"
+    )
+    assert cm == {"x": b"y", "b": b"\0"}
+    assert podspec.projection_files(cm, {}, "configMap", "cm") == [
+        ("b", b"\0", 0o644),
+        ("x", b"y", 0o644),
+    ]
+    items = {"items": [{"key": "x", "path": "dir/x.txt", "mode": 0o600}], "defaultMode": 0o400}
+    assert podspec.projection_files(cm, items, "configMap", "cm") == [("dir/x.txt", b"y", 0o600)]
+    missing = {"items": [{"key": "nope", "path": "n"}]}
+    with pytest.raises(ConfigError, match='key "nope" not found'):
+        podspec.projection_files(cm, missing, "configMap", "cm")
+    assert podspec.projection_files(cm, {**missing, "optional": True}, "configMap", "cm") == []
+
+
+def test_hosts_file_maps_the_pods_of_one_subdomain():
+    own = ("job-node-0-1", "job", "team")
+    peers = [
+        own,
+        ("job-node-0-0", "job", "team"),
+        ("job-node-0-0", "job", "other-namespace"),
+        ("other-node-0-0", "other", "team"),
+        ("lonely", None, "team"),
+    ]
+    text = podspec.hosts_file(own, peers)
+    assert text.startswith(podspec.HOSTS_HEADER)
+    entries = text[len(podspec.HOSTS_HEADER) :].splitlines()
+    assert entries == [
+        "127.0.0.1\tjob-node-0-1 job-node-0-1.job job-node-0-1.job.team.svc "
+        "job-node-0-1.job.team.svc.cluster.local",
+        "127.0.0.1\tjob-node-0-0 job-node-0-0.job job-node-0-0.job.team.svc "
+        "job-node-0-0.job.team.svc.cluster.local",
+    ]
+    assert podspec.hosts_file(("solo", None, "team"), peers).endswith("127.0.0.1\tsolo\n")
+    assert podspec.pod_hostname(pod(hostname="h", subdomain="s")) == "h"
+    assert podspec.pod_hostname(pod()) == "job-node-0-0-abcde"
+
+
+def test_quantities():
+    assert podspec.parse_quantity("16Gi") == 16 * 2**30
+    assert podspec.parse_quantity("500m") * 1000 == 500
+    assert podspec.parse_quantity("1e3") == 1000
+    assert podspec.parse_quantity("2k") == 2000
+    with pytest.raises(ConfigError):
+        podspec.parse_quantity("lots")
+
+
+def test_status_and_phase():
+    st = ContainerState("node", "img")
+    assert st.status()["state"]["waiting"]["reason"] == "ContainerCreating"
+    st.pid, st.started_at, st.waiting = 42, "2026-01-01T00:00:00Z", None
+    s = st.status()
+    assert s["ready"] and s["started"] and s["state"]["running"]["startedAt"]
+    assert s["containerID"] == "executor://42"
+    st.terminate(65, "Error", "bad input", "2026-01-01T00:00:05Z")
+    term = st.status()["state"]
+    assert term["running"] is None and term["terminated"]["exitCode"] == 65
+    assert term["terminated"]["message"] == "bad input"
+
+    def states(*codes):
+        out = []
+        for code in codes:
+            c = ContainerState("c", "i", waiting=None, started_at="t")
+            if code is not None:
+                c.terminate(code, "", "", "t")
+            out.append(c)
+        return out
+
+    assert podspec.pod_phase(states(0), states(None), "Never") == "Running"
+    assert podspec.pod_phase(states(0), states(0, 0), "Never") == "Succeeded"
+    assert podspec.pod_phase([], states(0, 75), "Never") == "Failed"
+    assert podspec.pod_phase(states(1), [ContainerState("c", "i")], "Never") == "Failed"
+    assert podspec.pod_phase([], [ContainerState("c", "i")], "Never") == "Pending"
+    assert podspec.restarts("OnFailure", 1) and not podspec.restarts("OnFailure", 0)
+    assert podspec.restarts("Always", 0) and not podspec.restarts("Never", 1)
+
+
+def test_tail_message_is_short():
+    text = "".join(f"line {i} " + "x" * 100 + "\n" for i in range(500))
+    message = podspec.tail_message(text)
+    assert len(message.encode()) <= podspec.MESSAGE_MAX_BYTES
+    assert message.endswith("line 499 " + "x" * 100)
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+    reason="the container init needs root, unshare and setpriv",
+)
+
+
+@needs_root
+@pytest.mark.parametrize("uid", [0, 1000])
+def test_container_init_mounts_and_runs_as_the_user(tmp_path, uid):
+    """The init the executor runs as PID 1 of each container: bind mounts, its own hosts file
+    and hostname, the pod's user, the exit code of the command."""
+    from tests.controlplane.executor import INIT_SCRIPT
+
+    init = tmp_path / "init.py"
+    init.write_text(INIT_SCRIPT)
+    volume = tmp_path / "volume"
+    volume.mkdir(mode=0o777)
+    volume.chmod(0o777)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(podspec.hosts_file(("job-node-0-0", "job", "ns"), []))
+    # A mount point inside the volume (made by the init) and one outside (made beforehand).
+    target = tmp_path / "mnt"
+    target.mkdir()
+    script = (
+        "import os, socket, sys\n"
+        "open('../out', 'w').write(str(os.getuid()))\n"  # cwd: <volume>/work
+        "print(socket.gethostname(), socket.gethostbyname('job-node-0-0.job'), os.getpid(),\n"
+        "      os.getgroups(), os.environ['X'], flush=True)\n"
+        "sys.exit(75)\n"
+    )
+    spec = {
+        "argv": [sys.executable, "-c", script],
+        "setpriv": shutil.which("setpriv"),
+        "no_new_privs": True,
+        "env": {"X": "y", "PATH": os.environ["PATH"]},
+        "uid": uid,
+        "gid": uid,
+        "groups": [2000] if uid else [],
+        "cwd": str(tmp_path / "mnt" / "work"),
+        "hostname": "job-node-0-0",
+        "mounts": [
+            {
+                "target": str(target),
+                "source": str(volume),
+                "read_only": False,
+                "tmpfs_bytes": None,
+                "is_file": False,
+            },
+            {
+                "target": "/etc/hosts",
+                "source": str(hosts),
+                "read_only": True,
+                "tmpfs_bytes": None,
+                "is_file": True,
+            },
+        ],  # fmt: skip
+        "error_file": str(tmp_path / "error"),
+        "started_file": str(tmp_path / "started"),
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run(
+        ["setpriv", "--pdeathsig", "KILL", "--", "unshare", "--mount", "--uts", "--pid",
+         "--fork", "--kill-child", "--mount-proc", "--propagation", "private", "--",
+         sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
+    assert done.returncode == 75, done.stdout + done.stderr
+    name, address, pid, groups, x = done.stdout.split(maxsplit=4)
+    assert (name, address, x.split()[-1]) == ("job-node-0-0", "127.0.0.1", "y")
+    assert 1 < int(pid) < 10  # its own PID namespace
+    assert groups.startswith("[2000]" if uid else "[]")
+    assert (volume / "out").read_text() == str(uid)  # written through the bind mount
+    assert (volume / "work").is_dir()  # the working directory, made inside the volume
+    assert not any(target.iterdir())  # the mount never showed on this machine
+    assert Path("/etc/hosts").read_text() != hosts.read_text()
+    assert (tmp_path / "started").exists()
+
+
+@needs_root
+def test_container_init_reports_a_command_that_cannot_start(tmp_path):
+    from tests.controlplane.executor import INIT_SCRIPT
+
+    init = tmp_path / "init.py"
+    init.write_text(INIT_SCRIPT)
+    spec = {"argv": ["no-such-program"], "setpriv": "setpriv", "no_new_privs": False,
+            "env": {"PATH": "/usr/bin"}, "uid": 0, "gid": 0, "groups": [], "cwd": "/",
+            "hostname": "h", "mounts": [], "error_file": str(tmp_path / "error"),
+            "started_file": str(tmp_path / "s")}  # fmt: skip
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run(
+        ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc", "--",
+         sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 128
+    assert 'exec: "no-such-program"' in (tmp_path / "error").read_text()
