@@ -254,6 +254,9 @@ def _replicated_job(
         job["dependsOn"] = [{"name": dep.job, "status": "Complete"} for dep in depends_on]
     pod_spec: dict = {
         "restartPolicy": "Never",  # podFailurePolicy requires it
+        # The programs never call the Kubernetes API (progress goes to the Trainer's status
+        # server with its own projected token): no API credentials in the pods.
+        "automountServiceAccountToken": False,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,
