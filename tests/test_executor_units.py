@@ -266,6 +266,49 @@ def test_projected_files_of_secrets_and_config_maps():
     assert podspec.projection_files(cm, {**missing, "optional": True}, "configMap", "cm") == []
 
 
+def test_projected_volumes_like_kube_api_access():
+    """The ServiceAccount admission plugin adds this volume to every pod."""
+    source = {
+        "defaultMode": 0o644,
+        "sources": [
+            {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+            {"configMap": {"name": "kube-root-ca.crt",
+                           "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+            {"downwardAPI": {"items": [
+                {"path": "namespace", "fieldRef": {"apiVersion": "v1",
+                                                   "fieldPath": "metadata.namespace"}},
+                {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}},
+            ]}},
+            {"secret": {"name": "absent", "optional": True}},
+        ],
+    }  # fmt: skip
+    tokens = []
+
+    def token(audience, seconds):
+        tokens.append((audience, seconds))
+        return "jwt"
+
+    objects = {("configMap", "kube-root-ca.crt"): {"ca.crt": b"PEM"}}
+    files = podspec.projected_files(pod(), source, lookup_from(objects), token)
+    assert files == [
+        ("token", b"jwt", 0o644),
+        ("ca.crt", b"PEM", 0o644),
+        ("namespace", b"team", 0o644),
+        ("labels", b'app="x"', 0o644),
+    ]
+    assert tokens == [(None, 3607)]
+    with pytest.raises(ConfigError, match='configmap "kube-root-ca.crt" not found') as err:
+        podspec.projected_files(pod(), source, lookup_from({}), token)
+    assert err.value.retriable
+
+
+def test_sub_path_expr_expands_with_the_container_env():
+    volumes = podspec.classify_volumes(pod(volumes=[{"name": "w", "emptyDir": {}}]))
+    container = {"volumeMounts": [{"name": "w", "mountPath": "/w", "subPathExpr": "$(POD)"}]}
+    plan = podspec.mount_plan(container, volumes, {"w": "/e"}, {"POD": "p-0"})
+    assert plan == [podspec.Mount("/w", "/e/p-0")]
+
+
 def test_hosts_file_maps_the_pods_of_one_subdomain():
     own = ("job-node-0-1", "job", "team")
     peers = [

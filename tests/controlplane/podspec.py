@@ -9,6 +9,7 @@ status fields the executor writes. The executor does the I/O around them.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -276,7 +277,15 @@ def identity(pod: dict, container: dict) -> Identity:
 
 # ---------------------------------------------------------------------------------------------
 # Volumes and mounts
-SUPPORTED_VOLUMES = ("persistentVolumeClaim", "emptyDir", "secret", "configMap", "hostPath")
+SUPPORTED_VOLUMES = (
+    "persistentVolumeClaim",
+    "emptyDir",
+    "secret",
+    "configMap",
+    "hostPath",
+    "projected",  # the ServiceAccount admission plugin adds kube-api-access-* to every pod
+    "downwardAPI",
+)
 
 
 @dataclass(frozen=True)
@@ -320,10 +329,13 @@ class Mount:
 
 
 def mount_plan(
-    container: dict, volumes: Mapping[str, Volume], dirs: Mapping[str, str]
+    container: dict,
+    volumes: Mapping[str, Volume],
+    dirs: Mapping[str, str],
+    env: Mapping[str, str] | None = None,
 ) -> list[Mount]:
     """The mounts of one container, parents before children. ``dirs`` maps a volume name to its
-    host directory (tmpfs volumes have none)."""
+    host directory (tmpfs volumes have none); ``env`` expands ``subPathExpr``."""
     mounts = []
     for vm in container.get("volumeMounts") or []:
         name, target = vm["name"], vm["mountPath"]
@@ -332,8 +344,8 @@ def mount_plan(
         if not target.startswith("/"):
             raise ConfigError(f'mountPath "{target}" is not absolute')
         vol = volumes[name]
-        read_only = bool(vm.get("readOnly")) or vol.kind in ("secret", "configMap")
-        sub = vm.get("subPath") or vm.get("subPathExpr") or ""
+        read_only = bool(vm.get("readOnly")) or vol.kind in FILE_VOLUMES
+        sub = vm.get("subPath") or expand(vm.get("subPathExpr") or "", env or {})
         if vol.memory:
             if sub:
                 raise ConfigError(f'subPath on the Memory emptyDir "{name}" is not supported')
@@ -364,6 +376,58 @@ def projection_files(
         if path.startswith("/") or ".." in path.split("/"):
             raise ConfigError(f'{kind} "{name}": item path "{path}" is not relative')
         files.append((path, data[item["key"]], item.get("mode", default_mode)))
+    return files
+
+
+FILE_VOLUMES = ("secret", "configMap", "projected", "downwardAPI")  # files the executor writes
+
+
+def downward_files(pod: dict, items: list[dict], default_mode: int) -> list[tuple[str, bytes, int]]:
+    """Files of a downwardAPI volume (or projection): fieldRef values; whole label and
+    annotation maps as ``key="value"`` lines, as the kubelet writes them."""
+    files = []
+    for item in items or []:
+        if "fieldRef" not in item:
+            raise ConfigError(f'downwardAPI item "{item.get("path")}": only fieldRef is supported')
+        path = item["fieldRef"]["fieldPath"]
+        if path in ("metadata.labels", "metadata.annotations"):
+            values = pod["metadata"].get(path.split(".")[1]) or {}
+            text = "\n".join(f"{k}={json.dumps(v)}" for k, v in sorted(values.items()))
+        else:
+            text = field_ref(pod, path)
+        files.append((item["path"], text.encode(), item.get("mode", default_mode)))
+    return files
+
+
+def projected_files(
+    pod: dict,
+    source: dict,
+    lookup: Callable[[str, str], dict[str, bytes] | None],
+    token: Callable[[str | None, int], str],
+) -> list[tuple[str, bytes, int]]:
+    """Files of a projected volume: ``lookup(kind, name)`` gives a Secret's or ConfigMap's data
+    (None when absent), ``token(audience, expirationSeconds)`` a service account token."""
+    mode = source.get("defaultMode", 0o644)
+    files = []
+    for src in source.get("sources") or []:
+        if "serviceAccountToken" in src:
+            t = src["serviceAccountToken"]
+            value = token(t.get("audience"), int(t.get("expirationSeconds") or 3600))
+            files.append((t["path"], value.encode(), mode))
+        elif "configMap" in src or "secret" in src:
+            kind = "configMap" if "configMap" in src else "secret"
+            ref = src[kind]
+            data = lookup(kind, ref.get("name", ""))
+            if data is None:
+                if ref.get("optional"):
+                    continue
+                what = "configmap" if kind == "configMap" else "secret"
+                raise ConfigError(f'{what} "{ref.get("name")}" not found', retriable=True)
+            files += projection_files(data, {**ref, "defaultMode": mode}, kind, ref.get("name"))
+        elif "downwardAPI" in src:
+            files += downward_files(pod, src["downwardAPI"].get("items"), mode)
+        else:
+            raise ConfigError(f"unsupported projected volume source {sorted(src)}")
     return files
 
 
