@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: venv install dev quickstart test lint runtimes clean
+.PHONY: venv install dev quickstart test test-cluster controlplane lint runtimes clean
 
 venv: $(BIN)/python
 $(BIN)/python:
@@ -38,6 +38,15 @@ quickstart: install
 test: dev
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
+
+# The real control plane (etcd, Kubernetes 1.36, Kubeflow Trainer v2.3.0, JobSet, KWOK), built from
+# the Go module proxy with Go 1.26 and cached outside the checkout by version (tests/controlplane).
+controlplane:
+	bash tests/controlplane/build.sh
+
+# The tier on the real control plane: install, admission, rendering, real runs (tests/cluster).
+test-cluster: dev controlplane
+	$(BIN)/pytest -q -m controlplane tests/cluster
 
 lint: dev
 	$(BIN)/ruff check .

@@ -1,0 +1,203 @@
+"""Real runs: the whole platform, and tunepack's programs executed for real.
+
+The TrainJob goes through the real apiserver, webhooks, Trainer, JobSet, Job controller and
+scheduler; the pods land on the executor's node, which runs the dataset-initializer,
+model-initializer and trainer programs as processes with the env, args and volumes the control
+plane resolved, and reports their real exit codes. The result is read from the volume behind the
+TrainJob's PVC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
+from kubeflow.common.types import KubernetesBackendConfig
+
+from tests.cluster import kube
+
+pytestmark = pytest.mark.controlplane
+
+TINY = "tunepack-tiny-llama3"
+RUN_TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def sources():
+    """The tiny model and dataset, where the pods' user (uid 1000) can read them."""
+    from tunepack.tiny import write_tiny_dataset, write_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="tunepack-sources-"))
+    root.chmod(0o755)
+    model = write_tiny_model(root / "tiny-llama3")
+    data = write_tiny_dataset(root / "data" / "instructions.jsonl")
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield {"model": f"file://{model}", "dataset": f"file://{data}"}
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _client(namespace: str):
+    from tunepack import TrainingClient
+
+    return TrainingClient(KubernetesBackendConfig(namespace=namespace))
+
+
+def _train(namespace, sources, **finetune):
+    from tunepack import FineTune, Initializer
+
+    return _client(namespace).train(
+        runtime=TINY,
+        initializer=Initializer(dataset=sources["dataset"], model=sources["model"]),
+        trainer=FineTune(**finetune),
+    )
+
+
+def _volume(api, namespace: str, name: str) -> Path:
+    """The host directory behind the TrainJob's workspace PVC (a hostPath PV)."""
+    pvc = api.core.read_namespaced_persistent_volume_claim(f"initializer-{name}", namespace)
+    pv = api.core.read_persistent_volume(pvc.spec.volume_name)
+    return Path(pv.spec.host_path.path)
+
+
+def _executor_root(controlplane) -> Path:
+    root = getattr(controlplane, "root", None)
+    if root is None:  # attached to one started with `python -m tests.controlplane up`
+        root = Path(controlplane.kubeconfig).parent
+    return Path(root) / "executor"
+
+
+def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_executor, sources):
+    client = _client(namespace)
+    name = _train(namespace, sources, method="lora", epochs=2)
+    job = client.wait_for_job_status(name, timeout=RUN_TIMEOUT)
+    assert job.status == "Complete", api.diagnose(namespace, name)
+
+    out = _volume(api, namespace, name) / "output"
+    result = json.loads((out / "result.json").read_text())
+    assert result["method"] == "lora"
+    assert result["final_loss"] < result["first_loss"]
+    adapter = out / "adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert (adapter / "adapter_model.safetensors").stat().st_size > 0
+    # Written by the pods' user, not root: the runtime's securityContext was honoured.
+    assert (adapter / "adapter_model.safetensors").stat().st_uid == 1000
+
+    # The adapter loads in peft over the base model the model initializer verified.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(_volume(api, namespace, name) / "model")
+    PeftModel.from_pretrained(base, adapter)
+
+    # Logs through the apiserver (the executor serves the kubelet's log endpoint).
+    logs = "\n".join(client.get_job_logs(name))
+    assert "training finished" in logs or "step" in logs, logs[-2000:]
+
+
+def test_two_nodes_rendezvous_with_the_platforms_ranks(
+    api, namespace, installed_runtimes, on_executor, sources
+):
+    client = _client(namespace)
+    name = _train(namespace, sources, method="lora", epochs=1, num_nodes=2)
+    job = client.wait_for_job_status(name, timeout=RUN_TIMEOUT)
+    assert job.status == "Complete", api.diagnose(namespace, name)
+    pods = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
+    ranks = sorted(p.metadata.annotations["batch.kubernetes.io/job-completion-index"] for p in pods)
+    assert ranks == ["0", "1"]
+    result = json.loads((_volume(api, namespace, name) / "output" / "result.json").read_text())
+    assert result["world_size"] == 2
+    assert result["final_loss"] < result["first_loss"]
+
+
+def test_bad_input_fails_at_once_without_retries(
+    api, namespace, installed_runtimes, on_executor, sources
+):
+    """Exit 65 from the dataset initializer: the Job's podFailurePolicy fails it, the JobSet's
+    BadInput rule fails the JobSet, the TrainJob is Failed, nothing is retried."""
+    from tunepack import FineTune, Initializer
+
+    missing = sources["dataset"].replace("instructions.jsonl", "no-such-file.jsonl")
+    name = _client(namespace).train(
+        runtime=TINY,
+        initializer=Initializer(dataset=missing, model=sources["model"]),
+        trainer=FineTune(method="lora", epochs=1),
+    )
+    assert api.wait_finished(namespace, name, timeout=RUN_TIMEOUT) == "Failed"
+    pods = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=dataset-initializer")
+    assert len(pods) == 1
+    terminated = pods[0].status.container_statuses[0].state.terminated
+    assert terminated.exit_code == 65
+    assert "no-such-file.jsonl" in (terminated.message or "")
+    assert api.jobset(namespace, name)["status"].get("restarts", 0) == 0
+    assert not api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
+
+
+def _wait_for_checkpoint(api, namespace, name):
+    def checkpointed():
+        try:
+            root = _volume(api, namespace, name) / "checkpoints"
+        except Exception:
+            return None
+        return root.is_dir() and any(
+            p.is_dir() and not p.name.startswith(".") for p in root.iterdir()
+        )
+
+    kube.wait_for(
+        checkpointed,
+        RUN_TIMEOUT,
+        "a complete checkpoint",
+        interval=0.5,
+        diagnose=lambda: api.diagnose(namespace, name),
+    )
+
+
+def test_a_killed_trainer_is_restarted_and_resumes(
+    api, controlplane, namespace, installed_runtimes, on_executor, sources
+):
+    """SIGKILL of the trainer process (a crash): the JobSet restarts, the trainer resumes from
+    its newest checkpoint and the TrainJob completes."""
+    name = _train(namespace, sources, method="lora", epochs=6, checkpoint_every_steps=8)
+    _wait_for_checkpoint(api, namespace, name)
+    pids = _executor_root(controlplane) / "pids"
+    pidfile = next(pids.glob(f"{namespace}_{name}-node-0-0-*_node.pid"))
+    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+
+    job = _client(namespace).wait_for_job_status(name, timeout=RUN_TIMEOUT)
+    assert job.status == "Complete", api.diagnose(namespace, name)
+    assert api.jobset(namespace, name)["status"]["restarts"] == 1
+    result = json.loads((_volume(api, namespace, name) / "output" / "result.json").read_text())
+    assert result["resumed_from_step"] >= 8
+
+
+def test_an_evicted_trainer_checkpoints_exits_75_and_resumes(
+    api, namespace, installed_runtimes, on_executor, sources
+):
+    """Deleting the trainer pod (what a preemption does): SIGTERM, a checkpoint, exit 75; the
+    failure is retriable, the JobSet restarts and the trainer resumes where it stopped."""
+    name = _train(namespace, sources, method="lora", epochs=6, checkpoint_every_steps=1000)
+
+    def trainer_running():
+        pods = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
+        return next((p for p in pods if p.status.phase == "Running"), None)
+
+    pod = kube.wait_for(trainer_running, RUN_TIMEOUT, "the trainer pod to run")
+    # Let it take a few steps first.
+    kube.wait_for(
+        lambda: (_volume(api, namespace, name) / "output" / "metrics.jsonl").exists(),
+        RUN_TIMEOUT,
+        "the first metrics",
+    )
+    exit_codes = kube.watch_exit_codes(api, namespace, pod.metadata.name)
+    api.core.delete_namespaced_pod(pod.metadata.name, namespace)
+    assert kube.wait_for(lambda: exit_codes.get("node"), 120, "the evicted pod's exit code") == 75
+    job = _client(namespace).wait_for_job_status(name, timeout=RUN_TIMEOUT)
+    assert job.status == "Complete", api.diagnose(namespace, name)
+    assert api.jobset(namespace, name)["status"]["restarts"] == 1
+    result = json.loads((_volume(api, namespace, name) / "output" / "result.json").read_text())
+    assert result["resumed_from_step"] > 0
