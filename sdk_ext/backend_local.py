@@ -118,7 +118,12 @@ class LocalBackend(RuntimeBackend):
 
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
         if options:
-            raise BadInputError("options are not supported by tunepack's local backend")
+            listed = options if isinstance(options, list | tuple) else [options]
+            names = ", ".join(type(o).__name__ for o in listed)
+            raise BadInputError(
+                f"options ({names}) are not supported by tunepack's local backend: they set "
+                "fields of a TrainJob on a cluster (use TrainingClient() with a cluster)"
+            )
         if runtime is None:
             raise BadInputError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
         name = submit.job_name()
@@ -129,6 +134,7 @@ class LocalBackend(RuntimeBackend):
             name=name,
             gpu=self.cfg.gpu,
             memory_check=self.cfg.memory_check,
+            local=True,  # plain paths are read on this machine; nproc as the launcher decides
         )
         for block in trainjob["spec"]["initializer"].values():
             if "secretRef" in block:

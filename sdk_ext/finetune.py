@@ -18,6 +18,9 @@ Besides the trainer arguments, ``FineTune`` carries the trainer's placement, whi
 the argument vocabulary but of the TrainJob: ``num_nodes``, ``num_proc_per_node``,
 ``resources_per_node`` (the upstream SDK's dict, e.g. ``{"gpu": 4, "memory": "200Gi"}``) and
 ``env`` (extra environment variables for the trainer container).
+
+``FineTune.from_args(["epochs=2", "lora_rank=8"])`` reads the ``key=value`` spelling the CLI and
+TrainJob YAML use.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import dataclasses
 import typing
 
 from tunepack.errors import BadInputError
-from tunepack.trainers.args import VOCABULARY, Arg
+from tunepack.trainers.args import VOCABULARY, Arg, split_pairs
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields).
 PLACEMENT_FIELDS = ("num_nodes", "num_proc_per_node", "resources_per_node", "env")
@@ -108,6 +111,21 @@ def _to_args(self) -> list[str]:
     ]
 
 
+def _from_args(cls, args: list[str], **placement) -> FineTune:
+    """A ``FineTune`` from tunepack's ``key=value`` trainer arguments (as the CLI takes them).
+
+    Unknown, repeated or malformed keys and bad values raise ``BadInputError`` as the trainer
+    would; ``placement`` takes the non-argument fields (``num_nodes=2``, ...).
+    """
+    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+        raise BadInputError(
+            f"trainer arguments must be a list of 'key=value' strings, got {args!r}"
+        )
+    by_name = {arg.name: arg for arg in VOCABULARY}
+    values = {key: by_name[key].parse(key, raw) for key, raw in split_pairs(args).items()}
+    return cls(**values, **placement)
+
+
 def _doc() -> str:
     lines = [
         "tunepack trainer arguments (``None`` = the runtime's default).",
@@ -118,7 +136,7 @@ def _doc() -> str:
         lines.append(f"    {arg.name} ({_value_type(arg).__name__}): {arg.help}")
     lines += [
         "    num_nodes (int): trainer nodes (TrainJob spec.trainer.numNodes)",
-        "    num_proc_per_node (int): processes per node (default: the platform's auto)",
+        "    num_proc_per_node (int): processes per node (default: the GPUs per node, or 1)",
         "    resources_per_node (dict): e.g. {'gpu': 4, 'memory': '200Gi'}",
         "    env (dict): extra environment variables for the trainer container",
         "",
@@ -144,7 +162,12 @@ def _fields() -> list[tuple]:
 FineTune = dataclasses.make_dataclass(
     "FineTune",
     _fields(),
-    namespace={"__post_init__": _post_init, "to_args": _to_args, "__doc__": _doc()},
+    namespace={
+        "__post_init__": _post_init,
+        "to_args": _to_args,
+        "from_args": classmethod(_from_args),
+        "__doc__": _doc(),
+    },
     kw_only=True,
     frozen=True,
 )

@@ -19,7 +19,12 @@ from tunepack import planner
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainjob import build_trainjob
+from tunepack.trainjob import (
+    CLUSTER_RUNTIME_KIND,
+    build_trainjob,
+    gpus_per_node,
+    resource_requirements,
+)
 from tunepack.translate import storage_uri, to_finetune, to_initializer
 
 logger = logging.getLogger(__name__)
@@ -46,18 +51,30 @@ def build(
     namespace: str | None = None,
     gpu: str = "H100-80GB",
     memory_check: MemoryCheck = "refuse",
+    runtime_kind: str = CLUSTER_RUNTIME_KIND,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    active_deadline_seconds: int | None = None,
+    runtime_patches: list[dict] | None = None,
+    local: bool = False,
 ) -> dict:
-    """The TrainJob (a dict) for a tunepack runtime. Raises ``BadInputError`` on bad input."""
+    """The TrainJob (a dict) for a tunepack runtime. Raises ``BadInputError`` on bad input.
+
+    ``runtime_kind`` and the metadata/spec extras are ``build_trainjob``'s; ``local=True`` builds
+    for the local backend (plain paths kept, ``numProcPerNode`` left to the launcher unless the
+    FineTune or its GPUs say).
+    """
     runtime_name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
     entry = catalog.get(runtime_name)
     init = to_initializer(initializer)
     finetune = to_finetune(trainer)
     args = finetune.to_args()
     resolved = parse_trainer_args(args, entry)  # method availability per model, seq_len limit
-    gpus = planner.gpus_from_resources(finetune.resources_per_node, entry.resources.gpus)
+    resources = finetune.resources_per_node
+    gpus = gpus_per_node(resource_requirements(resources) if resources else None, entry)
     num_proc = finetune.num_proc_per_node
-    if num_proc is None and finetune.resources_per_node and gpus:
-        num_proc = gpus  # one process per requested GPU, as the platform's "auto" would do
+    if num_proc is None and resources and gpus:
+        num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
     if gpus and memory_check != "off":
         check_memory(entry, resolved, finetune.num_nodes or 1, num_proc or gpus, gpu, memory_check)
     return build_trainjob(
@@ -69,11 +86,17 @@ def build(
         num_nodes=finetune.num_nodes,
         namespace=namespace,
         num_proc_per_node=num_proc,
-        resources_per_node=finetune.resources_per_node,
+        resources_per_node=resources,
         trainer_env=finetune.env,
         initializer_env=init.env or None,
         dataset_secret=init.dataset_secret,
         model_secret=init.model_secret,
+        labels=labels,
+        annotations=annotations,
+        runtime_kind=runtime_kind,
+        active_deadline_seconds=active_deadline_seconds,
+        runtime_patches=runtime_patches,
+        local=local,
     )
 
 

@@ -2,12 +2,26 @@
 
 The SDK and the CLI submit what this module builds, and ``tunepack render`` prints it for people
 who apply YAML themselves. Everything that can be checked without a cluster is checked here
-(name, runtime, trainer arguments, the API schema), so mistakes surface before any Pod starts.
+(name, runtime, trainer arguments, storage URIs, labels, the API schema), so mistakes surface
+before any Pod starts.
+
+What the Trainer (v2.3) needs of a TrainJob, and this module therefore always writes:
+
+- ``spec.initializer.*.storageUri`` in the form ``scheme://...`` (the API's CEL rule): an
+  absolute path becomes ``file:///abs/path``; a relative path is refused, because the path is
+  read inside the initializer container, not where the TrainJob was written;
+- ``spec.trainer.numProcPerNode``: with it unset the platform's ``auto`` puts the CPU request
+  into ``PET_NPROC_PER_NODE`` on nodes without a GPU, so it is set to the GPUs per node, or 1.
+
+TrainJobs for tunepack's local backend (``local=True``) keep plain paths, which are read on this
+machine, and leave ``numProcPerNode`` to the launcher's ``auto`` unless it is given.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from pathlib import PurePosixPath
 
 from tunepack.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
@@ -15,10 +29,20 @@ from tunepack.runtimes import catalog, generate
 from tunepack.runtimes.validate import validate_trainjob
 
 TRAINJOB_KIND = "TrainJob"
+CLUSTER_RUNTIME_KIND = generate.KIND  # what `tunepack install` registers
+NAMESPACED_RUNTIME_KIND = "TrainingRuntime"
+RUNTIME_KINDS = (CLUSTER_RUNTIME_KIND, NAMESPACED_RUNTIME_KIND)
+# Kueue's TrainJob integration admits a TrainJob into the LocalQueue this label names.
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_LABEL_MAX = 63
 _POD_SUFFIX = "-xxxxx"  # the random suffix Kubernetes appends to a Job's pod names
+# The API's rule for storageUri (TrainJob CRD, CEL): a scheme, "://", and something after it.
+_STORAGE_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.+$")
+# Label values and the name part of label/annotation keys (Kubernetes "qualified names").
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 def build_trainjob(
@@ -37,15 +61,33 @@ def build_trainjob(
     dataset_secret: str | None = None,
     model_secret: str | None = None,
     labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    queue: str | None = None,
+    runtime_kind: str = CLUSTER_RUNTIME_KIND,
+    active_deadline_seconds: int | None = None,
+    runtime_patches: list[dict] | None = None,
+    local: bool = False,
 ) -> dict:
     """A validated TrainJob for ``runtime`` (a runtime name or model name from the catalog).
 
     ``trainer_args`` are tunepack's ``key=value`` arguments; ``dataset_uri`` and ``model_uri``
-    become the initializers' ``STORAGE_URI``. ``resources_per_node`` takes the Kubeflow SDK's
-    dict (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper). Credentials are
-    passed only by reference: ``dataset_secret`` / ``model_secret`` name a Secret in the
-    TrainJob's namespace (the initializer's ``secretRef``). Raises ``BadInputError`` with a hint
-    on bad input.
+    become the initializers' ``STORAGE_URI`` (an absolute path is written as ``file:///...``, a
+    relative one refused: see the module docstring). ``resources_per_node`` takes the Kubeflow
+    SDK's dict (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper).
+    ``num_proc_per_node`` defaults to the GPUs per node (``resources_per_node``, else the
+    runtime's default), or 1 where there is none. Credentials are passed only by reference:
+    ``dataset_secret`` / ``model_secret`` name a Secret in the TrainJob's namespace (the
+    initializer's ``secretRef``).
+
+    ``runtime_kind`` is ``ClusterTrainingRuntime`` (``tunepack install``) or ``TrainingRuntime``
+    (``tunepack install --namespace``: one in the TrainJob's namespace). ``labels`` and
+    ``annotations`` go to the TrainJob's metadata; ``queue`` is the Kueue LocalQueue (the label
+    ``kueue.x-k8s.io/queue-name``). ``active_deadline_seconds`` and ``runtime_patches`` are the
+    TrainJob fields of those names (what the SDK's ``ActiveDeadlineSeconds`` and ``RuntimePatch``
+    options produce). ``local=True`` builds for tunepack's local backend: plain paths are kept and
+    ``numProcPerNode`` is only written when given.
+
+    Raises ``BadInputError`` with a hint on bad input.
     """
     if num_nodes is not None and (
         isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1
@@ -54,14 +96,22 @@ def build_trainjob(
     _check_name(name, num_nodes or 1)
     if namespace is not None:
         _check_dns_label("namespace", namespace)
+    if runtime_kind not in RUNTIME_KINDS:
+        raise BadInputError(
+            f"runtime_kind {runtime_kind!r} is not a runtime kind: expected "
+            f"{CLUSTER_RUNTIME_KIND} (cluster-wide) or {NAMESPACED_RUNTIME_KIND} (in the "
+            "TrainJob's namespace)"
+        )
     entry = catalog.get(runtime)  # BadInputError listing the runtimes when unknown
     _check_trainer_args(trainer_args, entry)
-    for what, uri in (("dataset_uri", dataset_uri), ("model_uri", model_uri)):
+    uris = {}
+    for what, uri in (("dataset", dataset_uri), ("model", model_uri)):
         if not isinstance(uri, str) or not uri.strip():
-            raise BadInputError(f"{what} must be a non-empty storage URI, got {uri!r}")
+            raise BadInputError(f"{what}_uri must be a non-empty storage URI, got {uri!r}")
         # The initializers' own parser: an unknown scheme fails here, before any step runs.
         # (Whether the data exists can only be known where the initializer runs.)
         storage_uri.parse(uri)
+        uris[what] = uri if local else cluster_storage_uri(uri, what)
 
     if num_proc_per_node is not None and (
         isinstance(num_proc_per_node, bool)
@@ -71,47 +121,176 @@ def build_trainjob(
         raise BadInputError(
             f"num_proc_per_node must be a positive integer, got {num_proc_per_node!r}"
         )
+    if active_deadline_seconds is not None and (
+        isinstance(active_deadline_seconds, bool)
+        or not isinstance(active_deadline_seconds, int)
+        or active_deadline_seconds < 1
+    ):
+        raise BadInputError(
+            f"active_deadline_seconds must be a positive integer, got {active_deadline_seconds!r}"
+        )
     for what, secret in (("dataset_secret", dataset_secret), ("model_secret", model_secret)):
         if secret is not None:
             _check_dns_label(what, secret)
+    metadata_labels = _labels(labels, queue)
+    if annotations is not None:
+        _check_annotations(annotations)
 
     metadata: dict = {"name": name}
     if namespace is not None:
         metadata["namespace"] = namespace
-    if labels:
-        metadata["labels"] = dict(labels)
+    if metadata_labels:
+        metadata["labels"] = metadata_labels
+    if annotations:
+        metadata["annotations"] = dict(annotations)
+    resources = resource_requirements(resources_per_node) if resources_per_node else None
+    if num_proc_per_node is None and not local:
+        # Never the platform's "auto": on nodes without a GPU it means the CPU request.
+        num_proc_per_node = gpus_per_node(resources, entry) or 1
     trainer: dict = {"args": list(trainer_args)}
     if num_nodes is not None:
         trainer["numNodes"] = num_nodes
     if num_proc_per_node is not None:
         trainer["numProcPerNode"] = num_proc_per_node
-    if resources_per_node:
-        trainer["resourcesPerNode"] = _resources(resources_per_node)
+    if resources:
+        trainer["resourcesPerNode"] = resources
     if trainer_env:
         trainer["env"] = _env(trainer_env)
-    dataset: dict = {"storageUri": dataset_uri}
-    model: dict = {"storageUri": model_uri}
+    dataset: dict = {"storageUri": uris["dataset"]}
+    model: dict = {"storageUri": uris["model"]}
     for block, secret in ((dataset, dataset_secret), (model, model_secret)):
         if initializer_env:
             block["env"] = _env(initializer_env)
         if secret:
             block["secretRef"] = {"name": secret}
+    spec: dict = {
+        "runtimeRef": {
+            "name": entry.runtime_name,
+            "apiGroup": generate.API_GROUP,
+            "kind": runtime_kind,
+        },
+        "initializer": {"dataset": dataset, "model": model},
+        "trainer": trainer,
+    }
+    if active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = active_deadline_seconds
+    if runtime_patches:
+        spec["runtimePatches"] = list(runtime_patches)
     trainjob = {
         "apiVersion": generate.API_VERSION,
         "kind": TRAINJOB_KIND,
         "metadata": metadata,
-        "spec": {
-            "runtimeRef": {
-                "name": entry.runtime_name,
-                "apiGroup": generate.API_GROUP,
-                "kind": generate.KIND,
-            },
-            "initializer": {"dataset": dataset, "model": model},
-            "trainer": trainer,
-        },
+        "spec": spec,
     }
     validate_trainjob(trainjob)
     return trainjob
+
+
+def cluster_storage_uri(uri: str, what: str = "storage") -> str:
+    """``uri`` as a TrainJob's ``storageUri`` must be written: ``scheme://...``.
+
+    ``/abs/path`` becomes ``file:///abs/path`` (and ``file:/abs`` ``file:///abs``); a relative
+    path raises ``BadInputError``: the initializer reads it inside its container, where the
+    directory it was written relative to does not exist.
+    """
+    if _STORAGE_URI.match(uri):
+        return uri
+    if uri.startswith("file:/"):  # one slash: a file URI to the initializers, not to the API
+        return "file://" + uri.removeprefix("file:")
+    if uri.startswith("/"):
+        return PurePosixPath(uri).as_uri()
+    raise BadInputError(
+        f"{what} storage URI {uri!r} is a relative path: a TrainJob's storage URI is read inside "
+        f"the {what} initializer container on the cluster, so a path must be absolute "
+        f"(/abs/path or file:///abs/path), or use a URI such as hf://org/name or s3://bucket/key"
+    )
+
+
+def gpus_per_node(resources: dict | None, entry: catalog.ModelEntry) -> int:
+    """GPUs each trainer node gets: from ``resources`` (the ``resourcesPerNode``
+    ResourceRequirements ``resource_requirements`` returns), which replace the runtime's
+    resources, else the runtime's default.
+
+    As the Trainer counts them: the first resource whose name contains ``gpu``, in the requests,
+    else in the limits.
+    """
+    if not resources:
+        return entry.resources.gpus
+    for kind in ("requests", "limits"):
+        for key, value in (resources.get(kind) or {}).items():
+            if "gpu" in key.lower():
+                try:
+                    return max(int(math.ceil(float(value))), 0)
+                except (TypeError, ValueError):
+                    raise BadInputError(
+                        f"resources_per_node: {key}={value!r} is not a number of GPUs"
+                    ) from None
+    return 0
+
+
+def _labels(labels: dict[str, str] | None, queue: str | None) -> dict[str, str]:
+    out = {}
+    if labels is not None:
+        if not isinstance(labels, dict):
+            raise BadInputError(f"labels must be a dict of strings, got {labels!r}")
+        for key, value in labels.items():
+            _check_key("label", key)
+            if key == QUEUE_LABEL:
+                _check_queue(value)
+            elif not isinstance(value, str) or (value and not _label_value_ok(value)):
+                raise BadInputError(
+                    f"label {key}={value!r} has an invalid value: use at most 63 letters, "
+                    "digits, '-', '_' and '.', starting and ending with a letter or digit "
+                    "(or an empty string)"
+                )
+        out.update(labels)
+    if queue is not None:
+        _check_queue(queue)
+        given = out.get(QUEUE_LABEL)
+        if given is not None and given != queue:
+            raise BadInputError(
+                f"queue {queue!r} and the label {QUEUE_LABEL}={given!r} disagree: give the "
+                "queue once"
+            )
+        out[QUEUE_LABEL] = queue
+    return out
+
+
+def _check_queue(queue: object) -> None:
+    if not (isinstance(queue, str) and _label_value_ok(queue) and _DNS_SUBDOMAIN.match(queue)):
+        raise BadInputError(
+            f"queue {queue!r} (label {QUEUE_LABEL}) is not a valid Kueue LocalQueue name: use "
+            "at most 63 lowercase letters, digits, '-' and '.', starting and ending with a "
+            "letter or digit"
+        )
+
+
+def _check_annotations(annotations: dict[str, str]) -> None:
+    if not isinstance(annotations, dict):
+        raise BadInputError(f"annotations must be a dict of strings, got {annotations!r}")
+    for key, value in annotations.items():
+        _check_key("annotation", key)
+        if not isinstance(value, str):
+            raise BadInputError(f"annotation {key!r} must have a string value, got {value!r}")
+
+
+def _label_value_ok(value: str) -> bool:
+    return len(value) <= _DNS_LABEL_MAX and bool(_LABEL_NAME.match(value))
+
+
+def _check_key(what: str, key: object) -> None:
+    """A label or annotation key: ``[prefix/]name`` (prefix a DNS subdomain)."""
+    prefix, _, name = key.rpartition("/") if isinstance(key, str) else ("", "", "")
+    if not (
+        isinstance(key, str)
+        and _label_value_ok(name)
+        and (not prefix or (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)))
+    ):
+        raise BadInputError(
+            f"{what} key {key!r} is not valid: write [prefix/]name, with a name of at most 63 "
+            "letters, digits, '-', '_' and '.' starting and ending with a letter or digit, and "
+            "an optional DNS-subdomain prefix (e.g. 'team' or 'example.com/team')"
+        )
 
 
 _SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|ACCESS_KEY)", re.IGNORECASE)
@@ -132,7 +311,7 @@ def _env(env: dict[str, str]) -> list[dict]:
     return out
 
 
-def _resources(resources_per_node: dict) -> dict:
+def resource_requirements(resources_per_node: dict) -> dict:
     """The Kubeflow SDK's resource dict as ResourceRequirements (its own helper translates)."""
     from kubeflow.trainer.backends.kubernetes.utils import get_resources_per_node
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 from kubeflow.trainer import (
@@ -225,3 +226,76 @@ def test_planner_refuses_a_shape_that_cannot_fit_with_the_numbers():
         _build(big)
     job = _build(big, memory_check="warn")  # submitted anyway, with a warning
     assert job["spec"]["trainer"]["args"][:1] == ["method=full"]
+
+
+def test_finetune_from_args_reads_the_cli_spelling():
+    finetune = FineTune.from_args(
+        ["method=dora", "lr=1e-4", "lora_attn_modules=q_proj,v_proj", "lora_mlp=false"],
+        num_nodes=2,
+    )
+    assert (finetune.method, finetune.lr, finetune.lora_attn_modules) == (
+        "dora",
+        1e-4,
+        ("q_proj", "v_proj"),
+    )
+    assert finetune.lora_mlp is False and finetune.num_nodes == 2
+    assert finetune.to_args() == [
+        "method=dora",
+        "lr=0.0001",
+        "lora_attn_modules=q_proj,v_proj",
+        "lora_mlp=false",
+    ]
+    assert FineTune.from_args(["activation_checkpointing=auto"]).activation_checkpointing == "auto"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["lora_rnk=8"], "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?"),
+        (["epochs=1", "epochs=2"], "trainer argument 'epochs' is given twice"),
+        (["epochs"], "trainer argument 'epochs' is not of the form key=value"),
+        (["epochs=zero"], "epochs='zero' is not valid: expected an integer"),
+        ("epochs=1", "trainer arguments must be a list of 'key=value' strings, got 'epochs=1'"),
+    ],
+)
+def test_finetune_from_args_refuses_what_the_trainer_would(args, message):
+    with pytest.raises(BadInputError, match=re.escape(message)):
+        FineTune.from_args(args)
+
+
+def test_cluster_trainjobs_need_absolute_paths_local_ones_do_not():
+    relative = Initializer(dataset="data/train.jsonl", model="/models/llama")
+    with pytest.raises(BadInputError, match="dataset storage URI 'data/train.jsonl' is a relative"):
+        _build(FineTune(), relative)
+    job = _build(FineTune(), Initializer(dataset="/data/train.jsonl", model="file:/models/l"))
+    assert job["spec"]["initializer"]["dataset"]["storageUri"] == "file:///data/train.jsonl"
+    assert job["spec"]["initializer"]["model"]["storageUri"] == "file:///models/l"
+    local = submit.build("tunepack-tiny-llama3", relative, FineTune(), name="j", local=True)
+    assert local["spec"]["initializer"]["dataset"]["storageUri"] == "data/train.jsonl"
+    assert "numProcPerNode" not in local["spec"]["trainer"]
+
+
+def test_processes_per_node_default_to_the_gpus_per_node():
+    assert (
+        _build(FineTune(), runtime="tunepack-llama3.1-70b")["spec"]["trainer"]["numProcPerNode"]
+        == 8
+    )
+    job = _build(FineTune(resources_per_node={"gpu": 2}), runtime="tunepack-llama3.1-70b",
+                 memory_check="off")  # fmt: skip
+    assert job["spec"]["trainer"]["numProcPerNode"] == 2
+    assert _build(FineTune(num_proc_per_node=3))["spec"]["trainer"]["numProcPerNode"] == 3
+
+
+def test_the_local_backend_names_the_options_it_refuses(tmp_path):
+    from kubeflow.trainer.options import Labels
+
+    from tunepack.backend_local import LocalBackend, LocalBackendConfig
+
+    backend = LocalBackend(LocalBackendConfig(root_dir=str(tmp_path)))
+    with pytest.raises(BadInputError) as caught:
+        backend.train("tunepack-tiny-llama3", INIT, FineTune(), options=[Labels({"team": "a"})])
+    assert str(caught.value) == (
+        "options (Labels) are not supported by tunepack's local backend: they set fields of a "
+        "TrainJob on a cluster (use TrainingClient() with a cluster)"
+    )
+    assert not list(tmp_path.iterdir())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 import types
 
@@ -53,7 +54,9 @@ def test_trainjob_has_the_api_fields():
             "dataset": {"storageUri": "file:///data/alpaca.jsonl"},
             "model": {"storageUri": "file:///models/tiny-llama3"},
         },
-        "trainer": {"args": ["method=lora", "epochs=2"], "numNodes": 2},
+        # Always set: left out, the platform's "auto" would mean the CPU request on this
+        # CPU-only runtime.
+        "trainer": {"args": ["method=lora", "epochs=2"], "numNodes": 2, "numProcPerNode": 1},
     }
     validate_trainjob(job)
 
@@ -106,11 +109,159 @@ def test_unknown_runtime_lists_the_runtimes():
         ({"num_nodes": 0}, "num_nodes must be a positive integer"),
         ({"num_nodes": True}, "num_nodes must be a positive integer"),
         ({"dataset_uri": " "}, "dataset_uri must be a non-empty storage URI"),
+        ({"num_proc_per_node": 0}, "num_proc_per_node must be a positive integer, got 0"),
+        ({"active_deadline_seconds": 0}, "active_deadline_seconds must be a positive integer"),
+        (
+            {"runtime_kind": "Runtime"},
+            "runtime_kind 'Runtime' is not a runtime kind: expected ClusterTrainingRuntime "
+            "(cluster-wide) or TrainingRuntime (in the TrainJob's namespace)",
+        ),
         ({"trainer_args": "method=lora"}, "trainer_args must be a list"),
     ],
 )
 def test_other_bad_input(overrides, hint):
-    with pytest.raises(BadInputError, match=hint):
+    with pytest.raises(BadInputError, match=re.escape(hint)):
+        _build(**overrides)
+
+
+# The API's CEL rule for spec.initializer.{dataset,model}.storageUri (Trainer v2.3.0).
+STORAGE_URI_RULE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.+$")
+
+
+@pytest.mark.parametrize(
+    ("given", "written"),
+    [
+        ("/pvc/data/train.jsonl", "file:///pvc/data/train.jsonl"),
+        ("/pvc/my data/train.jsonl", "file:///pvc/my%20data/train.jsonl"),
+        ("file:/pvc/data/train.jsonl", "file:///pvc/data/train.jsonl"),
+        ("file:///pvc/data/train.jsonl", "file:///pvc/data/train.jsonl"),
+        ("hf://tatsu-lab/alpaca", "hf://tatsu-lab/alpaca"),
+        ("s3://bucket/data/", "s3://bucket/data/"),
+    ],
+)
+def test_storage_uris_are_written_as_the_api_requires(given, written):
+    job = _build(dataset_uri=given, model_uri=given.replace("train.jsonl", "model"))
+    dataset = job["spec"]["initializer"]["dataset"]["storageUri"]
+    assert dataset == written
+    assert STORAGE_URI_RULE.match(dataset)
+    assert STORAGE_URI_RULE.match(job["spec"]["initializer"]["model"]["storageUri"])
+
+
+@pytest.mark.parametrize("path", ["data/train.jsonl", "./train.jsonl", "~/train.jsonl"])
+def test_relative_paths_are_refused_for_the_cluster_and_kept_locally(path):
+    with pytest.raises(BadInputError) as caught:
+        _build(dataset_uri=path)
+    assert str(caught.value) == (
+        f"dataset storage URI {path!r} is a relative path: a TrainJob's storage URI is read "
+        "inside the dataset initializer container on the cluster, so a path must be absolute "
+        "(/abs/path or file:///abs/path), or use a URI such as hf://org/name or s3://bucket/key"
+    )
+    with pytest.raises(BadInputError, match="model storage URI 'models/m' is a relative path"):
+        _build(model_uri="models/m")
+    # The local backend reads the path on this machine, relative to where it runs.
+    job = _build(dataset_uri=path, local=True)
+    assert job["spec"]["initializer"]["dataset"]["storageUri"] == path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "procs"),
+    [
+        ({"runtime": "tunepack-llama3.1-70b"}, 8),  # the runtime's GPUs per node
+        ({"runtime": "tunepack-llama3.2-1b"}, 1),
+        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"gpu": 4}}, 4),
+        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"nvidia.com/gpu": 2}}, 2),
+        # resourcesPerNode replaces the runtime's resources: no GPU asked, no GPU given.
+        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"cpu": 16}}, 1),
+        ({"runtime": "tunepack-llama3.1-70b", "num_proc_per_node": 3}, 3),
+        ({"resources_per_node": {"cpu": 8}}, 1),  # CPU-only: never the CPU count
+    ],
+)
+def test_num_proc_per_node_is_always_set(overrides, procs):
+    job = _build(**overrides)
+    assert job["spec"]["trainer"]["numProcPerNode"] == procs
+
+
+def test_local_trainjobs_leave_num_proc_per_node_to_the_launcher():
+    assert "numProcPerNode" not in _build(local=True)["spec"]["trainer"]
+    assert _build(local=True, num_proc_per_node=2)["spec"]["trainer"]["numProcPerNode"] == 2
+
+
+def test_namespaced_runtime_kind():
+    job = _build(runtime_kind="TrainingRuntime", namespace="team-a")
+    assert job["spec"]["runtimeRef"] == {
+        "name": "tunepack-tiny-llama3",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+    }
+    validate_trainjob(job)
+
+
+def test_queue_labels_annotations_and_the_sdk_option_fields():
+    patch = {
+        "manager": "trainer.kubeflow.org/kubeflow-sdk",
+        "trainingRuntimeSpec": {
+            "template": {
+                "spec": {
+                    "replicatedJobs": [
+                        {
+                            "name": "node",
+                            "template": {
+                                "spec": {"template": {"spec": {"nodeSelector": {"pool": "a"}}}}
+                            },
+                        }
+                    ]
+                }
+            }
+        },
+    }
+    job = _build(
+        queue="team-a-queue",
+        labels={"team": "a", "example.com/cost-center": "ml-1"},
+        annotations={"example.com/owner": "Jane Doe <jane@example.com>"},
+        active_deadline_seconds=3600,
+        runtime_patches=[patch],
+    )
+    assert job["metadata"]["labels"] == {
+        "team": "a",
+        "example.com/cost-center": "ml-1",
+        "kueue.x-k8s.io/queue-name": "team-a-queue",
+    }
+    assert job["metadata"]["annotations"] == {"example.com/owner": "Jane Doe <jane@example.com>"}
+    assert job["spec"]["activeDeadlineSeconds"] == 3600
+    assert job["spec"]["runtimePatches"] == [patch]
+    validate_trainjob(job)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"queue": "Team_Queue"},
+            "queue 'Team_Queue' (label kueue.x-k8s.io/queue-name) is not a valid Kueue "
+            "LocalQueue name: use at most 63 lowercase letters, digits, '-' and '.', starting "
+            "and ending with a letter or digit",
+        ),
+        (
+            {"labels": {"kueue.x-k8s.io/queue-name": "q_1"}},
+            "queue 'q_1' (label kueue.x-k8s.io/queue-name) is not a valid Kueue LocalQueue",
+        ),
+        (
+            {"queue": "a", "labels": {"kueue.x-k8s.io/queue-name": "b"}},
+            "queue 'a' and the label kueue.x-k8s.io/queue-name='b' disagree: give the queue once",
+        ),
+        ({"labels": {"bad key": "x"}}, "label key 'bad key' is not valid: write [prefix/]name"),
+        ({"labels": {"team": "a b"}}, "label team='a b' has an invalid value"),
+        ({"labels": {"team": 1}}, "label team=1 has an invalid value"),
+        ({"labels": ["team"]}, "labels must be a dict of strings, got ['team']"),
+        (
+            {"annotations": {"Example.com/x": "v"}},
+            "annotation key 'Example.com/x' is not valid",
+        ),
+        ({"annotations": {"note": 3}}, "annotation 'note' must have a string value, got 3"),
+    ],
+)
+def test_bad_labels_and_queues_are_named(overrides, message):
+    with pytest.raises(BadInputError, match=re.escape(message)):
         _build(**overrides)
 
 
