@@ -5,23 +5,50 @@ in-cluster config, the CustomObjects API, pods found by the JobSet labels the pl
 changes only what tunepack needs:
 
 - ``train()`` on a tunepack runtime submits the TrainJob ``tunepack.submit`` builds (validated
-  strictly, trainer args in tunepack's vocabulary); other runtimes go to the SDK unchanged;
+  strictly, trainer args in tunepack's vocabulary, the memory planner's check); other runtimes go
+  to the SDK unchanged. The TrainJob references the runtime ``get_runtime`` finds, as the SDK
+  does: a ``TrainingRuntime`` of that name in the job's namespace (``tunepack install
+  --namespace``), else the ``ClusterTrainingRuntime``. The SDK's options that set TrainJob
+  fields tunepack writes as given (``Name``, ``Labels``, ``Annotations``,
+  ``ActiveDeadlineSeconds``, ``RuntimePatch``) are honoured; others are refused by name;
 - ``list_runtimes()`` / ``get_runtime()`` add the catalog's model, methods and default GPUs;
-- ``get_job()`` adds progress from ``status.trainerStatus`` and the Failed condition's message.
+- ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
+  condition's message, read from the same GET (or LIST) the job's status comes from.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
+from kubeflow.common import constants as common_constants
 from kubeflow.common.types import KubernetesBackendConfig
+from kubeflow.trainer import options as kf_options
 from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend as SdkBackend
 from kubeflow.trainer.constants import constants as kc
+from kubeflow.trainer.types import types as kf
+from kubeflow_trainer_api import models
 
 from tunepack import submit
+from tunepack.errors import BadInputError, api_message, api_status
+from tunepack.runtimes import catalog
 from tunepack.types import Progress, RuntimeList, TrainJob, TunepackRuntime
 
 logger = logging.getLogger(__name__)
+
+# The SDK's options whose effect is a TrainJob field tunepack writes as given.
+SUPPORTED_OPTIONS = (
+    kf_options.Name,
+    kf_options.Labels,
+    kf_options.Annotations,
+    kf_options.ActiveDeadlineSeconds,
+    kf_options.RuntimePatch,
+)
+_WHY_NOT = {
+    "TrainerCommand": "the trainer's command is tunepack's fine-tuning program, set by the runtime",
+    "TrainerArgs": "the trainer's arguments come from trainer=FineTune(...) (or "
+    "BuiltinTrainer(config=TorchTuneConfig(...)))",
+}
 
 
 class KubernetesBackend(SdkBackend):
@@ -44,27 +71,18 @@ class KubernetesBackend(SdkBackend):
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
         if not submit.is_tunepack_runtime(runtime):
             return super().train(runtime, initializer, trainer, options)
-        if options:
-            raise ValueError(
-                "options are not supported with tunepack runtimes yet: the TrainJob is built "
-                "from FineTune and Initializer"
-            )
-        name = runtime.name if hasattr(runtime, "name") else runtime
-        # The runtime must exist on the cluster (clear error if `tunepack install` was not run).
-        try:
-            self.get_runtime(name)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"runtime {name!r} is not installed on this cluster: run `tunepack install` or "
-                f"`kubectl apply --server-side -k manifests/base` first"
-            ) from err
+        fields = self._option_fields(options, trainer)
+        entry = catalog.get(runtime.name if isinstance(runtime, kf.Runtime) else runtime)
+        installed = self._installed_runtime(entry.runtime_name)
         trainjob = submit.build(
-            name,
+            entry.runtime_name,
             initializer,
             trainer,
             namespace=self.namespace,
             gpu=self.gpu,
             memory_check=self.memory_check,
+            runtime_kind=installed.kind.value,
+            **fields,
         )
         job_name = trainjob["metadata"]["name"]
         try:
@@ -72,16 +90,101 @@ class KubernetesBackend(SdkBackend):
                 kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, trainjob
             )
         except Exception as e:
+            reason = api_message(e)
             raise RuntimeError(
-                f"Failed to create {kc.TRAINJOB_KIND}: {self.namespace}/{job_name}: {e}"
+                f"Failed to create {kc.TRAINJOB_KIND}: {self.namespace}/{job_name}"
+                + (f": {reason}" if reason else "")
             ) from e
         return job_name
 
+    def _installed_runtime(self, name: str) -> kf.Runtime:
+        """The runtime as the SDK finds it (namespaced first); a clear error when not installed."""
+        try:
+            return self.get_runtime(name)
+        except RuntimeError as err:
+            if api_status(err) != 404:
+                raise
+            raise RuntimeError(
+                f"runtime {name!r} is not installed on this cluster (no TrainingRuntime in "
+                f"namespace {self.namespace!r}, no ClusterTrainingRuntime): run `tunepack "
+                f"install` (or `tunepack install --namespace {self.namespace}`) or `kubectl "
+                "apply --server-side -k manifests/base` first"
+            ) from err.__cause__
+
+    def _option_fields(self, options, trainer) -> dict:
+        """``submit.build``'s keyword arguments from the SDK's options, applied as the SDK does."""
+        if not options:
+            return {}
+        if not isinstance(options, list | tuple):
+            raise BadInputError(
+                f"options must be a list, e.g. options=[Labels({{...}})], got {options!r}"
+            )
+        supported = ", ".join(o.__name__ for o in SUPPORTED_OPTIONS)
+        for option in options:
+            if not isinstance(option, SUPPORTED_OPTIONS):
+                kind = type(option).__name__
+                why = _WHY_NOT.get(kind, "tunepack builds these TrainJobs itself")
+                raise BadInputError(
+                    f"option {kind} cannot be used with tunepack runtimes: {why}. "
+                    f"Supported options: {supported}"
+                )
+        job_spec: dict = {}
+        for option in options:
+            try:
+                option(job_spec, trainer, self)
+            except ValueError as err:
+                raise BadInputError(f"option {type(option).__name__}: {err}") from None
+        metadata, spec = job_spec.get("metadata", {}), job_spec.get("spec", {})
+        return {
+            "name": metadata.get("name"),
+            "labels": metadata.get("labels"),
+            "annotations": metadata.get("annotations"),
+            "active_deadline_seconds": spec.get("activeDeadlineSeconds"),
+            "runtime_patches": spec.get("runtimePatches"),
+        }
+
     def get_job(self, name: str) -> TrainJob:
-        job = super().get_job(name)
-        raw = self.custom_api.get_namespaced_custom_object(
-            kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name
-        )
+        try:
+            thread = self.custom_api.get_namespaced_custom_object(
+                kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name, async_req=True
+            )
+            raw = thread.get(common_constants.DEFAULT_TIMEOUT)
+        except multiprocessing.TimeoutError as e:
+            raise TimeoutError(f"Timeout to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
+        except Exception as e:
+            raise RuntimeError(f"Failed to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
+        return self._from_object(raw)
+
+    def list_jobs(self, runtime=None) -> list[TrainJob]:
+        """The TrainJobs in the namespace, each as the LIST returned it (no GET per job, so a
+        job deleted meanwhile cannot make the listing fail)."""
+        try:
+            thread = self.custom_api.list_namespaced_custom_object(
+                kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, async_req=True
+            )
+            items = thread.get(common_constants.DEFAULT_TIMEOUT).get("items") or []
+        except multiprocessing.TimeoutError as e:
+            raise TimeoutError(
+                f"Timeout to list {kc.TRAINJOB_KIND}s in namespace: {self.namespace}"
+            ) from e
+        except Exception as e:
+            raise RuntimeError(
+                f"Failed to list {kc.TRAINJOB_KIND}s in namespace: {self.namespace}"
+            ) from e
+        if runtime is not None:
+            items = [
+                raw
+                for raw in items
+                if ((raw.get("spec") or {}).get("runtimeRef") or {}).get("name") == runtime.name
+            ]
+        return [self._from_object(raw) for raw in items]
+
+    def _from_object(self, raw: dict) -> TrainJob:
+        """tunepack's TrainJob from the API object: the SDK's reading (steps from the pods,
+        status from the conditions) plus the failure message and progress."""
+        # The SDK's private converter (name-mangled in its KubernetesBackend class).
+        from_cr = self._KubernetesBackend__get_trainjob_from_cr
+        job = from_cr(models.TrainerV1alpha1TrainJob.from_dict(raw))
         status = raw.get("status") or {}
         message = next(
             (
@@ -96,9 +199,6 @@ class KubernetesBackend(SdkBackend):
             message=message,
             progress=progress_from_status(status.get("trainerStatus")),
         )
-
-    def list_jobs(self, runtime=None) -> list[TrainJob]:
-        return [self.get_job(j.name) for j in super().list_jobs(runtime)]
 
 
 def progress_from_status(trainer_status: dict | None) -> Progress | None:

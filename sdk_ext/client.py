@@ -3,8 +3,10 @@
 Same methods and semantics as ``kubeflow.trainer.TrainerClient`` (``list_runtimes``,
 ``get_runtime``, ``train``, ``list_jobs``, ``get_job``, ``get_job_logs``, ``wait_for_job_status``,
 ``delete_job``), so notebooks keep working; on tunepack runtimes ``train`` takes a ``FineTune``
-(or the SDK's ``BuiltinTrainer(config=TorchTuneConfig(...))``), and the client adds
-``progress``, ``plot_loss`` and ``result``.
+(or the SDK's ``BuiltinTrainer(config=TorchTuneConfig(...))``) and, on a cluster, the SDK's
+``Name``, ``Labels``, ``Annotations``, ``ActiveDeadlineSeconds`` and ``RuntimePatch`` options
+(``kubeflow.trainer.options``; e.g. ``Labels({"kueue.x-k8s.io/queue-name": "team-queue"})`` to
+queue the job in Kueue). The client adds ``progress``, ``plot_loss`` and ``result``.
 
     >>> from tunepack import TrainingClient, FineTune, Initializer, LocalBackendConfig
     >>> client = TrainingClient(LocalBackendConfig())        # or TrainingClient() for a cluster
