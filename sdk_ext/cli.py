@@ -5,10 +5,10 @@ tunepack args                         # the trainer argument vocabulary
 tunepack tiny-model DIR               # a tiny random Llama-3 model, offline
 tunepack tiny-dataset FILE            # a small instruction dataset, offline
 tunepack train --local --runtime R --dataset URI --model URI [key=value ...]
-tunepack train --runtime R ... [key=value ...]          # submit to the cluster (kubeconfig)
-tunepack render trainjob --runtime R --dataset URI --model URI [key=value ...]
+tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
+tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
 tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
-tunepack install [--namespace NS]     # server-side apply of the runtimes
+tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
 tunepack logs NAME [--step node-0] [--local]
 """
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
 from pathlib import Path
 
-from tunepack.errors import TunepackError
+from tunepack.errors import TunepackError, api_message
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -80,9 +81,10 @@ def _default_job_name(runtime: str) -> str:
     return re.sub(r"[^a-z0-9-]", "-", f"{model}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _trainjob(ns: argparse.Namespace) -> dict:
-    from tunepack.trainjob import build_trainjob
+def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
+    from tunepack.trainjob import CLUSTER_RUNTIME_KIND, NAMESPACED_RUNTIME_KIND, build_trainjob
 
+    namespaced = getattr(ns, "namespaced", False)
     return build_trainjob(
         name=ns.name or _default_job_name(ns.runtime),
         runtime=ns.runtime,
@@ -91,6 +93,10 @@ def _trainjob(ns: argparse.Namespace) -> dict:
         trainer_args=ns.trainer_args,
         num_nodes=ns.num_nodes,
         namespace=getattr(ns, "namespace", None),
+        num_proc_per_node=ns.num_proc_per_node,
+        queue=ns.queue,
+        runtime_kind=NAMESPACED_RUNTIME_KIND if namespaced else CLUSTER_RUNTIME_KIND,
+        local=local,
     )
 
 
@@ -102,13 +108,19 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
 
 
 def cmd_train(ns: argparse.Namespace) -> int:
-
     if not ns.local:
         return _train_on_cluster(ns)
+    from tunepack.errors import BadInputError
+
+    if ns.queue is not None:
+        raise BadInputError(
+            f"--queue {ns.queue} names a Kueue queue on a cluster; the local backend has none "
+            "(leave out --queue, or --local)"
+        )
     from tunepack.local import describe_exit, run_trainjob
     from tunepack.runtimes.generate import load_runtime
 
-    trainjob = _trainjob(ns)
+    trainjob = _trainjob(ns, local=True)
     name = trainjob["metadata"]["name"]
     runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
     workspace = Path(ns.workspace or Path(".tunepack/runs") / name).resolve()
@@ -130,22 +142,57 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 
 def _train_on_cluster(ns: argparse.Namespace) -> int:
-    trainjob = _trainjob(ns)  # validated strictly when built
-    backend = _k8s_backend(ns)
-    trainjob["metadata"]["namespace"] = backend.namespace
-    backend.custom_api.create_namespaced_custom_object(
-        "trainer.kubeflow.org", "v1alpha1", backend.namespace, "trainjobs", trainjob
+    """Submit through ``TrainingClient.train``, as a notebook does: the same runtime lookup
+    (a TrainingRuntime in the namespace first), validation and memory check."""
+    from kubeflow.trainer.options import Labels, Name
+
+    from tunepack.client import TrainingClient
+    from tunepack.finetune import FineTune
+    from tunepack.trainjob import QUEUE_LABEL
+    from tunepack.translate import Initializer
+
+    trainer = FineTune.from_args(
+        ns.trainer_args, num_nodes=ns.num_nodes, num_proc_per_node=ns.num_proc_per_node
     )
-    print(f"tunepack: submitted TrainJob {backend.namespace}/{trainjob['metadata']['name']}")
+    options = [Name(ns.name or _default_job_name(ns.runtime))]
+    if ns.queue is not None:
+        options.append(Labels({QUEUE_LABEL: ns.queue}))
+    client = TrainingClient(_backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
+    name = client.train(
+        runtime=ns.runtime,
+        initializer=Initializer(dataset=ns.dataset, model=ns.model),
+        trainer=trainer,
+        options=options,
+    )
+    print(f"tunepack: submitted TrainJob {client.backend.namespace}/{name}")
     return 0
 
 
-def _k8s_backend(ns: argparse.Namespace):
-    from kubeflow.common.types import KubernetesBackendConfig
+def _backend_config(ns: argparse.Namespace):
+    """The SDK's backend config, choosing the cluster as kubectl does: the kubeconfig
+    (``$KUBECONFIG`` or ``~/.kube/config``) when there is one, else the in-cluster config.
 
+    (The SDK alone takes the in-cluster config whenever ``/var/run/secrets/kubernetes.io``
+    exists, even where a kubeconfig was meant.)
+    """
+    from kubeflow.common.types import KubernetesBackendConfig
+    from kubernetes import config
+
+    namespace, context = getattr(ns, "namespace", None), getattr(ns, "context", None)
+    kubeconfig = os.environ.get("KUBECONFIG") or str(Path("~/.kube/config").expanduser())
+    if not any(Path(p).is_file() for p in kubeconfig.split(os.pathsep) if p):
+        return KubernetesBackendConfig(namespace=namespace, context=context)
+    if namespace is None:
+        contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
+        chosen = next((c for c in contexts if c.get("name") == context), None) if context else None
+        namespace = ((chosen or current or {}).get("context") or {}).get("namespace") or "default"
+    return KubernetesBackendConfig(namespace=namespace, context=context, config_file=kubeconfig)
+
+
+def _k8s_backend(ns: argparse.Namespace):
     from tunepack.backend_k8s import KubernetesBackend
 
-    return KubernetesBackend(KubernetesBackendConfig(namespace=getattr(ns, "namespace", None)))
+    return KubernetesBackend(_backend_config(ns))
 
 
 def _backend(ns: argparse.Namespace):
@@ -196,14 +243,14 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client, config
 
-    from tunepack.install import apply, runtime_objects
+    from tunepack.install import describe, install, runtime_objects
 
+    objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
     config.load_kube_config(context=ns.context)
     api = client.ApiClient()
-    for obj in runtime_objects(ns.runtime or None, namespace=ns.namespace):
-        apply(api, obj)
-        where = f"{obj['metadata']['namespace']}/" if ns.namespace else ""
-        print(f"applied {obj['kind']} {where}{obj['metadata']['name']} (fieldManager tunepack)")
+    for obj in objects:
+        action = install(api, obj, delete_timeout=ns.delete_timeout)
+        print(f"{describe(obj)} {action}", flush=True)
     return 0
 
 
@@ -227,6 +274,14 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model storage URI (file://, path)")
     parser.add_argument("--name", help="TrainJob name (default: <model>-<timestamp>)")
     parser.add_argument("--num-nodes", type=int, help="number of trainer nodes")
+    parser.add_argument(
+        "--num-proc-per-node",
+        type=int,
+        help="trainer processes per node (default: the runtime's GPUs per node, or 1)",
+    )
+    parser.add_argument(
+        "--queue", help="Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name)"
+    )
     parser.add_argument(
         "trainer_args", nargs="*", metavar="key=value", help="trainer arguments (tunepack args)"
     )
@@ -254,6 +309,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_arguments(p)
     p.add_argument("--local", action="store_true", help="run on this machine (local backend)")
     p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+    p.add_argument("--context", help="kubeconfig context (cluster)")
+    p.add_argument("--gpu", default="H100-80GB", help="GPU type the memory check assumes (cluster)")
+    p.add_argument(
+        "--memory-check",
+        choices=("refuse", "warn", "off"),
+        default="refuse",
+        help="when the planner says the job cannot fit in GPU memory (cluster)",
+    )
     p.add_argument("--workspace", help="local workspace dir (default: .tunepack/runs/<name>)")
     p.add_argument("--quiet", action="store_true", help="do not echo step output")
     p.set_defaults(func=cmd_train)
@@ -267,6 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--local", action="store_true", help="a job of the local backend")
         p.add_argument("--jobs-dir", help="local backend jobs dir (default: ~/.tunepack/jobs)")
         p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+        p.add_argument("--context", help="kubeconfig context")
         if cmd == "logs":
             p.add_argument("--step", default="node-0", help="dataset-initializer, node-0, ...")
             p.add_argument("--follow", "-f", action="store_true")
@@ -288,6 +352,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", help="install namespace-scoped TrainingRuntimes there instead")
     p.add_argument("--runtime", action="append", help="only this runtime (repeatable)")
     p.add_argument("--context", help="kubeconfig context")
+    p.add_argument(
+        "--delete-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for a runtime that must be re-created to be deleted (default 60)",
+    )
     p.set_defaults(func=cmd_install)
 
     p = sub.add_parser("render", help="print Kubernetes objects as YAML")
@@ -295,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = render.add_parser("trainjob", help="the TrainJob for `kubectl apply -f -`")
     _add_job_arguments(p)
     p.add_argument("--namespace", help="metadata.namespace of the TrainJob")
+    p.add_argument(
+        "--namespaced",
+        action="store_true",
+        help="reference a TrainingRuntime in the TrainJob's namespace (tunepack install "
+        "--namespace) instead of the ClusterTrainingRuntime",
+    )
     p.set_defaults(func=cmd_render_trainjob)
     return parser
 
@@ -306,33 +383,36 @@ def main(argv: list[str] | None = None) -> int:
     except TunepackError as err:
         print(f"tunepack: error: {err}", file=sys.stderr)
         return err.exit_code
-    except RuntimeError as err:
+    except (RuntimeError, TimeoutError) as err:
         # The Kubeflow SDK wraps the cluster's API and connection errors (a missing TrainJob, a
-        # refused request, no API server) in RuntimeError: say those in one line with the
-        # server's reason. Any other RuntimeError is a bug and keeps its traceback.
+        # refused request, no API server) in RuntimeError (TimeoutError when the API does not
+        # answer in time): say those in one line with the server's reason. Any other
+        # RuntimeError is a bug and keeps its traceback.
         if not _is_cluster_error(err.__cause__):
             raise
-        cause = _api_message(err.__cause__)
-        print(f"tunepack: error: {err}" + (f": {cause}" if cause else ""), file=sys.stderr)
+        cause = api_message(err.__cause__)
+        detail = f": {cause}" if cause and cause not in str(err) else ""
+        print(f"tunepack: error: {err}{detail}", file=sys.stderr)
+        return 1
+    except _config_exception() as err:
+        print(f"tunepack: error: no usable cluster configuration: {err}", file=sys.stderr)
         return 1
 
 
 def _is_cluster_error(err: BaseException | None) -> bool:
+    import multiprocessing
+
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
-    return isinstance(err, ApiException | HTTPError | OSError)
+    return isinstance(err, ApiException | HTTPError | OSError | multiprocessing.TimeoutError)
 
 
-def _api_message(err: BaseException | None) -> str | None:
-    """The message of the Kubernetes Status body an ``ApiException`` carries, if any."""
-    body = getattr(err, "body", None)
-    if not body:
-        return None
-    try:
-        return json.loads(body).get("message")
-    except (ValueError, AttributeError):
-        return None
+def _config_exception() -> type[Exception]:
+    """The kubernetes client's error for a missing or broken kubeconfig."""
+    from kubernetes.config.config_exception import ConfigException
+
+    return ConfigException
 
 
 if __name__ == "__main__":

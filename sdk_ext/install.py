@@ -1,14 +1,26 @@
-"""Server-side apply of tunepack's runtimes, as ``kubectl apply --server-side`` does it.
+"""Install tunepack's runtimes: server-side apply, as ``kubectl apply --server-side`` does it.
 
 Each object is sent as ``PATCH`` with ``Content-Type: application/apply-patch+yaml``,
 ``fieldManager=tunepack`` and ``force=true`` (tunepack owns these objects' fields), through the
 ``kubernetes`` client, so it works from a notebook or CI without kubectl.
+
+Runtimes cannot always be changed in place: the runtime CRDs mark fields such as the JobSet's
+``failurePolicy``, ``volumeClaimPolicies`` and ``dependsOn`` immutable (``self == oldSelf``), and
+the API server answers an apply that changes them with 422 "... Value is immutable". ``install``
+then deletes the runtime, waits until it is gone and applies it again (``replaced``). A runtime
+can stay behind a finalizer while TrainJobs use it; if it is not gone within the wait,
+``RuntimeInUseError`` names it and the TrainJobs that reference it: run the install again when
+they have finished.
 """
 
 from __future__ import annotations
 
-from kubernetes import client
+import time
 
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from tunepack.errors import TransientError, api_message
 from tunepack.runtimes import catalog
 from tunepack.runtimes.generate import API_GROUP, load_runtime
 
@@ -17,6 +29,14 @@ PLURALS = {
     "ClusterTrainingRuntime": "clustertrainingruntimes",
     "TrainingRuntime": "trainingruntimes",
 }
+CREATED, CONFIGURED, UNCHANGED, REPLACED = "created", "configured", "unchanged", "replaced"
+DELETE_TIMEOUT = 60.0  # seconds install waits for a replaced runtime's delete to finish
+_REQUEST_TIMEOUT = 30  # seconds per API request
+_MAX_JOBS_NAMED = 10
+
+
+class RuntimeInUseError(TransientError):
+    """A runtime that must be re-created is still being deleted: TrainJobs hold it."""
 
 
 def runtime_objects(names: list[str] | None = None, namespace: str | None = None) -> list[dict]:
@@ -33,18 +53,58 @@ def runtime_objects(names: list[str] | None = None, namespace: str | None = None
     return objects
 
 
+def describe(obj: dict) -> str:
+    """How kubectl names an object in its output: ``clustertrainingruntime.<group>/<name>``."""
+    return f"{obj['kind'].lower()}.{API_GROUP}/{obj['metadata']['name']}"
+
+
+def install(
+    api_client: client.ApiClient,
+    obj: dict,
+    *,
+    delete_timeout: float = DELETE_TIMEOUT,
+    poll_interval: float = 1.0,
+) -> str:
+    """Apply ``obj``, re-creating it when an immutable field changed.
+
+    Returns what happened, in kubectl's words: ``created``, ``configured``, ``unchanged`` or
+    ``replaced``. Raises ``RuntimeInUseError`` when a runtime to re-create is not deleted within
+    ``delete_timeout`` seconds, and ``RuntimeError`` (caused by the API error) when the server
+    refuses anything else.
+    """
+    current = _get(api_client, obj)
+    if current is not None and current["metadata"].get("deletionTimestamp"):
+        # Left terminating by an earlier replace that could not finish: wait for it once more.
+        _wait_deleted(api_client, obj, delete_timeout, poll_interval)
+        current = None
+    try:
+        answer = apply(api_client, obj)
+    except ApiException as err:
+        message = api_message(err) or ""
+        if current is None or err.status != 422 or "immutable" not in message.lower():
+            raise _failed("apply", obj, err) from err
+        _delete(api_client, obj, current["metadata"].get("uid"))
+        _wait_deleted(api_client, obj, delete_timeout, poll_interval)
+        try:
+            apply(api_client, obj)
+        except Exception as again:
+            raise _failed("re-create", obj, again, " after deleting it") from again
+        return REPLACED
+    except Exception as err:
+        raise _failed("apply", obj, err) from err
+    if current is None:
+        return CREATED
+    before = current["metadata"].get("resourceVersion")
+    return UNCHANGED if answer["metadata"].get("resourceVersion") == before else CONFIGURED
+
+
 def apply(api_client: client.ApiClient, obj: dict) -> dict:
     """Server-side apply one trainer.kubeflow.org object; returns the server's answer."""
     group, version = obj["apiVersion"].split("/")
     if group != API_GROUP:
         raise ValueError(f"apply() handles {API_GROUP} objects, got {obj['apiVersion']}")
-    plural = PLURALS[obj["kind"]]
-    name = obj["metadata"]["name"]
-    namespace = obj["metadata"].get("namespace")
-    path = f"/apis/{group}/{version}"
-    path += f"/namespaces/{namespace}/{plural}/{name}" if namespace else f"/{plural}/{name}"
     return api_client.call_api(
-        path,
+        _path(obj),
         "PATCH",
         query_params=[("fieldManager", FIELD_MANAGER), ("force", "true")],
         header_params={
@@ -55,4 +115,115 @@ def apply(api_client: client.ApiClient, obj: dict) -> dict:
         response_type="object",
         auth_settings=["BearerToken"],
         _return_http_data_only=True,
+        _request_timeout=_REQUEST_TIMEOUT,
+    )
+
+
+def _path(obj: dict, name: str | None = None) -> str:
+    group_version = obj["apiVersion"]
+    plural = PLURALS[obj["kind"]]
+    namespace = obj["metadata"].get("namespace")
+    path = f"/apis/{group_version}"
+    path += f"/namespaces/{namespace}/{plural}" if namespace else f"/{plural}"
+    return path + f"/{obj['metadata']['name'] if name is None else name}"
+
+
+def _call(api_client: client.ApiClient, method: str, path: str, body=None) -> dict:
+    return api_client.call_api(
+        path,
+        method,
+        header_params={"Accept": "application/json", "Content-Type": "application/json"},
+        body=body,
+        response_type="object",
+        auth_settings=["BearerToken"],
+        _return_http_data_only=True,
+        _request_timeout=_REQUEST_TIMEOUT,
+    )
+
+
+def _get(api_client: client.ApiClient, obj: dict) -> dict | None:
+    try:
+        return _call(api_client, "GET", _path(obj))
+    except ApiException as err:
+        if err.status == 404:
+            return None
+        raise _failed("read", obj, err) from err
+    except Exception as err:
+        raise _failed("read", obj, err) from err
+
+
+def _delete(api_client: client.ApiClient, obj: dict, uid: str | None) -> None:
+    # The uid precondition: never delete a runtime someone else re-created in the meantime.
+    body = {"kind": "DeleteOptions", "apiVersion": "v1"}
+    if uid:
+        body["preconditions"] = {"uid": uid}
+    try:
+        _call(api_client, "DELETE", _path(obj), body)
+    except ApiException as err:
+        if err.status != 404:
+            raise _failed("delete", obj, err, _TO_RECREATE) from err
+    except Exception as err:
+        raise _failed("delete", obj, err, _TO_RECREATE) from err
+
+
+def _wait_deleted(api_client, obj: dict, timeout: float, poll_interval: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        current = _get(api_client, obj)
+        if current is None:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeInUseError(_in_use_message(api_client, obj, current, timeout))
+        time.sleep(poll_interval)
+
+
+def _in_use_message(api_client, obj: dict, current: dict, timeout: float) -> str:
+    kind, name = obj["kind"], obj["metadata"]["name"]
+    finalizers = ", ".join(current["metadata"].get("finalizers") or []) or "none"
+    try:
+        jobs = _trainjobs_using(api_client, obj)
+    except Exception as err:  # the listing is a courtesy; the error must still be reported
+        users = f"the TrainJobs that use it could not be listed ({api_message(err) or err})"
+    else:
+        if jobs:
+            shown = ", ".join(jobs[:_MAX_JOBS_NAMED])
+            more = f" and {len(jobs) - _MAX_JOBS_NAMED} more" if len(jobs) > _MAX_JOBS_NAMED else ""
+            users = f"it is in use by TrainJobs {shown}{more}"
+        else:
+            users = "no TrainJob references it now"
+    return (
+        f"{kind} {name} is still being deleted after {timeout:g} s (finalizers: {finalizers}); "
+        f"{users}. tunepack deletes a runtime to re-create it when fields that cannot change in "
+        "place (failurePolicy, volumeClaimPolicies, dependsOn, ...) differ from the installed "
+        f"one; the delete finishes when the runtime is no longer in use. Run `tunepack install` "
+        f"again when those TrainJobs have finished (or are deleted) to re-create {name}"
+    )
+
+
+def _trainjobs_using(api_client, obj: dict) -> list[str]:
+    """``namespace/name`` of the TrainJobs whose runtimeRef is ``obj``."""
+    group_version, kind, name = obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+    namespace = obj["metadata"].get("namespace")
+    path = f"/apis/{group_version}"
+    path += f"/namespaces/{namespace}/trainjobs" if namespace else "/trainjobs"
+    items = _call(api_client, "GET", path).get("items") or []
+    out = []
+    for job in items:
+        ref = (job.get("spec") or {}).get("runtimeRef") or {}
+        # runtimeRef.kind defaults to ClusterTrainingRuntime in the API.
+        if ref.get("name") == name and ref.get("kind", "ClusterTrainingRuntime") == kind:
+            meta = job.get("metadata") or {}
+            out.append(f"{meta.get('namespace')}/{meta.get('name')}")
+    return sorted(out)
+
+
+_TO_RECREATE = " to re-create it (fields that cannot change in place differ)"
+
+
+def _failed(action: str, obj: dict, err: BaseException, purpose: str = "") -> RuntimeError:
+    where = obj["metadata"].get("namespace")
+    target = f"{where}/{obj['metadata']['name']}" if where else obj["metadata"]["name"]
+    reason = api_message(err)
+    return RuntimeError(
+        f"Failed to {action} {obj['kind']} {target}{purpose}" + (f": {reason}" if reason else "")
     )

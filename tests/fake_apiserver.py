@@ -4,6 +4,12 @@ NOT a cluster: it stores objects in memory, records every request, and answers c
 delete/apply of TrainJobs and (Cluster)TrainingRuntimes plus pod list/log reads the way the API
 server does (status codes, Status bodies on errors). Tests play the controller by adding pods and
 status to the store.
+
+Like the API server it also keeps ``resourceVersion`` (bumped only when an object changes), holds
+an object with ``finalizers`` in deletion (``deletionTimestamp``) until ``finalize`` releases it,
+and refuses an apply that changes one of ``IMMUTABLE``'s runtime fields with 422 "Value is
+immutable", as the runtime CRDs' ``self == oldSelf`` rules do. ``fail`` makes a request answer an
+error; ``after`` callbacks run after each answer (to change the store between two requests).
 """
 
 from __future__ import annotations
@@ -17,8 +23,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 GROUP_PATH = "/apis/trainer.kubeflow.org/v1alpha1"
+RUNTIME_PLURALS = ("clustertrainingruntimes", "trainingruntimes")
+# Runtime fields the CRDs declare immutable (a few of them: the JobSet spec's).
+IMMUTABLE = (
+    ("spec", "template", "spec", "failurePolicy"),
+    ("spec", "template", "spec", "successPolicy"),
+    ("spec", "template", "spec", "volumeClaimPolicies"),
+)
+ALL_NAMESPACES = "*"
 ROUTES = [
     (re.compile(rf"^{GROUP_PATH}/(clustertrainingruntimes)(?:/([^/]+))?$"), None),
+    (re.compile(rf"^{GROUP_PATH}/(trainjobs)$"), ALL_NAMESPACES),
     (
         re.compile(rf"^{GROUP_PATH}/namespaces/([^/]+)/(trainingruntimes|trainjobs)(?:/([^/]+))?$"),
         "ns",
@@ -42,6 +57,16 @@ class FakeApiServer:
     objects: dict = field(default_factory=dict)  # (plural, namespace, name) -> object
     logs: dict = field(default_factory=dict)  # (namespace, pod, container) -> text
     requests: list = field(default_factory=list)
+    fail: dict = field(default_factory=dict)  # (method, path) -> (code, message), every time
+    after: list = field(default_factory=list)  # callables(request), run after each answer
+    resource_version: int = 0
+
+    def finalize(self, plural: str, namespace: str | None, name: str) -> None:
+        """What the finalizers' owners do when they let go: the object goes if it is deleted."""
+        obj = self.objects[(plural, namespace, name)]
+        obj["metadata"].pop("finalizers", None)
+        if obj["metadata"].get("deletionTimestamp"):
+            del self.objects[(plural, namespace, name)]
 
     def start(self) -> str:
         server = self
@@ -64,6 +89,8 @@ class FakeApiServer:
                 )
                 server.requests.append(req)
                 code, payload = server.answer(req)
+                for callback in server.after:
+                    callback(req)
                 data = (
                     payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
                 )
@@ -87,12 +114,16 @@ class FakeApiServer:
     # --- the API -----------------------------------------------------------------------------
 
     def answer(self, req: Request):
+        if (req.method, req.path) in self.fail:
+            return _status(*self.fail[(req.method, req.path)])
         for pattern, scope in ROUTES:
             m = pattern.match(req.path)
             if not m:
                 continue
             if scope is None:
                 namespace, plural, name = None, m.group(1), m.group(2)
+            elif scope == ALL_NAMESPACES:
+                namespace, plural, name = ALL_NAMESPACES, m.group(1), None
             else:
                 namespace, plural, name = m.group(1), m.group(2), m.group(3)
             if plural == "pods" and m.group(4):
@@ -111,8 +142,8 @@ class FakeApiServer:
         if req.method == "GET":
             items = [
                 o
-                for (p, ns, _), o in sorted(self.objects.items())
-                if p == plural and ns == namespace
+                for (p, ns, _), o in sorted(self.objects.items(), key=lambda kv: str(kv[0]))
+                if p == plural and (ns == namespace or namespace == ALL_NAMESPACES)
             ]
             selector = req.query.get("labelSelector", [""])[0]
             items = [o for o in items if _matches(o, selector)]
@@ -123,31 +154,86 @@ class FakeApiServer:
             key = (plural, namespace, name)
             if key in self.objects:
                 return _status(409, f'{plural} "{name}" already exists')
-            self.objects[key] = _created(obj, namespace)
+            self.objects[key] = self._created(obj, namespace)
             return 201, self.objects[key]
         if req.method == "PATCH":
             if req.content_type != "application/apply-patch+yaml":
                 return _status(415, f"unsupported patch type {req.content_type}")
             if "fieldManager" not in req.query:
                 return _status(422, "fieldManager is required for apply requests")
-            existed = key in self.objects
-            self.objects[key] = _created(req.body, namespace)
-            return (200 if existed else 201), self.objects[key]
+            old = self.objects.get(key)
+            if old is None:
+                self.objects[key] = self._created(req.body, namespace)
+                return 201, self.objects[key]
+            new = json.loads(json.dumps(req.body))
+            if plural in RUNTIME_PLURALS:
+                for path in IMMUTABLE:
+                    if _get(old, path) != _get(new, path):
+                        return _status(
+                            422,
+                            f'{old["kind"]}.trainer.kubeflow.org "{name}" is invalid: '
+                            f'{".".join(path)}: Invalid value: "object": Value is immutable',
+                        )
+            server_meta = {
+                k: v
+                for k, v in old["metadata"].items()
+                if k
+                in (
+                    "namespace",
+                    "uid",
+                    "creationTimestamp",
+                    "resourceVersion",
+                    "finalizers",
+                    "deletionTimestamp",
+                )
+            }
+            new["metadata"] = {**new.get("metadata", {}), **server_meta}
+            if {k: v for k, v in new.items() if k != "status"} != {
+                k: v for k, v in old.items() if k != "status"
+            }:
+                new["metadata"]["resourceVersion"] = self._next_version()
+            if "status" in old:
+                new["status"] = old["status"]
+            self.objects[key] = new
+            return 200, new
         if req.method == "DELETE":
-            if key not in self.objects:
+            obj = self.objects.get(key)
+            if obj is None:
                 return _status(404, f'{plural} "{name}" not found')
+            uid = ((req.body or {}).get("preconditions") or {}).get("uid")
+            if uid and uid != obj["metadata"].get("uid"):
+                return _status(409, f"Precondition failed: UID in precondition: {uid}")
+            if obj["metadata"].get("finalizers"):
+                obj["metadata"].setdefault("deletionTimestamp", _now())
+                return 200, obj
             del self.objects[key]
             return 200, {"kind": "Status", "apiVersion": "v1", "status": "Success"}
         return _status(405, "method not allowed")
 
+    def _next_version(self) -> str:
+        self.resource_version += 1
+        return str(self.resource_version)
 
-def _created(obj: dict, namespace: str | None) -> dict:
-    obj = json.loads(json.dumps(obj))
-    meta = obj.setdefault("metadata", {})
-    if namespace:
-        meta["namespace"] = namespace
-    meta.setdefault("creationTimestamp", datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    meta.setdefault("uid", f"uid-{meta['name']}")
+    def _created(self, obj: dict, namespace: str | None) -> dict:
+        obj = json.loads(json.dumps(obj))
+        meta = obj.setdefault("metadata", {})
+        if namespace:
+            meta["namespace"] = namespace
+        meta.setdefault("creationTimestamp", _now())
+        meta.setdefault("uid", f"uid-{meta['name']}-{self.resource_version + 1}")
+        meta["resourceVersion"] = self._next_version()
+        return obj
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _get(obj, path: tuple[str, ...]):
+    for part in path:
+        if not isinstance(obj, dict):
+            return None
+        obj = obj.get(part)
     return obj
 
 
@@ -167,9 +253,12 @@ def _matches(obj: dict, selector: str) -> bool:
 
 
 def _status(code: int, message: str):
-    reason = {404: "NotFound", 409: "AlreadyExists", 415: "UnsupportedMediaType"}.get(
-        code, "Invalid"
-    )
+    reason = {
+        403: "Forbidden",
+        404: "NotFound",
+        409: "AlreadyExists",
+        415: "UnsupportedMediaType",
+    }.get(code, "Invalid")
     return code, {
         "kind": "Status",
         "apiVersion": "v1",

@@ -101,6 +101,127 @@ def test_render_trainjob_is_valid_and_carries_the_run():
     assert spec["trainer"]["args"] == ["lora_rank=16", "epochs=3"]
 
 
+def test_render_trainjob_for_the_platform_namespaced_runtime_queue_and_processes():
+    done = tunepack(
+        "render", "trainjob", "--name", "big", "--runtime", "llama3.1-70b", "--namespace",
+        "team-a", "--namespaced", "--queue", "team-a-queue",
+        "--dataset", "/pvc/data/train.jsonl", "--model", "hf://meta-llama/Llama-3.1-70B",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    trainjob = yaml.safe_load(done.stdout)
+    validate_trainjob(trainjob)
+    assert trainjob["metadata"] == {
+        "name": "big",
+        "namespace": "team-a",
+        "labels": {"kueue.x-k8s.io/queue-name": "team-a-queue"},
+    }
+    spec = trainjob["spec"]
+    assert spec["runtimeRef"] == {
+        "name": "tunepack-llama3.1-70b",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+    }
+    # An absolute path is written as the API requires; processes = the runtime's 8 GPUs.
+    assert spec["initializer"]["dataset"]["storageUri"] == "file:///pvc/data/train.jsonl"
+    assert spec["trainer"]["numProcPerNode"] == 8
+
+    done = tunepack(
+        "render", "trainjob", "--name", "tiny", "--runtime", "tiny-llama3",
+        "--dataset", "/d.jsonl", "--model", "/m", "--num-proc-per-node", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    trainjob = yaml.safe_load(done.stdout)
+    assert trainjob["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+    assert trainjob["spec"]["trainer"]["numProcPerNode"] == 2
+    assert "labels" not in trainjob["metadata"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--dataset", "data/train.jsonl", "--model", "/m"],
+            "tunepack: error: dataset storage URI 'data/train.jsonl' is a relative path: a "
+            "TrainJob's storage URI is read inside the dataset initializer container on the "
+            "cluster, so a path must be absolute (/abs/path or file:///abs/path), or use a URI "
+            "such as hf://org/name or s3://bucket/key\n",
+        ),
+        (
+            ["--dataset", "/d", "--model", "/m", "--queue", "Q"],
+            "tunepack: error: queue 'Q' (label kueue.x-k8s.io/queue-name) is not a valid Kueue "
+            "LocalQueue name: use at most 63 lowercase letters, digits, '-' and '.', starting "
+            "and ending with a letter or digit\n",
+        ),
+        (
+            ["--dataset", "/d", "--model", "/m", "--num-proc-per-node", "0"],
+            "tunepack: error: num_proc_per_node must be a positive integer, got 0\n",
+        ),
+    ],
+)
+def test_render_refuses_what_the_platform_would(args, message):
+    done = tunepack("render", "trainjob", "--runtime", "tiny-llama3", *args)
+    assert done.returncode == 65
+    assert done.stderr == message
+    assert done.stdout == ""
+
+
+def test_local_train_refuses_a_queue(tmp_path):
+    done = tunepack(
+        "train", "--local", "--runtime", "tiny-llama3", "--workspace", str(tmp_path / "ws"),
+        "--dataset", "/d.jsonl", "--model", "/m", "--queue", "team-a-queue",
+    )  # fmt: skip
+    assert done.returncode == 65
+    assert done.stderr == (
+        "tunepack: error: --queue team-a-queue names a Kueue queue on a cluster; the local "
+        "backend has none (leave out --queue, or --local)\n"
+    )
+
+
+def _write_kubeconfig(path, current_namespace: str | None):
+    context = {"cluster": "c", "user": "u"}
+    if current_namespace:
+        context["namespace"] = current_namespace
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "main",
+                "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [
+                    {"name": "main", "context": context},
+                    {"name": "other", "context": {"cluster": "c", "user": "u", "namespace": "b"}},
+                ],
+            }
+        )
+    )
+
+
+def test_cli_prefers_the_kubeconfig_as_kubectl_does(tmp_path, monkeypatch):
+    """The kubeconfig is used whenever there is one (the SDK alone would take the in-cluster
+    config as soon as /var/run/secrets/kubernetes.io exists on the machine)."""
+    from argparse import Namespace
+
+    from tunepack.cli import _backend_config
+
+    kubeconfig = tmp_path / "config"
+    _write_kubeconfig(kubeconfig, "team-a")
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    cfg = _backend_config(Namespace(namespace=None, context=None))
+    assert (cfg.config_file, cfg.namespace, cfg.context) == (str(kubeconfig), "team-a", None)
+    cfg = _backend_config(Namespace(namespace=None, context="other"))
+    assert (cfg.namespace, cfg.context) == ("b", "other")
+    assert _backend_config(Namespace(namespace="x", context=None)).namespace == "x"
+    _write_kubeconfig(kubeconfig, None)
+    assert _backend_config(Namespace(namespace=None, context=None)).namespace == "default"
+
+    # No kubeconfig at all: left to the SDK (in-cluster config and namespace).
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    cfg = _backend_config(Namespace(namespace=None, context=None))
+    assert (cfg.config_file, cfg.namespace) == (None, None)
+
+
 def test_runtimes_lists_the_catalog():
     done = tunepack("runtimes")
     assert done.returncode == 0

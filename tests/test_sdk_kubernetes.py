@@ -11,7 +11,8 @@ from kubernetes import client
 
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
-from tunepack.install import apply, runtime_objects
+from tunepack.errors import api_status
+from tunepack.install import apply, install, runtime_objects
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 
 from .fake_apiserver import GROUP_PATH, FakeApiServer
@@ -126,12 +127,25 @@ def test_install_train_status_logs_delete(server):
     assert post.path == f"{GROUP_PATH}/namespaces/{NS}/trainjobs"
     validate_trainjob(post.body)
     assert post.body["metadata"] == {"name": name, "namespace": NS}
-    assert post.body["spec"]["runtimeRef"]["name"] == RUNTIME
+    assert post.body["spec"]["runtimeRef"] == {
+        "name": RUNTIME,
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
     assert post.body["spec"]["trainer"]["args"] == ["method=lora", "epochs=3", "lora_rank=16"]
+    assert post.body["spec"]["trainer"]["numProcPerNode"] == 1  # the runtime's one GPU
     assert post.body["spec"]["initializer"]["model"]["secretRef"] == {"name": "hf-token"}
 
     assert tc.get_job(name).status == "Created"
     _controller_runs(fake, name)
+    # One GET of the TrainJob per get_job, none per job for list_jobs (the LIST has them all).
+    job_path = f"{GROUP_PATH}/namespaces/{NS}/trainjobs/{name}"
+    before = len(fake.requests)
+    tc.get_job(name)
+    assert [r.path for r in fake.requests[before:] if r.path == job_path] == [job_path]
+    before = len(fake.requests)
+    assert [j.status for j in tc.list_jobs()] == ["Complete"]
+    assert not [r for r in fake.requests[before:] if r.path == job_path]
     job = tc.wait_for_job_status(name, timeout=5, polling_interval=1)
     assert job.status == "Complete"
     assert job.progress.percent == 100 and job.progress.loss == 1.25
@@ -169,12 +183,216 @@ def test_failed_job_carries_the_condition_message(server):
 
 def test_train_refuses_a_runtime_that_is_not_installed(server):
     _, url = server
-    with pytest.raises(
-        RuntimeError, match="is not installed on this cluster: run `tunepack install`"
-    ):
+    with pytest.raises(RuntimeError) as caught:
         _client(url).train(
             runtime=RUNTIME, initializer=Initializer("file:///d", "file:///m"), trainer=FineTune()
         )
+    assert str(caught.value) == (
+        f"runtime {RUNTIME!r} is not installed on this cluster (no TrainingRuntime in namespace "
+        f"{NS!r}, no ClusterTrainingRuntime): run `tunepack install` (or `tunepack install "
+        f"--namespace {NS}`) or `kubectl apply --server-side -k manifests/base` first"
+    )
+
+
+def test_other_runtime_lookup_errors_are_not_called_not_installed(server):
+    fake, url = server
+    fake.fail[("GET", f"{GROUP_PATH}/namespaces/{NS}/trainingruntimes/{RUNTIME}")] = (
+        403,
+        "trainingruntimes is forbidden: User cannot get resource",
+    )
+    with pytest.raises(RuntimeError) as caught:
+        _client(url).train(
+            runtime=RUNTIME, initializer=Initializer("file:///d", "file:///m"), trainer=FineTune()
+        )
+    # The SDK's own error (its wording), caused by the server's refusal: not "not installed".
+    assert str(caught.value).startswith("Failed to get ")
+    assert str(caught.value).endswith(f": {NS}/{RUNTIME}")
+    assert api_status(caught.value) == 403
+
+
+def test_a_namespaced_training_runtime_is_referenced_when_there_is_one(server):
+    """As the SDK's get_runtime/list_runtimes: the namespace's TrainingRuntime comes first."""
+    fake, url = server
+    _install(fake, url)
+    api = _api_client(url)
+    (namespaced,) = runtime_objects([RUNTIME], namespace=NS)
+    apply(api, namespaced)
+    tc = _client(url)
+    listed = {r.name: r.kind.value for r in tc.list_runtimes()}
+    assert listed[RUNTIME] == "TrainingRuntime"
+    assert listed["tunepack-tiny-llama3"] == "ClusterTrainingRuntime"
+
+    name = tc.train(
+        runtime="llama3.2-1b",  # a catalog model name resolves to its runtime
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(),
+    )
+    post = [r for r in fake.requests if r.method == "POST"][-1]
+    assert post.body["spec"]["runtimeRef"] == {
+        "name": RUNTIME,
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "TrainingRuntime",
+    }
+    validate_trainjob(post.body)
+    assert tc.get_job(name).runtime.kind.value == "TrainingRuntime"
+
+    other = tc.train(
+        runtime="tunepack-tiny-llama3",
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(),
+    )
+    post = [r for r in fake.requests if r.method == "POST"][-1]
+    assert post.body["metadata"]["name"] == other
+    assert post.body["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
+
+
+def test_sdk_options_set_the_trainjob_fields(server):
+    from kubeflow.trainer.options import (
+        ActiveDeadlineSeconds,
+        Annotations,
+        Labels,
+        Name,
+        PodSpecPatch,
+        PodTemplatePatch,
+        ReplicatedJobPatch,
+        RuntimePatch,
+        TrainingRuntimeSpecPatch,
+    )
+    from kubeflow.trainer.options import (
+        JobSetSpecPatch as SetSpec,
+    )
+    from kubeflow.trainer.options import (
+        JobSetTemplatePatch as SetTemplate,
+    )
+    from kubeflow.trainer.options import (
+        JobSpecPatch as JobSpec,
+    )
+    from kubeflow.trainer.options import (
+        JobTemplatePatch as JobTemplate,
+    )
+
+    fake, url = server
+    _install(fake, url)
+    node_pool = ReplicatedJobPatch(
+        name="node",
+        template=JobTemplate(
+            spec=JobSpec(
+                template=PodTemplatePatch(spec=PodSpecPatch(node_selector={"pool": "a100"}))
+            )
+        ),
+    )
+    name = _client(url).train(
+        runtime=RUNTIME,
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(),
+        options=[
+            Name("llama-run-1"),
+            Labels({"kueue.x-k8s.io/queue-name": "team-a-queue", "team": "a"}),
+            Annotations({"example.com/owner": "jane"}),
+            ActiveDeadlineSeconds(7200),
+            RuntimePatch(
+                training_runtime_spec=TrainingRuntimeSpecPatch(
+                    template=SetTemplate(spec=SetSpec(replicated_jobs=[node_pool]))
+                )
+            ),
+        ],
+    )
+    assert name == "llama-run-1"
+    (post,) = [r for r in fake.requests if r.method == "POST"]
+    validate_trainjob(post.body)
+    assert post.body["metadata"] == {
+        "name": "llama-run-1",
+        "namespace": NS,
+        "labels": {"kueue.x-k8s.io/queue-name": "team-a-queue", "team": "a"},
+        "annotations": {"example.com/owner": "jane"},
+    }
+    assert post.body["spec"]["activeDeadlineSeconds"] == 7200
+    (patch,) = post.body["spec"]["runtimePatches"]
+    assert patch["manager"] == "trainer.kubeflow.org/kubeflow-sdk"
+    job = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert job["template"]["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a100"}
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            lambda o: [o.TrainerCommand(["python", "x.py"])],
+            "option TrainerCommand cannot be used with tunepack runtimes: the trainer's command "
+            "is tunepack's fine-tuning program, set by the runtime. Supported options: Name, "
+            "Labels, Annotations, ActiveDeadlineSeconds, RuntimePatch",
+        ),
+        (
+            lambda o: [o.TrainerArgs(["epochs=1"])],
+            "option TrainerArgs cannot be used with tunepack runtimes: the trainer's arguments "
+            "come from trainer=FineTune(...)",
+        ),
+        (
+            lambda o: [print],
+            "option builtin_function_or_method cannot be used with tunepack runtimes: tunepack "
+            "builds these TrainJobs itself",
+        ),
+        (
+            lambda o: o.Labels({"team": "a"}),
+            "options must be a list, e.g. options=[Labels({...})], got Labels(",
+        ),
+        (
+            lambda o: [o.Labels({"kueue.x-k8s.io/queue-name": "Team Queue"})],
+            "queue 'Team Queue' (label kueue.x-k8s.io/queue-name) is not a valid Kueue "
+            "LocalQueue name",
+        ),
+        (lambda o: [o.Name("Bad_Name")], "TrainJob name 'Bad_Name' is not a valid DNS-1123"),
+    ],
+)
+def test_options_tunepack_cannot_honour_are_refused_by_name(server, options, message):
+    import kubeflow.trainer.options as kf_options
+
+    from tunepack.errors import BadInputError
+
+    fake, url = server
+    _install(fake, url)
+    with pytest.raises(BadInputError) as caught:
+        _client(url).train(
+            runtime=RUNTIME,
+            initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+            trainer=FineTune(),
+            options=options(kf_options),
+        )
+    assert message in str(caught.value)
+    assert not [r for r in fake.requests if r.method == "POST"]
+
+
+def test_get_job_uses_the_sdk_timeout(server, monkeypatch):
+    import time
+
+    from kubeflow.common import constants
+
+    fake, url = server
+    path = f"{GROUP_PATH}/namespaces/{NS}/trainjobs/slow"
+    fake.after.append(lambda req: time.sleep(1.0) if req.path == path else None)
+    monkeypatch.setattr(constants, "DEFAULT_TIMEOUT", 0.2)
+    with pytest.raises(TimeoutError, match=f"Timeout to get TrainJob: {NS}/slow"):
+        _client(url).get_job("slow")
+
+
+def test_list_jobs_survives_a_job_deleted_while_listing(server):
+    fake, url = server
+    _install(fake, url)
+    tc = _client(url)
+    init = Initializer(dataset="file:///d.jsonl", model="file:///m")
+    first = tc.train(runtime=RUNTIME, initializer=init, trainer=FineTune())
+    second = tc.train(runtime=RUNTIME, initializer=init, trainer=FineTune())
+    list_path = f"{GROUP_PATH}/namespaces/{NS}/trainjobs"
+
+    def delete_first(req):
+        if req.method == "GET" and req.path == list_path:
+            fake.objects.pop(("trainjobs", NS, first), None)
+
+    fake.after.append(delete_first)
+    # The job was there when listed; its deletion afterwards does not fail the listing.
+    assert sorted(j.name for j in tc.list_jobs()) == sorted([first, second])
+    fake.after.clear()
+    assert [j.name for j in tc.list_jobs()] == [second]
 
 
 def _kubeconfig(path, url: str):
@@ -196,19 +414,28 @@ def _kubeconfig(path, url: str):
     return {"KUBECONFIG": str(path)}
 
 
-def test_cli_install_train_status_logs_against_the_server(server, tmp_path):
+@pytest.fixture
+def cli(server, tmp_path):
+    """``tunepack ...`` as a subprocess whose kubeconfig points at the fake server."""
     fake, url = server
     # The Trainer control plane's version ConfigMap, which the SDK reads when it connects.
     fake.objects[("configmaps", "kubeflow-system", "kubeflow-trainer-public")] = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": "kubeflow-trainer-public", "namespace": "kubeflow-system"},
-        "data": {"kubeflow_trainer_version": "v2.1.0"},
+        "data": {"kubeflow_trainer_version": "v2.3.0"},
     }
     env = _kubeconfig(tmp_path / "kubeconfig", url)
 
     def tunepack(*args):
         return run_program("tunepack.cli", env, *args, timeout=120)
+
+    return tunepack
+
+
+def test_cli_install_train_status_logs_against_the_server(server, cli):
+    fake, url = server
+    tunepack = cli
 
     done = tunepack("install")
     assert done.returncode == 0, done.stderr
@@ -218,14 +445,18 @@ def test_cli_install_train_status_logs_against_the_server(server, tmp_path):
     for req in patches:
         assert req.content_type == "application/apply-patch+yaml"
         assert req.query == {"fieldManager": ["tunepack"], "force": ["true"]}
-    assert len(done.stdout.splitlines()) == len(names)
-    assert "applied ClusterTrainingRuntime tunepack-tiny-llama3 (fieldManager tunepack)" in (
-        done.stdout.splitlines()
+    assert done.stdout.splitlines() == [
+        f"clustertrainingruntime.trainer.kubeflow.org/{n} created" for n in names
+    ]
+    done = tunepack("install", "--runtime", "tiny-llama3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        "clustertrainingruntime.trainer.kubeflow.org/tunepack-tiny-llama3 unchanged\n"
     )
 
     done = tunepack(
         "train", "--runtime", "tunepack-tiny-llama3", "--dataset", "file:///d.jsonl",
-        "--model", "file:///m", "--name", "cli-job", "epochs=1",
+        "--model", "/m", "--name", "cli-job", "--queue", "team-a-queue", "epochs=1",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"tunepack: submitted TrainJob {NS}/cli-job\n"
@@ -233,9 +464,17 @@ def test_cli_install_train_status_logs_against_the_server(server, tmp_path):
     assert post.path == f"{GROUP_PATH}/namespaces/{NS}/trainjobs"
     validate_trainjob(post.body)
     spec = post.body["spec"]
-    assert post.body["metadata"] == {"name": "cli-job", "namespace": NS}
-    assert spec["runtimeRef"]["name"] == "tunepack-tiny-llama3"
-    assert spec["trainer"]["args"] == ["epochs=1"]
+    assert post.body["metadata"] == {
+        "name": "cli-job",
+        "namespace": NS,
+        "labels": {"kueue.x-k8s.io/queue-name": "team-a-queue"},
+    }
+    assert spec["runtimeRef"] == {
+        "name": "tunepack-tiny-llama3",
+        "apiGroup": "trainer.kubeflow.org",
+        "kind": "ClusterTrainingRuntime",
+    }
+    assert spec["trainer"] == {"args": ["epochs=1"], "numProcPerNode": 1}
     assert spec["initializer"]["dataset"]["storageUri"] == "file:///d.jsonl"
     assert spec["initializer"]["model"]["storageUri"] == "file:///m"
 
@@ -276,3 +515,236 @@ def test_cluster_only_operations_say_where_the_files_are(server):
     remote = Result(job="j", path="/workspace/output/adapter", base_model="org/m", local=False)
     with pytest.raises(NotAvailableError, match="on the cluster volume /workspace/output/adapter"):
         remote.load()
+
+
+# --- installing over installed runtimes -------------------------------------------------------
+
+IN_USE = "trainer.kubeflow.org/resource-in-use"
+
+
+def _stored(fake, name: str) -> dict:
+    return fake.objects[("clustertrainingruntimes", None, name)]
+
+
+def _older_failure_policy(fake, name: str) -> None:
+    """Make the installed runtime differ in an immutable field, as an older version would."""
+    _stored(fake, name)["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] = 1
+
+
+def _trainjob_using(fake, namespace: str, name: str, runtime: str, kind: str | None) -> None:
+    ref = {"name": runtime, **({"kind": kind} if kind else {})}
+    fake.objects[("trainjobs", namespace, name)] = {
+        "apiVersion": "trainer.kubeflow.org/v1alpha1",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"runtimeRef": ref},
+    }
+
+
+def test_install_reports_created_unchanged_configured_and_replaced(server):
+    fake, url = server
+    api = _api_client(url)
+    objects = runtime_objects(["tiny-llama3", "llama3.2-1b"])
+    assert [install(api, o) for o in objects] == ["created", "created"]
+    assert [install(api, o) for o in objects] == ["unchanged", "unchanged"]
+
+    _stored(fake, "tunepack-tiny-llama3")["metadata"]["labels"]["tunepack.dev/model"] = "old"
+    _older_failure_policy(fake, RUNTIME)
+    uid = _stored(fake, RUNTIME)["metadata"]["uid"]
+    before = len(fake.requests)
+    assert [install(api, o) for o in objects] == ["configured", "replaced"]
+    replaced = _stored(fake, RUNTIME)
+    assert replaced["metadata"]["uid"] != uid  # a new object
+    assert replaced["spec"] == objects[1]["spec"]
+    path = f"{GROUP_PATH}/clustertrainingruntimes/{RUNTIME}"
+    calls = [(r.method, r.path) for r in fake.requests[before:] if r.path == path]
+    assert calls == [("GET", path), ("PATCH", path), ("DELETE", path), ("GET", path)] + [
+        ("PATCH", path)
+    ]
+    delete = next(r for r in fake.requests[before:] if r.method == "DELETE")
+    assert delete.body["preconditions"] == {"uid": uid}  # never someone else's new object
+
+
+def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
+    from tunepack.errors import EXIT_TRANSIENT
+    from tunepack.install import RuntimeInUseError
+
+    fake, url = server
+    api = _api_client(url)
+    (obj,) = runtime_objects([RUNTIME])
+    install(api, obj)
+    _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
+    _older_failure_policy(fake, RUNTIME)
+    _trainjob_using(fake, "team-a", "job-1", RUNTIME, "ClusterTrainingRuntime")
+    _trainjob_using(fake, "team-b", "job-2", RUNTIME, None)  # kind defaults to the cluster one
+    _trainjob_using(fake, "team-a", "job-3", RUNTIME, "TrainingRuntime")  # not this one
+    _trainjob_using(fake, "team-a", "job-4", "tunepack-tiny-llama3", None)
+
+    with pytest.raises(RuntimeInUseError) as caught:
+        install(api, obj, delete_timeout=0.3, poll_interval=0.1)
+    assert caught.value.exit_code == EXIT_TRANSIENT
+    assert str(caught.value) == (
+        f"ClusterTrainingRuntime {RUNTIME} is still being deleted after 0.3 s (finalizers: "
+        f"{IN_USE}); it is in use by TrainJobs team-a/job-1, team-b/job-2. tunepack deletes a "
+        "runtime to re-create it when fields that cannot change in place (failurePolicy, "
+        "volumeClaimPolicies, dependsOn, ...) differ from the installed one; the delete "
+        "finishes when the runtime is no longer in use. Run `tunepack install` again when "
+        f"those TrainJobs have finished (or are deleted) to re-create {RUNTIME}"
+    )
+    assert _stored(fake, RUNTIME)["metadata"]["deletionTimestamp"]
+
+    # Run again while it is still terminating: install waits for the delete, then creates it.
+    path = f"{GROUP_PATH}/clustertrainingruntimes/{RUNTIME}"
+
+    def jobs_finish(req):
+        if (
+            req.method == "GET"
+            and req.path == path
+            and ("trainjobs", "team-a", "job-1") in (fake.objects)
+        ):
+            for key in [k for k in fake.objects if k[0] == "trainjobs"]:
+                del fake.objects[key]
+            fake.finalize("clustertrainingruntimes", None, RUNTIME)
+
+    fake.after.append(jobs_finish)
+    assert install(api, obj, delete_timeout=5, poll_interval=0.1) == "created"
+    assert _stored(fake, RUNTIME)["spec"] == obj["spec"]
+
+
+def test_install_says_when_the_trainjobs_cannot_be_listed(server):
+    from tunepack.install import RuntimeInUseError
+
+    fake, url = server
+    api = _api_client(url)
+    (obj,) = runtime_objects([RUNTIME])
+    install(api, obj)
+    _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
+    _older_failure_policy(fake, RUNTIME)
+    fake.fail[("GET", f"{GROUP_PATH}/trainjobs")] = (403, "trainjobs is forbidden")
+    with pytest.raises(RuntimeInUseError, match=r"the TrainJobs that use it could not be listed"):
+        install(api, obj, delete_timeout=0.2, poll_interval=0.1)
+
+
+@pytest.mark.parametrize(
+    ("method", "code", "reason", "message"),
+    [
+        (
+            "PATCH",
+            422,
+            'admission webhook "validator.clustertrainingruntime.trainer.kubeflow.org" denied '
+            "the request: spec.mlPolicy: Invalid value",
+            f"Failed to apply ClusterTrainingRuntime {RUNTIME}: admission webhook "
+            '"validator.clustertrainingruntime.trainer.kubeflow.org" denied the request: '
+            "spec.mlPolicy: Invalid value",
+        ),
+        (
+            "DELETE",
+            403,
+            "clustertrainingruntimes is forbidden: User cannot delete resource",
+            f"Failed to delete ClusterTrainingRuntime {RUNTIME} to re-create it (fields that "
+            "cannot change in place differ): clustertrainingruntimes is forbidden: User cannot "
+            "delete resource",
+        ),
+        (
+            "GET",
+            403,
+            "clustertrainingruntimes is forbidden",
+            f"Failed to read ClusterTrainingRuntime {RUNTIME}: clustertrainingruntimes is "
+            "forbidden",
+        ),
+    ],
+)
+def test_install_reports_other_refusals_with_the_server_message(
+    server, method, code, reason, message
+):
+    fake, url = server
+    api = _api_client(url)
+    (obj,) = runtime_objects([RUNTIME])
+    install(api, obj)
+    _older_failure_policy(fake, RUNTIME)
+    fake.fail[(method, f"{GROUP_PATH}/clustertrainingruntimes/{RUNTIME}")] = (code, reason)
+    with pytest.raises(RuntimeError) as caught:
+        install(api, obj)
+    assert str(caught.value) == message
+    assert api_status(caught.value) == code
+
+
+def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
+    fake, url = server
+    tiny = "tunepack-tiny-llama3"
+    assert cli("install", "--runtime", "tiny-llama3").returncode == 0
+    _older_failure_policy(fake, tiny)
+    done = cli("install", "--runtime", "tiny-llama3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"clustertrainingruntime.trainer.kubeflow.org/{tiny} replaced\n"
+
+    _older_failure_policy(fake, tiny)
+    _stored(fake, tiny)["metadata"]["finalizers"] = [IN_USE]
+    _trainjob_using(fake, NS, "cli-job", tiny, None)
+    done = cli("install", "--runtime", "tiny-llama3", "--delete-timeout", "0.5")
+    assert done.returncode == 75, done.stderr
+    assert done.stdout == ""
+    assert done.stderr.startswith(
+        f"tunepack: error: ClusterTrainingRuntime {tiny} is still being deleted after 0.5 s "
+        f"(finalizers: {IN_USE}); it is in use by TrainJobs {NS}/cli-job. "
+    )
+    assert done.stderr.count("\n") == 1  # one line, no traceback
+
+    fake.finalize("clustertrainingruntimes", None, tiny)
+    fake.fail[("PATCH", f"{GROUP_PATH}/clustertrainingruntimes/{tiny}")] = (403, "forbidden")
+    done = cli("install", "--runtime", "tiny-llama3")
+    assert done.returncode == 1
+    assert (
+        done.stderr
+        == f"tunepack: error: Failed to apply ClusterTrainingRuntime {tiny}: forbidden\n"
+    )
+
+
+def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli):
+    fake, url = server
+    args = ["--dataset", "file:///d.jsonl", "--model", "file:///m"]
+
+    # No runtime installed: one line saying what to do, not a traceback.
+    done = cli("train", "--runtime", RUNTIME, "--name", "j1", *args)
+    assert done.returncode == 1
+    assert done.stderr.startswith(f"tunepack: error: runtime {RUNTIME!r} is not installed")
+    assert done.stderr.count("\n") == 1
+
+    assert cli("install", "--runtime", RUNTIME, "--namespace", NS).returncode == 0
+    assert ("trainingruntimes", NS, RUNTIME) in fake.objects
+    done = cli("train", "--runtime", RUNTIME, "--name", "j1", *args)
+    assert done.returncode == 0, done.stderr
+    (post,) = [r for r in fake.requests if r.method == "POST"]
+    assert post.body["spec"]["runtimeRef"]["kind"] == "TrainingRuntime"
+
+    # The memory planner applies to the CLI too; --memory-check warn submits anyway.
+    big = ["method=full", "max_seq_len=8192", "batch_size=8"]
+    done = cli("train", "--runtime", RUNTIME, "--name", "j2", *args, *big)
+    assert done.returncode == 65
+    assert "tunepack: error: this fine-tune is estimated not to fit in GPU memory" in done.stderr
+    done = cli("train", "--runtime", RUNTIME, "--name", "j2", "--memory-check", "warn", *args, *big)
+    assert done.returncode == 0, done.stderr
+    post = [r for r in fake.requests if r.method == "POST"][-1]
+    assert post.body["spec"]["trainer"]["args"] == [
+        "method=full",
+        "batch_size=8",
+        "max_seq_len=8192",
+    ]
+
+    # Bad input is refused before anything is sent.
+    posts = len([r for r in fake.requests if r.method == "POST"])
+    done = cli("train", "--runtime", RUNTIME, "--dataset", "data.jsonl", "--model", "file:///m")
+    assert done.returncode == 65
+    assert done.stderr == (
+        "tunepack: error: dataset storage URI 'data.jsonl' is a relative path: a TrainJob's "
+        "storage URI is read inside the dataset initializer container on the cluster, so a path "
+        "must be absolute (/abs/path or file:///abs/path), or use a URI such as hf://org/name "
+        "or s3://bucket/key\n"
+    )
+    done = cli("train", "--runtime", RUNTIME, "--queue", "Team Q", *args)
+    assert done.returncode == 65
+    assert "queue 'Team Q' (label kueue.x-k8s.io/queue-name) is not a valid Kueue" in done.stderr
+    done = cli("train", "--runtime", RUNTIME, *args, "lora_rnk=8")
+    assert done.returncode == 65
+    assert "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?" in done.stderr
+    assert len([r for r in fake.requests if r.method == "POST"]) == posts
