@@ -134,12 +134,9 @@ def test_cli_train_multinode(api, controlplane, namespace, installed_runtimes, o
         kubeconfig=controlplane.kubeconfig,
     )
     assert done.returncode == 0, done.stderr
-    js = _check_rendered(
-        api, namespace, "cli-multinode", nodes=2, procs=8, args=["method=lora", "epochs=1"]
+    _check_rendered(
+        api, namespace, "cli-multinode", nodes=2, procs=1, args=["method=lora", "epochs=1"]
     )
-    assert js["spec"]["volumeClaimPolicies"][0]["templates"][0]["spec"]["accessModes"] == [
-        "ReadWriteMany"
-    ]
     assert api.wait_finished(namespace, "cli-multinode") == "Complete"
     ranks = sorted(
         p.metadata.annotations["batch.kubernetes.io/job-completion-index"]
