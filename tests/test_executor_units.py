@@ -402,17 +402,18 @@ def test_container_init_mounts_and_runs_as_the_user(tmp_path, uid):
     target = tmp_path / "mnt"
     target.mkdir()
     script = (
-        "import os, socket, sys\n"
+        "import json, os, socket, sys\n"
         "open('../out', 'w').write(str(os.getuid()))\n"  # cwd: <volume>/work
-        "print(socket.gethostname(), socket.gethostbyname('job-node-0-0.job'), os.getpid(),\n"
-        "      os.getgroups(), os.environ['X'], flush=True)\n"
+        "print(json.dumps([socket.gethostname(), socket.gethostbyname('job-node-0-0.job'),\n"
+        "                  os.getpid(), os.getgroups(), os.environ['X'], sys.prefix]))\n"
         "sys.exit(75)\n"
     )
     spec = {
-        "argv": [sys.executable, "-c", script],
+        # A bare name looked up in PATH, as pods say "python"
+        "argv": [os.path.basename(sys.executable), "-c", script],
         "setpriv": shutil.which("setpriv"),
         "no_new_privs": True,
-        "env": {"X": "y", "PATH": os.environ["PATH"]},
+        "env": {"X": "y", "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"},
         "uid": uid,
         "gid": uid,
         "groups": [2000] if uid else [],
@@ -446,10 +447,10 @@ def test_container_init_mounts_and_runs_as_the_user(tmp_path, uid):
     )  # fmt: skip
     assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
     assert done.returncode == 75, done.stdout + done.stderr
-    name, address, pid, groups, x = done.stdout.split(maxsplit=4)
-    assert (name, address, x.split()[-1]) == ("job-node-0-0", "127.0.0.1", "y")
-    assert 1 < int(pid) < 10  # its own PID namespace
-    assert groups.startswith("[2000]" if uid else "[]")
+    name, address, pid, groups, x, prefix = json.loads(done.stdout)
+    assert (name, address, groups, x) == ("job-node-0-0", "127.0.0.1", [2000] if uid else [], "y")
+    assert 1 < pid < 10  # its own PID namespace
+    assert prefix == sys.prefix  # the venv, even where only root may reach its base interpreter
     assert (volume / "out").read_text() == str(uid)  # written through the bind mount
     assert (volume / "work").is_dir()  # the working directory, made inside the volume
     assert not any(target.iterdir())  # the mount never showed on this machine

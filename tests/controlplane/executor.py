@@ -2,42 +2,54 @@
 
 The control plane of the cluster tier (tests/controlplane) is real: etcd, kube-apiserver, the Job
 controller, kube-scheduler, JobSet and the Kubeflow Trainer. This machine has no kubelet and no
-container runtime, so this executor registers a Node, watches the pods the scheduler binds to it,
+container runtime, so this executor registers a Node (not KWOK's), watches the pods bound to it,
 and runs each container's ``command``/``args`` for real, with the environment, volumes, user,
-hosts file, exit codes, logs and status a kubelet would give them.
+hosts file, exit codes, logs and status a kubelet would give them: the Job controller's
+podFailurePolicy and JobSet's failure policy see real exit codes.
 
-What it is NOT:
-- No images. The container command runs on this machine with this machine's files and the
-  ``--path`` given (the project's venv first), so ``python -m tunepack...`` runs the checkout.
-  The image's ENTRYPOINT is unknown: a container without ``command`` fails. ``image`` is only
-  reported back. The image's ENV lines are approximated by PATH, HOME, HOSTNAME, LANG and the
-  two PYTHON* variables tunepack's Dockerfiles set.
+What it is NOT, and why (no images, no runtime, one loopback address here):
+- No images. The command runs on this machine, with its files and the ``--path`` given (the
+  project's venv first), so ``python -m tunepack...`` runs the checkout. The image's ENTRYPOINT
+  is unknown: a container without ``command`` fails. ``image`` is only reported back. The image's
+  ENV lines are approximated by PATH, HOME (a per-container directory), HOSTNAME, LANG and the
+  two PYTHON* variables tunepack's Dockerfiles set; workingDir defaults to that directory.
 - No resource limits, no cgroups, no probes (a running container is ready), no seccomp or
-  capability handling beyond dropping root with runAsUser.
-- No network namespaces: every pod is 127.0.0.1. Each container gets its own mount, PID and UTS
-  namespace (``unshare``): its volumes are bind-mounted at their mountPaths, its hostname is the
-  pod's, and /etc/hosts is a per-pod file mapping the names of the pods of its namespace and
-  subdomain (a JobSet's headless Service) to 127.0.0.1, so ``<trainjob>-node-0-0.<trainjob>``
-  resolves. Ports are shared: two pods listening on one port collide.
+  capabilities beyond what dropping root gives (runAsUser/runAsGroup/fsGroup/supplementalGroups
+  via ``setpriv``; allowPrivilegeEscalation: false -> no_new_privs).
+- No network namespaces: every pod is 127.0.0.1 and ports are shared. Each container gets its
+  own mount, PID and UTS namespace (``unshare``): its volumes are bind-mounted at their
+  mountPaths, its hostname is the pod's, and /etc/hosts is a per-pod file mapping the names of
+  the pods of its namespace and subdomain (a JobSet's headless Service) to 127.0.0.1, so
+  ``<trainjob>-node-0-0.<trainjob>`` resolves; the file is rewritten in place when peers come.
 - Volumes: persistentVolumeClaim (bound to a hostPath or local PV), emptyDir (a directory, or a
-  tmpfs per container for ``medium: Memory``, not shared between the containers of a pod),
-  secret, configMap (files written once, not updated) and hostPath. Others fail the pod.
+  tmpfs per container for ``medium: Memory``: not shared between the containers of a pod),
+  secret, configMap, downwardAPI and projected (service account tokens by TokenRequest: every
+  pod gets kube-api-access-*), written once and not refreshed, and hostPath. Others fail the pod.
+  Missing mount points (``/workspace``) are created on this machine and removed at exit when
+  empty and not a mount point of some other process (another executor's container).
 - restartPolicy Never is what Jobs with a podFailurePolicy use; OnFailure and Always restart the
   container in place with a short back-off (1, 2, 4 ... 30 s, not the kubelet's 10 s ... 5 min).
   Sidecar init containers (restartPolicy Always on an init container) fail the pod.
 - A missing Secret/ConfigMap/key or an unbound PVC is retried for ``--config-wait`` seconds
   (the kubelet retries forever), then the pod fails with the reason in its container status.
 - The termination message is the log tail for failed containers (FallbackToLogsOnError);
-  terminationMessagePath files are not read.
+  terminationMessagePath files are not read. Containers that never ran in a pod that ended are
+  reported terminated, exit code 137, reason ContainerStatusUnknown (as the kubelet does).
+- A pod deleted before it started is marked Failed, then deleted with grace 0. Pods found
+  running when the executor starts (a previous executor's) are lost: marked Failed, exit 137.
+- On SIGTERM/SIGINT it SIGTERMs every container, SIGKILLs what is left after 3 s, writes their
+  statuses once (the API server may be gone) and exits 0. Nothing survives it, even a SIGKILL of
+  the executor (parent-death signals); only its own processes are ever signalled.
 
-Layout under ``--root``: ``logs/<ns>_<pod>_<container>.log`` (stdout+stderr), ``pids/<ns>_<pod>_
-<container>.pid`` (the container's main process, host PID, while it runs: a test may SIGKILL it),
-``pods/<uid>/`` (emptyDirs, secret files, hosts file). The kube-apiserver reads logs from the
-HTTPS endpoint ``/containerLogs/<ns>/<pod>/<container>`` on ``--log-port``.
+Layout under ``--root``: ``logs/<ns>_<pod>_<container>.log`` (stdout+stderr; the one before a
+restart is ``.previous.log``), ``pids/<ns>_<pod>_<container>.pid`` (the container's main process,
+host PID, while it runs: a test may SIGKILL it), ``pods/<uid>/`` (emptyDirs, volume files, hosts
+file), ``scratch/<uid>/<container>`` (HOME). The kube-apiserver reads logs from the HTTPS
+endpoint ``/containerLogs/<ns>/<pod>/<container>`` (follow, tailLines, limitBytes, previous) on
+127.0.0.1:``--log-port``; exec, attach and port-forward are not served.
 
 Run: ``python -m tests.controlplane.executor --kubeconfig K --node N --root DIR --log-port P
---serving-cert C --serving-key K [--path PATH]``; SIGTERM/SIGINT stop it and every process it
-started (each container's PID namespace dies with its init).
+--serving-cert C --serving-key K [--path PATH] [--config-wait S]``.
 """
 
 from __future__ import annotations
@@ -70,6 +82,13 @@ log = logging.getLogger("executor")
 KUBELET_VERSION = "v1.36.3-executor"
 STOP_GRACE_S = 3  # SIGTERM -> SIGKILL when the executor itself stops
 MIN_GRACE_S = 2  # the kubelet's minimum grace period
+# Each container: its own mount, UTS and PID namespaces (the init below is PID 1; when it ends,
+# the kernel kills every process left in the namespace). setpriv --pdeathsig: when the executor
+# thread that started it dies (even by SIGKILL), unshare gets SIGKILL; --kill-child passes it on.
+NAMESPACES = (
+    "setpriv --pdeathsig KILL -- unshare --mount --uts --pid --fork --kill-child --mount-proc "
+    "--propagation private --"
+).split()
 
 # PID 1 of a container's namespaces; runs as root with `python -I -S` (standard library only).
 INIT_SCRIPT = r'''
@@ -114,16 +133,21 @@ except OSError as e:
 os.umask(0o022)
 command = spec["argv"][0]
 dirs = [spec["cwd"]] if "/" in command else spec["env"].get("PATH", "").split(":")
-if not any(os.path.isfile(os.path.join(d, command)) and os.access(os.path.join(d, command), os.X_OK)
-           for d in dirs):
+found = [os.path.join(d, command) for d in dirs if os.path.isfile(os.path.join(d, command))
+         and os.access(os.path.join(d, command), os.X_OK)]
+if not found:
     start_failed(f'exec: "{command}": executable file not found in $PATH')
+# Exec the resolved path: a program looked up in PATH by the pod's user could not be found when
+# its real file is behind a directory only root may enter (the venv's python -> /root/.pyenv
+# here), and Python then would not find its venv either.
+argv = [os.path.abspath(found[0]), *spec["argv"][1:]]
 # setpriv drops to the pod's user at exec time (it keeps root's capabilities until then, so an
 # interpreter behind a directory only root may enter still starts); the pid stays the same.
 user = [spec["setpriv"], "--reuid", str(spec["uid"]), "--regid", str(spec["gid"])]
 user += ["--groups", ",".join(map(str, spec["groups"]))] if spec["groups"] else ["--clear-groups"]
 user += ["--nnp"] if spec["no_new_privs"] else []
 try:
-    child = subprocess.Popen([*user, "--", *spec["argv"]], env=spec["env"], cwd=spec["cwd"],
+    child = subprocess.Popen([*user, "--", *argv], env=spec["env"], cwd=spec["cwd"],
                              stdin=subprocess.DEVNULL)
 except OSError as e:
     start_failed(f"exec: {e}")
@@ -325,18 +349,15 @@ class PodRunner:
     def _finish(self):
         with self.lock:
             for st in [*self.init, *self.main]:
-                if st.waiting is not None:
-                    why = "pod deleted" if self.deletion.is_set() else "pod failed"
-                    st.terminate(
-                        137,
-                        "ContainerStatusUnknown",
-                        f"The container never started ({why}).",
-                        now(),
-                    )
+                if st.waiting is not None:  # never started, or waiting to restart
+                    why = "the pod failed"
+                    if self.deletion.is_set():
+                        why = "the executor stopped" if self.ex.stopping.is_set() else "deleted"
+                    message = f"The container was not running when the pod ended ({why})."
+                    st.terminate(137, "ContainerStatusUnknown", message, now())
             ok = all(c.exit_code == 0 for c in [*self.init, *self.main])
             self.phase = "Succeeded" if ok else "Failed"
-        if not self.ex.stopping.is_set():
-            self.patch_status()
+        self.patch_status(quick=self.ex.stopping.is_set())
         log.info("pod %s/%s %s", self.ns, self.name, self.phase)
         self.done.set()
         if self.deletion.is_set() and not self.ex.stopping.is_set() and not self.gone:
@@ -552,27 +573,7 @@ class PodRunner:
         error_file.unlink(missing_ok=True)
         spec_file = self.dir / f"{st.name}.json"
         self.ex.make_mount_points(plan["mounts"])
-        argv = [
-            "setpriv",
-            "--pdeathsig",
-            "KILL",
-            "--",
-            "unshare",
-            "--mount",
-            "--uts",
-            "--pid",
-            "--fork",
-            "--kill-child",
-            "--mount-proc",
-            "--propagation",
-            "private",
-            "--",
-            sys.executable,
-            "-I",
-            "-S",
-            str(self.ex.init_script),
-            str(spec_file),
-        ]
+        argv = [*NAMESPACES, sys.executable, "-I", "-S", str(self.ex.init_script), str(spec_file)]
         started_file = self.dir / f"{st.name}.started"
         started_file.unlink(missing_ok=True)
         plan = {**plan, "error_file": str(error_file), "started_file": str(started_file)}
@@ -686,18 +687,27 @@ class PodRunner:
                 status["reason"], status["message"] = self.message
             return status
 
-    def patch_status(self):
+    def patch_status(self, quick: bool = False):
+        """PATCH pods/status (strategic merge, as the kubelet does); ``quick``: one short try
+        (the executor is stopping and the API server may be gone already)."""
         if self.gone:
             return
         with self.patch_lock:
             body = {"status": self._status()}
             try:
-                self.ex.call(self.ex.core.patch_namespaced_pod_status, self.name, self.ns, body)
+                if quick:
+                    self.ex.core.patch_namespaced_pod_status(
+                        self.name, self.ns, body, _request_timeout=2
+                    )
+                else:
+                    self.ex.call(self.ex.core.patch_namespaced_pod_status, self.name, self.ns, body)
             except ApiException as e:
                 if e.status == 404:
                     self.gone = True
                 else:
                     log.warning("pod %s/%s: status patch failed: %s", self.ns, self.name, e.reason)
+            except Exception as e:
+                log.warning("pod %s/%s: status patch failed: %s", self.ns, self.name, e)
 
 
 def set_ownership(path: Path, fs_group, security_context: dict | None = None):
@@ -752,7 +762,8 @@ class Executor:
         cfg.connection_pool_maxsize = 32
         self.core = client.CoreV1Api(client.ApiClient(cfg))
         self.watch_core = client.CoreV1Api(client.ApiClient(cfg))
-        self.runners: dict[str, PodRunner] = {}
+        self.runners: dict[str, PodRunner] = {}  # pods bound here, until their object is gone
+        self.forgetting: set[PodRunner] = set()  # gone from the API, containers still stopping
         self.finalized: set[str] = set()
         self.peers: dict[str, tuple[str, str | None, str]] = {}  # uid -> hosts entry
         self.lock = threading.RLock()
@@ -785,12 +796,9 @@ class Executor:
             raise
 
     def lookup_data(self, ns: str, kind: str, name: str) -> dict[str, bytes] | None:
-        fn = (
-            self.core.read_namespaced_secret
-            if kind == "secret"
-            else (self.core.read_namespaced_config_map)
-        )
-        obj = self._read(fn, name, ns)
+        read = {"secret": self.core.read_namespaced_secret,
+                "configMap": self.core.read_namespaced_config_map}[kind]  # fmt: skip
+        obj = self._read(read, name, ns)
         return None if obj is None else podspec.decode_data(obj, kind)
 
     def lookup_env(self, ns: str, kind: str, name: str) -> dict[str, str] | None:
@@ -984,6 +992,8 @@ class Executor:
                 self.peers[uid] = entry
         if kind == "DELETED":
             if runner is not None:
+                with self.lock:
+                    self.forgetting.add(runner)
                 threading.Thread(target=self._forget, args=(runner,), daemon=True).start()
             self.update_hosts(entry)
             return
@@ -1018,6 +1028,8 @@ class Executor:
             runner.request_termination(0)
             runner.done.wait()
         runner.cleanup()
+        with self.lock:
+            self.forgetting.discard(runner)
 
     def write_hosts(self, runner: PodRunner):
         entry = (podspec.pod_hostname(runner.pod), runner.pod["spec"].get("subdomain"), runner.ns)
@@ -1125,7 +1137,7 @@ class Executor:
     def stop(self):
         self.stopping.set()
         with self.lock:
-            runners = list(self.runners.values())
+            runners = [*self.runners.values(), *self.forgetting]
         for r in runners:
             r.deletion.set()  # ends waits and keeps containers from (re)starting
             with r.lock:
@@ -1147,9 +1159,10 @@ class Executor:
                 log.warning("left %s in place: a mount point in another mount namespace", path)
                 continue
             try:
-                os.rmdir(path) if os.path.isdir(path) else (
-                    os.path.getsize(path) == 0 and os.unlink(path)
-                )
+                if os.path.isdir(path):
+                    os.rmdir(path)  # fails, as it should, when something was put there
+                elif os.path.getsize(path) == 0:
+                    os.unlink(path)
             except OSError as e:
                 log.warning("left %s in place: %s", path, e)
         if self.own_scratch:
@@ -1226,17 +1239,19 @@ def main(argv=None) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s executor[{args.node}] %(message)s",
     )
-    stop = threading.Event()
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, lambda *_: stop.set())
     ex = Executor(args)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: ex.stopping.set())
     server = serve_logs_forever(ex, args.serving_cert, args.serving_key)
     try:
         ex.register_node()
         threading.Thread(target=ex.heartbeat, name="heartbeat", daemon=True).start()
         threading.Thread(target=ex.watch, name="watch", daemon=True).start()
-        while not stop.wait(1):
+        while not ex.stopping.wait(1):
             pass
+    except Exception:
+        if not ex.stopping.is_set():  # e.g. no API server: fail loudly
+            raise
     finally:
         log.info("stopping: killing every container")
         ex.stop()
