@@ -2,8 +2,9 @@
 
 On the local backend the result is a directory; ``load()`` reads the base model from the job's
 workspace and the LoRA adapter with transformers + peft. On a cluster the result is on the job's
-workspace PVC (``workspace-<job>``, mounted at ``/workspace``; the adapter under
-``/workspace/output/adapter``): ``Result.path`` names it and docs/cluster.md shows how to read it.
+workspace PVC (``initializer-<job>``, kept after the TrainJob is deleted, mounted at
+``/workspace``; the adapter under ``/workspace/output/adapter``): ``Result.path`` names it and
+docs/cluster.md shows how to read it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from tunepack.errors import NotAvailableError
+from tunepack.runtimes.generate import workspace_pvc
 
 
 @dataclass
@@ -74,9 +76,10 @@ def result_for(backend, name: str) -> Result:
             method=info.get("method"),
             final_loss=info.get("final_loss"),
         )
+    pvc = workspace_pvc(name)
     return Result(
         job=name,
-        path=f"pvc/workspace-{name}:/workspace/output/adapter",
-        base_model=f"pvc/workspace-{name}:/workspace/model",
+        path=f"pvc/{pvc}:/workspace/output/adapter",
+        base_model=f"pvc/{pvc}:/workspace/model",
         local=False,
     )

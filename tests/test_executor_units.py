@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -476,3 +477,58 @@ def test_container_init_reports_a_command_that_cannot_start(tmp_path):
     )  # fmt: skip
     assert done.returncode == 128
     assert 'exec: "no-such-program"' in (tmp_path / "error").read_text()
+
+
+@needs_root
+def test_container_init_makes_deep_mount_points_only_inside_the_container(tmp_path):
+    """A service-account token's mount point (/var/run/secrets/...) made on this machine would
+    turn every Kubernetes client here into an "in-cluster" one: the init makes missing mount
+    points below existing system directories in a private overlay, and binds sources it opened
+    before (an overlay of /tmp must not hide a volume under /tmp)."""
+    import uuid
+
+    from tests.controlplane.executor import INIT_SCRIPT
+
+    init = tmp_path / "init.py"
+    init.write_text(INIT_SCRIPT)
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    token = tmp_path / "token-volume"
+    token.mkdir()
+    (token / "token").write_text("secret-token")
+    top = Path("/var/run") / f"tunepack-test-{uuid.uuid4().hex[:8]}"
+    deep_tmp = Path(tempfile.gettempdir()) / f"tunepack-test-{uuid.uuid4().hex[:8]}" / "scratch"
+    script = (
+        f"print(open('{top}/serviceaccount/token').read())\n"
+        f"open('{deep_tmp}/f', 'w').write('x')\n"
+        f"try:\n    open('{top}/serviceaccount/x', 'w')\nexcept OSError as e:\n"
+        "    print(e.strerror)\n"
+    )
+    spec = {
+        "argv": [sys.executable, "-c", script], "setpriv": shutil.which("setpriv"),
+        "no_new_privs": False, "env": {"PATH": "/usr/bin:/bin"}, "uid": 0, "gid": 0,
+        "groups": [], "cwd": "/", "hostname": "h",
+        "mounts": [
+            {"target": str(deep_tmp), "source": str(volume), "read_only": False,
+             "tmpfs_bytes": None, "is_file": False},
+            {"target": f"{top}/serviceaccount", "source": str(token), "read_only": True,
+             "tmpfs_bytes": None, "is_file": False},
+        ],
+        "overlay_dir": str(tmp_path / "overlays"),
+        "error_file": str(tmp_path / "error"), "started_file": str(tmp_path / "started"),
+    }  # fmt: skip
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    try:
+        done = subprocess.run(
+            ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc", "--propagation",
+             "private", "--", sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.stdout.split("\n")[:2] == ["secret-token", "Read-only file system"]
+        assert (volume / "f").read_text() == "x"  # the real volume, under the overlaid /tmp
+        assert not top.exists() and not deep_tmp.parent.exists()  # nothing left on this machine
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(deep_tmp.parent, ignore_errors=True)

@@ -25,8 +25,10 @@ What it is NOT, and why (no images, no runtime, one loopback address here):
   tmpfs per container for ``medium: Memory``: not shared between the containers of a pod),
   secret, configMap, downwardAPI and projected (service account tokens by TokenRequest: every
   pod gets kube-api-access-*), written once and not refreshed, and hostPath. Others fail the pod.
-  Missing mount points (``/workspace``) are created on this machine and removed at exit when
-  empty and not a mount point of some other process (another executor's container).
+  Missing top-level mount points (``/workspace``) are created on this machine and removed at
+  exit when empty and not a mount point of some other process (another executor's container);
+  deeper ones (``/var/run/secrets/...``) only in the container, in a private overlay of the
+  directory above them, since their presence here would change what other programs see.
 - restartPolicy Never is what Jobs with a podFailurePolicy use; OnFailure and Always restart the
   container in place with a short back-off (1, 2, 4 ... 30 s, not the kubelet's 10 s ... 5 min).
   Sidecar init containers (restartPolicy Always on an init container) fail the pod.
@@ -93,40 +95,97 @@ NAMESPACES = (
 # PID 1 of a container's namespaces; runs as root with `python -I -S` (standard library only).
 INIT_SCRIPT = r'''
 """Container init written by tests/controlplane/executor.py: mounts, then runs the command."""
-import json, os, signal, socket, subprocess, sys
+import ctypes, json, os, signal, socket, subprocess, sys
 
 spec = json.load(open(sys.argv[1]))
 
 
+def at(fd, name=""):
+    """A path that reaches what fd names, whatever a later mount puts over its own path."""
+    return f"/proc/self/fd/{fd}" + (f"/{name}" if name else "")
+
+
+def dir_fd(path):
+    return os.open(path, os.O_PATH | os.O_DIRECTORY)
+
+
+# The executor's files: opened first, since an overlay below may cover them (they are under /tmp).
+error_dir, started_dir = (dir_fd(os.path.dirname(spec[k])) for k in ("error_file", "started_file"))
+
+
 def start_failed(message):
-    with open(spec["error_file"], "w") as f:
+    with open(at(error_dir, os.path.basename(spec["error_file"])), "w") as f:
         f.write(message)
     sys.exit(128)
 
 
-def run(*argv):
-    done = subprocess.run(argv, capture_output=True, text=True)
-    if done.returncode:
-        start_failed(f"{' '.join(argv)}: {done.stderr.strip() or done.returncode}")
+libc = ctypes.CDLL(None, use_errno=True)
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
 
 
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda v: None if v is None else v.encode()  # noqa: E731
+    if libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype or 'bind'} on {target}: {os.strerror(err)}")
+
+
+def missing_chain(path):
+    """The missing components of path, outermost first, and the deepest one that exists."""
+    chain = []
+    while not os.path.lexists(path):
+        chain.append(path)
+        path = os.path.dirname(path)
+    return chain[::-1], path
+
+
+done = []  # mount targets so far: a directory inside one belongs to the container
+overlaid = set()
 try:
     socket.sethostname(spec["hostname"])
-    for m in spec["mounts"]:
-        target, source = m["target"], m["source"]
-        if source is not None and not os.path.isdir(source):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            if not os.path.exists(target):
-                open(target, "a").close()
-        else:
-            os.makedirs(target, exist_ok=True)
-        if source is None:
+    # Sources are opened before any mount: an overlay below may cover a source's path, and the
+    # bind must reach the real directory (/proc/self/fd/N names it whatever covers its path).
+    fds = [None if m["source"] is None else os.open(m["source"], os.O_PATH)
+           for m in spec["mounts"]]
+    layers = None  # the overlays' upper and work directories, in the pod's directory
+    for m, fd in zip(spec["mounts"], fds):
+        target = m["target"]
+        is_file = fd is not None and not os.path.isdir(m["source"])
+        chain, existing = missing_chain(target)
+        if chain:
+            inside = any(existing == t or existing.startswith(t.rstrip("/") + "/")
+                         for t in [*done, *overlaid])
+            if not inside:
+                # A missing mount point below an existing system directory (the service-account
+                # token's /var/run/secrets/...): made in a writable overlay of that directory
+                # that only this container sees, never on the machine, where it would change what
+                # other programs find (a Kubernetes client takes it for an in-cluster pod).
+                lower = os.path.realpath(existing)
+                if lower == "/":
+                    start_failed(f"mount point {target} is missing (the executor makes these)")
+                if layers is None:
+                    os.makedirs(spec["overlay_dir"], exist_ok=True)
+                    layers = dir_fd(spec["overlay_dir"])
+                layer = at(layers, str(len(overlaid)))
+                os.makedirs(layer + "/upper", exist_ok=True)
+                os.makedirs(layer + "/work", exist_ok=True)
+                mount("overlay", lower, "overlay", 0,
+                      f"lowerdir={lower},upperdir={layer}/upper,workdir={layer}/work")
+                overlaid.add(lower)
+            for p in chain:
+                if p == target and is_file:
+                    open(p, "a").close()
+                else:
+                    os.mkdir(p)
+        if fd is None:
             size = f",size={m['tmpfs_bytes']}" if m["tmpfs_bytes"] else ""
-            run("mount", "-t", "tmpfs", "-o", "mode=1777" + size, "tmpfs", target)
+            mount("tmpfs", target, "tmpfs", 0, "mode=1777" + size)
         else:
-            run("mount", "--bind", source, target)
+            mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
             if m["read_only"]:
-                run("mount", "-o", "remount,bind,ro", target)
+                mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+            os.close(fd)
+        done.append(target)
     os.makedirs(spec["cwd"], exist_ok=True)
 except OSError as e:
     start_failed(f"container setup: {e}")
@@ -151,7 +210,8 @@ try:
                              stdin=subprocess.DEVNULL)
 except OSError as e:
     start_failed(f"exec: {e}")
-open(spec["started_file"], "w").close()  # the executor now looks for the main process
+# The executor now looks for the main process.
+open(at(started_dir, os.path.basename(spec["started_file"])), "w").close()
 
 
 def forward(signum, frame):
@@ -561,6 +621,7 @@ class PodRunner:
             "cwd": c.get("workingDir") or str(home),
             "hostname": podspec.pod_hostname(self.pod),
             "mounts": [m.__dict__ for m in mounts],
+            "overlay_dir": str(self.dir / "overlays" / st.name),
         }
 
     def _exec(self, c: dict, st: ContainerState, plan: dict) -> int:
@@ -1058,21 +1119,21 @@ class Executor:
                 self.write_hosts(r)
 
     def make_mount_points(self, mounts: list[dict]):
-        """Create missing mount points on this machine (remembered, removed at exit if empty);
-        mount points inside another mount of the container are made by the container's init."""
-        targets = [m["target"].rstrip("/") or "/" for m in mounts]
+        """Create missing top-level mount points on this machine (``/workspace``; remembered and
+        removed at exit if empty). Deeper ones are the container init's: inside one of the
+        container's volumes, or in a private overlay of the existing directory above them."""
         with self.lock:
-            for m, target in zip(mounts, targets, strict=True):
-                if any(target != t and target.startswith(t.rstrip("/") + "/") for t in targets):
-                    continue
-                is_file = m["source"] is not None and not os.path.isdir(m["source"])
+            for m in mounts:
                 missing = []
-                p = Path(target)
+                p = Path(m["target"].rstrip("/") or "/")
                 while not p.exists():
                     missing.append(p)
                     p = p.parent
+                if not missing or p != Path("/"):
+                    continue
+                is_file = m["source"] is not None and not os.path.isdir(m["source"])
                 for q in reversed(missing):
-                    if q == Path(target) and is_file:
+                    if q == Path(m["target"]) and is_file:
                         q.touch()
                     else:
                         q.mkdir()
