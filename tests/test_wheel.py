@@ -1,9 +1,10 @@
 """The wheel: built from the source tree, installed into a fresh venv, run from outside the repo.
 
 Everywhere else the suite runs against the editable install, which finds any module of the
-source tree whether or not the wheel would carry it. Here a wheel is built from a copy of the
-source tree (setuptools' build/ directory keeps files across builds, so building in place could
-pass on a stale copy), installed with ``--no-deps --no-index`` into a new venv that sees the dev
+source tree whether or not the wheel would carry it. Here a wheel is built from a copy of what
+the images' wheel stage copies from the source tree (so the Dockerfiles build it the same way;
+and setuptools' build/ directory keeps files across builds, so building in place could pass on a
+stale copy), installed with ``--no-deps --no-index`` into a new venv that sees the dev
 venv's third-party packages but not the source tree, and its programs are run the way a user and
 the runtimes' containers run them: the ``tunepack`` script, then each step of the tiny runtime
 with the command the generated runtime gives its container.
@@ -13,15 +14,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from tunepack.workspace import MANIFEST_FILE
 
@@ -35,11 +39,7 @@ ROOTS = {
 }
 # Files other than modules that the code reads at run time (runtimes/generate.py: load_runtime).
 DATA = ["runtimes/generated/*.yaml"]
-# What `git status` ignores (.gitignore), and the repository's own metadata.
-NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "__pycache__", "*.egg-info", "build", "dist", ".pytest_cache", ".ruff_cache",
-    ".tunepack",
-)  # fmt: skip
+DOCKERFILES = [REPO / "initializers" / "Dockerfile", REPO / "trainers" / "Dockerfile"]
 TINY_RUNTIME = "tunepack-tiny-llama3"
 
 
@@ -58,10 +58,41 @@ def _source_modules() -> list[Path]:
     )
 
 
+def _stages(dockerfile: Path) -> dict[str, list[str]]:
+    """A Dockerfile's instructions (continuation lines joined), by stage name or number."""
+    stages: dict[str, list[str]] = {}
+    for line in re.sub(r"\\\n", " ", dockerfile.read_text(encoding="utf-8")).splitlines():
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if words[0] == "FROM":
+            name = words[3] if len(words) == 4 and words[2] == "AS" else str(len(stages))
+            stages[name] = []
+        elif stages:
+            stages[list(stages)[-1]].append(" ".join(words))
+    return stages
+
+
+def _copies(instructions: list[str]) -> list[list[str]]:
+    """The COPY instructions' arguments (the last one is the destination)."""
+    return [line.split()[1:] for line in instructions if line.startswith("COPY ")]
+
+
+def _wheel_inputs() -> list[str]:
+    """What the images' wheel stage copies into its build context: what a wheel is built from."""
+    return [src for *sources, _ in _copies(_stages(DOCKERFILES[0])["wheel"]) for src in sources]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
-    shutil.copytree(REPO, tmp / "src", ignore=NOT_SOURCE)
+    for name in _wheel_inputs():
+        source, target = REPO / name, tmp / "src" / name
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
     # The dev venv holds the build backend; nothing may come from the network.
     done = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
@@ -142,6 +173,36 @@ def test_wheel_carries_every_module_and_data_file(wheel):
     assert strays == []
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "tunepack = tunepack.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_dockerfiles_build_the_wheel_and_install_it():
+    """Both images build the wheel the same way, with a build backend pyproject.toml accepts, from
+    the files the build reads, and install it instead of copying source directories."""
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    wheel_stages = [_stages(path)["wheel"] for path in DOCKERFILES]
+    assert wheel_stages[0] == wheel_stages[1]
+    inputs = _wheel_inputs()
+    assert {"pyproject.toml", "setup.py", pyproject["project"]["readme"], *ROOTS} <= set(inputs)
+    (pin,) = [w for line in wheel_stages[0] for w in line.split() if w.startswith("setuptools==")]
+    (version,) = [spec.version for spec in Requirement(pin).specifier]
+    for requirement in map(Requirement, pyproject["build-system"]["requires"]):
+        assert requirement.name == "setuptools" and version in requirement.specifier, requirement
+    assert any(
+        line.startswith("RUN pip wheel --no-deps --no-build-isolation") for line in wheel_stages[0]
+    )
+    for path in DOCKERFILES:
+        stages = _stages(path)
+        installs = [line for name, lines in stages.items() if name != "wheel" for line in lines]
+        assert any(
+            "pip install" in line and "/tmp/dist/tunepack-*.whl" in line for line in installs
+        )
+        for args in _copies(installs):
+            if args[0] == "--from=wheel":
+                continue
+            for source in args[:-1]:  # no source copied by hand: data files only
+                assert (REPO / source).is_file() and not source.endswith(".py"), (path, source)
+    base = _stages(DOCKERFILES[0])["base"]
+    assert any("pip install" in line and "--no-deps" in line for line in base)  # no torch
 
 
 def test_every_module_imports_from_the_installed_wheel(wheel, venv, tmp_path):
