@@ -532,3 +532,37 @@ def test_container_init_makes_deep_mount_points_only_inside_the_container(tmp_pa
     finally:
         shutil.rmtree(top, ignore_errors=True)
         shutil.rmtree(deep_tmp.parent, ignore_errors=True)
+
+
+@needs_root
+def test_container_init_lets_the_pods_user_start_this_interpreter(tmp_path):
+    """The pod's user (1000) starts Python, and Python starts Python (torchrun's workers), even
+    where the interpreter sits behind a directory only root may enter (/root/.pyenv here)."""
+    from tests.controlplane.executor import INIT_SCRIPT, REPO, reveal_map
+
+    init = tmp_path / "init.py"
+    init.write_text(INIT_SCRIPT)
+    tmp_path.chmod(0o755)
+    script = (
+        "import subprocess, sys\n"
+        "child = [sys.executable, '-c', 'import os, sys; print(sys.base_prefix, os.__file__)']\n"
+        "print(subprocess.run(child, capture_output=True, text=True, check=True).stdout)\n"
+    )
+    spec = {
+        "argv": [sys.executable, "-c", script], "setpriv": shutil.which("setpriv"),
+        "no_new_privs": True, "env": {"PATH": "/usr/bin:/bin"}, "uid": 1000, "gid": 1000,
+        "groups": [], "cwd": "/", "hostname": "h", "mounts": [],
+        "reveal": reveal_map([sys.prefix, sys.base_prefix, REPO]),
+        "error_file": str(tmp_path / "error"), "started_file": str(tmp_path / "started"),
+    }  # fmt: skip
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    done = subprocess.run(
+        ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc", "--propagation",
+         "private", "--", sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
+    assert done.returncode == 0, done.stdout + done.stderr
+    base_prefix, os_file = done.stdout.split()
+    # The child found this interpreter's own standard library, not some other Python's.
+    assert base_prefix == sys.base_prefix and os_file.startswith(sys.base_prefix), done.stdout

@@ -42,6 +42,17 @@ def tunepack(*args: str, kubeconfig: Path, timeout: float = 300, env: dict | Non
     )
 
 
+def training_client(namespace: str):
+    """tunepack's ``TrainingClient`` on this control plane, as a notebook makes it. The kubeconfig
+    is named: the Kubernetes client reads ``$KUBECONFIG`` once, when it is first imported."""
+    from kubeflow.common.types import KubernetesBackendConfig
+
+    from tunepack import TrainingClient
+
+    cfg = KubernetesBackendConfig(namespace=namespace, config_file=os.environ["KUBECONFIG"])
+    return TrainingClient(cfg)
+
+
 def kubectl(*args: str, kubeconfig: Path, input: str | None = None, timeout: float = 120):
     exe = shutil.which("kubectl", path=os.path.dirname(sys.executable)) or "kubectl"
     return subprocess.run(

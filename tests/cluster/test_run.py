@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from kubeflow.common.types import KubernetesBackendConfig
 
 from tests.cluster import kube
 
@@ -43,9 +42,7 @@ def sources():
 
 
 def _client(namespace: str):
-    from tunepack import TrainingClient
-
-    return TrainingClient(KubernetesBackendConfig(namespace=namespace))
+    return kube.training_client(namespace)
 
 
 def _train(namespace, sources, **finetune):
@@ -198,6 +195,10 @@ def test_an_evicted_trainer_checkpoints_exits_75_and_resumes(
     assert kube.wait_for(lambda: exit_codes.get("node"), 120, "the evicted pod's exit code") == 75
     job = _client(namespace).wait_for_job_status(name, timeout=RUN_TIMEOUT)
     assert job.status == "Complete", api.diagnose(namespace, name)
+    assert api.jobset(namespace, name)["status"]["restarts"] == 1
+    # The checkpoint taken at SIGTERM (none was due: checkpoint_every_steps=1000) was resumed.
+    result = json.loads((_volume(api, namespace, name) / "output" / "result.json").read_text())
+    assert result["resumed_from_step"] >= 1
     assert api.jobset(namespace, name)["status"]["restarts"] == 1
     result = json.loads((_volume(api, namespace, name) / "output" / "result.json").read_text())
     assert result["resumed_from_step"] > 0

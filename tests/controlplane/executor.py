@@ -12,7 +12,10 @@ What it is NOT, and why (no images, no runtime, one loopback address here):
   project's venv first), so ``python -m tunepack...`` runs the checkout. The image's ENTRYPOINT
   is unknown: a container without ``command`` fails. ``image`` is only reported back. The image's
   ENV lines are approximated by PATH, HOME (a per-container directory), HOSTNAME, LANG and the
-  two PYTHON* variables tunepack's Dockerfiles set; workingDir defaults to that directory.
+  two PYTHON* variables tunepack's Dockerfiles set; workingDir defaults to that directory. Where
+  the interpreter or the checkout sit behind a directory others may not enter (/root), each
+  container sees an empty stand-in for it with only those paths bound in, read-only, so the
+  pod's user can start Python and Python can start Python (torchrun's workers).
 - No resource limits, no cgroups, no probes (a running container is ready), no seccomp or
   capabilities beyond what dropping root gives (runAsUser/runAsGroup/fsGroup/supplementalGroups
   via ``setpriv``; allowPrivilegeEscalation: false -> no_new_privs).
@@ -148,6 +151,17 @@ try:
     fds = [None if m["source"] is None else os.open(m["source"], os.O_PATH)
            for m in spec["mounts"]]
     layers = None  # the overlays' upper and work directories, in the pod's directory
+    # The "image": this machine's interpreter and checkout. Where they sit behind a directory the
+    # pod's user may not enter (/root here), that directory is replaced, in this container only,
+    # by an empty one that others may enter, with just those paths bound in, read-only.
+    for hidden, paths in spec.get("reveal", {}).items():
+        keep = [(p, os.open(p, os.O_PATH)) for p in paths]
+        mount("tmpfs", hidden, "tmpfs", 0, "mode=0755")
+        for p, fd in keep:
+            os.makedirs(p, exist_ok=True)
+            mount(at(fd), p, None, MS_BIND | MS_REC)
+            mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+            os.close(fd)
     for m, fd in zip(spec["mounts"], fds):
         target = m["target"]
         is_file = fd is not None and not os.path.isdir(m["source"])
@@ -622,6 +636,7 @@ class PodRunner:
             "hostname": podspec.pod_hostname(self.pod),
             "mounts": [m.__dict__ for m in mounts],
             "overlay_dir": str(self.dir / "overlays" / st.name),
+            "reveal": self.ex.reveal,
         }
 
     def _exec(self, c: dict, st: ContainerState, plan: dict) -> int:
@@ -799,6 +814,22 @@ def set_ownership(path: Path, fs_group, security_context: dict | None = None):
                 fix(os.path.join(top, f), False)
 
 
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def reveal_map(paths: list[str]) -> dict[str, list[str]]:
+    """{a directory others may not enter: [the paths below it a pod's user must reach]}."""
+    out: dict[str, set[str]] = {}
+    for path in map(Path, paths):
+        path = path.resolve()
+        for a in [*reversed(path.parents), path]:
+            if not a.stat().st_mode & 0o001:
+                if a != path:
+                    out.setdefault(str(a), set()).add(str(path))
+                break
+    return {k: sorted(v) for k, v in out.items()}
+
+
 class Executor:
     def __init__(self, args):
         self.node, self.root, self.path = args.node, Path(args.root).resolve(), args.path
@@ -818,6 +849,7 @@ class Executor:
             self.scratch = Path(tempfile.mkdtemp(prefix=f"executor-{self.node}-", dir="/tmp"))
             self.own_scratch = True
         self.scratch.chmod(0o711)
+        self.reveal = reveal_map([sys.prefix, sys.base_prefix, REPO])
         cfg = client.Configuration()
         config.load_kube_config(config_file=args.kubeconfig, client_configuration=cfg)
         cfg.connection_pool_maxsize = 32
