@@ -40,6 +40,7 @@ from tests.controlplane.pki import LOOPBACK_SANS, Authority
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
 VERSIONS_FILE = HERE / "versions.env"
+TRAINER_NAMESPACE = "kubeflow-system"  # where the SDK looks for the public ConfigMap
 EXECUTOR_NODE = "tunepack-executor"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 SERVICE_CIDR = "10.96.0.0/24"  # never routed: no Service traffic leaves the apiserver
@@ -573,6 +574,27 @@ class ControlPlane:
             (self.trainer_src / "manifests/base/webhook/manifests.yaml").read_text(),
             self.ports["trainer_webhook"],
         )
+        self._trainer_public_config()
+
+    def _trainer_public_config(self) -> None:
+        """What the upstream install adds for the SDK: the kubeflow-trainer-public ConfigMap with
+        the Trainer's version, readable by every authenticated user (upstream's Role/Binding)."""
+        rbac = self.trainer_src / "manifests/base/rbac"
+        public = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "kubeflow-trainer-public", "namespace": TRAINER_NAMESPACE},
+            "data": {"kubeflow_trainer_version": versions()["TRAINER_VERSION"]},
+        }
+        objects = [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": TRAINER_NAMESPACE}},
+            public,
+        ]
+        for name in ("public_configmap_role.yaml", "public_configmap_role_binding.yaml"):
+            obj = yaml.safe_load((rbac / name).read_text())
+            obj["metadata"]["namespace"] = TRAINER_NAMESPACE
+            objects.append(obj)
+        self.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(objects))
 
     def _kwok(self) -> None:
         stages = []
