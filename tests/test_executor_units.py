@@ -385,15 +385,22 @@ needs_root = pytest.mark.skipif(
 )
 
 
+def run_init(tmp_path: Path, spec: dict) -> subprocess.CompletedProcess:
+    """The executor's container init as PID 1 of fresh namespaces, as the executor starts it."""
+    from tests.controlplane.executor import INIT_SCRIPT, NAMESPACES
+
+    init = tmp_path / "init.py"
+    init.write_text(INIT_SCRIPT)
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    argv = [*NAMESPACES, sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
 @needs_root
 @pytest.mark.parametrize("uid", [0, 1000])
 def test_container_init_mounts_and_runs_as_the_user(tmp_path, uid):
     """The init the executor runs as PID 1 of each container: bind mounts, its own hosts file
     and hostname, the pod's user, the exit code of the command."""
-    from tests.controlplane.executor import INIT_SCRIPT
-
-    init = tmp_path / "init.py"
-    init.write_text(INIT_SCRIPT)
     volume = tmp_path / "volume"
     volume.mkdir(mode=0o777)
     volume.chmod(0o777)
@@ -439,13 +446,7 @@ def test_container_init_mounts_and_runs_as_the_user(tmp_path, uid):
         "error_file": str(tmp_path / "error"),
         "started_file": str(tmp_path / "started"),
     }
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run(
-        ["setpriv", "--pdeathsig", "KILL", "--", "unshare", "--mount", "--uts", "--pid",
-         "--fork", "--kill-child", "--mount-proc", "--propagation", "private", "--",
-         sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = run_init(tmp_path, spec)
     assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
     assert done.returncode == 75, done.stdout + done.stderr
     name, address, pid, groups, x, prefix = json.loads(done.stdout)
@@ -461,20 +462,11 @@ def test_container_init_mounts_and_runs_as_the_user(tmp_path, uid):
 
 @needs_root
 def test_container_init_reports_a_command_that_cannot_start(tmp_path):
-    from tests.controlplane.executor import INIT_SCRIPT
-
-    init = tmp_path / "init.py"
-    init.write_text(INIT_SCRIPT)
     spec = {"argv": ["no-such-program"], "setpriv": "setpriv", "no_new_privs": False,
             "env": {"PATH": "/usr/bin"}, "uid": 0, "gid": 0, "groups": [], "cwd": "/",
             "hostname": "h", "mounts": [], "error_file": str(tmp_path / "error"),
             "started_file": str(tmp_path / "s")}  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run(
-        ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc", "--",
-         sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = run_init(tmp_path, spec)
     assert done.returncode == 128
     assert 'exec: "no-such-program"' in (tmp_path / "error").read_text()
 
@@ -487,10 +479,6 @@ def test_container_init_makes_deep_mount_points_only_inside_the_container(tmp_pa
     before (an overlay of /tmp must not hide a volume under /tmp)."""
     import uuid
 
-    from tests.controlplane.executor import INIT_SCRIPT
-
-    init = tmp_path / "init.py"
-    init.write_text(INIT_SCRIPT)
     volume = tmp_path / "volume"
     volume.mkdir()
     token = tmp_path / "token-volume"
@@ -517,13 +505,8 @@ def test_container_init_makes_deep_mount_points_only_inside_the_container(tmp_pa
         "overlay_dir": str(tmp_path / "overlays"),
         "error_file": str(tmp_path / "error"), "started_file": str(tmp_path / "started"),
     }  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
     try:
-        done = subprocess.run(
-            ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc", "--propagation",
-             "private", "--", sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+        done = run_init(tmp_path, spec)
         assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
         assert done.returncode == 0, done.stdout + done.stderr
         assert done.stdout.split("\n")[:2] == ["secret-token", "Read-only file system"]
@@ -538,10 +521,8 @@ def test_container_init_makes_deep_mount_points_only_inside_the_container(tmp_pa
 def test_container_init_lets_the_pods_user_start_this_interpreter(tmp_path):
     """The pod's user (1000) starts Python, and Python starts Python (torchrun's workers), even
     where the interpreter sits behind a directory only root may enter (/root/.pyenv here)."""
-    from tests.controlplane.executor import INIT_SCRIPT, REPO, reveal_map
+    from tests.controlplane.executor import REPO, reveal_map
 
-    init = tmp_path / "init.py"
-    init.write_text(INIT_SCRIPT)
     tmp_path.chmod(0o755)
     script = (
         "import subprocess, sys\n"
@@ -555,12 +536,7 @@ def test_container_init_lets_the_pods_user_start_this_interpreter(tmp_path):
         "reveal": reveal_map([sys.prefix, sys.base_prefix, REPO]),
         "error_file": str(tmp_path / "error"), "started_file": str(tmp_path / "started"),
     }  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    done = subprocess.run(
-        ["unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc", "--propagation",
-         "private", "--", sys.executable, "-I", "-S", str(init), str(tmp_path / "spec.json")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    done = run_init(tmp_path, spec)
     assert not (tmp_path / "error").exists(), (tmp_path / "error").read_text()
     assert done.returncode == 0, done.stdout + done.stderr
     base_prefix, os_file = done.stdout.split()
