@@ -69,19 +69,21 @@ class KubernetesBackend(SdkBackend):
         return TunepackRuntime.wrap(super().get_runtime(name))
 
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
+        if isinstance(runtime, str):
+            runtime = self.resolve_runtime(runtime)
+        elif submit.is_tunepack_runtime(runtime):
+            runtime = self._installed_runtime(runtime.name)
         if not submit.is_tunepack_runtime(runtime):
             return super().train(runtime, initializer, trainer, options)
         fields = self._option_fields(options, trainer)
-        entry = catalog.get(runtime.name if isinstance(runtime, kf.Runtime) else runtime)
-        installed = self._installed_runtime(entry.runtime_name)
         trainjob = submit.build(
-            entry.runtime_name,
+            runtime.name,
             initializer,
             trainer,
             namespace=self.namespace,
             gpu=self.gpu,
             memory_check=self.memory_check,
-            runtime_kind=installed.kind.value,
+            runtime_kind=runtime.kind.value,
             **fields,
         )
         job_name = trainjob["metadata"]["name"]
@@ -97,18 +99,59 @@ class KubernetesBackend(SdkBackend):
             ) from e
         return job_name
 
-    def _installed_runtime(self, name: str) -> kf.Runtime:
+    def resolve_runtime(self, name: str) -> TunepackRuntime:
+        """The runtime ``train(runtime=name)`` uses: never a silent rewrite of ``name``.
+
+        A runtime of exactly that name wins (a ``TrainingRuntime`` in the namespace first, then a
+        ``ClusterTrainingRuntime``, as ``get_runtime``). Only when there is none does a catalog
+        model's short name (``llama3.2-1b``) resolve to its runtime (``tunepack-llama3.2-1b``),
+        and that is logged. Any other name is an error that lists the close matches.
+        """
+        try:
+            return self.get_runtime(name)
+        except RuntimeError as err:
+            if api_status(err) != 404:
+                raise
+            missing = err
+        target = submit.short_name_target(name)
+        if target is not None:
+            found = self._installed_runtime(target, also_missing=name)
+            where = f"in namespace {self.namespace!r} or the cluster"
+            submit.log_short_name(name, found.name, where)
+            return found
+        if submit.is_tunepack_runtime(name):
+            return self._installed_runtime(name)  # raises: not installed, and what to do
+        try:
+            installed = [r.name for r in super().list_runtimes()]
+        except Exception:  # the listing is a hint only; the lookup's error is the answer
+            installed = []
+        known = installed + [e.runtime_name for e in catalog.CATALOG.values()]
+        matches = submit.close_matches(name, known)
+        hint = (
+            f"; did you mean {', '.join(map(repr, matches))}?"
+            if matches
+            else f"; runtimes here: {', '.join(sorted(installed))}"
+            if installed
+            else "; no runtime is installed (`tunepack install` installs tunepack's)"
+        )
+        raise RuntimeError(
+            f"runtime {name!r} not found: no TrainingRuntime of that name in namespace "
+            f"{self.namespace!r} and no ClusterTrainingRuntime{hint}"
+        ) from missing.__cause__
+
+    def _installed_runtime(self, name: str, also_missing: str | None = None) -> kf.Runtime:
         """The runtime as the SDK finds it (namespaced first); a clear error when not installed."""
         try:
             return self.get_runtime(name)
         except RuntimeError as err:
             if api_status(err) != 404:
                 raise
+            neither = f" (nor any runtime named {also_missing!r})" if also_missing else ""
             raise RuntimeError(
                 f"runtime {name!r} is not installed on this cluster (no TrainingRuntime in "
-                f"namespace {self.namespace!r}, no ClusterTrainingRuntime): run `tunepack "
-                f"install` (or `tunepack install --namespace {self.namespace}`) or `kubectl "
-                "apply --server-side -k manifests/base` first"
+                f"namespace {self.namespace!r}, no ClusterTrainingRuntime){neither}: run "
+                f"`tunepack install` (or `tunepack install --namespace {self.namespace}`) or "
+                "`kubectl apply --server-side -k manifests/base` first"
             ) from err.__cause__
 
     def _option_fields(self, options, trainer) -> dict:

@@ -79,12 +79,29 @@ class LocalBackend(RuntimeBackend):
     def list_runtimes(self) -> RuntimeList:
         return RuntimeList(self.get_runtime(e.runtime_name) for e in catalog.CATALOG.values())
 
+    def resolve_runtime(self, name: str) -> TunepackRuntime:
+        """The runtime ``train(runtime=name)`` uses. The local backend has tunepack's runtimes
+        only, so a catalog model's short name (``tiny-llama3``) resolves to its runtime
+        (``tunepack-tiny-llama3``), which is logged; any other name is ``get_runtime``'s error."""
+        target = submit.short_name_target(name)
+        if target is not None:
+            submit.log_short_name(name, target, "on the local backend")
+            name = target
+        return self.get_runtime(name)
+
     def get_runtime(self, name: str) -> TunepackRuntime:
         if not submit.is_tunepack_runtime(name):
-            known = ", ".join(e.runtime_name for e in catalog.CATALOG.values())
+            known = [e.runtime_name for e in catalog.CATALOG.values()]
+            target = submit.short_name_target(name)
+            matches = [target] if target else submit.close_matches(name, known)
+            hint = (
+                f"did you mean {', '.join(map(repr, matches))}?"
+                if matches
+                else f"tunepack runtimes are: {', '.join(known)}"
+            )
             raise BadInputError(
                 f"runtime {name!r} is not available on the local backend, which runs tunepack "
-                f"runtimes only: {known}"
+                f"runtimes only; {hint}"
             )
         obj = load_runtime(name)
         jobs = obj["spec"]["template"]["spec"]["replicatedJobs"]
@@ -126,9 +143,10 @@ class LocalBackend(RuntimeBackend):
             )
         if runtime is None:
             raise BadInputError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
+        runtime = self.resolve_runtime(runtime if isinstance(runtime, str) else runtime.name)
         name = submit.job_name()
         trainjob = submit.build(
-            runtime,
+            runtime.name,
             initializer,
             trainer,
             name=name,

@@ -7,6 +7,7 @@ chosen shape against the memory planner, all before anything is submitted.
 
 from __future__ import annotations
 
+import difflib
 import logging
 import random
 import string
@@ -33,8 +34,37 @@ MemoryCheck = Literal["refuse", "warn", "off"]
 
 
 def is_tunepack_runtime(runtime: str | kf.Runtime | None) -> bool:
+    """Whether ``runtime`` is named as a tunepack runtime (``tunepack-<catalog model>``).
+
+    A short name (``llama3.2-1b``) is not: it may be another runtime's exact name
+    (``short_name_target``).
+    """
     name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
-    return bool(name) and name.removeprefix(catalog.RUNTIME_PREFIX) in catalog.CATALOG
+    return (
+        bool(name)
+        and name.startswith(catalog.RUNTIME_PREFIX)
+        and name.removeprefix(catalog.RUNTIME_PREFIX) in catalog.CATALOG
+    )
+
+
+def short_name_target(name: str) -> str | None:
+    """``tunepack-<name>`` when ``name`` is a catalog model's short name (``llama3.2-1b``).
+
+    Only a candidate: a backend uses it when no runtime of the exact name ``name`` exists, and
+    says so (``log_short_name``), so a name is never rewritten silently.
+    """
+    if name and not name.startswith(catalog.RUNTIME_PREFIX) and name in catalog.CATALOG:
+        return catalog.CATALOG[name].runtime_name
+    return None
+
+
+def log_short_name(name: str, resolved: str, where: str) -> None:
+    logger.info("runtime %r: no runtime of that name %s; using %r", name, where, resolved)
+
+
+def close_matches(name: str, candidates) -> list[str]:
+    """Up to three names like ``name`` (a typo), the closest first."""
+    return difflib.get_close_matches(name, sorted(set(candidates)), n=3, cutoff=0.6)
 
 
 def job_name() -> str:

@@ -246,6 +246,84 @@ def test_a_namespaced_training_runtime_is_referenced_when_there_is_one(server):
     assert post.body["spec"]["runtimeRef"]["kind"] == "ClusterTrainingRuntime"
 
 
+def _other_runtime(name: str, namespace: str | None = None) -> dict:
+    """A runtime that is not tunepack's (a plain torch runtime) named ``name``."""
+    (obj,) = runtime_objects(["tiny-llama3"], namespace=namespace)
+    obj["metadata"]["name"] = name
+    obj["metadata"]["labels"] = {"trainer.kubeflow.org/framework": "torch"}
+    obj["metadata"].pop("annotations", None)
+    return obj
+
+
+@pytest.mark.parametrize("namespace", [None, NS])
+def test_a_runtime_of_the_exact_name_wins_over_the_catalog_short_name(server, namespace, caplog):
+    """runtime="llama3.2-1b" is the cluster's runtime of that name when there is one, not
+    tunepack-llama3.2-1b: it goes to the SDK unchanged (which takes no FineTune)."""
+    fake, url = server
+    _install(fake, url)
+    apply(_api_client(url), _other_runtime("llama3.2-1b", namespace))
+    tc = _client(url)
+    caplog.set_level("INFO", logger="tunepack")
+    name = tc.train(runtime="llama3.2-1b")  # the SDK's path: a TrainJob with the runtime only
+    post = [r for r in fake.requests if r.method == "POST"][-1]
+    assert post.body["metadata"]["name"] == name
+    assert post.body["spec"]["runtimeRef"]["name"] == "llama3.2-1b"
+    kind = "TrainingRuntime" if namespace else "ClusterTrainingRuntime"
+    assert post.body["spec"]["runtimeRef"]["kind"] == kind
+    assert "using" not in caplog.text
+    with pytest.raises(ValueError, match="trainer type .*FineTune.* is not supported"):
+        tc.train(runtime="llama3.2-1b", trainer=FineTune())
+
+
+def test_a_short_name_resolves_only_when_no_runtime_has_it_and_says_so(server, caplog):
+    fake, url = server
+    _install(fake, url)
+    tc = _client(url)
+    caplog.set_level("INFO", logger="tunepack")
+    tc.train(
+        runtime="llama3.2-1b",
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(),
+    )
+    post = [r for r in fake.requests if r.method == "POST"][-1]
+    assert post.body["spec"]["runtimeRef"]["name"] == RUNTIME
+    assert (
+        f"runtime 'llama3.2-1b': no runtime of that name in namespace {NS!r} or the cluster; "
+        f"using {RUNTIME!r}" in caplog.messages
+    )
+
+
+def test_a_short_name_with_nothing_installed_names_both(server):
+    _, url = server
+    with pytest.raises(RuntimeError) as caught:
+        _client(url).train(runtime="llama3.2-1b", initializer=Initializer("file:///d", "file:///m"))
+    assert str(caught.value).startswith(
+        f"runtime {RUNTIME!r} is not installed on this cluster (no TrainingRuntime in namespace "
+        f"{NS!r}, no ClusterTrainingRuntime) (nor any runtime named 'llama3.2-1b'): run "
+    )
+    assert api_status(caught.value) == 404
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("tunepack-llama3.2-1bb", "; did you mean 'tunepack-llama3.2-1b'"),
+        ("torch-distributed", "; runtimes here: llama3.2-1b"),
+    ],
+)
+def test_an_unknown_runtime_name_lists_close_matches(server, name, hint):
+    fake, url = server
+    apply(_api_client(url), _other_runtime("llama3.2-1b"))
+    with pytest.raises(RuntimeError) as caught:
+        _client(url).train(runtime=name, initializer=Initializer("file:///d", "file:///m"))
+    assert str(caught.value).startswith(
+        f"runtime {name!r} not found: no TrainingRuntime of that name in namespace {NS!r} and "
+        f"no ClusterTrainingRuntime{hint}"
+    )
+    assert api_status(caught.value) == 404
+    assert not [r for r in fake.requests if r.method == "POST"]
+
+
 def test_sdk_options_set_the_trainjob_fields(server):
     from kubeflow.trainer.options import (
         ActiveDeadlineSeconds,

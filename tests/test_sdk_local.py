@@ -54,6 +54,24 @@ def test_list_runtimes_is_a_table_of_tunepack_runtimes(client):
     assert client.get_runtime(RUNTIME).trainer.image.startswith("ghcr.io/tunepack/trainer:")
 
 
+def test_runtime_names_are_resolved_visibly(client, caplog):
+    """The local backend has tunepack's runtimes only: a short name resolves, and says so;
+    get_runtime takes exact names, as the SDK's; a typo lists the close matches."""
+    caplog.set_level("INFO", logger="tunepack")
+    assert client.backend.resolve_runtime("tiny-llama3").name == RUNTIME
+    assert caplog.messages == [
+        f"runtime 'tiny-llama3': no runtime of that name on the local backend; using {RUNTIME!r}"
+    ]
+    assert client.backend.resolve_runtime(RUNTIME).name == RUNTIME
+    assert len(caplog.messages) == 1
+    with pytest.raises(ValueError, match=r"only; did you mean 'tunepack-tiny-llama3'\?$"):
+        client.get_runtime("tiny-llama3")
+    with pytest.raises(ValueError, match=r"only; did you mean 'tunepack-tiny-llama3'(, |\?)"):
+        client.train(runtime="tunepack-tiny-lama3", trainer=FineTune())
+    with pytest.raises(ValueError, match="only; tunepack runtimes are: tunepack-tiny-llama3, "):
+        client.get_runtime("torch-distributed")
+
+
 def test_train_wait_logs_and_result(client, finished):
     name, job, _ = finished
     assert job.status == "Complete", job.message
