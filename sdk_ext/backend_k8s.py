@@ -11,7 +11,9 @@ changes only what tunepack needs:
   --namespace``), else the ``ClusterTrainingRuntime``. The SDK's options that set TrainJob
   fields tunepack writes as given (``Name``, ``Labels``, ``Annotations``,
   ``ActiveDeadlineSeconds``, ``RuntimePatch``) are honoured; others are refused by name;
-- ``list_runtimes()`` / ``get_runtime()`` add the catalog's model, methods and default GPUs;
+- ``list_runtimes()`` / ``get_runtime()`` report a tunepack runtime as what it takes, a
+  ``BuiltinTrainer`` of the ``torchtune`` framework (``types.builtin_torchtune_trainer``), and add
+  the catalog's model, methods and default GPUs;
 - ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
   condition's message, read from the same GET (or LIST) the job's status comes from.
 """
@@ -25,6 +27,7 @@ from kubeflow.common import constants as common_constants
 from kubeflow.common.types import KubernetesBackendConfig
 from kubeflow.trainer import options as kf_options
 from kubeflow.trainer.backends.kubernetes.backend import KubernetesBackend as SdkBackend
+from kubeflow.trainer.backends.kubernetes.utils import get_runtime_trainer_container
 from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from kubeflow_trainer_api import models
@@ -32,7 +35,13 @@ from kubeflow_trainer_api import models
 from tunepack import submit
 from tunepack.errors import BadInputError, api_message, api_status
 from tunepack.runtimes import catalog
-from tunepack.types import Progress, RuntimeList, TrainJob, TunepackRuntime
+from tunepack.types import (
+    Progress,
+    RuntimeList,
+    TrainJob,
+    TunepackRuntime,
+    builtin_torchtune_trainer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +70,15 @@ class KubernetesBackend(SdkBackend):
         super().__init__(cfg)
         self.gpu = gpu
         self.memory_check = memory_check
+
+    # The SDK's private converter from a runtime object (name-mangled in its KubernetesBackend),
+    # which list_runtimes and get_runtime call: tunepack runtimes report a BuiltinTrainer.
+    def _KubernetesBackend__get_runtime_from_cr(self, runtime_cr) -> kf.Runtime:
+        runtime = SdkBackend._KubernetesBackend__get_runtime_from_cr(self, runtime_cr)
+        if submit.is_tunepack_runtime(runtime):
+            container = get_runtime_trainer_container(runtime_cr.spec.template.spec.replicated_jobs)
+            runtime.trainer = builtin_torchtune_trainer(runtime.trainer, container.command)
+        return runtime
 
     def list_runtimes(self) -> RuntimeList:
         return RuntimeList(TunepackRuntime.wrap(r) for r in super().list_runtimes())

@@ -33,7 +33,13 @@ from tunepack import durable, submit
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.generate import load_runtime
-from tunepack.types import Progress, RuntimeList, TrainJob, TunepackRuntime
+from tunepack.types import (
+    Progress,
+    RuntimeList,
+    TrainJob,
+    TunepackRuntime,
+    builtin_torchtune_trainer,
+)
 
 HOME_ENV = "TUNEPACK_HOME"
 STATE_FILE = "state.json"
@@ -107,11 +113,12 @@ class LocalBackend(RuntimeBackend):
         jobs = obj["spec"]["template"]["spec"]["replicatedJobs"]
         node = next(j for j in jobs if j["name"] == kc.NODE)
         image = node["template"]["spec"]["template"]["spec"]["containers"][0]["image"]
-        trainer = kf.RuntimeTrainer(
-            trainer_type=kf.TrainerType.CUSTOM_TRAINER, framework="torch", image=image
-        )
-        trainer.set_command(
-            tuple(node["template"]["spec"]["template"]["spec"]["containers"][0]["command"])
+        command = node["template"]["spec"]["template"]["spec"]["containers"][0]["command"]
+        trainer = builtin_torchtune_trainer(
+            kf.RuntimeTrainer(
+                trainer_type=kf.TrainerType.BUILTIN_TRAINER, framework=kf.TORCH_TUNE, image=image
+            ),
+            tuple(command),
         )
         base = kf.Runtime(
             name=obj["metadata"]["name"],

@@ -17,6 +17,30 @@ from tunepack.runtimes import catalog
 COLUMNS = ("name", "model", "methods", "parameters", "default_gpus", "description")
 
 
+def builtin_torchtune_trainer(
+    trainer: kf.RuntimeTrainer, command: tuple[str, ...] | None = None
+) -> kf.RuntimeTrainer:
+    """How a tunepack runtime is really driven, in the SDK's terms: a ``BuiltinTrainer`` of the
+    ``torchtune`` framework, as the SDK reports its own torchtune runtimes.
+
+    The runtimes' framework label stays ``torch`` (the Trainer's torch plugin sets the ``PET_*``
+    variables the launcher reads; its torchtune plugin would not take tunepack's runtimes), so
+    the SDK, which derives the trainer type from that label, would report a ``CustomTrainer``
+    runtime, which tunepack runtimes refuse. ``command`` is the trainer container's command (the
+    launcher that runs), else the one ``trainer`` carries.
+    """
+    builtin = kf.RuntimeTrainer(
+        trainer_type=kf.TrainerType.BUILTIN_TRAINER,
+        framework=kf.TORCH_TUNE,
+        image=trainer.image,
+        num_nodes=trainer.num_nodes,
+        device=trainer.device,
+        device_count=trainer.device_count,
+    )
+    builtin.set_command(tuple(command) if command else trainer.command)
+    return builtin
+
+
 @dataclass
 class TunepackRuntime(kf.Runtime):
     """A runtime, with the catalog's facts when it is a tunepack runtime."""
@@ -49,6 +73,16 @@ class TunepackRuntime(kf.Runtime):
             pretrained_model=runtime.pretrained_model,
             **extra,
         )
+
+    def __eq__(self, other):
+        """Equal to the SDK's ``Runtime`` (or another ``TunepackRuntime``) that describes the same
+        runtime: the catalog's extra fields are derived from the name, so they are not compared."""
+        if not isinstance(other, kf.Runtime):
+            return NotImplemented
+        fields = ("name", "trainer", "kind", "pretrained_model")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
+
+    __hash__ = None  # as the SDK's Runtime (a mutable dataclass)
 
     def row(self) -> dict:
         return {

@@ -324,6 +324,55 @@ def test_an_unknown_runtime_name_lists_close_matches(server, name, hint):
     assert not [r for r in fake.requests if r.method == "POST"]
 
 
+def test_tunepack_runtimes_report_a_builtin_torchtune_trainer(server):
+    """The SDK derives the trainer type from the framework label, which stays ``torch`` (the
+    Trainer's torch plugin sets the PET_* variables); tunepack runtimes take BuiltinTrainer /
+    FineTune and refuse CustomTrainer, so they are reported as the SDK's torchtune runtimes are."""
+    from kubeflow.trainer import BuiltinTrainer, LoraConfig, TorchTuneConfig
+    from kubeflow.trainer.types import types as kf
+
+    fake, url = server
+    _install(fake, url)
+    apply(_api_client(url), _other_runtime("torch-distributed"))
+    stored = fake.objects[("clustertrainingruntimes", None, RUNTIME)]
+    assert stored["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "torch"
+    tc = _client(url)
+
+    runtime = tc.get_runtime(RUNTIME)
+    trainer = kf.RuntimeTrainer(
+        trainer_type=kf.TrainerType.BUILTIN_TRAINER,
+        framework="torchtune",
+        image=runtime.trainer.image,
+        num_nodes=1,
+        device="gpu",
+        device_count="1.0",  # the SDK's reading of the runtime's GPU limit
+    )
+    trainer.set_command(("python", "-m", "tunepack.trainers.launch"))
+    expected = kf.Runtime(
+        name=RUNTIME, trainer=trainer, kind=kf.RuntimeKind.CLUSTER_TRAINING_RUNTIME
+    )
+    assert runtime == expected and expected == runtime  # and the catalog's fields besides
+    assert runtime.trainer.command == trainer.command and runtime.model == "llama3.2-1b"
+    listed = {r.name: r for r in tc.list_runtimes()}
+    assert listed[RUNTIME] == expected
+    other = listed["torch-distributed"].trainer
+    assert (other.trainer_type, other.framework) == (kf.TrainerType.CUSTOM_TRAINER, "torch")
+
+    # The runtime object drives train() as a name does; the job reports the same runtime.
+    name = tc.train(
+        runtime=runtime,
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=BuiltinTrainer(config=TorchTuneConfig(epochs=1, peft_config=LoraConfig())),
+    )
+    assert tc.get_job(name).runtime == expected
+    with pytest.raises(ValueError, match="CustomTrainer cannot run on a tunepack runtime"):
+        tc.train(
+            runtime=runtime,
+            initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+            trainer=kf.CustomTrainer(func=lambda: None),
+        )
+
+
 def test_sdk_options_set_the_trainjob_fields(server):
     from kubeflow.trainer.options import (
         ActiveDeadlineSeconds,

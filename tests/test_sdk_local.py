@@ -51,7 +51,11 @@ def test_list_runtimes_is_a_table_of_tunepack_runtimes(client):
     )
     html = runtimes._repr_html_()
     assert "<td>tunepack-llama3.1-8b</td>" in html and "<th>default_gpus</th>" in html
-    assert client.get_runtime(RUNTIME).trainer.image.startswith("ghcr.io/tunepack/trainer:")
+    trainer = client.get_runtime(RUNTIME).trainer
+    assert trainer.image.startswith("ghcr.io/tunepack/trainer:")
+    # Driven by a BuiltinTrainer (FineTune), as the SDK reports its torchtune runtimes.
+    assert (trainer.trainer_type.name, trainer.framework) == ("BUILTIN_TRAINER", "torchtune")
+    assert trainer.command == ("python", "-m", "tunepack.trainers.launch")
 
 
 def test_runtime_names_are_resolved_visibly(client, caplog):
