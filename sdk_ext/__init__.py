@@ -1,16 +1,52 @@
 """tunepack: a Kubeflow Trainer V2 runtime pack for LLM fine-tuning with torchtune.
 
+Everything a notebook needs comes from here, tunepack's own names and the Kubeflow SDK's trainer,
+initializer and backend types (the very same classes as ``kubeflow.trainer``'s):
+
 >>> from tunepack import TrainingClient, FineTune, Initializer, LocalBackendConfig
+>>> from tunepack import BuiltinTrainer, TorchTuneConfig, LoraConfig, KubernetesBackendConfig
 """
 
 __version__ = "0.1.0"
 
+_SDK = "kubeflow.trainer"
 _EXPORTS = {
     "TrainingClient": "tunepack.client",
     "FineTune": "tunepack.finetune",
+    # tunepack's Initializer takes storage URIs or the SDK's initializer objects (below).
     "Initializer": "tunepack.translate",
     "LocalBackendConfig": "tunepack.backend_local",
     "plan": "tunepack.planner",
+    # The Kubeflow SDK's types, re-exported unchanged.
+    **dict.fromkeys(
+        (
+            "TrainerClient",
+            "BuiltinTrainer",
+            "TorchTuneConfig",
+            "LoraConfig",
+            "TorchTuneInstructDataset",
+            "DataFormat",
+            "DataType",
+            "Loss",
+            "CustomTrainer",
+            "CustomTrainerContainer",
+            "HuggingFaceDatasetInitializer",
+            "HuggingFaceModelInitializer",
+            "S3DatasetInitializer",
+            "S3ModelInitializer",
+            "DataCacheInitializer",
+            "KubernetesBackendConfig",
+            "LocalProcessBackendConfig",
+            "ContainerBackendConfig",
+            "Runtime",
+            "RuntimeKind",
+            "RuntimeTrainer",
+            "TrainerType",
+        ),
+        _SDK,
+    ),
+    # The SDK's train() options (Name, Labels, RuntimePatch, ...): ``tunepack.options``.
+    "options": "tunepack.options",
 }
 __all__ = ["__version__", *_EXPORTS]
 
@@ -20,5 +56,10 @@ def __getattr__(name: str):
     if name in _EXPORTS:
         import importlib
 
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS[name])
+        return module if module.__name__ == f"tunepack.{name}" else getattr(module, name)
     raise AttributeError(f"module 'tunepack' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -299,3 +299,58 @@ def test_the_local_backend_names_the_options_it_refuses(tmp_path):
         "TrainJob on a cluster (use TrainingClient() with a cluster)"
     )
     assert not list(tmp_path.iterdir())
+
+
+def test_a_notebook_imports_everything_from_tunepack():
+    """One import line: tunepack's names and the SDK's types (the same classes), lazily."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tunepack\n"
+        "assert 'kubeflow' not in sys.modules, 'import tunepack must stay light'\n"
+        "from tunepack import (TrainingClient, FineTune, Initializer, BuiltinTrainer,\n"
+        "    TorchTuneConfig, LoraConfig, KubernetesBackendConfig, LocalBackendConfig,\n"
+        "    LocalProcessBackendConfig, CustomTrainer, HuggingFaceDatasetInitializer,\n"
+        "    HuggingFaceModelInitializer, S3DatasetInitializer, S3ModelInitializer,\n"
+        "    DataCacheInitializer, TorchTuneInstructDataset)\n"
+        "from tunepack.options import Labels, RuntimePatch\n"
+        "import kubeflow.trainer as kt, kubeflow.trainer.options as ko\n"
+        "assert BuiltinTrainer is kt.BuiltinTrainer and LoraConfig is kt.LoraConfig\n"
+        "assert KubernetesBackendConfig is kt.KubernetesBackendConfig and Labels is ko.Labels\n"
+        "assert issubclass(TrainingClient, kt.TrainerClient)\n"
+        "assert set(tunepack.__all__) <= set(dir(tunepack))\n"
+        "for name in tunepack.__all__: getattr(tunepack, name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("wrap", [Initializer, KfInitializer])
+def test_upstream_initializer_objects_give_the_trainjob_of_the_equivalent_uris(wrap):
+    """tunepack.Initializer (or the SDK's) takes URIs or the SDK's initializer objects alike."""
+    import tunepack
+
+    by_uri = _build(
+        FineTune(),
+        tunepack.Initializer(
+            dataset="hf://tatsu-lab/alpaca", model="hf://meta-llama/Llama-3.1-8B-Instruct"
+        ),
+    )
+    by_object = _build(
+        FineTune(),
+        wrap(
+            dataset=tunepack.HuggingFaceDatasetInitializer(storage_uri="tatsu-lab/alpaca"),
+            model=tunepack.HuggingFaceModelInitializer(
+                storage_uri="hf://meta-llama/Llama-3.1-8B-Instruct"
+            ),
+        ),
+    )
+    assert by_object == by_uri
+    assert by_uri["spec"]["initializer"]["model"] == {
+        "storageUri": "hf://meta-llama/Llama-3.1-8B-Instruct"
+    }
+    s3 = _build(
+        FineTune(), Initializer(dataset="s3://bkt/d.jsonl", model=S3ModelInitializer("s3://bkt/m"))
+    )
+    assert s3 == _build(FineTune(), Initializer(dataset="s3://bkt/d.jsonl", model="s3://bkt/m"))
