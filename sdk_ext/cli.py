@@ -11,19 +11,31 @@ tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-
 tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
 tunepack logs NAME [--step node-0] [--local]
+tunepack --version
+
+Exit codes: 0 done; 65 bad input or configuration (a missing kubeconfig included: fix it, do not
+retry); 75 transient (an API server that cannot be reached; a step stopped by SIGTERM: retry);
+130 interrupted (Ctrl-C; every process of a local run is stopped first); 1 the cluster refused a
+request; other codes: a local step's own exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-from tunepack.errors import TunepackError, api_message
+from tunepack.cli_cluster import check_cluster, is_connection_error, kubeconfig_paths
+from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError, api_message
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as for any command whose reader went away
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -117,6 +129,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             f"--queue {ns.queue} names a Kueue queue on a cluster; the local backend has none "
             "(leave out --queue, or --local)"
         )
+    from tunepack.cli_interrupt import StopOnInterrupt
     from tunepack.local import describe_exit, run_trainjob
     from tunepack.runtimes.generate import load_runtime
 
@@ -124,10 +137,28 @@ def cmd_train(ns: argparse.Namespace) -> int:
     name = trainjob["metadata"]["name"]
     runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
     workspace = Path(ns.workspace or Path(".tunepack/runs") / name).resolve()
-    print(f"tunepack: local run {name!r} of {ns.runtime} in {workspace}")
+    _check_workspace(workspace, given=ns.workspace)
+    print(f"tunepack: local run {name!r} of {ns.runtime} in {workspace}", flush=True)
     started = time.perf_counter()
-    outcome = run_trainjob(runtime, trainjob, workspace, echo=None if ns.quiet else print)
+    stop = StopOnInterrupt(
+        f"tunepack: interrupted: stopping run {name!r} (the trainer saves a checkpoint first; "
+        "Ctrl-C again kills it now)"
+    )
+
+    def echo(line: str) -> None:
+        if not stop.interrupted:  # after Ctrl-C the steps' last words go to their logs only
+            print(line, flush=True)
+
+    with stop:
+        outcome = run_trainjob(runtime, trainjob, workspace, echo=None if ns.quiet else echo)
     failed = outcome.failed
+    if stop.interrupted and failed:
+        print(
+            f"tunepack: run {name!r} stopped, no process of it left; logs in "
+            f"{workspace / 'logs'}; to resume, run the same command with --workspace {workspace}",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     if failed:
         reason = failed.error_line()
         print(
@@ -139,6 +170,32 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return failed.exit_code
     _print_summary(ns.runtime, workspace, time.perf_counter() - started)
     return 0
+
+
+def _check_workspace(workspace: Path, given: str | None) -> None:
+    """Refuse a workspace that cannot be one (a file, a read-only place) before any work."""
+    from tunepack.errors import BadInputError
+
+    shown = given or str(workspace)
+    if workspace.exists() and not workspace.is_dir():
+        raise BadInputError(
+            f"--workspace {shown} is a file, not a directory; give a directory (it is created "
+            "when missing)"
+        )
+    try:
+        workspace.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=workspace):
+            pass
+    except OSError as err:
+        reason = (err.strerror or str(err)).lower()
+        existing = next(p for p in (workspace, *workspace.parents) if p.exists())
+        if not existing.is_dir():
+            reason = f"{existing} is a file"
+        elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            reason = f"{existing} is not writable ({reason})"
+        raise BadInputError(
+            f"--workspace {shown} cannot be written: {reason}; give a directory you can write to"
+        ) from None
 
 
 def _train_on_cluster(ns: argparse.Namespace) -> int:
@@ -157,6 +214,7 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     options = [Name(ns.name or _default_job_name(ns.runtime))]
     if ns.queue is not None:
         options.append(Labels({QUEUE_LABEL: ns.queue}))
+    check_cluster(ns.context)
     client = TrainingClient(_backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
     name = client.train(
         runtime=ns.runtime,
@@ -192,6 +250,7 @@ def _backend_config(ns: argparse.Namespace):
 def _k8s_backend(ns: argparse.Namespace):
     from tunepack.backend_k8s import KubernetesBackend
 
+    check_cluster(ns.context)
     return KubernetesBackend(_backend_config(ns))
 
 
@@ -246,7 +305,12 @@ def cmd_install(ns: argparse.Namespace) -> int:
     from tunepack.install import describe, install, runtime_objects
 
     objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
-    config.load_kube_config(context=ns.context)
+    check_cluster(ns.context, local_option=False)
+    _, kubeconfigs = kubeconfig_paths()
+    if kubeconfigs:
+        config.load_kube_config(config_file=os.pathsep.join(kubeconfigs), context=ns.context)
+    else:
+        config.load_incluster_config()
     api = client.ApiClient()
     for obj in objects:
         action = install(api, obj, delete_timeout=ns.delete_timeout)
@@ -289,6 +353,7 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunepack", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("runtimes", help="list tunepack runtimes").set_defaults(func=cmd_runtimes)
@@ -376,7 +441,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tunepack")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a closed pipe is handled, not at interpreter exit
+        return code
+    except KeyboardInterrupt:
+        print("tunepack: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`tunepack runtimes | head -1`): stop quietly, as Unix tools do.
+        # stdout is pointed at /dev/null so that flushing it at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return ns.func(ns)
@@ -390,13 +480,27 @@ def main(argv: list[str] | None = None) -> int:
         # RuntimeError is a bug and keeps its traceback.
         if not _is_cluster_error(err.__cause__):
             raise
+        if is_connection_error(err.__cause__):
+            from tunepack import cli_cluster
+
+            server = cli_cluster.last_server or "configured in your kubeconfig"
+            print(
+                f"tunepack: error: {err}: cannot reach the Kubernetes API server {server}; "
+                "check that the cluster is running, then run the command again",
+                file=sys.stderr,
+            )
+            return EXIT_TRANSIENT
         cause = api_message(err.__cause__)
         detail = f": {cause}" if cause and cause not in str(err) else ""
         print(f"tunepack: error: {err}{detail}", file=sys.stderr)
         return 1
     except _config_exception() as err:
-        print(f"tunepack: error: no usable cluster configuration: {err}", file=sys.stderr)
-        return 1
+        print(
+            f"tunepack: error: invalid Kubernetes configuration: {err}; fix your kubeconfig "
+            "(KUBECONFIG or ~/.kube/config)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
 
 
 def _is_cluster_error(err: BaseException | None) -> bool:

@@ -1,0 +1,140 @@
+"""The CLI's check that a cluster is configured and its API server answers, before any cluster
+command talks to it: one line that says what is wrong and what to do, never a traceback.
+
+Exit codes (``tunepack.errors``): no or broken Kubernetes configuration is a configuration error,
+65 (fix it, retrying cannot help); an API server that cannot be reached is transient, 75.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from tunepack.errors import BadInputError, TransientError
+
+DEFAULT_KUBECONFIG = "~/.kube/config"
+PROBE_TIMEOUT_S = 5.0
+
+# The API server the last check found: named when a later request cannot reach it.
+last_server: str | None = None
+
+
+def kubeconfig_paths() -> tuple[str, list[str]]:
+    """Which kubeconfig files exist of those kubectl would read, and, for a message when none
+    does, what was looked for."""
+    env = os.environ.get("KUBECONFIG")
+    if env:
+        paths = [p for p in env.split(os.pathsep) if p]
+        missing = (
+            f"$KUBECONFIG={env} does not exist"
+            if len(paths) == 1
+            else f"none of the files in $KUBECONFIG={env} exists"
+        )
+    else:
+        paths = [str(Path(DEFAULT_KUBECONFIG).expanduser())]
+        missing = f"{DEFAULT_KUBECONFIG} ({paths[0]}) does not exist, KUBECONFIG is not set"
+    return missing, [p for p in paths if Path(p).expanduser().is_file()]
+
+
+def _in_cluster() -> bool:
+    from kubernetes.config.incluster_config import SERVICE_HOST_ENV_NAME, SERVICE_TOKEN_FILENAME
+
+    return bool(os.environ.get(SERVICE_HOST_ENV_NAME)) and Path(SERVICE_TOKEN_FILENAME).is_file()
+
+
+def check_cluster(context: str | None = None, *, local_option: bool = True) -> str:
+    """Raise a one-line error unless a cluster is configured and its API server accepts a
+    connection; return the server's URL."""
+    global last_server
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    missing, existing = kubeconfig_paths()
+    alternative = ", or add --local to use the local backend" if local_option else ""
+    configuration = client.Configuration()
+    if existing:
+        source = os.pathsep.join(existing)
+        try:
+            config.load_kube_config(
+                config_file=source, context=context, client_configuration=configuration
+            )
+        except ConfigException as err:
+            reason = str(err).rstrip(".")
+            raise BadInputError(
+                f"invalid Kubernetes configuration in {source}: {reason}; fix the file, or "
+                f"choose a context that exists with --context{alternative}"
+            ) from None
+        except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as err:
+            # Unreadable, not YAML, or YAML that is not a kubeconfig mapping.
+            raise BadInputError(
+                f"cannot read the Kubernetes configuration {source}: {_yaml_reason(err)}; fix the "
+                f"file or point KUBECONFIG at a valid kubeconfig{alternative}"
+            ) from None
+    elif _in_cluster():
+        try:
+            config.load_incluster_config(client_configuration=configuration)
+        except ConfigException as err:
+            raise BadInputError(f"invalid in-cluster Kubernetes configuration: {err}") from None
+    else:
+        raise BadInputError(
+            f"no Kubernetes configuration: {missing}, and this is not a Pod in a cluster; "
+            f"set KUBECONFIG to your cluster's kubeconfig{alternative}"
+        )
+    server = configuration.host
+    last_server = server
+    if not configuration.proxy:
+        probe(server)
+    return server
+
+
+def probe(server: str, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Raise TransientError naming ``server`` when no TCP connection to it can be opened."""
+    parts = urlsplit(server)
+    host = parts.hostname or server
+    port = parts.port or (80 if parts.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except OSError as err:
+        reason = _reason(err)
+    raise TransientError(
+        f"cannot reach the Kubernetes API server {server} ({reason}); check that the cluster is "
+        "running and that your kubeconfig (or --context) points at it, then run the command again"
+    )
+
+
+def _yaml_reason(err: BaseException) -> str:
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"not valid YAML{where}: {err.problem}"
+    if isinstance(err, yaml.YAMLError):
+        return f"not valid YAML: {err}"
+    if isinstance(err, OSError):
+        return (err.strerror or str(err)).lower()
+    return f"not a kubeconfig ({type(err).__name__}: {err})"
+
+
+def _reason(err: BaseException) -> str:
+    if isinstance(err, TimeoutError | socket.timeout):
+        return "no answer: timed out"
+    if isinstance(err, socket.gaierror):
+        return f"unknown host: {err.strerror or err}"
+    return (getattr(err, "strerror", None) or str(err)).lower()
+
+
+def is_connection_error(err: BaseException | None) -> bool:
+    """Whether ``err`` (or what caused it) is a failure to reach the API server at all."""
+    from urllib3.exceptions import MaxRetryError, NewConnectionError, ProtocolError, TimeoutError
+
+    while err is not None:
+        if isinstance(err, MaxRetryError | NewConnectionError | ProtocolError | TimeoutError):
+            return True
+        if isinstance(err, ConnectionError | socket.timeout):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
