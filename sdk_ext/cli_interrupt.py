@@ -45,7 +45,10 @@ class StopOnInterrupt:
         self._previous = None
 
     def __enter__(self) -> StopOnInterrupt:
-        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        # Only the main thread may handle signals (``main()`` called from another thread keeps
+        # the default: KeyboardInterrupt, which ``main`` turns into exit 130).
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -54,7 +57,8 @@ class StopOnInterrupt:
             self._watcher.join()
         if self.interrupted:
             self._kill_all(wait=True)
-        signal.signal(signal.SIGINT, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
     def _on_sigint(self, _signum, _frame) -> None:
         self.interrupted += 1

@@ -134,6 +134,21 @@ def test_unreachable_api_server_is_one_transient_line(tmp_path, command):
     assert time.monotonic() - started < 60  # no retry loop before the answer
 
 
+def test_connection_lost_after_the_check_is_transient_and_names_the_server():
+    """The SDK wraps a refused connection in RuntimeError; that is exit 75, not a bug."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import MaxRetryError, NewConnectionError
+
+    from tunepack.cli_cluster import is_connection_error
+
+    refused = NewConnectionError(None, "Failed to establish a new connection: refused")
+    lost = RuntimeError("Failed to get TrainJob: default/j")
+    lost.__cause__ = MaxRetryError(None, "/apis", refused)
+    assert is_connection_error(lost.__cause__)
+    assert not is_connection_error(ApiException(status=404, reason="Not Found"))
+    assert not is_connection_error(None)
+
+
 def test_closed_pipe_ends_quietly():
     """`tunepack runtimes | head -1`: the reader is gone before the first write."""
     proc = subprocess.Popen(CLI + ["runtimes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
