@@ -209,7 +209,7 @@ class KubernetesBackend(SdkBackend):
             thread = self.custom_api.get_namespaced_custom_object(
                 kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name, async_req=True
             )
-            raw = thread.get(common_constants.DEFAULT_TIMEOUT)
+            raw = _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT))
         except multiprocessing.TimeoutError as e:
             raise TimeoutError(f"Timeout to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
         except Exception as e:
@@ -223,7 +223,7 @@ class KubernetesBackend(SdkBackend):
             thread = self.custom_api.list_namespaced_custom_object(
                 kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, async_req=True
             )
-            items = thread.get(common_constants.DEFAULT_TIMEOUT).get("items") or []
+            items = _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT)).get("items") or []
         except multiprocessing.TimeoutError as e:
             raise TimeoutError(
                 f"Timeout to list {kc.TRAINJOB_KIND}s in namespace: {self.namespace}"
@@ -238,7 +238,7 @@ class KubernetesBackend(SdkBackend):
                 for raw in items
                 if ((raw.get("spec") or {}).get("runtimeRef") or {}).get("name") == runtime.name
             ]
-        return [self._from_object(raw) for raw in items]
+        return [self._from_object(_as_dict(raw)) for raw in items]
 
     def _from_object(self, raw: dict) -> TrainJob:
         """tunepack's TrainJob from the API object: the SDK's reading (steps from the pods,
@@ -260,6 +260,11 @@ class KubernetesBackend(SdkBackend):
             message=message,
             progress=progress_from_status(status.get("trainerStatus")),
         )
+
+
+def _as_dict(obj) -> dict:
+    """The API object as the API returns it (a dict); the SDK's models too, as its tests pass."""
+    return obj.to_dict() if hasattr(obj, "to_dict") else obj
 
 
 def progress_from_status(trainer_status: dict | None) -> Progress | None:
