@@ -6,16 +6,22 @@ Layout under the checkpoint root (``/workspace/checkpoints`` in a Pod)::
         .metadata, __0_0.distcp, ...  trainable weights + optimizer (torch.distributed.checkpoint)
         rank-00000.pt ...             each rank's RNG states
         trainer.pt                    LR scheduler state
-        manifest.json                 written last: step, data position, counters, run digest
+        manifest.json                 written last: step, data position, counters, run digest,
+                                      and every other file's size and sha256
 
 Every rank writes into ``.step-00000040.partial/``; after a barrier rank 0 writes the manifest and
 renames the directory into place. A rename is atomic, so a directory named ``step-*`` is always
 complete, whatever killed the run and when. Only trainable parameters are saved (the adapter for
 the LoRA family): the frozen base is re-read from the model directory on resume.
+
+A checkpoint damaged afterwards (a truncated, deleted or altered file, an unreadable manifest, a
+missing random state) fails verification before it is loaded: it is set aside as
+``.corrupt-step-00000040`` (kept for inspection, never loaded again) and the next older one is used.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -42,6 +48,7 @@ log = logging.getLogger("tunepack.trainer")
 PREFIX = "step-"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.pt"
+CORRUPT_PREFIX = ".corrupt-"
 # Frozen parameters (a LoRA base) come from the model directory, not the checkpoint.
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
 _LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
@@ -70,12 +77,82 @@ def read_manifest(path: Path) -> dict:
     return json.loads((path / MANIFEST).read_text())
 
 
-def find_resumable(root: Path, digest: str) -> Path | None:
-    """The newest complete checkpoint written by a run with this configuration digest."""
-    for path in reversed(complete_checkpoints(root)):
-        if read_manifest(path).get("digest") == digest:
-            return path
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_sums(directory: Path) -> dict[str, dict]:
+    """Size and sha256 of every file in a checkpoint directory but the manifest."""
+    return {
+        p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with a complete checkpoint's files, or None when it verifies."""
+    try:
+        manifest = read_manifest(path)
+    except (OSError, ValueError) as err:
+        return f"{MANIFEST} is unreadable ({err.__class__.__name__})"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return f"{MANIFEST} lists no file checksums"
+    world_size = manifest.get("world_size")
+    if isinstance(world_size, int):  # the random states are part of a complete checkpoint
+        for rank in range(world_size):
+            if f"rank-{rank:05d}.pt" not in files:
+                return f"{MANIFEST} lists no random state of rank {rank}"
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != expected.get("size"):
+            return f"{name} has {file.stat().st_size} bytes, {expected.get('size')} were written"
+        if _sha256(file) != expected.get("sha256"):
+            return f"{name} does not match its checksum"
     return None
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename a damaged checkpoint out of the way (kept for inspection, never loaded again)."""
+    target = path.with_name(f"{CORRUPT_PREFIX}{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{CORRUPT_PREFIX}{path.name}.{n}")
+    path.rename(target)
+    durable.fsync_dir(path.parent)
+    log.warning("checkpoint %s is damaged (%s): set aside as %s", path, why, target.name)
+    return target
+
+
+def choose(root: Path, digest: str) -> tuple[Path | None, dict | None]:
+    """Rank 0: the newest verified checkpoint of this run (damaged ones set aside on the way).
+
+    Also returns the newest other checkpoint's manifest when none matches, to say why the run
+    starts fresh.
+    """
+    other = None
+    for path in reversed(complete_checkpoints(root)):
+        try:
+            manifest = read_manifest(path)
+        except (OSError, ValueError):
+            set_aside(path, damage(path) or f"{MANIFEST} is unreadable")
+            continue
+        if not isinstance(manifest, dict) or manifest.get("digest") != digest:
+            other = other or (manifest if isinstance(manifest, dict) else {})
+            continue
+        why = damage(path)
+        if why is None:
+            return path, None
+        set_aside(path, why)
+    return None, other
 
 
 def clear(root: Path) -> None:
@@ -128,7 +205,8 @@ def save(
 
     if topo.is_main:
         torch.save({"lr_scheduler": lr_scheduler.state_dict()}, staging / TRAINER_STATE)
-        durable.write_json(staging / MANIFEST, manifest)
+        # Checksums of what every rank wrote (one shared directory), verified before a resume.
+        durable.write_json(staging / MANIFEST, {**manifest, "files": file_sums(staging)})
         if final.exists():  # the same step saved again (e.g. a stop request right after resume)
             shutil.rmtree(final)
         staging.rename(final)

@@ -8,6 +8,7 @@ a run can be read and reproduced.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -67,6 +68,108 @@ def read_dataset_manifest(dataset_dir: Path) -> dict:
             f"expected one of {', '.join(DATASET_BUILDERS)}"
         )
     return manifest
+
+
+def read_model_hashes(model_dir: Path) -> dict[str, str | None] | None:
+    """Each base-model file's sha256 from the model initializer's manifest (None: no manifest)."""
+    try:
+        manifest = json.loads((model_dir / MANIFEST_FILE).read_text())
+    except FileNotFoundError:
+        return None  # a model directory not made by the initializer (tests, benchmarks)
+    except ValueError:
+        raise BadInputError(
+            f"the model manifest {model_dir / MANIFEST_FILE} is not valid JSON: run the "
+            "model-initializer step again"
+        ) from None
+    return {name: info.get("sha256") for name, info in sorted(manifest.get("files", {}).items())}
+
+
+# The run's identity: everything that determines the computation. Keys that only change how a run
+# is observed, checkpointed or accelerated are left out, so changing them neither retrains a
+# finished run nor discards its checkpoints. (``merge`` changes the published artifacts, not the
+# training: it is part of the result's identity, not the checkpoints'.)
+BOOKKEEPING_KEYS = ("checkpointing", "trainer_args", "log_every_n_steps", "merge", "compile")
+# Why two identities differ, per part, for the "starting fresh" / "training again" messages.
+IDENTITY_CHANGES = {
+    "base_model": "the base model changed (model/{manifest} differs from the {of}'s)",
+    "dataset": "the dataset changed (dataset/{manifest} differs from the {of}'s)",
+    "training": "the training configuration changed",
+    "merge": "merge changed",
+}
+
+
+def _sha256_json(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def run_identity(cfg: DictConfig) -> dict[str, str]:
+    """The training computation's identity in parts: base model, dataset, training config."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    for key in BOOKKEEPING_KEYS:
+        data.pop(key, None)
+    data = _without_workspace_paths(data)
+    base_model = data.pop("model_sha256", None)
+    dataset = data.pop("dataset_sha256", None)
+    return {
+        "base_model": _sha256_json(base_model),
+        "dataset": _sha256_json(dataset),
+        "training": _sha256_json(data),
+    }
+
+
+def _without_workspace_paths(data: dict) -> dict:
+    """The config with the workspace's location taken out: a copied or moved workspace (another
+    mount path in a Pod than on the host) is the same run; the content hashes stand for the files.
+    """
+    data.pop("output_dir", None)
+    data.get("checkpointer", {}).pop("output_dir", None)
+    data.get("dataset", {}).pop("cache_dir", None)
+    roots = {}
+    if data.get("checkpointer", {}).get("checkpoint_dir"):
+        roots[str(data["checkpointer"]["checkpoint_dir"])] = "<model>"
+    files = data.get("dataset", {}).get("data_files") or []
+    if files:
+        roots[str(Path(files[0]).parent)] = "<dataset>"
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        if isinstance(value, str):
+            for root, name in roots.items():
+                if value == root or value.startswith(root + "/"):
+                    return name + value[len(root) :]
+        return value
+
+    return strip(data)
+
+
+def run_digest(cfg: DictConfig) -> str:
+    """Matches checkpoints to the computation that wrote them."""
+    return _sha256_json(run_identity(cfg))
+
+
+def result_identity(cfg: DictConfig) -> dict[str, str]:
+    """The result's identity: the run's, plus what changes the published artifacts."""
+    return {**run_identity(cfg), "merge": _sha256_json(bool(cfg.get("merge", False)))}
+
+
+def result_digest(cfg: DictConfig) -> str:
+    """``config_digest`` in result.json: a finished run with this digest has nothing to do."""
+    return _sha256_json(result_identity(cfg))
+
+
+def identity_changes(old: dict | None, new: dict[str, str], of: str) -> str:
+    """Why ``old`` (a checkpoint's or result's identity) is not ``new``, in words."""
+    if not isinstance(old, dict):
+        return f"the {of} was written by another version of tunepack or another configuration"
+    changed = [
+        IDENTITY_CHANGES.get(part, f"{part} changed").format(manifest=MANIFEST_FILE, of=of)
+        for part in new
+        if old.get(part) != new[part]
+    ]
+    return "; ".join(changed) or f"the {of} was written by another configuration"
 
 
 # Every model is built by this function around the catalog's torchtune builder: it corrects
@@ -151,8 +254,10 @@ def build_config(
             "keep": args.keep_checkpoints,
             "resume": args.resume,
         },
-        # Ties checkpoints and results to the data they were trained on, not just its path.
+        # Ties checkpoints and results to the data and base model they were trained on, not just
+        # their paths: another revision at the same URI is another run.
         "dataset_sha256": {n: info.get("sha256") for n, info in sorted(manifest["files"].items())},
+        "model_sha256": read_model_hashes(model_dir),
         "model": model,
         "tokenizer": tokenizer,
         "checkpointer": {

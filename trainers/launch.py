@@ -28,7 +28,6 @@ other code is an unexpected failure (see the log; the JobSet restarts it a bound
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -47,7 +46,12 @@ from tunepack import workspace
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.config import build_config
+from tunepack.trainers.config import (
+    build_config,
+    identity_changes,
+    result_digest,
+    result_identity,
+)
 
 PROGRAM = "trainer"
 EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"  # the recipe's name for it; kept here to avoid heavy imports
@@ -134,12 +138,6 @@ def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str
     ]
 
 
-def _config_digest(cfg) -> str:
-    return hashlib.sha256(
-        json.dumps(OmegaConf.to_container(cfg), sort_keys=True).encode()
-    ).hexdigest()
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
@@ -167,11 +165,18 @@ def run(argv: list[str]) -> int:
         checkpoint_dir=root / "checkpoints",
     )
     layout = layout_from_env(cfg.device)
-    digest = _config_digest(cfg)
+    digest = result_digest(cfg)
     result_path = output / "result.json"
-    if result_path.exists() and json.loads(result_path.read_text()).get("config_digest") == digest:
-        print(f"{PROGRAM}: {result_path} is complete for this configuration; nothing to do")
-        return 0
+    if result_path.exists():
+        try:
+            previous = json.loads(result_path.read_text())
+        except ValueError:
+            previous = {}
+        if previous.get("config_digest") == digest:
+            print(f"{PROGRAM}: {result_path} is complete for this configuration; nothing to do")
+            return 0
+        why = identity_changes(previous.get("identity"), result_identity(cfg), "result")
+        print(f"{PROGRAM}: {result_path} is from another run ({why}): training", flush=True)
 
     output.mkdir(parents=True, exist_ok=True)
     config_text = OmegaConf.to_yaml(cfg)

@@ -57,6 +57,13 @@ from tunepack import durable
 from tunepack.errors import BadInputError, TransientError, TunepackError
 from tunepack.trainers import checkpoint, distributed
 from tunepack.trainers.args import LORA_FAMILY
+from tunepack.trainers.config import (
+    identity_changes,
+    result_digest,
+    result_identity,
+    run_digest,
+    run_identity,
+)
 from tunepack.trainers.peft_export import export_adapter
 from tunepack.trainers.progress import StatusReporter
 
@@ -69,23 +76,14 @@ METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 # Where the launcher asks each worker to leave its exit code (torchrun reports only "failed").
 EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"
-# Config keys that change how a run is observed or saved, not what it computes: a checkpoint
-# written under other values of these is still the same training run.
-BOOKKEEPING_KEYS = ("checkpointing", "trainer_args", "log_every_n_steps", "merge", "compile")
+
+
+class NonFiniteLoss(TransientError):
+    """The loss became NaN or infinite after some steps: the run stops before applying it."""
 
 
 class Stopped(TransientError):
     """The process was asked to stop (SIGTERM: pod eviction, preemption) and has checkpointed."""
-
-
-def run_digest(cfg: DictConfig) -> str:
-    """Identity of the training computation, to match checkpoints to the run that wrote them."""
-    import hashlib
-
-    data = OmegaConf.to_container(cfg, resolve=True)
-    for key in BOOKKEEPING_KEYS:
-        data.pop(key, None)
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
 class ResumableSampler(Sampler[int]):
@@ -311,15 +309,14 @@ class FineTuneRecipe:
     def _resume_or_start_fresh(self) -> None:
         ckpt = self.cfg.checkpointing
         root = Path(ckpt.dir)
-        found = checkpoint.find_resumable(root, self.digest) if ckpt.resume else None
+        found = None
+        if self.topo.is_main:  # verifies, sets damaged checkpoints aside; every rank follows
+            found = self._choose_checkpoint(root, resume=ckpt.resume)
+        found = distributed.broadcast_from_main(None if found is None else str(found))
         if found is None:
-            # A fresh run: checkpoints of another configuration (or resume=false) would only
-            # confuse the next restart's choice, so they go.
-            if self.topo.is_main and checkpoint.complete_checkpoints(root):
-                log.info("starting fresh: removing earlier checkpoints under %s", root)
-                checkpoint.clear(root)
             distributed.barrier()
             return
+        found = Path(found)
         manifest = checkpoint.load(
             found,
             model=self.model,
@@ -340,6 +337,26 @@ class FineTuneRecipe:
         self.resumed_from = self.global_step
         if self.topo.is_main:
             log.info("resumed from %s (step %d)", found, self.global_step)
+
+    def _choose_checkpoint(self, root: Path, *, resume: bool) -> Path | None:
+        """Rank 0: the checkpoint to resume from, or None after clearing the way for a fresh run."""
+        if resume:
+            found, other = checkpoint.choose(root, self.digest)
+            if found is not None:
+                return found
+            why = (
+                identity_changes(other.get("identity"), run_identity(self.cfg), "checkpoint")
+                if other is not None
+                else "no checkpoint of this run verifies"
+            )
+        else:
+            why = "resume=false"
+        # A fresh run: checkpoints of another identity (or resume=false) would only confuse the
+        # next restart's choice, so they go (damaged ones were set aside, not removed).
+        if checkpoint.complete_checkpoints(root):
+            log.info("%s: starting fresh, removing earlier checkpoints under %s", why, root)
+            checkpoint.clear(root)
+        return None
 
     # ---------------------------------------------------------------- train
     def _loss_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -393,6 +410,8 @@ class FineTuneRecipe:
                         [step_loss, step_tokens, float(self.stop_requested), float(time_due)],
                         self.device,
                     )
+                    if not math.isfinite(total_loss):  # the same sum on every rank: all stop
+                        self._non_finite_loss(total_loss)
                     # Normalise by every token in the step on every rank, as one big batch would.
                     # FSDP averages gradients over ranks, hence the world size in the numerator.
                     scale = topo.world_size / max(total_tokens, 1.0)
@@ -432,6 +451,20 @@ class FineTuneRecipe:
                 metrics.close()
             if reporter is not None:
                 reporter.close()
+
+    def _non_finite_loss(self, loss: float) -> None:
+        """Stop before the optimizer step: nothing non-finite is applied, saved or published."""
+        step = self.global_step + 1
+        if self.global_step == 0:  # before any update: the base model, the data or the settings
+            raise BadInputError(
+                f"the loss is {loss} at the first step, before any update: check the base model's "
+                "weights, the data and the arguments (dtype, max_seq_len); nothing was published"
+            )
+        raise NonFiniteLoss(
+            f"the loss became {loss} at step {step} (the step before: {self.last_loss}): "
+            f"training diverged; lower lr (now {self.cfg.optimizer.lr}) or raise warmup_steps; "
+            "nothing was published"
+        )
 
     def _open_metrics(self):
         path = self.output_dir / METRICS_FILE
@@ -489,6 +522,7 @@ class FineTuneRecipe:
             "world_size": self.topo.world_size,
             "method": self.method,
             "digest": self.digest,
+            "identity": run_identity(self.cfg),
         }
         path = checkpoint.save(
             Path(self.cfg.checkpointing.dir),
@@ -539,6 +573,8 @@ class FineTuneRecipe:
                 "artifact": str(artifact),
                 "merged_model": str(self.output_dir / MERGED_DIR) if self.cfg.merge else None,
                 "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
+                "config_digest": result_digest(self.cfg),
+                "identity": result_identity(self.cfg),
                 **(extra or {}),
             }
             durable.write_json(self.output_dir / RESULT_FILE, result)
