@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: venv install dev quickstart test test-cluster controlplane lint runtimes clean
+.PHONY: venv install dev quickstart test test-cluster controlplane lint runtimes images push-images clean
 
 venv: $(BIN)/python
 $(BIN)/python:
@@ -55,6 +55,23 @@ lint: dev
 # Regenerate runtimes/generated/*.yaml from the catalog (a test fails when they are stale).
 runtimes: install
 	$(BIN)/python -m tunepack.runtimes.generate
+
+# The three images the runtimes run (docker or podman; build from the repository root). Push them
+# to your registry and point the runtimes there (README, "Images"); the tag is tunepack's version.
+CONTAINER ?= docker
+REGISTRY ?= ghcr.io/tunepack
+VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGES := dataset-initializer model-initializer trainer
+
+images:
+	$(CONTAINER) build -f initializers/Dockerfile --target dataset-initializer \
+		-t $(REGISTRY)/dataset-initializer:$(VERSION) .
+	$(CONTAINER) build -f initializers/Dockerfile --target model-initializer \
+		-t $(REGISTRY)/model-initializer:$(VERSION) .
+	$(CONTAINER) build -f trainers/Dockerfile -t $(REGISTRY)/trainer:$(VERSION) .
+
+push-images: images
+	for image in $(IMAGES); do $(CONTAINER) push $(REGISTRY)/$$image:$(VERSION) || exit 1; done
 
 clean:
 	rm -rf $(VENV) .tunepack .pytest_cache .ruff_cache

@@ -1,0 +1,67 @@
+"""The images the runtimes run: `make images` builds exactly those, and a user's registry reaches
+every runtime through kustomize's `images` (the README's "Images" step). No container engine runs
+here, so the builds themselves are not run: `make -n` shows what they would do."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from tests.test_manifests import MANIFESTS, ROOT, render, write_kustomization
+from tunepack import __version__
+
+REGISTRY = "registry.example.internal/ml"
+
+
+def _runtime_images(objects: list[dict]) -> set[str]:
+    images = set()
+    for obj in objects:
+        for job in obj["spec"]["template"]["spec"]["replicatedJobs"]:
+            for c in job["template"]["spec"]["template"]["spec"]["containers"]:
+                images.add(c["image"])
+    return images
+
+
+def _make_n(*args: str) -> str:
+    done = subprocess.run(
+        ["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.replace("\\\n", " ")
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_images_builds_the_images_the_runtimes_run():
+    built = re.findall(r"-t (\S+)", _make_n("images"))
+    assert sorted(built) == sorted(_runtime_images(render(MANIFESTS / "base")))
+    assert all(image.endswith(f":{__version__}") for image in built)
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_push_images_pushes_to_the_given_registry():
+    out = _make_n("push-images", f"REGISTRY={REGISTRY}", "CONTAINER=podman")
+    assert "podman build" in out and "docker" not in out
+    assert f"podman push {REGISTRY}/$image:{__version__}" in out
+    assert set(re.findall(r"-t (\S+)", out)) == {
+        f"{REGISTRY}/{name}:{__version__}"
+        for name in ("dataset-initializer", "model-initializer", "trainer")
+    }
+
+
+def test_a_kustomization_points_every_runtime_at_the_users_registry(tmp_path):
+    """The README's step: the base plus an `images` list naming the user's registry."""
+    write_kustomization(tmp_path, ())
+    kustomization = yaml.safe_load((tmp_path / "kustomization.yaml").read_text())
+    kustomization["images"] = [
+        {"name": f"ghcr.io/tunepack/{name}", "newName": f"{REGISTRY}/{name}"}
+        for name in ("dataset-initializer", "model-initializer", "trainer")
+    ]
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    assert _runtime_images(render(tmp_path)) == {
+        f"{REGISTRY}/{name}:{__version__}"
+        for name in ("dataset-initializer", "model-initializer", "trainer")
+    }
