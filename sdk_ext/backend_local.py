@@ -2,9 +2,13 @@
 
 ``train()`` writes the TrainJob under ``<root_dir>/<name>/`` and starts a detached runner process
 (``python -m tunepack.backend_local <job dir>``) that runs the runtime's steps with
-``tunepack.local`` (the same code as ``tunepack train --local``), recording each step's state in
-``state.json``. Jobs therefore outlive the notebook kernel, and the CLI (``tunepack status``,
-``tunepack logs``) sees the same jobs.
+``tunepack.local``, recording each step's state in ``state.json``. Jobs therefore outlive the
+notebook kernel.
+
+``tunepack train --local`` creates its jobs here too (``register``), and runs them in the
+foreground through the same ``run_job``, in the workspace it was given (``state.json`` records
+it). So the CLI (``tunepack jobs``, ``status``, ``logs``, ``result``, ``delete``) and Python
+(``list_jobs()``, ``get_job()``, ...) see the same jobs, whichever created them.
 
     >>> from tunepack import TrainingClient, LocalBackendConfig
     >>> client = TrainingClient(LocalBackendConfig(root_dir="/tmp/tunepack-jobs"))
@@ -64,6 +68,9 @@ class LocalBackendConfig(BaseModel):
     root_dir: str | None = None
     gpu: str = "H100-80GB"
     memory_check: str = "refuse"
+
+
+RUNNER_CLI = "cli"  # state["runner"]: run in the foreground by `tunepack train --local`
 
 
 def _now() -> str:
@@ -167,12 +174,7 @@ class LocalBackend(RuntimeBackend):
                     "secretRef is a cluster feature: on the local backend, export the credential "
                     "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
                 )
-        job_dir = self.root / name
-        job_dir.mkdir(parents=True)
-        (job_dir / TRAINJOB_FILE).write_text(yaml.safe_dump(trainjob, sort_keys=False))
-        _write_json(
-            job_dir / STATE_FILE, {"status": kc.TRAINJOB_CREATED, "created": _now(), "steps": {}}
-        )
+        job_dir = self.register(trainjob)
         with (job_dir / "runner.log").open("w") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tunepack.backend_local", str(job_dir)],
@@ -183,37 +185,86 @@ class LocalBackend(RuntimeBackend):
         (job_dir / "pid").write_text(str(proc.pid))
         return name
 
+    def register(
+        self, trainjob: dict, workspace: Path | None = None, *, replace: bool = False
+    ) -> Path:
+        """Record ``trainjob`` (a TrainJob dict) as a job of this backend, status Created:
+        ``<root>/<name>/`` with ``trainjob.yaml`` and ``state.json``. ``workspace`` is where its
+        steps run (default ``<root>/<name>/workspace``). A job of the same name is refused, or
+        with ``replace=True`` (a re-run of ``tunepack train --local --name``) replaced unless it
+        is still running; its workspace is left as it is. Returns the job's directory."""
+        name = trainjob["metadata"]["name"]
+        job_dir = self.root / name
+        if (job_dir / STATE_FILE).exists():
+            if not replace:
+                raise BadInputError(f"a local TrainJob {name!r} already exists under {self.root}")
+            if self.get_job(name).status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING):
+                raise BadInputError(
+                    f"local TrainJob {name!r} is still running (pid {_pid(job_dir)}); wait for "
+                    f"it, or give another --name"
+                )
+        try:
+            job_dir.mkdir(parents=True, exist_ok=True)
+            for record in (STATE_FILE, TRAINJOB_FILE, "pid", "runner.log"):
+                (job_dir / record).unlink(missing_ok=True)
+            (job_dir / TRAINJOB_FILE).write_text(yaml.safe_dump(trainjob, sort_keys=False))
+            state = {"status": kc.TRAINJOB_CREATED, "created": _now(), "steps": {}}
+            if workspace is not None and Path(workspace) != job_dir / WORKSPACE_DIR:
+                state["workspace"] = str(Path(workspace).resolve())
+            _write_json(job_dir / STATE_FILE, state)
+        except OSError as err:
+            raise BadInputError(
+                f"cannot record local TrainJob {name!r} under {self.root}: "
+                f"{(err.strerror or str(err)).lower()}; set TUNEPACK_HOME (or --jobs-dir) to a "
+                "directory you can write to"
+            ) from None
+        return job_dir
+
     def list_jobs(self, runtime: kf.Runtime | None = None) -> list[TrainJob]:
         if not self.root.is_dir():
             return []
-        jobs = [
-            self.get_job(p.name) for p in sorted(self.root.iterdir()) if (p / STATE_FILE).exists()
-        ]
+        jobs = []
+        for path in sorted(self.root.iterdir()):
+            if (path / STATE_FILE).exists():
+                try:
+                    jobs.append(self.get_job(path.name))
+                except (BadInputError, FileNotFoundError):
+                    continue  # deleted since the directory was listed
         if runtime is not None:
             jobs = [j for j in jobs if j.runtime.name == runtime.name]
-        return jobs
+        return sorted(jobs, key=lambda j: j.creation_timestamp)
 
     def job_dir(self, name: str) -> Path:
         path = self.root / name
-        if not (path / STATE_FILE).exists():
-            raise BadInputError(f"no local TrainJob {name!r} under {self.root}; see list_jobs()")
+        if not name or "/" in name or name in (".", "..") or not (path / STATE_FILE).exists():
+            raise BadInputError(
+                f"no local TrainJob {name!r} under {self.root}; see list_jobs() "
+                "(tunepack jobs --local)"
+            )
         return path
 
     def workspace(self, name: str) -> Path:
-        return self.job_dir(name) / WORKSPACE_DIR
+        """Where the job's steps run: ``<root>/<name>/workspace``, or the directory
+        ``tunepack train --local --workspace`` was given."""
+        job_dir = self.job_dir(name)
+        state = json.loads((job_dir / STATE_FILE).read_text())
+        return Path(state["workspace"]) if "workspace" in state else job_dir / WORKSPACE_DIR
 
     def get_job(self, name: str) -> TrainJob:
         job_dir = self.job_dir(name)
         state = json.loads((job_dir / STATE_FILE).read_text())
         trainjob = yaml.safe_load((job_dir / TRAINJOB_FILE).read_text())
+        workspace = self.workspace(name)
         status = state["status"]
         if status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING) and not _alive(job_dir):
             status = kc.TRAINJOB_FAILED
-            state["message"] = "the local runner process ended unexpectedly; see runner.log"
-        steps = [
-            kf.Step(
-                name=step, status=info["status"], pod_name=str(job_dir / WORKSPACE_DIR / "logs")
+            state["message"] = (
+                "the `tunepack train --local` process that ran it ended before the job did"
+                if state.get("runner") == RUNNER_CLI
+                else "the local runner process ended unexpectedly; see runner.log"
             )
+        steps = [
+            kf.Step(name=step, status=info["status"], pod_name=str(workspace / "logs"))
             for step, info in state["steps"].items()
         ]
         return TrainJob(
@@ -224,13 +275,13 @@ class LocalBackend(RuntimeBackend):
             creation_timestamp=datetime.fromisoformat(state["created"]),
             status=status,
             message=state.get("message"),
-            progress=read_progress(job_dir / WORKSPACE_DIR / "output" / "metrics.jsonl"),
+            progress=read_progress(workspace / "output" / "metrics.jsonl"),
         )
 
     def get_job_logs(
         self, name: str, follow: bool = False, step: str = kc.NODE + "-0"
     ) -> Iterator[str]:
-        log = self.job_dir(name) / WORKSPACE_DIR / "logs" / f"{_step_job(step)}.log"
+        log = self.workspace(name) / "logs" / f"{_step_job(step)}.log"
         position = 0
         while True:
             if log.exists():
@@ -300,15 +351,48 @@ class LocalBackend(RuntimeBackend):
             time.sleep(polling_interval)
         raise TimeoutError(f"Timeout waiting for TrainJob {name} to reach status: {status}")
 
-    def delete_job(self, name: str):
+    def delete_job(self, name: str, keep_workspace: bool | None = None) -> Path | None:
+        """Delete the job, stopping its runner first. ``keep_workspace``: ``None`` (the SDK's
+        call) removes a workspace under the job's directory and keeps one given to ``tunepack
+        train --local --workspace``; ``True`` keeps it either way, ``False`` removes it either
+        way. Returns the workspace kept, if any.
+
+        A job run in the foreground by ``tunepack train --local`` is not stopped from here: it
+        is refused while it runs (Ctrl-C there stops it, with a checkpoint)."""
         job_dir = self.job_dir(name)
+        state = json.loads((job_dir / STATE_FILE).read_text())
+        workspace = self.workspace(name)
+        inside = workspace == job_dir / WORKSPACE_DIR
         pid = _pid(job_dir)
-        if pid and _alive(job_dir):
+        if pid and _alive(job_dir) and state["status"] not in TERMINAL:
+            if state.get("runner") == RUNNER_CLI:
+                raise BadInputError(
+                    f"local TrainJob {name!r} is running in the foreground of `tunepack train "
+                    f"--local` (pid {pid}); stop it there with Ctrl-C first"
+                )
             try:
                 os.killpg(pid, signal.SIGTERM)  # the runner's own session: it and its steps
             except ProcessLookupError:
                 pass
-        shutil.rmtree(job_dir)
+        keep = (not inside) if keep_workspace is None else keep_workspace
+        if not keep and not inside:
+            shutil.rmtree(workspace, ignore_errors=True)
+        if keep and inside:
+            for path in job_dir.iterdir():  # the record only; <root>/<name>/workspace stays
+                if path.name != WORKSPACE_DIR:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+        else:
+            shutil.rmtree(job_dir)
+        return workspace if keep and workspace.exists() else None
+
+
+TERMINAL = (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED)
+
+
+def update_state(job_dir: Path, **fields) -> None:
+    """Set top-level fields of a job's ``state.json`` (e.g. a status and message)."""
+    state = json.loads((job_dir / STATE_FILE).read_text())
+    _write_json(job_dir / STATE_FILE, {**state, **fields})
 
 
 def _step_job(step: str) -> str:
@@ -366,26 +450,42 @@ def read_progress(metrics: Path) -> Progress | None:
 
 
 def run(job_dir: Path) -> int:
-    """Run the job in ``job_dir`` step by step, recording state (the detached runner's body)."""
-    from tunepack.local import describe_exit, resolve_steps, run_step
+    """The detached runner's body: run the job, return the failed step's exit code or 0."""
+    failed = run_job(job_dir).failed
+    return failed.exit_code if failed else 0
+
+
+def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bool = False):
+    """Run the job in ``job_dir`` step by step in its workspace, recording each step's state;
+    stop at the first failing step. ``echo`` gets each step's command and output lines.
+    ``cli=True``: run by ``tunepack train --local`` in its own process (recorded as the job's
+    runner). Returns ``tunepack.local.RunOutcome``."""
+    from tunepack.local import RunOutcome, describe_exit, resolve_steps, run_step
 
     state_path = job_dir / STATE_FILE
     state = json.loads(state_path.read_text())
     trainjob = yaml.safe_load((job_dir / TRAINJOB_FILE).read_text())
     runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
-    workspace = job_dir / WORKSPACE_DIR
-    workspace.mkdir(exist_ok=True)
+    workspace = Path(state.get("workspace") or job_dir / WORKSPACE_DIR)
+    workspace.mkdir(parents=True, exist_ok=True)
+    if cli:
+        (job_dir / "pid").write_text(str(os.getpid()))
+        state["runner"] = RUNNER_CLI
     steps = resolve_steps(runtime, trainjob, workspace.resolve())
     names = {s.name: _sdk_names(s) for s in steps}
     state["steps"] = {n: {"status": "Pending"} for s in steps for n in names[s.name]}
     state["status"] = kc.TRAINJOB_RUNNING
     _write_json(state_path, state)
+    outcomes = []
     for step in steps:
         started = _now()
         for n in names[step.name]:
             state["steps"][n] = {"status": "Running", "started": started}
         _write_json(state_path, state)
-        outcome = run_step(step, workspace / "logs", echo=None)
+        if echo:
+            echo(f"==> {step.name}: {' '.join(step.command)}")
+        outcome = run_step(step, workspace / "logs", echo=echo)
+        outcomes.append(outcome)
         phase = "Succeeded" if outcome.exit_code == 0 else "Failed"
         for n in names[step.name]:
             state["steps"][n] = {
@@ -402,11 +502,11 @@ def run(job_dir: Path) -> int:
                 f"({describe_exit(outcome.exit_code)})" + (f": {reason}" if reason else "")
             )
             _write_json(state_path, state)
-            return outcome.exit_code
+            return RunOutcome(outcomes)
         _write_json(state_path, state)
     state["status"] = kc.TRAINJOB_COMPLETE
     _write_json(state_path, state)
-    return 0
+    return RunOutcome(outcomes)
 
 
 def _sdk_names(step) -> list[str]:

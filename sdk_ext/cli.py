@@ -9,14 +9,21 @@ tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the clu
 tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
 tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
 tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
+tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
 tunepack logs NAME [--step node-0] [--local]
+tunepack result NAME [--local]        # a finished job's adapter (or model) and final loss
+tunepack delete NAME [--local] [--workspace-too]   # the workspace is kept unless asked
 tunepack --version
 
 Exit codes: 0 done; 65 bad input or configuration (a missing kubeconfig included: fix it, do not
 retry); 75 transient (an API server that cannot be reached; a step stopped by SIGTERM: retry);
 130 interrupted (Ctrl-C; every process of a local run is stopped first); 1 the cluster refused a
-request; other codes: a local step's own exit code.
+request, or (status) the job failed; other codes: a local step's own exit code.
+
+Local jobs live in the local backend's jobs dir (``$TUNEPACK_HOME/jobs``, default
+``~/.tunepack/jobs``, or ``--jobs-dir``), the same place ``TrainingClient(LocalBackendConfig())``
+keeps them: a ``train --local`` run is a job there, and so is a job started from Python.
 """
 
 from __future__ import annotations
@@ -129,16 +136,26 @@ def cmd_train(ns: argparse.Namespace) -> int:
             f"--queue {ns.queue} names a Kueue queue on a cluster; the local backend has none "
             "(leave out --queue, or --local)"
         )
+    from tunepack.backend_local import run_job
     from tunepack.cli_interrupt import StopOnInterrupt
-    from tunepack.local import describe_exit, run_trainjob
-    from tunepack.runtimes.generate import load_runtime
+    from tunepack.local import describe_exit
 
+    backend = _local_backend(ns)
+    if ns.name is None:  # a new job: <model>-<timestamp>, made unique among the local jobs
+        ns.name = base = _default_job_name(ns.runtime)
+        for n in range(2, 1000):
+            if not os.path.exists(backend.root / ns.name):  # False if unreadable
+                break
+            ns.name = f"{base}-{n}"
     trainjob = _trainjob(ns, local=True)
     name = trainjob["metadata"]["name"]
-    runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
-    workspace = Path(ns.workspace or Path(".tunepack/runs") / name).resolve()
+    if ns.workspace is None and os.path.exists(backend.root / name / "state.json"):
+        workspace = backend.workspace(name)  # the same job again (--name): resume its workspace
+    else:
+        workspace = Path(ns.workspace or Path(".tunepack/runs") / name).resolve()
     _check_workspace(workspace, given=ns.workspace)
-    print(f"tunepack: local run {name!r} of {ns.runtime} in {workspace}", flush=True)
+    job_dir = backend.register(trainjob, workspace, replace=True)
+    print(f"tunepack: job {name}: local run of {ns.runtime} in {workspace}", flush=True)
     started = time.perf_counter()
     stop = StopOnInterrupt(
         f"tunepack: interrupted: stopping run {name!r} (the trainer saves a checkpoint first; "
@@ -149,10 +166,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
         if not stop.interrupted:  # after Ctrl-C the steps' last words go to their logs only
             print(line, flush=True)
 
-    with stop:
-        outcome = run_trainjob(runtime, trainjob, workspace, echo=None if ns.quiet else echo)
+    try:
+        with stop:
+            outcome = run_job(job_dir, echo=None if ns.quiet else echo, cli=True)
+    except BaseException as err:
+        _record_failure(job_dir, f"tunepack train --local stopped: {type(err).__name__}: {err}")
+        raise
     failed = outcome.failed
     if stop.interrupted and failed:
+        _record_failure(
+            job_dir,
+            f"interrupted (Ctrl-C) in step {failed.name!r}; to resume, run the same command with "
+            f"--workspace {workspace}",
+        )
         print(
             f"tunepack: run {name!r} stopped, no process of it left; logs in "
             f"{workspace / 'logs'}; to resume, run the same command with --workspace {workspace}",
@@ -168,8 +194,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return failed.exit_code
-    _print_summary(ns.runtime, workspace, time.perf_counter() - started)
+    _print_summary(name, ns.runtime, workspace, time.perf_counter() - started)
     return 0
+
+
+def _record_failure(job_dir: Path, message: str) -> None:
+    from tunepack.backend_local import update_state
+
+    try:
+        update_state(job_dir, status="Failed", message=message)
+    except OSError:
+        pass  # the record is gone: nothing to say it in
 
 
 def _check_workspace(workspace: Path, given: str | None) -> None:
@@ -254,12 +289,92 @@ def _k8s_backend(ns: argparse.Namespace):
     return KubernetesBackend(_backend_config(ns))
 
 
-def _backend(ns: argparse.Namespace):
-    if ns.local:
-        from tunepack.backend_local import LocalBackend, LocalBackendConfig
+def _local_backend(ns: argparse.Namespace):
+    """The local backend ``TrainingClient(LocalBackendConfig(root_dir=...))`` uses."""
+    from tunepack.backend_local import LocalBackend, LocalBackendConfig
 
-        return LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir))
-    return _k8s_backend(ns)
+    return LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir))
+
+
+def _backend(ns: argparse.Namespace):
+    return _local_backend(ns) if ns.local else _k8s_backend(ns)
+
+
+def _where(ns: argparse.Namespace, backend) -> str:
+    return f"under {backend.root}" if ns.local else f"in namespace {backend.namespace}"
+
+
+def cmd_jobs(ns: argparse.Namespace) -> int:
+    from tunepack.runtimes.generate import workspace_pvc
+
+    backend = _backend(ns)
+    jobs = sorted(backend.list_jobs(), key=lambda j: j.creation_timestamp)
+    if not jobs:
+        print(f"no {'local ' if ns.local else ''}TrainJobs {_where(ns, backend)}")
+        return 0
+    rows = [
+        [
+            job.name,
+            job.runtime.name if job.runtime else "",
+            job.status,
+            job.creation_timestamp.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+            str(backend.workspace(job.name)) if ns.local else f"pvc/{workspace_pvc(job.name)}",
+        ]
+        for job in jobs
+    ]
+    print(_table(rows, ["NAME", "RUNTIME", "STATUS", "CREATED", "WORKSPACE"]))
+    return 0
+
+
+def cmd_result(ns: argparse.Namespace) -> int:
+    from tunepack.errors import BadInputError
+    from tunepack.result import result_for
+
+    backend = _backend(ns)
+    job = backend.get_job(ns.name)
+    if job.status != "Complete":
+        message = f": {job.message}" if getattr(job, "message", None) else ""
+        raise BadInputError(
+            f"TrainJob {ns.name} is {job.status}, not Complete{message}; it has no result"
+            + (" yet (tunepack status)" if job.status != "Failed" else "")
+        )
+    result = result_for(backend, ns.name)
+    print(f"{ns.name}  {job.runtime.name}")
+    print(f"  result      {result.path}")
+    print(f"  base model  {result.base_model}")
+    if result.method:
+        print(f"  method      {result.method}")
+    if result.final_loss is not None:
+        print(f"  final loss  {result.final_loss:.4f}")
+    return 0
+
+
+def cmd_delete(ns: argparse.Namespace) -> int:
+    from tunepack.errors import BadInputError
+    from tunepack.runtimes.generate import workspace_pvc
+
+    if not ns.local:
+        if ns.workspace_too:
+            raise BadInputError(
+                f"--workspace-too is for local jobs; on a cluster the workspace is the PVC "
+                f"{workspace_pvc(ns.name)}: kubectl delete pvc {workspace_pvc(ns.name)}"
+            )
+        backend = _k8s_backend(ns)
+        backend.delete_job(ns.name)
+        print(
+            f"tunepack: deleted TrainJob {backend.namespace}/{ns.name}; its workspace volume "
+            f"pvc/{workspace_pvc(ns.name)} is kept (kubectl delete pvc to remove it)"
+        )
+        return 0
+    kept = _local_backend(ns).delete_job(ns.name, keep_workspace=not ns.workspace_too)
+    if kept:
+        print(
+            f"tunepack: deleted local TrainJob {ns.name}; its workspace {kept} is kept "
+            "(--workspace-too removes it)"
+        )
+    else:
+        print(f"tunepack: deleted local TrainJob {ns.name} and its workspace")
+    return 0
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
@@ -318,10 +433,11 @@ def cmd_install(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(runtime: str, workspace: Path, elapsed: float) -> None:
+def _print_summary(name: str, runtime: str, workspace: Path, elapsed: float) -> None:
     result = json.loads((workspace / "output" / "result.json").read_text())
     print()
     print("tunepack: training finished")
+    print(f"  job         {name}")
     print(f"  runtime     {runtime}")
     print(f"  method      {result['method']}")
     print(f"  steps       {result['steps']}")
@@ -330,6 +446,16 @@ def _print_summary(runtime: str, workspace: Path, elapsed: float) -> None:
     print(f"  elapsed     {elapsed:.1f} s")
     print(f"  result      {result['artifact']}")
     print(f"  logs        {workspace / 'logs'}")
+
+
+JOBS_DIR_HELP = "local backend jobs dir (default: $TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
+
+
+def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", action="store_true", help="jobs of the local backend")
+    parser.add_argument("--jobs-dir", help=JOBS_DIR_HELP)
+    parser.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+    parser.add_argument("--context", help="kubeconfig context")
 
 
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -382,23 +508,37 @@ def build_parser() -> argparse.ArgumentParser:
         default="refuse",
         help="when the planner says the job cannot fit in GPU memory (cluster)",
     )
-    p.add_argument("--workspace", help="local workspace dir (default: .tunepack/runs/<name>)")
+    p.add_argument(
+        "--workspace",
+        help="local workspace dir (default: .tunepack/runs/<name>; a re-run of --name NAME "
+        "uses that job's)",
+    )
+    p.add_argument("--jobs-dir", help=JOBS_DIR_HELP)
     p.add_argument("--quiet", action="store_true", help="do not echo step output")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("jobs", help="list TrainJobs: name, runtime, status, created, workspace")
+    _add_backend_arguments(p)
+    p.set_defaults(func=cmd_jobs)
 
     for cmd, func, helptext in (
         ("status", cmd_status, "a TrainJob's status, steps and progress"),
         ("logs", cmd_logs, "a TrainJob step's log"),
+        ("result", cmd_result, "a finished TrainJob's adapter (or model) and final loss"),
+        ("delete", cmd_delete, "delete a TrainJob (its workspace is kept)"),
     ):
         p = sub.add_parser(cmd, help=helptext)
         p.add_argument("name", help="TrainJob name")
-        p.add_argument("--local", action="store_true", help="a job of the local backend")
-        p.add_argument("--jobs-dir", help="local backend jobs dir (default: ~/.tunepack/jobs)")
-        p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
-        p.add_argument("--context", help="kubeconfig context")
+        _add_backend_arguments(p)
         if cmd == "logs":
             p.add_argument("--step", default="node-0", help="dataset-initializer, node-0, ...")
             p.add_argument("--follow", "-f", action="store_true")
+        if cmd == "delete":
+            p.add_argument(
+                "--workspace-too",
+                action="store_true",
+                help="also remove the local job's workspace (default: kept)",
+            )
         p.set_defaults(func=func)
 
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import run_program
 from tunepack.tiny import write_tiny_dataset, write_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _tunepack_home(tmp_path_factory):
+    """Local jobs (`train --local` registers one) go to a temporary $TUNEPACK_HOME, never to the
+    developer's ~/.tunepack; a test that wants its own sets TUNEPACK_HOME or --jobs-dir."""
+    if "TUNEPACK_HOME" in os.environ:
+        yield
+        return
+    os.environ["TUNEPACK_HOME"] = str(tmp_path_factory.mktemp("tunepack-home"))
+    yield
+    os.environ.pop("TUNEPACK_HOME", None)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,195 @@
+"""One job path: `tunepack train --local` runs are jobs of the local backend, the same jobs
+`TrainingClient(LocalBackendConfig(...))` creates; `jobs`, `status`, `logs`, `result` and
+`delete` see them whichever created them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
+
+RUNTIME = "tunepack-tiny-llama3"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    return tmp_path_factory.mktemp("home")  # $TUNEPACK_HOME: jobs under <home>/jobs
+
+
+def tunepack(home, *args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=timeout,
+        env={**os.environ, "TUNEPACK_HOME": str(home)},
+    )
+
+
+def _train(home, tmp, model, data, *extra: str) -> subprocess.CompletedProcess:
+    return tunepack(
+        home, "train", "--local", "--runtime", RUNTIME, "--dataset", f"file://{data}",
+        "--model", f"file://{model}", *extra, "method=lora", "max_steps=2", cwd=tmp,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cli_job(home, tmp_path_factory, tiny_model_dir, tiny_dataset_file):
+    """A `train --local` run with a generated name, in the default workspace."""
+    cwd = tmp_path_factory.mktemp("cwd")
+    done = _train(home, cwd, tiny_model_dir, tiny_dataset_file, "--quiet")
+    assert done.returncode == 0, done.stderr + done.stdout
+    first = done.stdout.splitlines()[0]
+    match = re.fullmatch(r"tunepack: job (tiny-llama3-[0-9-]+): local run of \S+ in (\S+)", first)
+    assert match, first
+    name, workspace = match.groups()
+    assert workspace == str(cwd / ".tunepack" / "runs" / name)
+    assert f"  job         {name}" in done.stdout.splitlines()
+    return name, cwd / ".tunepack" / "runs" / name
+
+
+@pytest.fixture(scope="module")
+def python_job(home, tiny_model_dir, tiny_dataset_file):
+    client = TrainingClient(LocalBackendConfig(root_dir=str(home / "jobs")))
+    name = client.train(
+        runtime=RUNTIME,
+        initializer=Initializer(
+            dataset=f"file://{tiny_dataset_file}", model=f"file://{tiny_model_dir}"
+        ),
+        trainer=FineTune(method="lora", max_steps=2),
+    )
+    client.wait_for_job_status(name, timeout=300, polling_interval=1)
+    return client, name
+
+
+def test_train_local_is_a_job_that_status_logs_and_result_see(home, cli_job):
+    name, workspace = cli_job
+    status = tunepack(home, "status", name, "--local")
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0] == f"{name}  Complete  runtime {RUNTIME}"
+    assert [line.split() for line in lines[1:4]] == [
+        ["dataset-initializer", "Succeeded"],
+        ["model-initializer", "Succeeded"],
+        ["node-0", "Succeeded"],
+    ]
+    result = json.loads((workspace / "output" / "result.json").read_text())
+    assert f"  progress 100%  loss {result['final_loss']:.4f}" in lines
+
+    logs = tunepack(home, "logs", name, "--local")
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout == (workspace / "logs" / "node.log").read_text()
+    init = tunepack(home, "logs", name, "--local", "--step", "dataset-initializer")
+    assert init.stdout == (workspace / "logs" / "dataset-initializer.log").read_text()
+
+    shown = tunepack(home, "result", name, "--local")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines() == [
+        f"{name}  {RUNTIME}",
+        f"  result      {workspace / 'output' / 'adapter'}",
+        f"  base model  {workspace / 'model'}",
+        "  method      lora",
+        f"  final loss  {result['final_loss']:.4f}",
+    ]
+
+
+def test_jobs_lists_cli_and_python_jobs_and_python_sees_the_cli_job(home, cli_job, python_job):
+    name, workspace = cli_job
+    client, py_name = python_job
+    listed = tunepack(home, "jobs", "--local")
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = [line.split() for line in listed.stdout.splitlines()]
+    assert header == ["NAME", "RUNTIME", "STATUS", "CREATED", "WORKSPACE"]
+    by_name = {row[0]: row for row in rows}
+    assert by_name[name][1:3] == [RUNTIME, "Complete"] and by_name[name][-1] == str(workspace)
+    assert by_name[py_name][1:3] == [RUNTIME, "Complete"]
+    assert by_name[py_name][-1] == str(client.backend.workspace(py_name))
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", " ".join(by_name[name][3:5]))
+
+    # ...and Python sees the CLI's job: listed, its status, logs and result.
+    assert {j.name for j in client.list_jobs()} >= {name, py_name}
+    assert client.get_job(name).status == "Complete"
+    assert list(client.get_job_logs(name)) == (
+        (workspace / "logs" / "node.log").read_text().splitlines()
+    )
+    assert client.result(name).path == str(workspace / "output" / "adapter")
+    assert tunepack(home, "status", py_name, "--local").stdout.startswith(f"{py_name}  Complete")
+
+
+def test_same_name_again_resumes_its_workspace(home, tmp_path, tiny_model_dir, tiny_dataset_file):
+    first = _train(home, tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "again")
+    assert first.returncode == 0, first.stderr
+    again = _train(home, tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "again")
+    assert again.returncode == 0, again.stderr
+    workspace = tmp_path / ".tunepack" / "runs" / "again"
+    assert again.stdout.splitlines()[0] == (
+        f"tunepack: job again: local run of {RUNTIME} in {workspace}"
+    )
+    assert "nothing to do" in again.stdout
+    listed = tunepack(home, "jobs", "--local").stdout.splitlines()
+    assert sum(line.split()[0] == "again" for line in listed) == 1
+
+    # delete keeps the workspace and says so; --workspace-too removes it
+    deleted = tunepack(home, "delete", "again", "--local")
+    assert deleted.returncode == 0, deleted.stderr
+    assert deleted.stdout == (
+        f"tunepack: deleted local TrainJob again; its workspace {workspace} is kept "
+        "(--workspace-too removes it)\n"
+    )
+    assert (workspace / "output" / "result.json").exists()
+    assert "again" not in tunepack(home, "jobs", "--local").stdout
+    gone = tunepack(home, "status", "again", "--local")
+    assert gone.returncode == 65
+
+    # a re-run after delete is a new job in the same (kept) workspace, then deleted with it
+    assert (
+        _train(home, tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "again").returncode == 0
+    )
+    deleted = tunepack(home, "delete", "again", "--local", "--workspace-too")
+    assert deleted.stdout == "tunepack: deleted local TrainJob again and its workspace\n"
+    assert not workspace.exists()
+
+
+def test_delete_of_a_python_job_keeps_its_workspace(home, python_job):
+    client, name = python_job
+    workspace = client.backend.workspace(name)
+    deleted = tunepack(home, "delete", name, "--local")
+    assert deleted.returncode == 0, deleted.stderr
+    assert f"its workspace {workspace} is kept" in deleted.stdout
+    assert (workspace / "output" / "result.json").exists()
+    assert name not in {j.name for j in client.list_jobs()}
+
+
+@pytest.mark.parametrize("command", ["status", "logs", "result", "delete"])
+def test_unknown_local_job_is_one_line_and_exit_65(home, command):
+    done = tunepack(home, command, "nope", "--local")
+    assert done.returncode == 65
+    assert "Traceback" not in done.stderr
+    assert done.stderr == (
+        f"tunepack: error: no local TrainJob 'nope' under {home / 'jobs'}; see list_jobs() "
+        "(tunepack jobs --local)\n"
+    )
+    assert done.stdout == ""
+
+
+def test_jobs_with_no_jobs_says_so(tmp_path):
+    done = tunepack(tmp_path, "jobs", "--local")
+    assert (done.returncode, done.stdout) == (0, f"no local TrainJobs under {tmp_path / 'jobs'}\n")
+
+
+def test_jobs_dir_that_cannot_be_written_is_one_line(tmp_path, tiny_model_dir, tiny_dataset_file):
+    (tmp_path / "home").write_text("a file, not a directory")
+    done = _train(tmp_path / "home", tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "j")
+    assert done.returncode == 65, done.stderr
+    assert done.stderr == (
+        f"tunepack: error: cannot record local TrainJob 'j' under {tmp_path / 'home' / 'jobs'}: "
+        "not a directory; set TUNEPACK_HOME (or --jobs-dir) to a directory you can write to\n"
+    )
+    assert done.stdout == ""
