@@ -3,16 +3,100 @@
 A reader (or a restarted Pod) must find either the old content or the complete new one, never a
 half-written file: every write goes to a temporary name in the same directory, is flushed to
 disk, and is renamed into place; the directory entry is then flushed too.
+
+What is written is readable by every user (files 0644, directories 0755) whatever the umask: a
+result is read by a serving Pod that may run as another user. A failed write (a full disk
+included) removes its temporary file or directory before the error propagates, so nothing
+partial is left visible.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from tunepack.errors import TransientError, TunepackError
+
+FILE_MODE = 0o644
+DIR_MODE = 0o755
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How libraries that hide the OSError (safetensors, torch's C++ writers) still say it.
+_FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+_NEARLY_FULL = 1 << 20  # free bytes below which an opaque write failure is taken as disk-full
+
+
+class DiskFullError(TransientError):
+    """A write failed for want of space (ENOSPC) or quota (EDQUOT).
+
+    Exit code 75: the input is fine; once space is freed (or the volume enlarged) a restart
+    resumes from the newest checkpoint. The message names the path and the space needed.
+    """
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or an exception it was raised from) says the disk or quota is full."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in _FULL_ERRNOS:
+            return True
+        if any(text in str(err) for text in _FULL_MESSAGES):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s filesystem (nearest existing
+    ancestor), or None when unknown."""
+    path = Path(path)
+    for candidate in (path, *path.parents):
+        try:
+            st = os.statvfs(candidate)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} bytes"  # pragma: no cover
+
+
+@contextmanager
+def disk_full_as_error(path: Path, needed: int | None = None) -> Iterator[None]:
+    """Turn a disk-full failure while writing ``path`` into one ``DiskFullError`` line.
+
+    Also catches writers that hide the cause (torch.save reports only "iostream error"): a
+    failure that is no ``OSError`` counts as disk-full when the filesystem is (nearly) out of
+    space at that moment. Use it inside the code that removes the partial output, so the free
+    space is measured before the cleanup releases it.
+    """
+    try:
+        yield
+    except (TunepackError, KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        free = free_bytes(path)
+        opaque = not isinstance(err, OSError) and free is not None
+        if not is_disk_full(err) and not (opaque and free < max(needed or 0, _NEARLY_FULL)):
+            raise
+        needs = f"{_size(needed)} needed, " if needed else ""
+        left = f"{_size(free)} free" if free is not None else "free space unknown"
+        raise DiskFullError(
+            f"no space left on the device (or quota) writing {path} ({needs}{left}): free "
+            "space or enlarge the volume, then run again; nothing partial was kept"
+        ) from None
 
 
 def fsync_dir(directory: Path) -> None:
@@ -32,11 +116,13 @@ def write_text(path: Path, text: str) -> None:
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with disk_full_as_error(path, len(text.encode("utf-8"))):
+            with open(tmp, "w", encoding="utf-8") as f:
+                os.fchmod(f.fileno(), FILE_MODE)
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
@@ -46,16 +132,37 @@ def write_json(path: Path, data: object) -> None:
     write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def publish_dir(destination: Path, write: Callable[[Path], None]) -> Path:
+def make_readable(directory: Path) -> None:
+    """Directories 0755 and files 0644 under ``directory`` (itself included); links are left."""
+    os.chmod(directory, DIR_MODE)
+    for parent, dirs, files in os.walk(directory):
+        for name in dirs:
+            if not os.path.islink(os.path.join(parent, name)):
+                os.chmod(os.path.join(parent, name), DIR_MODE)
+        for name in files:
+            if not os.path.islink(os.path.join(parent, name)):
+                os.chmod(os.path.join(parent, name), FILE_MODE)
+
+
+def publish_dir(
+    destination: Path, write: Callable[[Path], None], *, needed: int | None = None
+) -> Path:
     """Run ``write(staging_dir)``, then move the result to ``destination`` as a whole.
 
     An existing ``destination`` is replaced only after ``write`` succeeded; on failure the
-    staging directory is removed and ``destination`` is left as it was.
+    staging directory is removed and ``destination`` is left as it was. The published tree is
+    world-readable (directories 0755, files 0644): ``mkdtemp`` alone would make it 0700. A full
+    disk raises ``DiskFullError`` naming ``destination`` (and ``needed`` bytes, when given).
     """
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))
+    with disk_full_as_error(destination, needed):
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(
+            tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent)
+        )
     try:
-        write(staging)
+        with disk_full_as_error(destination, needed):
+            write(staging)
+        make_readable(staging)
         if destination.exists():
             old = destination.with_name(f".{destination.name}.old-{os.getpid()}")
             destination.rename(old)

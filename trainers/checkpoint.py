@@ -189,32 +189,53 @@ def save(
     topo: Topology,
     keep: int,
 ) -> Path:
-    """Write a checkpoint for ``manifest["step"]`` on every rank; keep the newest ``keep``."""
+    """Write a checkpoint for ``manifest["step"]`` on every rank; keep the newest ``keep``.
+
+    A full disk (or quota) raises ``DiskFullError`` naming the checkpoint and its size, after the
+    partial directory is removed: only complete checkpoints are left.
+    """
     name = f"{PREFIX}{manifest['step']:08d}"
     final, staging = root / name, root / f".{name}.partial"
-    if topo.is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
-        staging.mkdir(parents=True)
-    distributed.barrier()
-
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    with _quiet_single_process():
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=staging)
-    torch.save(_rng_state(), staging / f"rank-{topo.rank:05d}.pt")
-    distributed.barrier()
+    needed = nbytes(model_state) + nbytes(optim_state)
+    try:
+        with durable.disk_full_as_error(final, needed):
+            if topo.is_main:
+                shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
+                staging.mkdir(parents=True)
+            distributed.barrier()
+            with _quiet_single_process():
+                dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=staging)
+            torch.save(_rng_state(), staging / f"rank-{topo.rank:05d}.pt")
+            distributed.barrier()
 
+            if topo.is_main:
+                torch.save({"lr_scheduler": lr_scheduler.state_dict()}, staging / TRAINER_STATE)
+                # Checksums of what every rank wrote (one shared directory), verified on resume.
+                durable.write_json(staging / MANIFEST, {**manifest, "files": file_sums(staging)})
+                if final.exists():  # the same step saved again (a stop request right after resume)
+                    shutil.rmtree(final)
+                staging.rename(final)
+                durable.fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if topo.is_main:
-        torch.save({"lr_scheduler": lr_scheduler.state_dict()}, staging / TRAINER_STATE)
-        # Checksums of what every rank wrote (one shared directory), verified before a resume.
-        durable.write_json(staging / MANIFEST, {**manifest, "files": file_sums(staging)})
-        if final.exists():  # the same step saved again (e.g. a stop request right after resume)
-            shutil.rmtree(final)
-        staging.rename(final)
-        durable.fsync_dir(root)
         for old in complete_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     distributed.barrier()
     return final
+
+
+def nbytes(state) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what a checkpoint of it takes."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(nbytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(nbytes(v) for v in state)
+    return 0
 
 
 def load(

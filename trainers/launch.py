@@ -22,8 +22,9 @@ session; SIGTERM/SIGINT are forwarded to it, it stops its workers (which checkpo
 any worker still alive afterwards is killed, so nothing outlives the Pod's main process.
 
 Exit codes (``tunepack.errors``): 0 done; 65 bad input or configuration (do not retry); 75
-transient: stopped by SIGTERM after a checkpoint, or a network failure (a restart resumes); any
-other code is an unexpected failure (see the log; the JobSet restarts it a bounded number of times).
+transient: stopped by SIGTERM after a checkpoint, a network failure or a full disk (a restart
+resumes); any other code is an unexpected failure (see the log; the JobSet restarts it a bounded
+number of times).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tunepack import workspace
+from tunepack import durable, workspace
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
@@ -138,12 +139,6 @@ def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str
     ]
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def run(argv: list[str]) -> int:
     model_name = os.environ.get(workspace.MODEL_ENV)
     if not model_name:
@@ -181,7 +176,7 @@ def run(argv: list[str]) -> int:
     output.mkdir(parents=True, exist_ok=True)
     config_text = OmegaConf.to_yaml(cfg)
     if layout.node_rank == 0:  # every node derives the same config; one records it
-        _write_atomic(output / "config.yaml", config_text)
+        durable.write_text(output / "config.yaml", config_text)
     print(
         f"{PROGRAM}: {entry.runtime_name} method={args.method} device={cfg.device} "
         f"dtype={cfg.dtype} nodes={layout.nnodes} processes/node={layout.nproc_per_node}; "
@@ -307,6 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     except TunepackError as err:
         print(f"{PROGRAM}: error: {err}", file=sys.stderr)
         return err.exit_code
+    except OSError as err:
+        if not durable.is_disk_full(err):
+            raise
+        where = err.filename or workspace.workspace_root()
+        print(
+            f"{PROGRAM}: error: no space left on the device (or quota) writing {where}: free "
+            "space or enlarge the volume, then run again",
+            file=sys.stderr,
+        )
+        return durable.DiskFullError.exit_code
 
 
 if __name__ == "__main__":

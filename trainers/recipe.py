@@ -469,8 +469,14 @@ class FineTuneRecipe:
     def _open_metrics(self):
         path = self.output_dir / METRICS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A resumed run appends: the file keeps the whole history of the run.
-        return path.open("a" if self.resumed_from is not None else "w")
+        if self.resumed_from is None:
+            durable.write_text(path, "")
+        else:
+            # A resumed run appends: the file keeps the whole history of the run, each step once.
+            # The steps after the checkpoint (trained before the interruption, trained again
+            # now) and a line cut short by the kill are dropped first, in one atomic rewrite.
+            durable.write_text(path, "".join(_metrics_up_to(path, self.resumed_from)))
+        return path.open("ab", buffering=0)  # unbuffered: a failed write is undone at once
 
     def _report(self, metrics, reporter, step_tokens, step_s, started, steps_at_start) -> None:
         """Rank 0: one JSON line per logging step, and the newest snapshot for the controller."""
@@ -505,8 +511,7 @@ class FineTuneRecipe:
             "peak_memory_gib": round(peak_memory_gib(self.device), 3),
             "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
         }
-        metrics.write(json.dumps(record) + "\n")
-        metrics.flush()
+        _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
     def save_checkpoint(self, wall_time_s: float) -> Path:
@@ -546,14 +551,15 @@ class FineTuneRecipe:
         state = self._gather_state(trainable_only=self.is_lora)  # collective: every rank calls
         artifact = self.output_dir / (ADAPTER_DIR if self.is_lora else MODEL_DIR)
         if self.topo.is_main:
+            needed = checkpoint.nbytes(state)  # about what the weights take on disk
             if self.is_lora:
-                durable.publish_dir(artifact, partial(self._write_adapter, state))
+                durable.publish_dir(artifact, partial(self._write_adapter, state), needed=needed)
                 if self.cfg.merge:
                     durable.publish_dir(
                         self.output_dir / MERGED_DIR, partial(self._write_merged, state)
                     )
             else:
-                durable.publish_dir(artifact, partial(self._write_hf_model, state))
+                durable.publish_dir(artifact, partial(self._write_hf_model, state), needed=needed)
             result = {
                 "model": self.cfg.model_name,
                 "base_model": self.cfg.hub_id,
@@ -658,6 +664,43 @@ class FineTuneRecipe:
         shutil.rmtree(directory / ".staging")
 
 
+def _append_line(file, path: Path, line: str) -> None:
+    """Append one whole line to an unbuffered file, or nothing (a full disk cuts it back)."""
+    data = memoryview(line.encode("utf-8"))
+    start = os.lseek(file.fileno(), 0, os.SEEK_END)
+    try:
+        with durable.disk_full_as_error(path, len(data)):
+            while data:
+                data = data[file.write(data) :]
+    except BaseException:
+        try:
+            os.ftruncate(file.fileno(), start)
+        except OSError:
+            pass
+        raise
+
+
+def _metrics_up_to(path: Path, step: int) -> list[str]:
+    """The lines of a metrics file that record ``step`` or earlier (complete lines only)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    kept = []
+    for line in text.splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not line.endswith("\n") or not isinstance(record, dict):
+            continue
+        recorded = record.get("step")
+        if isinstance(recorded, int) and recorded > step:
+            continue
+        kept.append(line)
+    return kept
+
+
 def peak_memory_gib(device: torch.device) -> float:
     """Peak accelerator memory on GPU; peak resident set size of this process on CPU."""
     if device.type == "cuda":
@@ -693,7 +736,18 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
         recipe.setup()
         recipe.train()
         recipe.save(extra)
-    except torch.OutOfMemoryError as err:
+    except (TunepackError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        if not isinstance(err, torch.OutOfMemoryError) and durable.is_disk_full(err):
+            # A write no narrower guard covers: name what the error names, or the output.
+            where = getattr(err, "filename", None) or recipe.output_dir
+            raise durable.DiskFullError(
+                f"no space left on the device (or quota) writing {where}: free space or "
+                "enlarge the volume, then run again"
+            ) from None
+        if not isinstance(err, torch.OutOfMemoryError):
+            raise
         raise BadInputError(
             f"out of memory on {recipe.device}: lower batch_size or max_seq_len (raise "
             f"grad_accum to keep the effective batch), or set activation_checkpointing=true; {err}"
