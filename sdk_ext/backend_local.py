@@ -105,17 +105,24 @@ class LocalBackend(RuntimeBackend):
     def get_runtime(self, name: str) -> TunepackRuntime:
         if not submit.is_tunepack_runtime(name):
             known = [e.runtime_name for e in catalog.CATALOG.values()]
-            target = submit.short_name_target(name)
-            matches = [target] if target else submit.close_matches(name, known)
+            prefix = catalog.RUNTIME_PREFIX
+            if name.startswith(prefix):  # a typo in the model: match on the model part alone
+                models = [k.removeprefix(prefix) for k in known]
+                matches = [prefix + m for m in submit.close_matches(name[len(prefix) :], models)]
+                what = f"unknown runtime or model {name!r}: tunepack has no model of that name"
+            else:
+                target = submit.short_name_target(name)
+                matches = [target] if target else submit.close_matches(name, known)
+                what = (
+                    f"runtime {name!r} is not available on the local backend, which runs "
+                    "tunepack runtimes only"
+                )
             hint = (
                 f"did you mean {', '.join(map(repr, matches))}?"
                 if matches
                 else f"tunepack runtimes are: {', '.join(known)}"
             )
-            raise BadInputError(
-                f"runtime {name!r} is not available on the local backend, which runs tunepack "
-                f"runtimes only; {hint}"
-            )
+            raise BadInputError(f"{what}; {hint}")
         obj = load_runtime(name)
         jobs = obj["spec"]["template"]["spec"]["replicatedJobs"]
         node = next(j for j in jobs if j["name"] == kc.NODE)
