@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +74,9 @@ def describe_exit(code: int) -> str:
         return "bad input: fix it and run again"
     if code == EXIT_TRANSIENT:
         return "transient failure: running again may succeed"
+    if code > 128 and code - 128 in signal.valid_signals():
+        name = signal.Signals(code - 128).name
+        return f"killed by {name}: running it again resumes from the newest checkpoint"
     return "unexpected failure: see the log"
 
 
@@ -210,6 +214,8 @@ def run_step(step: Step, log_dir: Path, echo: Callable[[str], None] | None = pri
         for pump in pumps:
             pump.join()
     code = next((c for c in codes if c != 0), 0)
+    if code < 0:  # killed by signal N: 128 + N, as a shell and the kubelet report it
+        code = 128 - code
     return StepOutcome(step.name, code, time.perf_counter() - started, log_path)
 
 

@@ -108,3 +108,14 @@ def test_a_failing_step_stops_the_run_and_is_named(tmp_path):
     assert outcome.failed.name == "model-initializer"
     assert outcome.failed.exit_code == 65
     assert "node" not in (tmp_path / "order").read_text().split()
+
+
+def test_a_step_killed_by_a_signal_reports_128_plus_the_signal(tmp_path):
+    """A step the OOM killer or `kill -9` ends: 137 and "killed by SIGKILL", as a shell and the
+    kubelet say it, not Python's -9 (which the CLI's exit status would turn into 247)."""
+    from tunepack.local import Step, describe_exit, run_step
+
+    step = Step("node", None, [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], {})
+    outcome = run_step(step, tmp_path / "logs", echo=None)
+    assert outcome.exit_code == 137
+    assert describe_exit(outcome.exit_code).startswith("killed by SIGKILL")
