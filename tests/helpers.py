@@ -27,7 +27,7 @@ NF4_TINY = dataclasses.replace(
 )
 
 
-def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600):
+def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600, cwd=None):
     """Run a tunepack program as the local backend would: a separate Python process."""
     return subprocess.run(
         [sys.executable, "-m", module, *args],
@@ -35,6 +35,7 @@ def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600
         capture_output=True,
         text=True,
         timeout=timeout,
+        cwd=cwd,
     )
 
 

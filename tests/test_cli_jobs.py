@@ -5,13 +5,12 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 
 import pytest
 
+from tests.helpers import run_program
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 
 RUNTIME = "tunepack-tiny-llama3"
@@ -22,15 +21,8 @@ def home(tmp_path_factory):
     return tmp_path_factory.mktemp("home")  # $TUNEPACK_HOME: jobs under <home>/jobs
 
 
-def tunepack(home, *args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "tunepack.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=timeout,
-        env={**os.environ, "TUNEPACK_HOME": str(home)},
-    )
+def tunepack(home, *args: str, cwd=None) -> subprocess.CompletedProcess:
+    return run_program("tunepack.cli", {"TUNEPACK_HOME": str(home)}, *args, timeout=300, cwd=cwd)
 
 
 def _train(home, tmp, model, data, *extra: str) -> subprocess.CompletedProcess:
