@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from tunepack.errors import NotAvailableError
 from tunepack.runtimes.generate import workspace_pvc
@@ -48,12 +49,61 @@ class Result:
         base = AutoModelForCausalLM.from_pretrained(self.base_model)
         return PeftModel.from_pretrained(base, self.path), tokenizer
 
-    def generate(self, prompt: str, max_new_tokens: int = 32) -> str:
-        """Generate a continuation of ``prompt`` with the fine-tuned model (greedy)."""
+    def generate(self, prompt: str, max_new_tokens: int = 32, *, input: str = "") -> str:
+        """The fine-tuned model's answer to ``prompt`` (greedy), asked the way it was trained:
+        an instruction dataset's Alpaca template (``input``: the row's input column) or a chat
+        turn, in the model's own format (``prompt_ids``); a text-completion run continues
+        ``prompt`` as it is."""
+        import torch
+
         model, tokenizer = self.load()
-        inputs = tokenizer(prompt, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-        return tokenizer.decode(out[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+        ids = self.prompt_ids(prompt, input=input)
+        if ids is None:
+            ids = tokenizer(prompt)["input_ids"]
+        input_ids = torch.tensor([ids])
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        return tokenizer.decode(out[0][len(ids) :], skip_special_tokens=True)
+
+    def prompt_ids(self, prompt: str, *, input: str = "") -> list[int] | None:
+        """The tokens the model saw before each response in training, for ``prompt``: the
+        dataset's schema (workspace ``dataset/`` manifest) through the run's torchtune tokenizer,
+        up to the assistant's turn. None for a text-completion run (the prompt is the text)."""
+        from tunepack.workspace import MANIFEST_FILE
+
+        workspace = self._workspace()
+        schema = json.loads((workspace / "dataset" / MANIFEST_FILE).read_text())["schema"]
+        if schema == "text":
+            return None
+        from omegaconf import OmegaConf
+        from torchtune import config as tt_config
+        from torchtune.data import AlpacaToMessages, Message
+
+        from tunepack.runtimes import catalog
+        from tunepack.trainers.config import tokenizer_config
+
+        model_name = json.loads((workspace / "output" / "result.json").read_text())["model"]
+        node = tokenizer_config(catalog.get(model_name), workspace / "model", None)
+        tokenizer = tt_config.instantiate(OmegaConf.create(node))
+        if schema == "instruction":
+            sample = {"instruction": prompt, "input": input, "output": ""}
+            messages = AlpacaToMessages(train_on_input=True)(sample)["messages"]
+        else:  # chat: one user turn, then the assistant's
+            messages = [Message(role="user", content=prompt), Message("assistant", "")]
+        ids, _ = tokenizer.tokenize_messages(messages, add_end_tokens=False)
+        return ids
+
+    def _workspace(self) -> Path:
+        if not self.local:
+            raise NotAvailableError(
+                f"the result is on the cluster volume {self.path}; copy it out first "
+                "(docs/cluster.md, 'Getting the result') and use it from there"
+            )
+        return Path(self.base_model).parent
 
 
 def result_for(backend, name: str) -> Result:

@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -99,6 +100,29 @@ def test_train_wait_logs_and_result(client, finished):
     assert type(model).__name__ == "PeftModelForCausalLM"
     text = result.generate("Write", max_new_tokens=4)
     assert isinstance(text, str)
+
+
+def test_generate_asks_in_the_format_the_model_was_trained_on(client, finished):
+    """The prompt's tokens are exactly what preceded the answer in training: the trainer's own
+    dataset pipeline (output/config.yaml) tokenizes a row to the prompt's tokens, then the
+    answer's."""
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+
+    result = client.result(finished[0])
+    workspace = Path(result.base_model).parent
+    cfg = OmegaConf.load(workspace / "output" / "config.yaml")
+    tokenizer = tt_config.instantiate(cfg.tokenizer)
+    dataset = tt_config.instantiate(cfg.dataset, tokenizer)
+    row = json.loads((workspace / "dataset" / "train.jsonl").read_text().splitlines()[0])
+    trained = dataset[0]["tokens"]
+    asked = result.prompt_ids(row["instruction"], input=row["input"])
+    assert trained[: len(asked)] == asked
+    answer = tokenizer.decode(trained[len(asked) :], skip_special_tokens=True)
+    assert answer.strip() == row["output"]
+    # Without the template the model would be asked something it never saw.
+    assert result.prompt_ids(row["instruction"], input="") != asked
+    assert len(result.generate(row["instruction"], 4, input=row["input"])) > 0
 
 
 def test_a_bad_dataset_is_a_failed_job_with_the_steps_message(client, tiny_model_dir, tmp_path):

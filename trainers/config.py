@@ -39,6 +39,16 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
 }
 
 
+def tokenizer_config(entry: ModelEntry, model_dir: Path, max_seq_len: int | None) -> dict:
+    """The torchtune tokenizer of a catalog model, as a config node (``_component_`` from the
+    catalog, never from user input); ``Result.generate`` formats prompts with the same one."""
+    return {
+        "_component_": entry.tokenizer.component,
+        **{kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()},
+        "max_seq_len": max_seq_len,
+    }
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -219,11 +229,7 @@ def build_config(
         if args.method == "dora":
             model["use_dora"] = True
 
-    tokenizer = {
-        "_component_": entry.tokenizer.component,
-        **{kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()},
-        "max_seq_len": args.max_seq_len,
-    }
+    tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len)
 
     cfg = {
         "model_name": entry.name,
