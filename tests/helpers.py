@@ -56,3 +56,15 @@ def setup_recipe(entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, 
     recipe = FineTuneRecipe(cfg)
     recipe.setup()
     return recipe
+
+
+def assert_local_status_complete(stdout: str, name: str, runtime: str) -> list[str]:
+    """`tunepack status NAME --local` of a finished one-node job: its header and three steps."""
+    lines = stdout.splitlines()
+    assert lines[0] == f"{name}  Complete  runtime {runtime}"
+    assert [line.split() for line in lines[1:4]] == [
+        ["dataset-initializer", "Succeeded"],
+        ["model-initializer", "Succeeded"],
+        ["node-0", "Succeeded"],
+    ]
+    return lines

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from tests.helpers import run_program
+from tests.helpers import assert_local_status_complete, run_program
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 
 RUNTIME = "tunepack-tiny-llama3"
@@ -65,13 +65,7 @@ def test_train_local_is_a_job_that_status_logs_and_result_see(home, cli_job):
     name, workspace = cli_job
     status = tunepack(home, "status", name, "--local")
     assert status.returncode == 0, status.stderr
-    lines = status.stdout.splitlines()
-    assert lines[0] == f"{name}  Complete  runtime {RUNTIME}"
-    assert [line.split() for line in lines[1:4]] == [
-        ["dataset-initializer", "Succeeded"],
-        ["model-initializer", "Succeeded"],
-        ["node-0", "Succeeded"],
-    ]
+    lines = assert_local_status_complete(status.stdout, name, RUNTIME)
     result = json.loads((workspace / "output" / "result.json").read_text())
     assert f"  progress 100%  loss {result['final_loss']:.4f}" in lines
 

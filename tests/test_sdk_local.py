@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_program
+from tests.helpers import assert_local_status_complete, run_program
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 from tunepack.types import RuntimeList, TunepackRuntime
 
@@ -201,13 +201,7 @@ def test_cli_status_and_logs_find_the_local_job(client, finished):
         "tunepack.cli", {"TUNEPACK_HOME": str(root.parent)}, "status", name, "--local"
     )
     assert status.returncode == 0, status.stderr
-    lines = status.stdout.splitlines()
-    assert lines[0] == f"{name}  Complete  runtime {RUNTIME}"
-    assert [line.split() for line in lines[1:4]] == [
-        ["dataset-initializer", "Succeeded"],
-        ["model-initializer", "Succeeded"],
-        ["node-0", "Succeeded"],
-    ]
+    lines = assert_local_status_complete(status.stdout, name, RUNTIME)
     assert f"  progress 100%  loss {job.progress.loss:.4f}" in lines
 
     logs = run_program("tunepack.cli", {}, "logs", name, "--local", "--jobs-dir", str(root))

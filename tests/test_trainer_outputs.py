@@ -110,15 +110,22 @@ def _can_mount_tmpfs(tmp_path: Path) -> bool:
     return done.returncode == 0
 
 
-def test_full_disk_while_checkpointing_is_one_line_exit_75_nothing_partial(
-    initialized_workspace, tmp_path
-):
+def _workspace_with_mount_point(initialized_workspace, tmp_path, sub: str):
+    """A copy of the initialized workspace with an empty ``sub`` for a tiny tmpfs (or a skip)."""
     if not _can_mount_tmpfs(tmp_path):
         pytest.skip("needs root and unshare to mount a tiny tmpfs")
     workspace = tmp_path / "ws"
     shutil.copytree(initialized_workspace, workspace)
-    checkpoints = workspace / "checkpoints"
-    checkpoints.mkdir()
+    (workspace / sub).mkdir()
+    return workspace, workspace / sub
+
+
+def test_full_disk_while_checkpointing_is_one_line_exit_75_nothing_partial(
+    initialized_workspace, tmp_path
+):
+    workspace, checkpoints = _workspace_with_mount_point(
+        initialized_workspace, tmp_path, "checkpoints"
+    )
     # The checkpoint directory is a 64 KiB filesystem: a tiny-llama3 LoRA checkpoint (adapter and
     # AdamW state) is larger, the rest of the workspace is on the ordinary disk.
     done = _launch(workspace, *ARGS, prefix=_tmpfs_prefix(checkpoints, "64k"))
@@ -141,12 +148,7 @@ def test_full_disk_while_checkpointing_is_one_line_exit_75_nothing_partial(
 def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
     initialized_workspace, tmp_path
 ):
-    if not _can_mount_tmpfs(tmp_path):
-        pytest.skip("needs root and unshare to mount a tiny tmpfs")
-    workspace = tmp_path / "ws"
-    shutil.copytree(initialized_workspace, workspace)
-    output = workspace / "output"
-    output.mkdir()
+    workspace, output = _workspace_with_mount_point(initialized_workspace, tmp_path, "output")
     # Room for config.yaml and metrics.jsonl, none for the adapter; the command lists what is
     # left on the tmpfs before the namespace (and the tmpfs) goes away.
     args = " ".join(a for a in ARGS if not a.startswith("checkpoint_every_steps"))
