@@ -18,8 +18,9 @@ tunepack --version
 
 Exit codes: 0 done; 65 bad input or configuration (a missing kubeconfig included: fix it, do not
 retry); 75 transient (an API server that cannot be reached; a step stopped by SIGTERM: retry);
-130 interrupted (Ctrl-C; every process of a local run is stopped first); 1 the cluster refused a
-request, or (status) the job failed; other codes: a local step's own exit code.
+130 interrupted (Ctrl-C), 143 SIGTERM, 129 SIGHUP (every process of a local run is stopped
+first, the trainer after a checkpoint); 1 the cluster refused a request, or (status) the job
+failed; other codes: a local step's own exit code.
 
 Local jobs live in the local backend's jobs dir (``$TUNEPACK_HOME/jobs``, default
 ``~/.tunepack/jobs``, or ``--jobs-dir``), the same place ``TrainingClient(LocalBackendConfig())``
@@ -158,12 +159,12 @@ def cmd_train(ns: argparse.Namespace) -> int:
     print(f"tunepack: job {name}: local run of {ns.runtime} in {workspace}", flush=True)
     started = time.perf_counter()
     stop = StopOnInterrupt(
-        f"tunepack: interrupted: stopping run {name!r} (the trainer saves a checkpoint first; "
+        f"tunepack: interrupted ({{cause}}): stopping run {name!r} (the trainer saves a checkpoint first; "
         "Ctrl-C again kills it now)"
     )
 
     def echo(line: str) -> None:
-        if not stop.interrupted:  # after Ctrl-C the steps' last words go to their logs only
+        if not stop.interrupted:  # after a stop the steps' last words go to their logs only
             print(line, flush=True)
 
     try:
@@ -176,15 +177,19 @@ def cmd_train(ns: argparse.Namespace) -> int:
     if stop.interrupted and failed:
         _record_failure(
             job_dir,
-            f"interrupted (Ctrl-C) in step {failed.name!r}; to resume, run the same command with "
-            f"--workspace {workspace}",
+            f"stopped ({stop.cause}) in step {failed.name!r}; to resume, run the same command "
+            f"with --workspace {workspace}",
         )
-        print(
-            f"tunepack: run {name!r} stopped, no process of it left; logs in "
-            f"{workspace / 'logs'}; to resume, run the same command with --workspace {workspace}",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
+        try:
+            print(
+                f"tunepack: run {name!r} stopped, no process of it left ({stop.cause}); logs in "
+                f"{workspace / 'logs'}; to resume, run the same command with --workspace "
+                f"{workspace}",
+                file=sys.stderr,
+            )
+        except OSError:
+            pass  # the terminal went away (SIGHUP): the job's state says the same
+        return stop.exit_code
     if failed:
         reason = failed.error_line()
         print(

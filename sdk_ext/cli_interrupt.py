@@ -1,20 +1,21 @@
-"""Ctrl-C during ``tunepack train --local``: stop every process of the run, leave none behind.
+"""Stopping ``tunepack train --local``: Ctrl-C, SIGTERM or SIGHUP stop every process of the run.
 
 The local backend runs each step as a child process (the trainer may start torchrun and its
-workers below it). While a run is under way the CLI handles SIGINT itself instead of raising
-KeyboardInterrupt in the middle of the backend:
+workers below it). While a run is under way the CLI handles SIGINT, SIGTERM and SIGHUP (a closed
+terminal) itself instead of dying in the middle of the backend:
 
-- the first SIGINT asks the steps to stop as a Pod is asked to: SIGTERM to each step process
+- the first stop signal asks the steps to stop as a Pod is asked to: SIGTERM to each step process
   (the trainer checkpoints after the current step and exits 75; an initializer removes its partial
-  download). Where the terminal already delivered the SIGINT to the steps (they share the CLI's
-  foreground process group), they are not signalled a second time, which would make the trainer
-  die without its checkpoint;
-- a second SIGINT, or ``grace`` seconds without the run ending, kills (SIGKILL) every process
-  of the run that is still alive;
+  download). A step that also got the signal directly (Ctrl-C or ``kill -- -PGID`` reach the whole
+  process group) takes the two as one request (``tunepack.lifetime.StopRequests``); where the
+  terminal delivered Ctrl-C, the steps are not signalled again at all;
+- a second stop signal (after ``lifetime.REPEAT_WINDOW_S``), or ``grace`` seconds without the
+  run ending, kills (SIGKILL) every process of the run that is still alive;
 - when the backend returns, any process of the run still alive is killed, so nothing outlives the
-  CLI.
+  CLI. Should the CLI itself be killed (SIGKILL), each step gets SIGTERM from the kernel
+  (``tunepack.lifetime.die_with_parent``) and stops the same way.
 
-Processes are tracked by ancestry (``psutil``), sampled every 0.1 s from the first SIGINT on.
+Processes are tracked by ancestry (``psutil``), sampled every 0.1 s from the first signal on.
 """
 
 from __future__ import annotations
@@ -26,29 +27,36 @@ import time
 
 import psutil
 
+from tunepack import lifetime
+
 GRACE_S = 45.0  # torchrun gives its workers 30 s to checkpoint
 
 
 class StopOnInterrupt:
-    """Context manager around a local run; ``interrupted`` says whether SIGINT arrived."""
+    """Context manager around a local run; ``interrupted`` counts the stop requests, ``signal``
+    is the first one's number. ``notice`` is written when the first arrives; ``{cause}`` in it
+    becomes ``Ctrl-C`` or the signal's name."""
 
     def __init__(self, notice: str, grace: float = GRACE_S) -> None:
         self.notice = notice
         self.grace = grace
         self.interrupted = 0
+        self.signal: int | None = None
+        self._requests = lifetime.StopRequests()
         self._seen: dict[int, psutil.Process] = {}
         self._terminated: set[int] = set()
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._watcher: threading.Thread | None = None
         self._deadline = 0.0
-        self._previous = None
+        self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopOnInterrupt:
         # Only the main thread may handle signals (``main()`` called from another thread keeps
         # the default: KeyboardInterrupt, which ``main`` turns into exit 130).
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            for sig in lifetime.STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -57,16 +65,34 @@ class StopOnInterrupt:
             self._watcher.join()
         if self.interrupted:
             self._kill_all(wait=True)
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
-    def _on_sigint(self, _signum, _frame) -> None:
+    @property
+    def cause(self) -> str:
+        """How the run was stopped, for messages: ``Ctrl-C``, ``SIGTERM``, ``SIGHUP``."""
+        if self.signal == signal.SIGINT:
+            return "Ctrl-C"
+        return lifetime.signal_name(self.signal) if self.signal else "nothing"
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the first signal's number, as a shell reports a command the signal stopped."""
+        return 128 + (self.signal or signal.SIGINT)
+
+    def _on_signal(self, signum, _frame) -> None:
+        if not self._requests.add(signum):
+            return  # the same request again (a group signal and a copy of it)
         self.interrupted += 1
         if self.interrupted > 1:
             self._kill_all()
             return
-        os.write(2, f"{self.notice}\n".encode())
-        if _terminal_delivered():
+        self.signal = signum
+        try:
+            os.write(2, f"{self.notice.format(cause=self.cause)}\n".encode())
+        except OSError:
+            pass  # the terminal is gone (SIGHUP): stop the run all the same
+        if signum == signal.SIGINT and _terminal_delivered():
             # The steps got this SIGINT from the terminal with the CLI: signal only steps
             # that start from now on.
             self._terminated.update(c.pid for c in self._children())

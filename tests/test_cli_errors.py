@@ -280,7 +280,7 @@ def _assert_stopped(proc, workspace: Path, out: str, err: str, seen) -> None:
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in out + err
     lines = err.splitlines()
-    assert lines[0].startswith("tunepack: interrupted: stopping run ")
+    assert lines[0].startswith("tunepack: interrupted (Ctrl-C): stopping run ")
     assert lines[-1].startswith("tunepack: run ") and "stopped, no process of it left" in lines[-1]
     assert f"run the same command with --workspace {workspace}" in lines[-1]
     assert seen, "no step process was seen"

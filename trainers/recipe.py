@@ -53,7 +53,7 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
-from tunepack import durable
+from tunepack import durable, lifetime
 from tunepack.errors import BadInputError, TransientError, TunepackError
 from tunepack.trainers import checkpoint, distributed
 from tunepack.trainers.args import LORA_FAMILY
@@ -709,23 +709,35 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 def install_stop_handler(recipe: FineTuneRecipe) -> None:
-    """SIGTERM/SIGINT ask the loop to checkpoint and stop after the current step.
+    """SIGTERM, SIGINT and SIGHUP ask the loop to checkpoint and stop after the current step.
 
-    A second signal is not waited on: the process dies as it would without the handler.
+    A signal sent to the whole process group arrives twice (directly and forwarded by torchrun):
+    that burst is one request. A second request is not waited on: the process dies as it would
+    without the handler.
     """
+    requests = lifetime.StopRequests()
 
     def handle(signum, _frame):
+        if not requests.add(signum):
+            return
         if recipe.stop_requested:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         recipe.stop_requested = True
-        print(
-            f"trainer: got signal {signum}; stopping after this step", file=sys.stderr, flush=True
-        )
+        _say(f"trainer: got {lifetime.signal_name(signum)}; stopping after this step")
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in lifetime.STOP_SIGNALS:
         signal.signal(sig, handle)
+
+
+def _say(line: str) -> None:
+    """A line on stderr that cannot fail: the reader of the pipe may be gone (a killed CLI), and
+    a write error must not break the checkpoint the signal asked for."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def run(cfg: DictConfig, extra: dict | None = None) -> dict:
@@ -759,17 +771,6 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
     return result
 
 
-def _set_parent_death_signal() -> None:
-    """Die (SIGTERM) with the torchrun agent: a killed agent must not leave workers training."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        return  # not Linux: the agent's own shutdown still signals its workers
-
-
 def main(argv: list[str] | None = None) -> int:
     """torchrun's worker: train from a config file and leave the exit code for the launcher."""
     parser = argparse.ArgumentParser(prog="python -m tunepack.trainers.recipe")
@@ -777,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digest", default=None, help="recorded as config_digest in result.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    _set_parent_death_signal()
+    lifetime.die_with_parent()  # a killed torchrun agent must not leave workers training
     exit_dir = os.environ.get(EXIT_DIR_ENV)
     rank = os.environ.get("RANK", "0")
     if exit_dir:  # lets the launcher make sure no worker outlives it

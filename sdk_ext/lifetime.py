@@ -1,0 +1,101 @@
+"""Process lifetime: every process of a run dies with the one that started it, and stops cleanly.
+
+A run is a tree: the CLI (or the detached runner) starts each step; the trainer step starts
+torchrun in its own session; torchrun starts the workers. Killing the top with SIGKILL, or a
+SIGHUP when the terminal closes, must not leave the rest training (and a later run on the same
+workspace racing it). Two rules make that hold:
+
+- **die with the parent**: each child asks the kernel for SIGTERM when its parent dies
+  (``PR_SET_PDEATHSIG``). A child we start but do not write (torchrun) gets it from the exec
+  shim ``python -m tunepack.lifetime --parent PID -- COMMAND...``, since the setting survives
+  ``execve`` and setting it between ``fork`` and ``exec`` is unsafe in a threaded parent;
+- **one stop request per signal burst**: SIGTERM, SIGINT and SIGHUP all ask for a checkpoint and
+  a stop. A signal sent to a whole process group reaches a process both directly and as the copy
+  its parent forwards; a repeat within ``REPEAT_WINDOW_S`` is the same request, not the second
+  one that means "stop now".
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+REPEAT_WINDOW_S = 2.0
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies.
+
+    ``parent``: the pid the parent had; if it is already gone (the child was re-parented before
+    the request took effect) the signal is sent now. Returns False where the kernel has no such
+    request (not Linux): there the parents' own shutdown still signals their children.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def shim(command: list[str], parent: int | None = None) -> list[str]:
+    """``command`` run through the exec shim, so it dies (SIGTERM) with ``parent`` (default:
+    the calling process)."""
+    parent = os.getpid() if parent is None else parent
+    return [sys.executable, "-m", "tunepack.lifetime", "--parent", str(parent), "--", *command]
+
+
+class StopRequests:
+    """Counts stop signals, taking a burst (a group signal and its forwarded copy) as one."""
+
+    def __init__(self, window: float = REPEAT_WINDOW_S) -> None:
+        self.window = window
+        self.count = 0
+        self.first: int | None = None
+        self._last = 0.0
+
+    def add(self, signum: int) -> bool:
+        """Record ``signum``; True when it is a new request (the first, or one after the window)."""
+        now = time.monotonic()
+        repeat = self.count > 0 and now - self._last < self.window
+        self._last = now
+        if repeat:
+            return False
+        self.count += 1
+        if self.first is None:
+            self.first = signum
+        return True
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _main(argv: list[str]) -> int:
+    usage = "usage: python -m tunepack.lifetime --parent PID -- COMMAND [ARG...]"
+    if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--" or not argv[1].isdigit():
+        print(usage, file=sys.stderr)
+        return 2
+    die_with_parent(signal.SIGTERM, int(argv[1]))
+    command = argv[3:]
+    try:
+        os.execvp(command[0], command)
+    except OSError as err:
+        print(f"tunepack.lifetime: cannot run {command[0]!r}: {err.strerror}", file=sys.stderr)
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
