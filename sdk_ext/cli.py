@@ -159,8 +159,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
     print(f"tunepack: job {name}: local run of {ns.runtime} in {workspace}", flush=True)
     started = time.perf_counter()
     stop = StopOnInterrupt(
-        f"tunepack: interrupted ({{cause}}): stopping run {name!r} (the trainer saves a checkpoint first; "
-        "Ctrl-C again kills it now)"
+        f"tunepack: interrupted ({{cause}}): stopping run {name!r} (the trainer saves a "
+        "checkpoint first; Ctrl-C again kills it now)"
     )
 
     def echo(line: str) -> None:
