@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
 from tunepack import durable, submit
-from tunepack.errors import BadInputError
+from tunepack.errors import BadInputError, TunepackError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.generate import load_runtime
 from tunepack.types import (
@@ -44,6 +45,7 @@ from tunepack.types import (
     TunepackRuntime,
     builtin_torchtune_trainer,
 )
+from tunepack.workspace import lock_workspace
 
 HOME_ENV = "TUNEPACK_HOME"
 STATE_FILE = "state.json"
@@ -288,7 +290,7 @@ class LocalBackend(RuntimeBackend):
     def get_job_logs(
         self, name: str, follow: bool = False, step: str = kc.NODE + "-0"
     ) -> Iterator[str]:
-        log = self.workspace(name) / "logs" / f"{_step_job(step)}.log"
+        log = _step_log(self.workspace(name), step)
         position = 0
         while True:
             if log.exists():
@@ -402,10 +404,15 @@ def update_state(job_dir: Path, **fields) -> None:
     _write_json(job_dir / STATE_FILE, {**state, **fields})
 
 
-def _step_job(step: str) -> str:
-    """SDK step names (``node-0``) to the runtime job whose log holds them (``node``)."""
+def _step_log(workspace: Path, step: str) -> Path:
+    """The log of an SDK step name: ``node-0`` is the node job's first replica (``node.log``),
+    ``node-1`` its second (``node-1.log``)."""
+    from tunepack.local import step_log
+
     head, _, index = step.rpartition("-")
-    return head if head and index.isdigit() else step
+    if head and index.isdigit():
+        return step_log(workspace / "logs", head, int(index))
+    return step_log(workspace / "logs", step)
 
 
 def _pid(job_dir: Path) -> int | None:
@@ -458,7 +465,12 @@ def read_progress(metrics: Path) -> Progress | None:
 
 def run(job_dir: Path) -> int:
     """The detached runner's body: run the job, return the failed step's exit code or 0."""
-    failed = run_job(job_dir).failed
+    try:
+        failed = run_job(job_dir).failed
+    except TunepackError as err:  # e.g. the workspace is in use: the job's state says so
+        update_state(job_dir, status=kc.TRAINJOB_FAILED, message=str(err))
+        print(f"tunepack: error: {err}", file=sys.stderr)
+        return err.exit_code
     return failed.exit_code if failed else 0
 
 
@@ -466,8 +478,10 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
     """Run the job in ``job_dir`` step by step in its workspace, recording each step's state;
     stop at the first failing step. ``echo`` gets each step's command and output lines.
     ``cli=True``: run by ``tunepack train --local`` in its own process (recorded as the job's
-    runner). Returns ``tunepack.local.RunOutcome``."""
-    from tunepack.local import RunOutcome, describe_exit, resolve_steps, run_step
+    runner). The workspace is locked for the whole run (``tunepack.workspace``): a second run
+    on it is refused with ``WorkspaceBusyError`` before anything is touched.
+    Returns ``tunepack.local.RunOutcome``."""
+    from tunepack.local import keep_previous_logs, resolve_steps
 
     state_path = job_dir / STATE_FILE
     state = json.loads(state_path.read_text())
@@ -478,7 +492,17 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
     if cli:
         (job_dir / "pid").write_text(str(os.getpid()))
         state["runner"] = RUNNER_CLI
-    steps = resolve_steps(runtime, trainjob, workspace.resolve())
+    name = trainjob["metadata"]["name"]
+    with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
+        keep_previous_logs(workspace / "logs")
+        steps = resolve_steps(runtime, trainjob, workspace.resolve())
+        return _run_steps(job_dir, state, steps, workspace, echo, lock)
+
+
+def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
+    from tunepack.local import RunOutcome, describe_exit, run_step
+
+    state_path = job_dir / STATE_FILE
     names = {s.name: _sdk_names(s) for s in steps}
     state["steps"] = {n: {"status": "Pending"} for s in steps for n in names[s.name]}
     state["status"] = kc.TRAINJOB_RUNNING
@@ -491,7 +515,7 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
         _write_json(state_path, state)
         if echo:
             echo(f"==> {step.name}: {' '.join(step.command)}")
-        outcome = run_step(step, workspace / "logs", echo=echo)
+        outcome = run_step(step, workspace / "logs", echo=echo, lock=lock)
         outcomes.append(outcome)
         phase = "Succeeded" if outcome.exit_code == 0 else "Failed"
         for n in names[step.name]:

@@ -19,9 +19,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tunepack import lifetime
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.runtimes.generate import (
     ANCESTOR_LABEL,
@@ -30,6 +32,7 @@ from tunepack.runtimes.generate import (
     TRAINER_STEP,
     WORKSPACE_VOLUME,
 )
+from tunepack.workspace import WorkspaceLock, lock_workspace
 
 # Which TrainJob initializer block feeds which step (by the step's ancestor label).
 INITIALIZER_SOURCES = {DATASET_STEP.ancestor: "dataset", MODEL_STEP.ancestor: "model"}
@@ -177,46 +180,112 @@ def progress_line(line: str) -> str | None:
     )
 
 
-def _pump(stream, log_file, prefix: str, echo: Callable[[str], None] | None) -> None:
-    for line in iter(stream.readline, ""):
-        log_file.write(line)
-        log_file.flush()
-        shown = progress_line(line) if echo else None
-        if shown is not None:
-            echo(f"[{prefix}] {shown}")
+LOG_SUFFIX = ".log"
+PREVIOUS_RUNS_DIR = "previous"  # logs/previous/<n>/: the logs of earlier runs in this workspace
 
 
-def run_step(step: Step, log_dir: Path, echo: Callable[[str], None] | None = print) -> StepOutcome:
-    """Run every replica of a step (the node step has one per node) and wait for all."""
+def step_log(log_dir: Path, step: str, rank: int = 0) -> Path:
+    """The log of one replica of a step: ``node.log`` for the first, ``node-1.log`` ..."""
+    return log_dir / (f"{step}{LOG_SUFFIX}" if rank == 0 else f"{step}-{rank}{LOG_SUFFIX}")
+
+
+def keep_previous_logs(log_dir: Path) -> Path | None:
+    """Move the logs of the previous run in this workspace to ``logs/previous/<n>/`` (n counts
+    up from 1), so each run keeps its own and the current run's are always ``logs/<step>.log``."""
+    old = sorted(log_dir.glob(f"*{LOG_SUFFIX}")) if log_dir.is_dir() else []
+    if not old:
+        return None
+    previous = log_dir / PREVIOUS_RUNS_DIR
+    previous.mkdir(exist_ok=True)
+    numbers = [int(p.name) for p in previous.iterdir() if p.name.isdigit()]
+    target = previous / str(max(numbers, default=0) + 1)
+    target.mkdir()
+    for path in old:
+        path.rename(target / path.name)
+    return target
+
+
+def _tail(log: Path, prefix: str, echo: Callable[[str], None], done: threading.Event) -> None:
+    """Echo the progress lines a step writes to ``log`` until the step has ended.
+
+    The step writes its log file itself, not through a pipe to this process: when the CLI is
+    killed or its terminal closes, the steps' output has nowhere to break, and a trainer that is
+    checkpointing after a stop signal is not killed by a write to a closed pipe.
+    """
+    partial = ""
+    with log.open(errors="replace") as f:
+        while True:
+            ended = done.is_set()  # read to the end once more after the step ended
+            while line := f.readline():
+                if not line.endswith("\n"):
+                    partial += line
+                    continue
+                shown = progress_line(partial + line)
+                partial = ""
+                if shown is not None and not _echo(echo, f"[{prefix}] {shown}"):
+                    return
+            if ended:
+                if partial:
+                    _echo(echo, f"[{prefix}] {partial.rstrip()}")
+                return
+            done.wait(0.1)
+
+
+def _echo(echo: Callable[[str], None], line: str) -> bool:
+    try:
+        echo(line)
+    except (OSError, ValueError):  # the console went away: the log file keeps everything
+        return False
+    return True
+
+
+def run_step(
+    step: Step,
+    log_dir: Path,
+    echo: Callable[[str], None] | None = print,
+    lock: WorkspaceLock | None = None,
+) -> StepOutcome:
+    """Run every replica of a step (the node step has one per node) and wait for all.
+
+    Each replica runs through ``tunepack.lifetime``'s shim: it gets SIGTERM from the kernel when
+    this process dies, so a killed CLI or runner never leaves a step running. ``lock``: the
+    workspace lock the run holds; each replica inherits it, so it outlives no process of the run.
+    """
     log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"{step.name}.log"
     started = time.perf_counter()
-    procs, pumps = [], []
-    with log_path.open("w") as log_file:
-        for rank in range(step.replicas):
-            env = {**os.environ, **step.env}
-            if step.ancestor == TRAINER_STEP.ancestor:
-                env["PET_NODE_RANK"] = str(rank)
-            prefix = step.name if step.replicas == 1 else f"{step.name}-{rank}"
+    procs, tails = [], []
+    ended = threading.Event()
+    for rank in range(step.replicas):
+        env = {**os.environ, **step.env, **(lock.env() if lock else {})}
+        if step.ancestor == TRAINER_STEP.ancestor:
+            env["PET_NODE_RANK"] = str(rank)
+        log_path = step_log(log_dir, step.name, rank)
+        with log_path.open("wb") as log_file:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(
-                step.command,
+                lifetime.shim(step.command),
                 env=env,
-                stdout=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
-                text=True,
-                bufsize=1,
+                pass_fds=(lock.fd,) if lock else (),
             )
-            pump = threading.Thread(target=_pump, args=(proc.stdout, log_file, prefix, echo))
-            pump.start()
-            procs.append(proc)
-            pumps.append(pump)
+        procs.append(proc)
+        if echo is not None:
+            prefix = step.name if step.replicas == 1 else f"{step.name}-{rank}"
+            tail = threading.Thread(target=_tail, args=(log_path, prefix, echo, ended), daemon=True)
+            tail.start()
+            tails.append(tail)
+    try:
         codes = [proc.wait() for proc in procs]
-        for pump in pumps:
-            pump.join()
-    code = next((c for c in codes if c != 0), 0)
+    finally:
+        ended.set()
+        for tail in tails:
+            tail.join()
+    rank, code = next(((r, c) for r, c in enumerate(codes) if c != 0), (0, 0))
     if code < 0:  # killed by signal N: 128 + N, as a shell and the kubelet report it
         code = 128 - code
-    return StepOutcome(step.name, code, time.perf_counter() - started, log_path)
+    log = step_log(log_dir, step.name, rank)  # the failing replica's, where one failed
+    return StepOutcome(step.name, code, time.perf_counter() - started, log)
 
 
 def run_trainjob(
@@ -227,12 +296,15 @@ def run_trainjob(
 ) -> RunOutcome:
     """Run all steps in dependency order; stop at the first failing step."""
     workspace.mkdir(parents=True, exist_ok=True)
-    outcomes = []
-    for step in resolve_steps(runtime, trainjob, workspace.resolve()):
-        if echo:
-            echo(f"==> {step.name}: {' '.join(step.command)}")
-        outcome = run_step(step, workspace / "logs", echo)
-        outcomes.append(outcome)
-        if outcome.exit_code != 0:
-            break
+    name = trainjob.get("metadata", {}).get("name", "?")
+    with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
+        keep_previous_logs(workspace / "logs")
+        outcomes = []
+        for step in resolve_steps(runtime, trainjob, workspace.resolve()):
+            if echo:
+                echo(f"==> {step.name}: {' '.join(step.command)}")
+            outcome = run_step(step, workspace / "logs", echo, lock)
+            outcomes.append(outcome)
+            if outcome.exit_code != 0:
+                break
     return RunOutcome(outcomes)

@@ -6,8 +6,16 @@ In a Pod the workspace is the volume mounted at ``/workspace``; the local backen
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
+import socket
+import sys
+from datetime import UTC, datetime
 from pathlib import Path
+
+from tunepack.errors import EXIT_TRANSIENT, TunepackError
 
 WORKSPACE_ENV = "TUNEPACK_WORKSPACE"
 DEFAULT_WORKSPACE = "/workspace"
@@ -36,3 +44,117 @@ def model_dir() -> Path:
 
 def output_dir() -> Path:
     return workspace_root() / OUTPUT_DIR
+
+
+# --- the workspace lock --------------------------------------------------------------------------
+#
+# One run at a time per workspace: two runs on one workspace would delete each other's
+# checkpoints and leave a result that belongs to whichever finished last. The lock is an
+# ``flock`` on ``<workspace>/.tunepack.lock``, held for the whole job by the process that runs
+# it (the local backend's runner or the CLI; a trainer started on its own takes it itself) and
+# by every process of the job it starts: the open descriptor is inherited (its number in
+# ``TUNEPACK_WORKSPACE_LOCK_FD``), so the lock is free only when the last of them has exited,
+# however they end. The kernel releases it with the processes, so it never goes stale; on NFS
+# (a ReadWriteMany volume) Linux maps ``flock`` to the server's byte-range locks, so a second
+# node sees it too. The file also says who holds it, for the error message.
+
+LOCK_FILE = ".tunepack.lock"
+LOCK_FD_ENV = "TUNEPACK_WORKSPACE_LOCK_FD"
+
+
+class WorkspaceBusyError(TunepackError):
+    """Another run holds the workspace; retrying once it has finished succeeds."""
+
+    exit_code = EXIT_TRANSIENT
+
+
+class WorkspaceLock:
+    """A held workspace lock (see above). ``env()`` and ``fd`` hand it to child processes."""
+
+    def __init__(self, path: Path, fd: int, owned: bool) -> None:
+        self.path = path
+        self.fd = fd
+        self.owned = owned  # False: inherited from the process that started this one
+
+    def env(self) -> dict[str, str]:
+        return {LOCK_FD_ENV: str(self.fd)}
+
+    def release(self) -> None:
+        if self.owned and self.fd >= 0:
+            os.close(self.fd)  # children that inherited it hold the lock until they exit
+            self.fd = -1
+
+    def __enter__(self) -> WorkspaceLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_workspace(root: Path, holder: str) -> WorkspaceLock | None:
+    """Take the lock on workspace ``root`` for ``holder`` (e.g. "local TrainJob 'x'"), or the
+    one this process inherited for it. Raises ``WorkspaceBusyError`` naming the run that holds
+    it. None where the file system cannot lock (a warning says so; the run goes on)."""
+    path = Path(root) / LOCK_FILE
+    inherited = _inherited_lock(path)
+    if inherited is not None:
+        return inherited
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return None  # nothing can be written there: the run fails on its own, clearly
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise WorkspaceBusyError(_busy_message(root, path)) from None
+        print(
+            f"tunepack: warning: cannot lock workspace {root} ({err.strerror}); nothing stops "
+            "a second run on it at the same time",
+            file=sys.stderr,
+        )
+        return None
+    record = {
+        "holder": holder,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "since": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+    return WorkspaceLock(path, fd, owned=True)
+
+
+def _inherited_lock(path: Path) -> WorkspaceLock | None:
+    """The lock on ``path`` this process inherited, if it did (the descriptor in
+    ``TUNEPACK_WORKSPACE_LOCK_FD`` is open on that very file)."""
+    raw = os.environ.get(LOCK_FD_ENV, "")
+    if not raw.isdigit():
+        return None
+    fd = int(raw)
+    try:
+        held, wanted = os.fstat(fd), os.stat(path)
+    except OSError:
+        return None
+    if (held.st_dev, held.st_ino) != (wanted.st_dev, wanted.st_ino):
+        return None
+    return WorkspaceLock(path, fd, owned=False)
+
+
+def _busy_message(root: Path, path: Path) -> str:
+    try:
+        record = json.loads(path.read_text())
+        who = (
+            f"{record['holder']} (pid {record['pid']} on host {record['host']}, since "
+            f"{record['since']})"
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        who = "another run"
+    return (
+        f"workspace {root} is in use by {who}: two runs on one workspace would overwrite each "
+        "other's checkpoints and result; wait for that run to end (or stop it), or use another "
+        "workspace"
+    )

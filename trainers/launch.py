@@ -18,8 +18,10 @@ The process layout comes from the variables the Kubeflow torch plugin injects in
 One process in all trains in this process. More start torchrun with every flag explicit and a
 static rendezvous (the Pods are gang-scheduled with fixed ranks; ``tune run`` would force
 ``--standalone`` and two nodes would wait for each other forever). torchrun runs in its own
-session; SIGTERM/SIGINT are forwarded to it, it stops its workers (which checkpoint first), and
-any worker still alive afterwards is killed, so nothing outlives the Pod's main process.
+session; SIGTERM, SIGINT and SIGHUP are forwarded to it (as SIGTERM), it stops its workers (which
+checkpoint first), and any worker still alive afterwards is killed, so nothing outlives the Pod's
+main process; if this process is killed outright, the kernel sends torchrun SIGTERM
+(``tunepack.lifetime``). Node 0 holds the workspace lock for the run (``tunepack.workspace``).
 
 Exit codes (``tunepack.errors``): 0 done; 65 bad input or configuration (do not retry); 75
 transient: stopped by SIGTERM after a checkpoint, a network failure or a full disk (a restart
@@ -43,7 +45,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tunepack import durable, workspace
+from tunepack import durable, lifetime, workspace
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
@@ -173,6 +175,11 @@ def run(argv: list[str]) -> int:
         why = identity_changes(previous.get("identity"), result_identity(cfg), "result")
         print(f"{PROGRAM}: {result_path} is from another run ({why}): training", flush=True)
 
+    # One run per workspace: node 0 holds the lock (the local backend's runner already holds it
+    # for the whole job and hands it down); the other nodes share node 0's run.
+    lock = None
+    if layout.node_rank == 0:
+        lock = workspace.lock_workspace(root, f"trainer of {entry.runtime_name}")
     output.mkdir(parents=True, exist_ok=True)
     config_text = OmegaConf.to_yaml(cfg)
     if layout.node_rank == 0:  # every node derives the same config; one records it
@@ -193,7 +200,7 @@ def run(argv: list[str]) -> int:
         result = recipe.run(cfg, extra={"config_digest": digest})
         _print_done(result)
         return 0
-    code = run_torchrun(layout, config_text, digest)
+    code = run_torchrun(layout, config_text, digest, lock)
     if code == 0 and layout.node_rank == 0 and result_path.exists():
         _print_done(json.loads(result_path.read_text()))
     return code
@@ -207,35 +214,49 @@ def _print_done(result: dict) -> None:
     )
 
 
-def run_torchrun(layout: Layout, config_text: str, digest: str) -> int:
-    """Run torchrun over the recipe on this node; forward stop signals; leave no worker behind."""
+def run_torchrun(
+    layout: Layout, config_text: str, digest: str, lock: workspace.WorkspaceLock | None = None
+) -> int:
+    """Run torchrun over the recipe on this node; forward stop signals; leave no worker behind.
+
+    torchrun runs in its own session (so a signal to this process group is not delivered to it
+    twice) and through ``tunepack.lifetime``'s shim: should this process be killed outright, the
+    kernel sends torchrun SIGTERM, and it stops its workers as it would on a forwarded one. It
+    inherits the workspace lock, so the workspace stays locked until torchrun has ended too.
+    """
     scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))
     try:
         config_path = scratch / "config.yaml"  # node-local: no race with other nodes' writes
         config_path.write_text(config_text)
         exit_dir = scratch / "exit"
         exit_dir.mkdir()
-        env = {**os.environ, EXIT_DIR_ENV: str(exit_dir)}
+        env = {**os.environ, EXIT_DIR_ENV: str(exit_dir), **(lock.env() if lock else {})}
         proc = subprocess.Popen(
-            torchrun_command(layout, config_path, digest), env=env, start_new_session=True
+            lifetime.shim(torchrun_command(layout, config_path, digest)),
+            env=env,
+            start_new_session=True,
+            pass_fds=(lock.fd,) if lock else (),
         )
-        signalled: list[int] = []
+        requests = lifetime.StopRequests()
 
         def forward(signum, _frame):
-            signalled.append(signum)
+            if not requests.add(signum):
+                return  # a group signal and its copy from our parent: one request
             try:
-                os.kill(proc.pid, signum)  # the agent relays it to its workers, then reaps them
+                # torchrun's agent stops its workers on SIGTERM (they checkpoint first); a
+                # second request is forwarded too, and the agent then stops at once.
+                os.kill(proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
 
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {sig: signal.signal(sig, forward) for sig in lifetime.STOP_SIGNALS}
         try:
             returncode = proc.wait()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         _kill_leftovers(proc.pid, exit_dir)
-        return _exit_code(returncode, _worker_codes(exit_dir), bool(signalled))
+        return _exit_code(returncode, _worker_codes(exit_dir), requests.count > 0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
