@@ -127,7 +127,64 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
     return 0
 
 
+def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
+    """The default name of a local job: ``<model>-<digest>``, the digest of what the command
+    trains (the runtime, the dataset and model as their canonical URIs, the trainer arguments in
+    their canonical spelling and the placement). The same command gets the same job, hence its
+    workspace, and resumes it; another dataset, model or argument value gets another job."""
+    import hashlib
+
+    from tunepack.initializers import uri as storage_uri
+    from tunepack.trainjob import max_name_length
+
+    identity = {
+        "runtime": runtime,
+        "dataset": storage_uri.parse(dataset).canonical,
+        "model": storage_uri.parse(model).canonical,
+        "args": trainer.to_args(),  # vocabulary order, values parsed: lr=1e-4 is lr=0.0001
+        "num_nodes": trainer.num_nodes or 1,
+        "num_proc_per_node": trainer.num_proc_per_node,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    model_part = re.sub(r"[^a-z0-9-]", "-", runtime.removeprefix("tunepack-").lower()).strip("-")
+    keep = max_name_length(trainer.num_nodes or 1) - len(digest) - 1
+    return f"{model_part[:keep].rstrip('-') or 'job'}-{digest}"
+
+
+def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
+    """The TrainJob of ``train --local``, through the checks ``TrainingClient(
+    LocalBackendConfig()).train`` applies (``submit.local_trainjob``): the runtime's name, the
+    trainer arguments, the memory plan (``--gpu``, ``--memory-check``)."""
+    from tunepack.finetune import FineTune
+    from tunepack.submit import local_trainjob
+    from tunepack.translate import Initializer
+
+    trainer = FineTune.from_args(
+        ns.trainer_args,
+        num_nodes=ns.num_nodes,
+        num_proc_per_node=ns.num_proc_per_node,
+        env=_verbose_env(ns),
+    )
+    runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
+    initializer = Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {})
+    name = ns.name or stable_job_name(runtime.name, ns.dataset, ns.model, trainer)
+    return local_trainjob(backend, runtime.name, initializer, trainer, name=name)
+
+
+def _verbose_env(ns: argparse.Namespace) -> dict[str, str] | None:
+    """``--verbose``: the steps show third-party warnings and debug lines (TUNEPACK_VERBOSE)."""
+    return {VERBOSE_ENV: "1"} if getattr(ns, "verbose", False) else None
+
+
+VERBOSE_ENV = "TUNEPACK_VERBOSE"
+
+
 def cmd_train(ns: argparse.Namespace) -> int:
+    if ns.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # this process's own steps too (and the SDK's logging)
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="tunepack: %(message)s")
     if not ns.local:
         return _train_on_cluster(ns)
     from tunepack.errors import BadInputError
@@ -142,21 +199,26 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tunepack.local import describe_exit
 
     backend = _local_backend(ns)
-    if ns.name is None:  # a new job: <model>-<timestamp>, made unique among the local jobs
-        ns.name = base = _default_job_name(ns.runtime)
-        for n in range(2, 1000):
-            if not os.path.exists(backend.root / ns.name):  # False if unreadable
-                break
-            ns.name = f"{base}-{n}"
-    trainjob = _trainjob(ns, local=True)
-    name = trainjob["metadata"]["name"]
-    if ns.workspace is None and os.path.exists(backend.root / name / "state.json"):
-        workspace = backend.workspace(name)  # the same job again (--name): resume its workspace
+    trainjob = _local_trainjob(ns, backend)
+    name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]
+    previous = _previous_job(backend, name)
+    if ns.workspace is None and previous is not None:
+        workspace = backend.workspace(name)  # the same job again: resume its workspace
     else:
         workspace = Path(ns.workspace or Path(".tunepack/runs") / name).resolve()
     _check_workspace(workspace, given=ns.workspace)
     job_dir = backend.register(trainjob, workspace, replace=True)
-    print(f"tunepack: job {name}: local run of {ns.runtime} in {workspace}", flush=True)
+    shown = runtime if ns.runtime == runtime else f"{runtime} (for {ns.runtime!r})"
+    print(f"tunepack: job {name}: local run of {shown} in {workspace}", flush=True)
+    if previous is None:
+        again = "" if ns.name else " (named after this command: the same command resumes it)"
+        print(f"tunepack: a new job{again}", flush=True)
+    else:
+        print(
+            f"tunepack: job {name} ran before ({previous}): resuming it (what is complete is "
+            "kept; the trainer continues from its last checkpoint)",
+            flush=True,
+        )
     started = time.perf_counter()
     stop = StopOnInterrupt(
         f"tunepack: interrupted ({{cause}}): stopping run {name!r} (the trainer saves a "
@@ -199,8 +261,18 @@ def cmd_train(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return failed.exit_code
-    _print_summary(name, ns.runtime, workspace, time.perf_counter() - started)
+    _print_summary(name, runtime, workspace, time.perf_counter() - started)
     return 0
+
+
+def _previous_job(backend, name: str) -> str | None:
+    """The status of the local job ``name`` if it ran before (None: a new job)."""
+    from tunepack.errors import BadInputError
+
+    try:
+        return backend.get_job(name).status
+    except (BadInputError, OSError, ValueError):
+        return None  # none (or a record too damaged to read: it is replaced)
 
 
 def _record_failure(job_dir: Path, message: str) -> None:
@@ -249,7 +321,10 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     from tunepack.translate import Initializer
 
     trainer = FineTune.from_args(
-        ns.trainer_args, num_nodes=ns.num_nodes, num_proc_per_node=ns.num_proc_per_node
+        ns.trainer_args,
+        num_nodes=ns.num_nodes,
+        num_proc_per_node=ns.num_proc_per_node,
+        env=_verbose_env(ns),
     )
     options = [Name(ns.name or _default_job_name(ns.runtime))]
     if ns.queue is not None:
@@ -258,7 +333,7 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     client = TrainingClient(_backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
     name = client.train(
         runtime=ns.runtime,
-        initializer=Initializer(dataset=ns.dataset, model=ns.model),
+        initializer=Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {}),
         trainer=trainer,
         options=options,
     )
@@ -295,10 +370,12 @@ def _k8s_backend(ns: argparse.Namespace):
 
 
 def _local_backend(ns: argparse.Namespace):
-    """The local backend ``TrainingClient(LocalBackendConfig(root_dir=...))`` uses."""
+    """The local backend ``TrainingClient(LocalBackendConfig(root_dir=..., gpu=...,
+    memory_check=...))`` uses."""
     from tunepack.backend_local import LocalBackend, LocalBackendConfig
 
-    return LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir))
+    checks = {k: getattr(ns, k) for k in ("gpu", "memory_check") if hasattr(ns, k)}
+    return LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
 
 
 def _backend(ns: argparse.Namespace):
@@ -467,7 +544,11 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", required=True, help="runtime name, e.g. tunepack-tiny-llama3")
     parser.add_argument("--dataset", required=True, help="dataset storage URI (file://, path)")
     parser.add_argument("--model", required=True, help="model storage URI (file://, path)")
-    parser.add_argument("--name", help="TrainJob name (default: <model>-<timestamp>)")
+    parser.add_argument(
+        "--name",
+        help="TrainJob name (default, local: <model>-<digest of the dataset, model and trainer "
+        "arguments>, so the same command resumes its job; cluster: <model>-<timestamp>)",
+    )
     parser.add_argument("--num-nodes", type=int, help="number of trainer nodes")
     parser.add_argument(
         "--num-proc-per-node",
@@ -506,17 +587,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run on this machine (local backend)")
     p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
     p.add_argument("--context", help="kubeconfig context (cluster)")
-    p.add_argument("--gpu", default="H100-80GB", help="GPU type the memory check assumes (cluster)")
+    p.add_argument(
+        "--gpu", default="H100-80GB", help="GPU type the memory check assumes (runtimes with GPUs)"
+    )
     p.add_argument(
         "--memory-check",
         choices=("refuse", "warn", "off"),
         default="refuse",
-        help="when the planner says the job cannot fit in GPU memory (cluster)",
+        help="when the planner says the job cannot fit in GPU memory (as TrainingClient's "
+        "memory_check; cluster and --local alike)",
     )
     p.add_argument(
         "--workspace",
-        help="local workspace dir (default: .tunepack/runs/<name>; a re-run of --name NAME "
-        "uses that job's)",
+        help="local workspace dir (default: the job's, .tunepack/runs/<name> when it is new; "
+        "a re-run of the same command, or of --name NAME, resumes in that job's)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the steps' third-party warnings and debug lines (TUNEPACK_VERBOSE=1), and "
+        "tunepack's own info messages",
     )
     p.add_argument("--jobs-dir", help=JOBS_DIR_HELP)
     p.add_argument("--quiet", action="store_true", help="do not echo step output")

@@ -130,6 +130,41 @@ def build(
     )
 
 
+def local_trainjob(
+    backend, runtime, initializer, trainer, options=None, *, name: str | None = None
+) -> dict:
+    """The TrainJob the local backend runs for ``train(runtime, initializer, trainer,
+    options)``: everything ``LocalBackend.train`` and ``tunepack train --local`` check before a
+    job is recorded (options, the runtime's name, the trainer arguments, the memory plan with the
+    backend's ``gpu`` and ``memory_check``, no Secret references). Raises ``BadInputError``."""
+    if options:
+        listed = options if isinstance(options, list | tuple) else [options]
+        names = ", ".join(type(o).__name__ for o in listed)
+        raise BadInputError(
+            f"options ({names}) are not supported by tunepack's local backend: they set "
+            "fields of a TrainJob on a cluster (use TrainingClient() with a cluster)"
+        )
+    if runtime is None:
+        raise BadInputError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
+    resolved = backend.resolve_runtime(runtime if isinstance(runtime, str) else runtime.name)
+    trainjob = build(
+        resolved.name,
+        initializer,
+        trainer,
+        name=name or job_name(),
+        gpu=backend.cfg.gpu,
+        memory_check=backend.cfg.memory_check,
+        local=True,  # plain paths are read on this machine; nproc as the launcher decides
+    )
+    for block in trainjob["spec"]["initializer"].values():
+        if "secretRef" in block:
+            raise BadInputError(
+                "secretRef is a cluster feature: on the local backend, export the credential "
+                "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
+            )
+    return trainjob
+
+
 def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):
     """Refuse (or warn about) a shape the planner says cannot fit, with the numbers."""
     if args.method not in planner.METHODS:
@@ -152,8 +187,8 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: Me
     message = (
         f"this fine-tune is estimated not to fit in GPU memory:\n{estimate.summary()}\n"
         "Lower max_seq_len or batch_size, add GPUs (resources_per_node / num_nodes), choose "
-        "method='qlora' where available, or pass memory_check='warn' to TrainingClient to "
-        "submit anyway (see docs/planner.md)."
+        "method='qlora' where available, or pass memory_check='warn' to TrainingClient "
+        "(tunepack train --memory-check warn) to submit anyway (see docs/planner.md)."
     )
     if mode == "refuse":
         raise BadInputError(message)

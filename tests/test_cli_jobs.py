@@ -39,10 +39,15 @@ def cli_job(home, tmp_path_factory, tiny_model_dir, tiny_dataset_file):
     done = _train(home, cwd, tiny_model_dir, tiny_dataset_file, "--quiet")
     assert done.returncode == 0, done.stderr + done.stdout
     first = done.stdout.splitlines()[0]
-    match = re.fullmatch(r"tunepack: job (tiny-llama3-[0-9-]+): local run of \S+ in (\S+)", first)
+    match = re.fullmatch(
+        r"tunepack: job (tiny-llama3-[0-9a-f]{10}): local run of \S+ in (\S+)", first
+    )
     assert match, first
     name, workspace = match.groups()
     assert workspace == str(cwd / ".tunepack" / "runs" / name)
+    assert done.stdout.splitlines()[1] == (
+        "tunepack: a new job (named after this command: the same command resumes it)"
+    )
     assert f"  job         {name}" in done.stdout.splitlines()
     return name, cwd / ".tunepack" / "runs" / name
 
@@ -107,6 +112,51 @@ def test_jobs_lists_cli_and_python_jobs_and_python_sees_the_cli_job(home, cli_jo
     )
     assert client.result(name).path == str(workspace / "output" / "adapter")
     assert tunepack(home, "status", py_name, "--local").stdout.startswith(f"{py_name}  Complete")
+
+
+def test_the_same_command_again_resumes_its_job(
+    home, tmp_path, cli_job, tiny_model_dir, tiny_dataset_file
+):
+    """No --name, no --workspace: the default job is named after the command, so running it
+    again (from anywhere) is the same job, in the same workspace, and the trainer resumes it."""
+    name, workspace = cli_job
+    again = _train(home, tmp_path, tiny_model_dir, tiny_dataset_file)
+    assert again.returncode == 0, again.stderr
+    lines = again.stdout.splitlines()
+    assert lines[0] == f"tunepack: job {name}: local run of {RUNTIME} in {workspace}"
+    assert lines[1].startswith(f"tunepack: job {name} ran before (Complete): resuming it")
+    assert (
+        f"[node] trainer: {workspace / 'output' / 'result.json'} is complete for this "
+        "configuration; nothing to do"
+    ) in lines
+    listed = tunepack(home, "jobs", "--local").stdout.splitlines()
+    assert sum(line.split()[0] == name for line in listed) == 1
+
+
+def test_the_default_name_follows_what_the_command_trains(tiny_model_dir, tiny_dataset_file):
+    from tunepack.cli import stable_job_name
+
+    data, model = str(tiny_dataset_file), f"file://{tiny_model_dir}"
+
+    def name(args, dataset=data, runtime=RUNTIME, **placement):
+        return stable_job_name(runtime, dataset, model, FineTune.from_args(args, **placement))
+
+    same = name(["max_steps=2", "lr=1e-4"])
+    assert re.fullmatch(r"tiny-llama3-[0-9a-f]{10}", same)
+    # the same training, spelled differently: the same job
+    assert name(["lr=0.0001", "max_steps=2"]) == same
+    assert name(["max_steps=2", "lr=1e-4"], dataset=f"file://{data}") == same
+    # anything that changes what is trained: another job
+    others = {
+        name(["max_steps=3", "lr=1e-4"]),
+        name(["max_steps=2", "lr=2e-4"]),
+        name(["max_steps=2"]),
+        name(["max_steps=2", "lr=1e-4"], dataset=f"{data}.other"),
+        name(["max_steps=2", "lr=1e-4"], num_proc_per_node=2),
+        name(["max_steps=2", "lr=1e-4"], runtime="tunepack-qwen2.5-0.5b"),
+    }
+    assert same not in others and len(others) == 6
+    assert all(len(n) <= 33 for n in others)  # a valid TrainJob name (tunepack.trainjob)
 
 
 def test_same_name_again_resumes_its_workspace(home, tmp_path, tiny_model_dir, tiny_dataset_file):
