@@ -124,6 +124,8 @@ def _checked_local(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source
     _check_required_files(entry, source_uri, source)
     _check_shards(entry, source_uri, source)
     _check_config(entry, source_uri, source / "config.json")
+    for rel in entry.weight_files(source):
+        check_safetensors(source_uri, rel, source / rel)
     return source
 
 
@@ -193,6 +195,9 @@ def _fetch_remote(
     rest: list[RemoteFile] = [f for f in chosen if f.path != "config.json"]
     fetched.update(download.fetch(source, rest, cache, _log))
     files = {f.path: fetched[f.path].path for f in sorted(chosen, key=lambda f: f.path)}
+    for rel, path in files.items():
+        if rel.endswith(".safetensors"):
+            check_safetensors(source_uri, rel, path)
     return files, {rel: v.sha256 for rel, v in fetched.items()}, listing.facts
 
 
@@ -279,6 +284,70 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
             f"model at {source_uri.display!r} is not {entry.name}: its config.json has "
             f"{', '.join(mismatches)}; use the runtime made for this model or point "
             f"{workspace.STORAGE_URI_ENV} at {entry.hub_id}"
+        )
+
+
+# A safetensors file: an 8-byte little-endian header length, a JSON header naming each tensor's
+# dtype, shape and [begin, end) byte range in the data that follows. The header is read, never
+# the data: a whole check costs microseconds however large the file.
+_SAFETENSORS_MAX_HEADER = 100 << 20  # the format's own limit on the header (100 MB)
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+
+
+def check_safetensors(source_uri: uri.StorageUri, rel: str, path: Path) -> None:
+    """``BadInputError`` unless ``path`` is a complete, readable safetensors file: a truncated
+    download or copy is refused here, before the trainer starts, naming the file and sizes."""
+
+    def bad(why: str) -> BadInputError:
+        return BadInputError(
+            f"model at {source_uri.display!r} has a damaged {rel}: {why}. Copy or download it "
+            "again (a complete copy of the model's original file)"
+        )
+
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad(f"it has {size} bytes, too few for a safetensors file")
+        length = int.from_bytes(head, "little")
+        if length > min(size - 8, _SAFETENSORS_MAX_HEADER):
+            raise bad(
+                f"its header says {length} bytes of header, but the file has {size} bytes in all "
+                "(truncated, or not a safetensors file)"
+            )
+        raw = f.read(length)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad("its header is not valid JSON (not a safetensors file, or damaged)") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object (not a safetensors file)")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = info["data_offsets"]
+            count = 1
+            for dim in info["shape"]:
+                count *= int(dim)
+            width = _DTYPE_BYTES.get(info["dtype"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"the header entry of tensor {name!r} is malformed") from None
+        if width is not None and stop - begin != count * width:
+            raise bad(
+                f"tensor {name!r} ({info['dtype']}, shape {list(info['shape'])}) takes "
+                f"{count * width} bytes but its header gives it {stop - begin}"
+            )
+        end = max(end, stop)
+    needed = 8 + length + end
+    if size < needed:
+        raise bad(
+            f"it has {size} bytes, but its header describes {needed} (truncated: "
+            f"{needed - size} bytes missing)"
         )
 
 

@@ -140,7 +140,19 @@ def _parse_file_uri(raw: str) -> StorageUri:
     path = unquote(parts.path)
     if not path:
         raise BadInputError(f"file URI {redact(raw)!r} has no path; write file:///absolute/path")
-    return StorageUri(raw=raw, scheme="file", location=_absolute(path))
+    options = dict(parse_qsl(parts.query, keep_blank_values=True))
+    unknown = sorted(set(options) - _FILE_OPTIONS)
+    if unknown or (parts.query and not options):
+        what = f"unknown option {unknown[0]!r}" if unknown else f"a query {parts.query!r}"
+        raise BadInputError(
+            f"file URI {redact(raw)!r} has {what}; the only option is ?split=<name> for a "
+            "dataset directory (write a '?' in a file name as %3F)"
+        )
+    return StorageUri(raw=raw, scheme="file", location=_absolute(path), options=options)
+
+
+# What a file:// URI's query may say: the split of a dataset directory (train/, test/ files).
+_FILE_OPTIONS = frozenset({"split"})
 
 
 def _absolute(path: str) -> str:

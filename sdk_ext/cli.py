@@ -106,7 +106,7 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
 
     namespaced = getattr(ns, "namespaced", False)
     return build_trainjob(
-        name=ns.name or _default_job_name(ns.runtime),
+        name=ns.name if ns.name is not None else _default_job_name(ns.runtime),
         runtime=ns.runtime,
         dataset_uri=ns.dataset,
         model_uri=ns.model,
@@ -134,13 +134,20 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
     workspace, and resumes it; another dataset, model or argument value gets another job."""
     import hashlib
 
+    from tunepack.errors import BadInputError
     from tunepack.initializers import uri as storage_uri
     from tunepack.trainjob import max_name_length
 
+    def canonical(uri: str) -> str:
+        try:
+            return storage_uri.parse(uri).canonical
+        except BadInputError:
+            return uri  # refused by the TrainJob's own checks, with the flag's name
+
     identity = {
         "runtime": runtime,
-        "dataset": storage_uri.parse(dataset).canonical,
-        "model": storage_uri.parse(model).canonical,
+        "dataset": canonical(dataset),
+        "model": canonical(model),
         "args": trainer.to_args(),  # vocabulary order, values parsed: lr=1e-4 is lr=0.0001
         "num_nodes": trainer.num_nodes or 1,
         "num_proc_per_node": trainer.num_proc_per_node,
@@ -167,7 +174,11 @@ def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
     )
     runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
     initializer = Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {})
-    name = ns.name or stable_job_name(runtime.name, ns.dataset, ns.model, trainer)
+    name = (
+        ns.name
+        if ns.name is not None
+        else stable_job_name(runtime.name, ns.dataset, ns.model, trainer)
+    )
     return local_trainjob(backend, runtime.name, initializer, trainer, name=name)
 
 
@@ -253,7 +264,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             pass  # the terminal went away (SIGHUP): the job's state says the same
         return stop.exit_code
     if failed:
-        reason = failed.error_line()
+        reason = step_error(failed.log) or failed.error_line()
         print(
             f"tunepack: step {failed.name!r} failed with exit code {failed.exit_code} "
             f"({describe_exit(failed.exit_code)}); log: {failed.log}"
@@ -263,6 +274,27 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return failed.exit_code
     _print_summary(name, runtime, workspace, time.perf_counter() - started)
     return 0
+
+
+MAX_DETAIL_LINES = 5
+
+
+def step_error(log: Path) -> str | None:
+    """A failed step's last ``<program>: error: ...`` message with the indented lines that
+    detail it (the offending rows of a dataset, the first few), as the step printed them."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    at = next((i for i in reversed(range(len(lines))) if ": error: " in lines[i]), None)
+    if at is None:
+        return None
+    detail = []
+    for line in lines[at + 1 :]:
+        if not line.startswith("  ") or len(detail) == MAX_DETAIL_LINES:
+            break
+        detail.append(line)
+    return "\n  ".join([lines[at], *detail])
 
 
 def _previous_job(backend, name: str) -> str | None:
@@ -326,7 +358,7 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
         num_proc_per_node=ns.num_proc_per_node,
         env=_verbose_env(ns),
     )
-    options = [Name(ns.name or _default_job_name(ns.runtime))]
+    options = [Name(ns.name if ns.name is not None else _default_job_name(ns.runtime))]
     if ns.queue is not None:
         options.append(Labels({QUEUE_LABEL: ns.queue}))
     check_cluster(ns.context)
@@ -373,9 +405,17 @@ def _local_backend(ns: argparse.Namespace):
     """The local backend ``TrainingClient(LocalBackendConfig(root_dir=..., gpu=...,
     memory_check=...))`` uses."""
     from tunepack.backend_local import LocalBackend, LocalBackendConfig
+    from tunepack.errors import BadInputError
 
     checks = {k: getattr(ns, k) for k in ("gpu", "memory_check") if hasattr(ns, k)}
-    return LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
+    backend = LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
+    if backend.root.exists() and not backend.root.is_dir():
+        given = f"--jobs-dir {ns.jobs_dir}" if ns.jobs_dir else f"the jobs dir {backend.root}"
+        raise BadInputError(
+            f"{given} is a file, not a directory; give a directory for the local jobs (or set "
+            "TUNEPACK_HOME)"
+        )
+    return backend
 
 
 def _backend(ns: argparse.Namespace):
@@ -473,14 +513,29 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_logs(ns: argparse.Namespace) -> int:
-    for line in _backend(ns).get_job_logs(ns.name, follow=ns.follow, step=ns.step):
+    from tunepack.errors import BadInputError
+
+    backend = _backend(ns)
+    job = backend.get_job(ns.name)
+    steps = [step.name for step in job.steps]
+    if steps and ns.step not in steps:
+        raise BadInputError(
+            f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} (--step)"
+        )
+    for line in backend.get_job_logs(ns.name, follow=ns.follow, step=ns.step):
         print(line)
     return 0
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
+    from tunepack.errors import BadInputError
     from tunepack.planner import plan
 
+    if ns.method == "full" and ns.lora_rank is not None:
+        raise BadInputError(
+            f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method full trains every "
+            "weight and has no adapters; leave out --lora-rank, or use --method lora"
+        )
     estimate = plan(
         ns.model,
         ns.method,
@@ -490,7 +545,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         nodes=ns.nodes,
         gpus_per_node=ns.gpus_per_node,
         activation_checkpointing=ns.activation_checkpointing,
-        lora_rank=ns.lora_rank,
+        lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
     )
     print(estimate.summary())
     return 0 if estimate.fits else 1
@@ -499,8 +554,16 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client, config
 
+    from tunepack.errors import BadInputError
     from tunepack.install import describe, install, runtime_objects
+    from tunepack.trainjob import check_dns_label
 
+    if ns.namespace is not None:
+        check_dns_label("--namespace", ns.namespace)
+    if not ns.delete_timeout > 0:
+        raise BadInputError(
+            f"--delete-timeout {ns.delete_timeout:g} is not valid: expected a number of seconds > 0"
+        )
     objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
     check_cluster(ns.context, local_option=False)
     _, kubeconfigs = kubeconfig_paths()
@@ -644,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default="H100-80GB")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=1)
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (lora, qlora, dora; default 16)")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.set_defaults(func=cmd_plan)
 

@@ -85,6 +85,14 @@ def _post_init(self) -> None:
         value = getattr(self, arg.name)
         if value is not None:
             _check_value(arg, value)
+    if self.method == "full":
+        lora = [f"{a.name}={getattr(self, a.name)!r}" for a in VOCABULARY if _is_lora(a.name, self)]
+        if lora:
+            raise BadInputError(
+                f"FineTune: {', '.join(lora)} set{'s' if len(lora) == 1 else ''} LoRA adapters, "
+                "but method='full' trains every weight and has none; leave "
+                f"{'it' if len(lora) == 1 else 'them'} out, or use method='lora'"
+            )
     nodes, procs = self.num_nodes, self.num_proc_per_node
     for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
         bad_type = not isinstance(value, int) or isinstance(value, bool)
@@ -100,6 +108,11 @@ def _post_init(self) -> None:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
     ):
         raise BadInputError(f"FineTune.env must map names to string values, got {self.env!r}")
+
+
+def _is_lora(name: str, obj) -> bool:
+    """A LoRA setting given (``lora_rank``, ``lora_alpha``, ...)."""
+    return name.startswith("lora_") and getattr(obj, name) is not None
 
 
 def _to_args(self) -> list[str]:

@@ -154,6 +154,10 @@ def estimate(
     """The per-device estimate for one layout (no recommendation)."""
     entry = model if isinstance(model, catalog.ModelEntry) else catalog.get(model)
     _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
+    if method != "full" and (
+        isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
+    ):
+        raise BadInputError(f"lora_rank={lora_rank!r} is not valid: expected an integer >= 1")
     shape = entry.shape
     devices = nodes * gpus_per_node
     p = shape.parameter_count()

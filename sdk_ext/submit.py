@@ -108,7 +108,7 @@ def build(
     if gpus and memory_check != "off":
         check_memory(entry, resolved, finetune.num_nodes or 1, num_proc or gpus, gpu, memory_check)
     return build_trainjob(
-        name=name or job_name(),
+        name=job_name() if name is None else name,
         runtime=entry.runtime_name,
         dataset_uri=storage_uri(init.dataset, "dataset"),
         model_uri=storage_uri(init.model, "model"),
@@ -151,11 +151,12 @@ def local_trainjob(
         resolved.name,
         initializer,
         trainer,
-        name=name or job_name(),
+        name=job_name() if name is None else name,
         gpu=backend.cfg.gpu,
         memory_check=backend.cfg.memory_check,
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
     )
+    _check_local_split(trainjob["spec"]["initializer"]["dataset"])
     for block in trainjob["spec"]["initializer"].values():
         if "secretRef" in block:
             raise BadInputError(
@@ -163,6 +164,27 @@ def local_trainjob(
                 "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
             )
     return trainjob
+
+
+def _check_local_split(dataset: dict) -> None:
+    """A split other than ``train`` of a single local data file: a file has no splits (the
+    dataset initializer would read the whole file as ``train``)."""
+    import os
+    from pathlib import Path
+
+    from tunepack.initializers import uri as storage_uri
+
+    parsed = storage_uri.parse(dataset["storageUri"])
+    env = {e["name"]: e.get("value") for e in dataset.get("env", [])}
+    split = (
+        parsed.options.get("split") or env.get("DATASET_SPLIT") or os.environ.get("DATASET_SPLIT")
+    )
+    if parsed.is_local and split not in (None, "", "train") and Path(parsed.location).is_file():
+        raise BadInputError(
+            f"dataset {parsed.display!r} is a single file, which has no {split!r} split: a file "
+            "is the train split. Give the file of that split, or a directory with one file per "
+            "split (train.jsonl, test.jsonl), and no split to train on the whole file"
+        )
 
 
 def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):

@@ -368,6 +368,11 @@ def _check_name(name: str, num_nodes: int) -> None:
         )
 
 
+def check_dns_label(what: str, value: object) -> None:
+    """``BadInputError`` unless ``value`` is a DNS-1123 label (a namespace, a Secret name)."""
+    _check_dns_label(what, value)
+
+
 def _check_dns_label(what: str, value: object) -> None:
     if not isinstance(value, str) or not _DNS_LABEL.match(value) or len(value) > _DNS_LABEL_MAX:
         raise BadInputError(

@@ -84,8 +84,15 @@ def assert_bad_input(result: subprocess.CompletedProcess[str], program: str, mes
     assert result.stderr == f"{program}-initializer: error: {message}\n"
 
 
+def tiny_safetensors(values: int = 4) -> bytes:
+    """A complete safetensors file holding one F32 tensor of ``values`` values."""
+    header = json.dumps({"w": {"dtype": "F32", "shape": [values], "data_offsets": [0, 4 * values]}})
+    return len(header).to_bytes(8, "little") + header.encode() + b"\0" * (4 * values)
+
+
 def fake_model(root: Path, entry: catalog.ModelEntry = TINY, **config_overrides) -> Path:
-    """A model directory with every file the catalog entry requires (dummy bytes, real config)."""
+    """A model directory with every file the catalog entry requires (dummy bytes, a complete
+    safetensors file, a real config)."""
     s = entry.shape
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -102,7 +109,9 @@ def fake_model(root: Path, entry: catalog.ModelEntry = TINY, **config_overrides)
     for rel in entry.required_files():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"dummy " + rel.encode() * 100)
+        path.write_bytes(
+            tiny_safetensors() if rel.endswith(".safetensors") else b"dummy " + rel.encode() * 100
+        )
     (root / "config.json").write_text(json.dumps(config), encoding="utf-8")
     (root / "generation_config.json").write_text("{}", encoding="utf-8")
     (root / ".cache").mkdir()  # hub download metadata: not part of the model
