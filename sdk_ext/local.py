@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ from tunepack.runtimes.generate import (
     TRAINER_STEP,
     WORKSPACE_VOLUME,
 )
+from tunepack.trainers import noise
 from tunepack.workspace import WorkspaceLock, lock_workspace
 
 # Which TrainJob initializer block feeds which step (by the step's ancestor label).
@@ -159,18 +161,32 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
     return steps
 
 
-def progress_line(line: str) -> str | None:
-    """A short progress line for a trainer step record, or None for lines not worth echoing.
+# Lines tunepack's programs write themselves ("trainer: ...", "model-initializer: ...", records
+# of the "tunepack.*" loggers); everything else in a step's log is other packages' (kept in the
+# log file, echoed only with TUNEPACK_VERBOSE) unless it reports an error.
+_OWN_LINE = re.compile(
+    r"^(?:[a-z]+(?:-[a-z]+)*-initializer|trainer|tunepack(?:\.[\w.]+)?): "
+    r"|^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) tunepack[.:]"
+    r"|^(?:ERROR|CRITICAL) "
+)
+
+
+def progress_line(line: str, verbose: bool | None = None) -> str | None:
+    """What the console shows of a line a step wrote, or None for lines not worth echoing.
 
     The trainer logs one JSON record per step (kept whole in the step's log file); a person
-    watching the console wants about twenty lines per run, not hundreds.
+    watching the console wants about twenty lines per run, not hundreds, and tunepack's own
+    lines, not other packages' warnings (``verbose``, default ``$TUNEPACK_VERBOSE``: all of them).
     """
+    verbose = noise.verbose() if verbose is None else verbose
     try:
         record = json.loads(line)
     except ValueError:
-        return line.rstrip()
-    if not isinstance(record, dict) or record.get("event") != "step":
-        return line.rstrip()
+        record = None
+    if not isinstance(record, dict) or "event" not in record:
+        return line.rstrip() if verbose or _OWN_LINE.match(line) else None
+    if record["event"] != "step":
+        return line.rstrip() if verbose else None
     step, total = record["step"], record["total_steps"]
     if step != 1 and step != total and step % max(1, total // 20):
         return None

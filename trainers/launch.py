@@ -48,6 +48,7 @@ from omegaconf import OmegaConf
 from tunepack import durable, lifetime, workspace
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
 from tunepack.runtimes import catalog
+from tunepack.trainers import noise
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import (
     build_config,
@@ -58,7 +59,7 @@ from tunepack.trainers.config import (
 
 PROGRAM = "trainer"
 EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"  # the recipe's name for it; kept here to avoid heavy imports
-WORKER_MODULE = "tunepack.trainers.recipe"
+WORKER_MODULE = "tunepack.trainers.worker"
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "tunepack.trainers.torchrun",  # torch.distributed.run, quieter
         f"--nnodes={layout.nnodes}",
         f"--nproc-per-node={layout.nproc_per_node}",
         f"--node-rank={layout.node_rank}",
@@ -231,6 +232,8 @@ def run_torchrun(
         exit_dir = scratch / "exit"
         exit_dir.mkdir()
         env = {**os.environ, EXIT_DIR_ENV: str(exit_dir), **(lock.env() if lock else {})}
+        # torchrun sets 1 itself where unset, with a banner saying so.
+        env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen(
             lifetime.shim(torchrun_command(layout, config_path, digest)),
             env=env,
@@ -317,6 +320,7 @@ def _kill(action) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    noise.quiet()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         return run(sys.argv[1:] if argv is None else argv)

@@ -773,7 +773,7 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """torchrun's worker: train from a config file and leave the exit code for the launcher."""
-    parser = argparse.ArgumentParser(prog="python -m tunepack.trainers.recipe")
+    parser = argparse.ArgumentParser(prog="python -m tunepack.trainers.worker")
     parser.add_argument("--config", required=True, type=Path)
     parser.add_argument("--digest", default=None, help="recorded as config_digest in result.json")
     args = parser.parse_args(argv)

@@ -1,0 +1,285 @@
+"""A run owns its processes and its workspace (issue 14, items 2, 3 and 5).
+
+- one run per workspace: a second run, by the CLI or the trainer program on its own, is refused
+  with who holds it (exit 75), and the first run's checkpoints and result are untouched;
+- the lock is held by every process of the run, so it outlives no process of it;
+- the CLI's process group killed outright (SIGKILL), hung up (SIGHUP) or terminated (SIGTERM, as
+  a timeout or systemd sends it): no process of the run is left, the trainer checkpoints first
+  (two processes, torchrun), and the same command resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tunepack.workspace import LOCK_FD_ENV, LOCK_FILE, WorkspaceBusyError, lock_workspace
+
+CLI = [sys.executable, "-m", "tunepack.cli"]
+
+# --- the lock itself -----------------------------------------------------------------------------
+
+
+def test_a_second_lock_is_refused_with_who_holds_it(tmp_path):
+    with lock_workspace(tmp_path, "local TrainJob 'first'") as held:
+        assert held.owned
+        with pytest.raises(WorkspaceBusyError) as caught:
+            lock_workspace(tmp_path, "local TrainJob 'second'")
+    message = str(caught.value)
+    assert message.startswith(f"workspace {tmp_path} is in use by local TrainJob 'first' (pid ")
+    assert f"pid {os.getpid()} on host " in message
+    assert "wait for that run to end (or stop it), or use another workspace" in message
+    assert caught.value.exit_code == 75
+    with lock_workspace(tmp_path, "local TrainJob 'second'"):  # free once released
+        pass
+
+
+def test_the_lock_is_held_until_the_last_process_that_inherited_it_exits(tmp_path):
+    """The holder hands the lock down; killing the holder does not free it while a child lives."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, subprocess, sys, time\n"
+            "from pathlib import Path\n"
+            "from tunepack.workspace import lock_workspace\n"
+            f"lock = lock_workspace(Path({str(tmp_path)!r}), 'holder')\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+            "                         env={**os.environ, **lock.env()}, pass_fds=(lock.fd,))\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    child = psutil.Process(int(holder.stdout.readline()))
+    try:
+        holder.kill()
+        holder.wait()
+        with pytest.raises(WorkspaceBusyError, match=r"in use by holder \(pid \d+"):
+            lock_workspace(tmp_path, "next run")
+        child.kill()
+        child.wait(10)
+        with lock_workspace(tmp_path, "next run") as lock:
+            assert lock.owned
+    finally:
+        for proc in (holder, child):
+            try:
+                proc.kill()
+            except (ProcessLookupError, psutil.Error):
+                pass
+
+
+def test_a_process_that_inherited_the_lock_takes_it_as_its_own(tmp_path, monkeypatch):
+    with lock_workspace(tmp_path, "runner") as held:
+        monkeypatch.setenv(LOCK_FD_ENV, str(held.fd))
+        inherited = lock_workspace(tmp_path, "trainer")
+        assert inherited is not None and not inherited.owned
+        inherited.release()  # does not release the holder's
+        monkeypatch.delenv(LOCK_FD_ENV)
+        with pytest.raises(WorkspaceBusyError):
+            lock_workspace(tmp_path, "other")
+    # An inherited number that is open on another file is not the lock.
+    with (tmp_path / "other-file").open("w") as other:
+        monkeypatch.setenv(LOCK_FD_ENV, str(other.fileno()))
+        with lock_workspace(tmp_path, "trainer") as own:
+            assert own.owned
+
+
+# --- runs --------------------------------------------------------------------------------------
+
+
+def _train_command(workspace: Path, model: Path, dataset: Path, *args: str) -> list[str]:
+    return [
+        *CLI, "train", "--local", "--runtime", "tiny-llama3", "--workspace", str(workspace),
+        "--dataset", f"file://{dataset}", "--model", f"file://{model}", *args,
+    ]  # fmt: skip
+
+
+def _start(command: list[str], tmp_path: Path, name: str) -> subprocess.Popen:
+    env = {**os.environ, "TUNEPACK_HOME": str(tmp_path / "home")}
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own process group, as a shell job is
+    )
+
+
+def _wait_for_steps(proc, workspace: Path, seen: dict[int, psutil.Process], steps: int = 1):
+    """Until the trainer logged ``steps`` steps, remembering every process below the CLI."""
+    log = workspace / "logs" / "node.log"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                seen.setdefault(child.pid, child)
+        except psutil.Error:
+            pass
+        if log.exists() and log.read_text().count('"event": "step"') >= steps:
+            return
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"training did not reach step {steps} within 120 s: {proc.communicate()}")
+
+
+def _wait_all_gone(seen: dict[int, psutil.Process], timeout: float = 90) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in seen.values() if p.is_running() and p.status() != "zombie"]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    left = []
+    for proc in seen.values():
+        try:
+            if proc.is_running() and proc.status() != "zombie":
+                left.append(" ".join(proc.cmdline()[:6]))
+                proc.kill()
+        except psutil.Error:
+            continue
+    return left
+
+
+def _torchrun_seen(seen: dict[int, psutil.Process]) -> bool:
+    for proc in seen.values():
+        try:
+            if "tunepack.trainers.torchrun" in " ".join(proc.cmdline()):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def test_a_second_run_on_a_busy_workspace_is_refused_and_the_first_finishes(
+    tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    workspace = tmp_path / "ws"
+    first = _start(
+        _train_command(workspace, tiny_model_dir, tiny_dataset_file, "--name", "first", "epochs=2"),
+        tmp_path,
+        "first",
+    )
+    seen: dict[int, psutil.Process] = {}
+    try:
+        _wait_for_steps(first, workspace, seen)
+        # Another job, other arguments, same workspace: it would have deleted the first's
+        # checkpoints ("starting fresh"). It is refused before any step runs.
+        second = subprocess.run(
+            _train_command(
+                workspace, tiny_model_dir, tiny_dataset_file, "--name", "second", "lora_rank=4"
+            ),
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TUNEPACK_HOME": str(tmp_path / "home")},
+            timeout=120,
+        )
+        assert second.returncode == 75, second.stderr
+        assert "Traceback" not in second.stdout + second.stderr
+        error = second.stderr.strip().splitlines()[-1]
+        assert error.startswith(f"tunepack: error: workspace {workspace} is in use by local ")
+        assert "TrainJob 'first' (pid " in error
+        # The trainer program on its own (as a user or a second Pod might start it) is refused too.
+        alone = subprocess.run(
+            [sys.executable, "-m", "tunepack.trainers.launch", "epochs=1"],
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "TUNEPACK_WORKSPACE": str(workspace),
+                "TUNEPACK_MODEL": "tiny-llama3",
+            },
+            timeout=120,
+        )
+        assert alone.returncode == 75, alone.stderr
+        assert alone.stderr.strip().startswith(
+            f"trainer: error: workspace {workspace} is in use by local TrainJob 'first'"
+        )
+        out, err = first.communicate(timeout=600)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 0, err
+    result = json.loads((workspace / "output" / "result.json").read_text())
+    assert result["final_loss"] < result["first_loss"]
+    config = (workspace / "output" / "config.yaml").read_text()
+    assert "lora_rank: 4" not in config  # the refused run changed nothing
+    assert (workspace / LOCK_FILE).exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("how", "expected_cli_code"),
+    [
+        pytest.param(signal.SIGKILL, -signal.SIGKILL, id="SIGKILL-to-the-group"),
+        pytest.param(signal.SIGHUP, 128 + signal.SIGHUP, id="SIGHUP-to-the-group"),
+        pytest.param(signal.SIGTERM, 128 + signal.SIGTERM, id="SIGTERM-to-the-group"),
+    ],
+)
+def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resumes(
+    tmp_path, tiny_model_dir, tiny_dataset_file, how, expected_cli_code
+):
+    """Two processes under torchrun. SIGKILL: the CLI cannot act, the kernel signals its steps;
+    SIGHUP (the terminal closed) and SIGTERM (``kill -- -PGID``, a timeout, systemd): every
+    process gets the signal directly and from its parent, taken as one request. Each way the
+    trainer checkpoints, nothing is left running, the workspace is free, and the same command
+    resumes from the checkpoint."""
+    workspace = tmp_path / "ws"
+    command = _train_command(
+        workspace, tiny_model_dir, tiny_dataset_file, "--name", "job", "--num-proc-per-node", "2",
+        "epochs=5", "max_steps=30",
+    )  # fmt: skip
+    proc = _start(command, tmp_path, "job")
+    seen: dict[int, psutil.Process] = {}
+    try:
+        _wait_for_steps(proc, workspace, seen, steps=2)
+        assert _torchrun_seen(seen), "the run did not start torchrun"
+        os.killpg(proc.pid, how)
+        out, err = proc.communicate(timeout=120)
+        left = _wait_all_gone(seen)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert left == [], f"still running after {how.name}: {left}"
+    assert proc.returncode == expected_cli_code, err
+    assert "Traceback" not in out + err
+    if how != signal.SIGKILL:
+        assert f"stopped, no process of it left ({how.name})" in err.splitlines()[-1]
+    log = (workspace / "logs" / "node.log").read_text()
+    assert "Traceback" not in log and "BrokenPipeError" not in log
+    assert "stopping after this step" in log
+    checkpoints = sorted(
+        int(p.name.split("-")[1]) for p in (workspace / "checkpoints").glob("step-*")
+    )
+    assert checkpoints, "the trainer did not checkpoint before stopping"
+    assert not list(workspace.rglob("*.partial")), "a partial checkpoint was left visible"
+    with lock_workspace(workspace, "the test"):  # free: no process of the run holds it
+        pass
+    if how != signal.SIGKILL:
+        return  # resuming after each of them is the same; once (below) is enough
+
+    again = subprocess.run(
+        command, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "TUNEPACK_HOME": str(tmp_path / "home")},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    node_log = (workspace / "logs" / "node.log").read_text()
+    assert f"(step {checkpoints[-1]})" in node_log and "resumed from" in node_log
+    result = json.loads((workspace / "output" / "result.json").read_text())
+    assert result["final_loss"] < result["first_loss"]
+    # The stopped run's logs were kept, not overwritten.
+    assert (
+        "stopping after this step"
+        in (workspace / "logs" / "previous" / "1" / "node.log").read_text()
+    )
