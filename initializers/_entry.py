@@ -44,7 +44,7 @@ def run(program: str, body: Callable[[], None]) -> int:
         print(
             scrub(
                 f"{program}: error: no space left on the device (or quota){where}: free space or "
-                "enlarge the volume, then run again (nothing partial was published)"
+                "enlarge the volume, then run again"
             ),
             file=sys.stderr,
             flush=True,

@@ -122,8 +122,9 @@ def staged(dest: Path) -> Iterator[Path]:
             f"writable directory"
         ) from None
     try:
-        yield partial
-        _publish(partial, dest)
+        with durable.disk_full_as_error(dest):  # one line naming dest, exit 75
+            yield partial
+            _publish(partial, dest)
     except BaseException:
         _remove(partial)
         raise

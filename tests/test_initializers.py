@@ -632,14 +632,18 @@ def test_model_falls_back_to_copying(tmp_path):
     assert (out / "model.safetensors").stat().st_ino != (source / "model.safetensors").stat().st_ino
 
 
-def test_model_failure_mid_copy_leaves_no_destination(tmp_path):
+def test_model_disk_full_mid_copy_is_one_line_and_leaves_no_destination(tmp_path):
     source = fake_model(tmp_path / "src")
     code = _MID_COPY.format(action='raise OSError(28, "No space left on device")')
 
     result = run_program("model", tmp_path, str(source), code=code)
 
-    assert result.returncode == 1  # unexpected: a traceback, not a user-facing message
-    assert "OSError: [Errno 28] No space left on device" in result.stderr
+    assert result.returncode == EXIT_TRANSIENT  # the environment's failure, one line
+    assert result.stderr.startswith(
+        "model-initializer: error: no space left on the device (or quota) writing "
+        f"{tmp_path / 'ws' / 'model'} ("
+    )
+    assert "Traceback" not in result.stderr
     assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
     # The next run starts clean and completes.
     assert run_program("model", tmp_path, str(source)).returncode == 0

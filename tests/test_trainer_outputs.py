@@ -1,5 +1,6 @@
 """What the trainer leaves behind: readable results, one metrics line per step, and a full disk
-that ends in one line (issue 14 items 7 and 8), with real tiny runs."""
+that ends in one line for the trainer and the initializers alike (issue 14 items 7 and 8), with
+real tiny runs."""
 
 from __future__ import annotations
 
@@ -181,6 +182,49 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
     assert {"config.yaml", "metrics.jsonl"} <= left, done.stdout
     assert not [name for name in left if "adapter" in name or ".tmp-" in name], left  # no partial
     assert "result.json" not in left
+
+
+@pytest.mark.parametrize("program", ["model", "dataset"])
+def test_full_disk_in_an_initializer_is_one_line_exit_75_nothing_partial(
+    program, tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """The workspace is a 64 KiB filesystem: the tiny model (1.5 MB) does not fit, nor does the
+    dataset (its copy plus the cache). One line naming the path, exit 75, nothing left behind."""
+    if not _can_mount_tmpfs(tmp_path):
+        pytest.skip("needs root and unshare to mount a tiny tmpfs")
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    source = tiny_model_dir if program == "model" else tiny_dataset_file
+    size = "64k" if program == "model" else "8k"
+    script = (
+        f'mount -t tmpfs -o size={size} tmpfs "{workspace}" && '
+        f'"{sys.executable}" -m tunepack.initializers.{program}; code=$?; '
+        f'echo LEFT:; ls -A "{workspace}"; exit $code'
+    )
+    env = {
+        **os.environ,
+        "TUNEPACK_WORKSPACE": str(workspace),
+        "TUNEPACK_MODEL": "tiny-llama3",
+        "STORAGE_URI": f"file://{source}",
+    }
+    done = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == EXIT_TRANSIENT, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(
+        f"{program}-initializer: error: no space left on the device (or quota) writing "
+        f"{workspace}/{program}"
+    )
+    assert errors[0].endswith("then run again; nothing partial was kept")
+    left = done.stdout.split("LEFT:\n", 1)[1].split()
+    assert not [name for name in left if name.startswith(program)], left
 
 
 # ------------------------------------------------------------------ the durable module
