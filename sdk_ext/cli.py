@@ -16,8 +16,9 @@ tunepack result NAME [--local]        # a finished job's adapter (or model) and 
 tunepack delete NAME [--local] [--workspace-too]   # the workspace is kept unless asked
 tunepack --version
 
-Exit codes: 0 done; 65 bad input or configuration (a missing kubeconfig included: fix it, do not
-retry); 75 transient (an API server that cannot be reached; a step stopped by SIGTERM: retry);
+Exit codes: 0 done; 65 bad input or configuration (a usage mistake and a missing kubeconfig
+included: fix it, do not retry); 75 transient (an API server that cannot be reached; a step
+stopped by SIGTERM: retry);
 130 interrupted (Ctrl-C), 143 SIGTERM, 129 SIGHUP (every process of a local run is stopped
 first, the trainer after a checkpoint); 1 the cluster refused a request, or (status) the job
 failed; other codes: a local step's own exit code.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import os
 import re
 import sys
@@ -192,10 +194,8 @@ VERBOSE_ENV = "TUNEPACK_VERBOSE"
 
 def cmd_train(ns: argparse.Namespace) -> int:
     if ns.verbose:
-        os.environ[VERBOSE_ENV] = "1"  # this process's own steps too (and the SDK's logging)
-        import logging
-
-        logging.basicConfig(level=logging.INFO, format="tunepack: %(message)s")
+        os.environ[VERBOSE_ENV] = "1"  # this process's own steps too
+        _console_logging(verbose=True)
     if not ns.local:
         return _train_on_cluster(ns)
     from tunepack.errors import BadInputError
@@ -409,7 +409,7 @@ def _local_backend(ns: argparse.Namespace):
 
     checks = {k: getattr(ns, k) for k in ("gpu", "memory_check") if hasattr(ns, k)}
     backend = LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
-    if backend.root.exists() and not backend.root.is_dir():
+    if os.path.exists(backend.root) and not os.path.isdir(backend.root):  # False if unreadable
         given = f"--jobs-dir {ns.jobs_dir}" if ns.jobs_dir else f"the jobs dir {backend.root}"
         raise BadInputError(
             f"{given} is a file, not a directory; give a directory for the local jobs (or set "
@@ -626,8 +626,36 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported like any other bad input: one line, exit 65."""
+
+    def error(self, message: str):
+        from tunepack.errors import BadInputError
+
+        raise BadInputError(f"{message} (see `{self.prog} --help`)")
+
+
+class _ConsoleHandler(logging.Handler):
+    """tunepack's own warnings (a memory plan passed with --memory-check warn, ...) on the
+    console, as ``tunepack: warning: ...``; info messages too with --verbose."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        try:
+            print(f"tunepack: {level}{record.getMessage()}", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass  # no console left to say it on
+
+
+def _console_logging(verbose: bool = False) -> None:
+    logger = logging.getLogger("tunepack")
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        logger.addHandler(_ConsoleHandler())
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunepack", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="tunepack", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -765,8 +793,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    _console_logging()
     try:
+        ns = build_parser().parse_args(argv)
         return ns.func(ns)
     except TunepackError as err:
         print(f"tunepack: error: {err}", file=sys.stderr)

@@ -80,6 +80,25 @@ def _check_value(arg: Arg, value: object) -> None:
         raise BadInputError(f"FineTune.{arg.name}: {err}") from None
 
 
+def _init(self, **values) -> None:
+    """Keyword arguments only, each a field (``None``: the runtime's default); a name that is
+    not a field is refused naming the closest fields (``lora_r``: ``lora_rank``?)."""
+    names = [name for name, _, _ in _fields()]
+    unknown = [key for key in values if key not in names]
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.6)
+        hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
+        raise BadInputError(
+            f"FineTune has no field {unknown[0]!r}: its fields are the trainer arguments of "
+            f"`tunepack args` and {', '.join(PLACEMENT_FIELDS)}; {hint}"
+        )
+    for name in names:
+        object.__setattr__(self, name, values.get(name))
+    self.__post_init__()
+
+
 def _post_init(self) -> None:
     for arg in VOCABULARY:
         value = getattr(self, arg.name)
@@ -176,6 +195,7 @@ FineTune = dataclasses.make_dataclass(
     "FineTune",
     _fields(),
     namespace={
+        "__init__": _init,
         "__post_init__": _post_init,
         "to_args": _to_args,
         "from_args": classmethod(_from_args),
@@ -183,5 +203,6 @@ FineTune = dataclasses.make_dataclass(
     },
     kw_only=True,
     frozen=True,
+    init=False,  # _init: the same keyword arguments, an unknown one refused with the fields
 )
 FineTune.__module__ = __name__

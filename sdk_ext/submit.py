@@ -94,6 +94,7 @@ def build(
     for the local backend (plain paths kept, ``numProcPerNode`` left to the launcher unless the
     FineTune or its GPUs say).
     """
+    check_settings(gpu, memory_check)
     runtime_name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
     entry = catalog.get(runtime_name)
     init = to_initializer(initializer)
@@ -185,6 +186,20 @@ def _check_local_split(dataset: dict) -> None:
             "is the train split. Give the file of that split, or a directory with one file per "
             "split (train.jsonl, test.jsonl), and no split to train on the whole file"
         )
+
+
+MEMORY_CHECKS = ("refuse", "warn", "off")
+
+
+def check_settings(gpu: object, memory_check: object) -> None:
+    """The client's ``gpu`` and ``memory_check`` (``BadInputError`` naming the value)."""
+    if memory_check not in MEMORY_CHECKS:
+        raise BadInputError(
+            f"memory_check={memory_check!r} is not valid: expected one of "
+            f"{', '.join(map(repr, MEMORY_CHECKS))}"
+        )
+    if gpu not in planner.GPUS:
+        raise BadInputError(f"gpu={gpu!r} is not known: expected one of {', '.join(planner.GPUS)}")
 
 
 def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):
