@@ -283,3 +283,22 @@ def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resu
         "stopping after this step"
         in (workspace / "logs" / "previous" / "1" / "node.log").read_text()
     )
+
+
+@pytest.mark.slow
+def test_the_kill_and_resume_soak_ends_bit_identical(tmp_path):
+    """A short run of benchmarks/kill_resume_soak.py (the long one: ``--kills 10 --nproc 2``):
+    SIGKILLed twice at random moments, resumed each time, identical to an uninterrupted run."""
+    report_path = tmp_path / "report.json"
+    done = subprocess.run(
+        [
+            sys.executable, "benchmarks/kill_resume_soak.py", "--kills", "2", "--max-steps", "6",
+            "--seed", "3", "--json", str(report_path),
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["kills"] == 2 and report["attempts"] == 3
+    assert report["adapter_identical"] and report["each_step_once_in_metrics"]
+    assert report["steps"] == 6
