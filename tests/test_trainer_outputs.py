@@ -146,9 +146,12 @@ def test_full_disk_while_checkpointing_is_one_line_exit_75_nothing_partial(
     assert not (workspace / "output" / "result.json").exists()
 
 
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
-    initialized_workspace, tmp_path
+    initialized_workspace, tmp_path, nproc
 ):
+    """With two processes only the first writes the result: the other, waiting for it, stops
+    with one line saying it followed, not with the traceback of its broken collective."""
     workspace, output = _workspace_with_mount_point(initialized_workspace, tmp_path, "output")
     # Room for config.yaml and metrics.jsonl, none for the adapter; the command lists what is
     # left on the tmpfs before the namespace (and the tmpfs) goes away.
@@ -163,6 +166,7 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
         "TUNEPACK_WORKSPACE": str(workspace),
         "TUNEPACK_MODEL": "tiny-llama3",
         "OMP_NUM_THREADS": "1",
+        "PET_NPROC_PER_NODE": str(nproc),
     }
     done = subprocess.run(
         ["unshare", "--mount", "sh", "-c", script],
@@ -173,11 +177,16 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
     )
     assert done.returncode == EXIT_TRANSIENT, done.stderr
     assert "Traceback" not in done.stderr
-    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("trainer: error:")]
+    assert len(errors) == nproc, done.stderr
     assert errors[0].startswith(
         f"trainer: error: no space left on the device (or quota) writing {output / 'adapter'} ("
     )
+    if nproc == 2:
+        assert errors[1] == (
+            "trainer: error: process 1 stopped because another process of the run failed first "
+            "(its error is above)"
+        )
     left = set(done.stdout.split("LEFT:\n", 1)[1].split())
     assert {"config.yaml", "metrics.jsonl"} <= left, done.stdout
     assert not [name for name in left if "adapter" in name or ".tmp-" in name], left  # no partial

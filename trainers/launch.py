@@ -198,6 +198,7 @@ def run(argv: list[str]) -> int:
     if layout.world_size == 1:
         from tunepack.trainers import recipe  # heavy imports only once the input is valid
 
+        noise.quiet()  # the handlers torch attached while being imported
         result = recipe.run(cfg, extra={"config_digest": digest})
         _print_done(result)
         return 0

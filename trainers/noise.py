@@ -30,17 +30,25 @@ class _OwnOrSevere(logging.Filter):
 
 
 def quiet() -> None:
-    """Silence other packages' warnings and minor log records in this process (and, through the
-    environment, in the processes it starts), unless verbose. Call it before importing them:
-    some (torchao) speak at import time."""
+    """Silence other packages' warnings and minor log records in this process, unless verbose.
+
+    Call it before importing them (some, torchao, speak at import time) and again after: torch
+    attaches a handler of its own to its logger when imported, which gets the filter then.
+    """
     if verbose():
         return
     warnings.filterwarnings("ignore")
     warnings.filterwarnings("default", module=r"tunepack(\.|$)")
-    # A filter on the root handler, not levels on loggers: libraries set their own loggers'
-    # levels (torchtune's at DEBUG). With a root handler in place first, torchtune's get_logger
-    # adds no handler of its own, so every record passes the filter.
+    # A filter on handlers, not levels on loggers: libraries set their own loggers' levels
+    # (torchtune's at DEBUG). With a root handler in place first, torchtune's get_logger adds no
+    # handler of its own.
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_OwnOrSevere())
+    loggers = [logging.getLogger()]
+    loggers += [
+        x for x in logging.root.manager.loggerDict.values() if isinstance(x, logging.Logger)
+    ]
+    for logger in loggers:
+        for handler in logger.handlers:
+            if not any(isinstance(f, _OwnOrSevere) for f in handler.filters):
+                handler.addFilter(_OwnOrSevere())
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")

@@ -790,13 +790,37 @@ def main(argv: list[str] | None = None) -> int:
     except TunepackError as err:
         print(f"trainer: error: {err}", file=sys.stderr, flush=True)
         code = err.exit_code
-    except BaseException:
+    except BaseException as err:
         code = 1
-        raise
+        if not _peer_failed(err):
+            raise
+        # The process that failed says why; this one only says that it followed. Its code (1)
+        # does not hide the other's: the launcher prefers 65 and 75 over it.
+        _say(
+            f"trainer: error: process {rank} stopped because another process of the run failed "
+            "first (its error is above)"
+        )
     finally:
         if exit_dir:
             Path(exit_dir, f"rank-{rank}").write_text(str(code))
     return code
+
+
+# What a collective raises in the processes left behind when one process of the group has died
+# (gloo on CPU, NCCL on GPU).
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+    "Broken pipe",
+)
+
+
+def _peer_failed(err: BaseException) -> bool:
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not isinstance(err, RuntimeError):
+        return False
+    return any(sign in str(err) for sign in _PEER_GONE)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    noise.quiet()  # the handlers torch attached while being imported
+
     try:
         run.main(argv)
     except SignalException as stopped:

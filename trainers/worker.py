@@ -12,5 +12,7 @@ noise.quiet()
 
 from tunepack.trainers.recipe import main  # noqa: E402  (after quiet(), on purpose)
 
+noise.quiet()  # the handlers torch attached while being imported
+
 if __name__ == "__main__":
     sys.exit(main())
