@@ -142,9 +142,12 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
 
     def canonical(uri: str) -> str:
         try:
-            return storage_uri.parse(uri).canonical
+            parsed = storage_uri.parse(uri)
         except BadInputError:
             return uri  # refused by the TrainJob's own checks, with the flag's name
+        if parsed.is_local and parsed.options:  # file:///d?split=test: the split is the data
+            return f"{parsed.canonical}?{sorted(parsed.options.items())}"
+        return parsed.canonical
 
     identity = {
         "runtime": runtime,

@@ -391,3 +391,7 @@ def _check_trainer_args(trainer_args: list[str], entry: catalog.ModelEntry) -> N
     from tunepack.trainers.args import parse_trainer_args
 
     parse_trainer_args(trainer_args, entry)
+    # Arguments that contradict each other (LoRA settings with method=full): FineTune's checks.
+    from tunepack.finetune import FineTune
+
+    FineTune.from_args(trainer_args)
