@@ -267,7 +267,14 @@ def cmd_train(ns: argparse.Namespace) -> int:
             pass  # the terminal went away (SIGHUP): the job's state says the same
         return stop.exit_code
     if failed:
-        reason = step_error(failed.log) or failed.error_line()
+        lines = step_error(failed.log) or [failed.error_line()]
+        reason = "\n  ".join(line for line in lines if line)
+        if len(lines) > 1:  # the job's record gets the offending rows too (tunepack status)
+            _record_failure(
+                job_dir,
+                f"step {failed.name!r} failed with exit code {failed.exit_code} "
+                f"({describe_exit(failed.exit_code)}): " + "\n".join(lines),
+            )
         print(
             f"tunepack: step {failed.name!r} failed with exit code {failed.exit_code} "
             f"({describe_exit(failed.exit_code)}); log: {failed.log}"
@@ -282,8 +289,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
 MAX_DETAIL_LINES = 5
 
 
-def step_error(log: Path) -> str | None:
-    """A failed step's last ``<program>: error: ...`` message with the indented lines that
+def step_error(log: Path) -> list[str] | None:
+    """A failed step's last ``<program>: error: ...`` line with the indented lines after it that
     detail it (the offending rows of a dataset, the first few), as the step printed them."""
     try:
         lines = log.read_text(errors="replace").splitlines()
@@ -297,7 +304,7 @@ def step_error(log: Path) -> str | None:
         if not line.startswith("  ") or len(detail) == MAX_DETAIL_LINES:
             break
         detail.append(line)
-    return "\n  ".join([lines[at], *detail])
+    return [lines[at], *detail]
 
 
 def _previous_job(backend, name: str) -> str | None:

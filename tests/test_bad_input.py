@@ -361,6 +361,22 @@ def test_dataset_files(capsys, jobs, tmp_path, tiny_dataset_file, tiny_model_dir
     assert list(Path(".tunepack/runs").glob("*/dataset/*.jsonl")) == []  # nothing half-written
 
 
+def test_the_offending_rows_reach_status_and_python_too(
+    capsys, jobs, tmp_path, tiny_dataset_file, tiny_model_dir
+):
+    """A `train --local` job whose rows were refused: `tunepack status` and `get_job().message`
+    name the rows as the console did."""
+    path, _ = _datasets(tmp_path, _rows(tiny_dataset_file))["bad-json-rows"]
+    code, out, _ = run_cli(capsys, _train(path, tiny_model_dir, "--quiet", "--name", "rows"))
+    assert code == EXIT_BAD_INPUT
+    code, out, _ = run_cli(capsys, ["status", "rows", "--local"])
+    assert code == 1
+    assert "bad.jsonl row 4: not valid JSON" in out and "bad.jsonl row 9: not valid JSON" in out
+    message = TrainingClient(LocalBackendConfig(root_dir=str(jobs))).get_job("rows").message
+    assert message.startswith("step 'dataset-initializer' failed with exit code 65")
+    assert "\n  bad.jsonl row 4: not valid JSON" in message
+
+
 def _models(tmp: Path, source: Path) -> dict[str, tuple[Path, list[str]]]:
     def copy(name: str) -> Path:
         return Path(shutil.copytree(source, tmp / name, copy_function=shutil.copy2))
