@@ -523,12 +523,18 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_logs(ns: argparse.Namespace) -> int:
+    from kubeflow.trainer.constants import constants as kc
+
     from tunepack.errors import BadInputError
 
     backend = _backend(ns)
     job = backend.get_job(ns.name)
-    steps = [step.name for step in job.steps]
-    if steps and ns.step not in steps:
+    # The runtime's steps, whether or not they started yet (on a cluster the node pods appear
+    # only once the initializers are done): the initializers and node-0 .. node-<nodes - 1>.
+    steps = [s.name for s in job.steps if not s.name.startswith(f"{kc.NODE}-")]
+    steps = list(dict.fromkeys(steps or [kc.DATASET_INITIALIZER, kc.MODEL_INITIALIZER]))
+    steps += [f"{kc.NODE}-{i}" for i in range(job.num_nodes or 1)]
+    if ns.step not in steps:
         raise BadInputError(
             f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} (--step)"
         )
