@@ -1,12 +1,13 @@
 """Kill-and-resume soak: SIGKILL the trainer at random moments, resume until done, compare.
 
 One reference run trains without interruption. The soaked run trains the same thing with a
-checkpoint every step, and is killed ``--kills`` times (SIGKILL to the trainer's whole process
-group, so torchrun and its workers die at once too): each time at a random step and a random
-fraction of a second after it was logged, so kills land in the middle of steps, of checkpoint
-writes and of start-up. After each kill the same command runs again and resumes from the newest
-complete checkpoint. At the end the adapters must be equal bit for bit, and every step must
-appear once in ``metrics.jsonl``.
+checkpoint every step, and is killed ``--kills`` times (SIGKILL to every process of it at once:
+the launcher, torchrun and its workers, so none gets to checkpoint): each time at a random step
+and a random fraction of a second after it was logged, so kills land in the middle of steps, of
+checkpoint writes and of start-up. After each kill the same command runs again and resumes from
+the newest complete checkpoint. At the end the adapters must be equal bit for bit, and every step
+must appear once in ``metrics.jsonl``. ``restarts_recorded`` is the number of resumes in the
+final checkpoint's lineage (a kill before the next checkpoint leaves no trace there).
 
     .venv/bin/python benchmarks/kill_resume_soak.py [--kills 10] [--seed 0] [--nproc 1]
         [--max-steps 24] [--json report.json]
@@ -27,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -72,6 +74,22 @@ def _trainer(workspace: Path, args: list[str], nproc: int, port: int, log: Path)
         )
 
 
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and all its descendants at once (torchrun runs in a session of its
+    own, so a process-group kill would miss it, and it would stop its workers gracefully)."""
+    try:
+        tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        tree = []
+    for member in tree:
+        try:
+            member.send_signal(signal.SIGKILL)
+        except psutil.Error:
+            pass
+    proc.wait()
+    psutil.wait_procs(tree, timeout=30)
+
+
 def _steps_logged(workspace: Path) -> int:
     metrics = workspace / "output" / "metrics.jsonl"
     if not metrics.exists():
@@ -87,7 +105,8 @@ def soak(kills: int, seed: int, nproc: int, max_steps: int, scratch: Path) -> di
     rng = random.Random(seed)
     base = scratch / "initialized"
     _initialize(base, scratch)
-    args = [*ARGS, f"max_steps={max_steps}", "checkpoint_every_minutes=0"]
+    # Enough epochs that max_steps, not the data, ends the run whatever the number of processes.
+    args = [*ARGS, "epochs=100", f"max_steps={max_steps}", "checkpoint_every_minutes=0"]
 
     reference = scratch / "reference"
     subprocess.run(["cp", "-a", str(base), str(reference)], check=True)
@@ -113,13 +132,13 @@ def soak(kills: int, seed: int, nproc: int, max_steps: int, scratch: Path) -> di
                 time.sleep(0.02)
             time.sleep(delay)
             if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                _kill_tree(proc)
                 kill_points.append({"after_step": target, "delay_s": round(delay, 3)})
                 continue
         if proc.wait() == 0:
             break
-        raise SystemExit(f"the soaked run failed (attempt {attempts}): see {log}")
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+        raise SystemExit(f"the soaked run failed (attempt {attempts}); its log ends:\n{tail}")
     soak_s = time.perf_counter() - started
 
     result = json.loads((soaked / "output" / "result.json").read_text())
@@ -132,13 +151,14 @@ def soak(kills: int, seed: int, nproc: int, max_steps: int, scratch: Path) -> di
         for line in (soaked / "output" / "metrics.jsonl").read_text().splitlines()
         if '"event": "step"' in line
     ]
-    steps_once = [m["step"] for m in metrics] == list(range(1, max_steps + 1))
+    steps_once = [m["step"] for m in metrics] == list(range(1, result["steps"] + 1))
     return {
         "kills": len(kill_points),
         "kill_points": kill_points,
         "attempts": attempts,
         "restarts_recorded": result.get("restarts"),
         "steps": result["steps"],
+        "max_steps": max_steps,
         "processes": nproc,
         "adapter_identical": identical,
         "each_step_once_in_metrics": steps_once,
@@ -163,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(report, indent=2))
     if ns.json:
         ns.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0 if report["adapter_identical"] and report["each_step_once_in_metrics"] else 1
+    complete = report["steps"] == report["max_steps"]
+    return (
+        0 if complete and report["adapter_identical"] and report["each_step_once_in_metrics"] else 1
+    )
 
 
 if __name__ == "__main__":
