@@ -218,26 +218,34 @@ def test_a_second_run_on_a_busy_workspace_is_refused_and_the_first_finishes(
     assert (workspace / LOCK_FILE).exists()
 
 
+TWO_PROCESSES = ("--num-proc-per-node", "2")
+TWO_NODES = ("--num-nodes", "2", "--num-proc-per-node", "1")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("how", "expected_cli_code"),
+    ("how", "expected_cli_code", "layout"),
     [
-        pytest.param(signal.SIGKILL, -signal.SIGKILL, id="SIGKILL-to-the-group"),
-        pytest.param(signal.SIGHUP, 128 + signal.SIGHUP, id="SIGHUP-to-the-group"),
-        pytest.param(signal.SIGTERM, 128 + signal.SIGTERM, id="SIGTERM-to-the-group"),
+        pytest.param(signal.SIGKILL, -signal.SIGKILL, TWO_PROCESSES, id="SIGKILL-to-the-group"),
+        pytest.param(signal.SIGHUP, 128 + signal.SIGHUP, TWO_PROCESSES, id="SIGHUP-to-the-group"),
+        pytest.param(
+            signal.SIGTERM, 128 + signal.SIGTERM, TWO_PROCESSES, id="SIGTERM-to-the-group"
+        ),
+        pytest.param(signal.SIGKILL, -signal.SIGKILL, TWO_NODES, id="SIGKILL-two-nodes"),
     ],
 )
 def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resumes(
-    tmp_path, tiny_model_dir, tiny_dataset_file, how, expected_cli_code
+    tmp_path, tiny_model_dir, tiny_dataset_file, how, expected_cli_code, layout
 ):
-    """Two processes under torchrun. SIGKILL: the CLI cannot act, the kernel signals its steps;
+    """Two processes under torchrun, or two nodes (two launchers, each with torchrun, sharing
+    the workspace and its lock). SIGKILL: the CLI cannot act, the kernel signals its steps;
     SIGHUP (the terminal closed) and SIGTERM (``kill -- -PGID``, a timeout, systemd): every
     process gets the signal directly and from its parent, taken as one request. Each way the
     trainer checkpoints, nothing is left running, the workspace is free, and the same command
     resumes from the checkpoint."""
     workspace = tmp_path / "ws"
     command = _train_command(
-        workspace, tiny_model_dir, tiny_dataset_file, "--name", "job", "--num-proc-per-node", "2",
+        workspace, tiny_model_dir, tiny_dataset_file, "--name", "job", *layout,
         "epochs=5", "max_steps=30",
     )  # fmt: skip
     proc = _start(command, tmp_path, "job")
