@@ -4,7 +4,8 @@ tunepack runtimes                     # the runtimes tunepack ships
 tunepack args                         # the trainer argument vocabulary
 tunepack tiny-model DIR               # a tiny random Llama-3 model, offline
 tunepack tiny-dataset FILE            # a small instruction dataset, offline
-tunepack train --local --runtime R --dataset URI --model URI [key=value ...]
+tunepack train --local --runtime R --dataset URI --model URI [--verbose] [key=value ...]
+                                      # the same command again resumes the same job
 tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
 tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
 tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
