@@ -86,17 +86,48 @@ def cmd_args(_: argparse.Namespace) -> int:
 def cmd_tiny_model(ns: argparse.Namespace) -> int:
     from tunepack.tiny import write_tiny_model
 
-    path = write_tiny_model(Path(ns.directory), seed=ns.seed)
+    with _writing(ns.directory, "a directory for the tiny model"):
+        path = write_tiny_model(Path(ns.directory), seed=ns.seed)
     print(f"tiny model ready at {path}")
     return 0
 
 
 def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
+    from tunepack.errors import BadInputError
     from tunepack.tiny import write_tiny_dataset
 
-    path = write_tiny_dataset(Path(ns.file), rows=ns.rows, seed=ns.seed)
+    if os.path.isdir(ns.file):
+        raise BadInputError(
+            f"{ns.file} is a directory; give the path of the dataset file to write "
+            f"(e.g. {os.path.join(ns.file, 'instructions.jsonl')})"
+        )
+    with _writing(ns.file, "a path for the dataset file"):
+        path = write_tiny_dataset(Path(ns.file), rows=ns.rows, seed=ns.seed)
     print(f"tiny dataset ready at {path}")
     return 0
+
+
+class _writing:
+    """An OSError while writing ``path`` (read-only, not a directory, no space): one line."""
+
+    def __init__(self, path: str, wanted: str):
+        self.path, self.wanted = path, wanted
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        from tunepack.errors import BadInputError
+
+        if isinstance(err, OSError) and not isinstance(err, BlockingIOError):
+            reason = (err.strerror or str(err)).lower()
+            if err.filename and err.filename != self.path:
+                shown = str(err.filename)
+                reason = f"{shown} is a file" if os.path.isfile(shown) else f"{reason} ({shown})"
+            raise BadInputError(
+                f"cannot write {self.path}: {reason}; give {self.wanted} you can write to"
+            ) from None
+        return False
 
 
 def _default_job_name(runtime: str) -> str:
@@ -213,6 +244,10 @@ def cmd_train(ns: argparse.Namespace) -> int:
     from tunepack.cli_interrupt import StopOnInterrupt
     from tunepack.local import describe_exit
 
+    if ns.workspace is not None and not ns.workspace.strip():
+        raise BadInputError(
+            "--workspace is empty; give a directory, or leave --workspace out to use the job's"
+        )
     backend = _local_backend(ns)
     trainjob = _local_trainjob(ns, backend)
     name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]
@@ -418,6 +453,11 @@ def _local_backend(ns: argparse.Namespace):
     from tunepack.backend_local import LocalBackend, LocalBackendConfig
     from tunepack.errors import BadInputError
 
+    if ns.jobs_dir is not None and not ns.jobs_dir.strip():
+        raise BadInputError(
+            "--jobs-dir is empty; give a directory, or leave --jobs-dir out for the default "
+            "($TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
+        )
     checks = {k: getattr(ns, k) for k in ("gpu", "memory_check") if hasattr(ns, k)}
     backend = LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
     if os.path.exists(backend.root) and not os.path.isdir(backend.root):  # False if unreadable

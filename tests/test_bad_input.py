@@ -206,6 +206,40 @@ def test_workspace_that_cannot_be_one(capsys, jobs, tmp_path, kind):
     )
 
 
+EMPTY_PATHS = [
+    ("workspace", _train(D, M, "--workspace", ""), "--workspace is empty; give a directory"),
+    ("jobs-dir", ["jobs", "--local", "--jobs-dir", ""], "--jobs-dir is empty; give a directory"),
+    ("jobs-dir-train", _train(D, M, "--jobs-dir", " "), "--jobs-dir is empty"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"), [r[1:] for r in EMPTY_PATHS], ids=[r[0] for r in EMPTY_PATHS]
+)
+def test_empty_paths_are_refused_not_defaulted(capsys, jobs, argv, fragment):
+    assert_error(capsys, argv, fragment)
+    assert not jobs.exists()
+
+
+@pytest.mark.parametrize("command", ["tiny-model", "tiny-dataset"])
+def test_tiny_writers_below_a_file(capsys, jobs, tmp_path, command):
+    (tmp_path / "f").write_text("")
+    assert_error(
+        capsys,
+        [command, tmp_path / "f" / "out"],
+        f"cannot write {tmp_path / 'f' / 'out'}: {tmp_path / 'f'} is a file",
+    )
+
+
+def test_tiny_dataset_into_a_directory(capsys, jobs, tmp_path):
+    assert_error(
+        capsys,
+        ["tiny-dataset", tmp_path],
+        f"{tmp_path} is a directory; give the path of the dataset file",
+        "instructions.jsonl",
+    )
+
+
 @pytest.mark.parametrize("command", ["jobs", "status", "train"])
 def test_jobs_dir_that_is_a_file(capsys, jobs, tmp_path, command):
     (tmp_path / "jobs-file").write_text("")
