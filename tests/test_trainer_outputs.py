@@ -111,6 +111,25 @@ def _can_mount_tmpfs(tmp_path: Path) -> bool:
     return done.returncode == 0
 
 
+def _run_with_tiny_tmpfs(mountpoint: Path, size: str, python_args: str, env: dict[str, str]):
+    """Run ``python <python_args>`` with a ``size`` tmpfs at ``mountpoint`` (in a mount namespace
+    of its own); return the result and what was left on the tmpfs before it went away."""
+    script = (
+        f'mount -t tmpfs -o size={size} tmpfs "{mountpoint}" && '
+        f'"{sys.executable}" {python_args}; code=$?; '
+        f'echo LEFT:; ls -A "{mountpoint}"; exit $code'
+    )
+    done = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    left = done.stdout.split("LEFT:\n", 1)[1].split() if "LEFT:\n" in done.stdout else []
+    return done, left
+
+
 def _workspace_with_mount_point(initialized_workspace, tmp_path, sub: str):
     """A copy of the initialized workspace with an empty ``sub`` for a tiny tmpfs (or a skip)."""
     if not _can_mount_tmpfs(tmp_path):
@@ -156,24 +175,16 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
     # Room for config.yaml and metrics.jsonl, none for the adapter; the command lists what is
     # left on the tmpfs before the namespace (and the tmpfs) goes away.
     args = " ".join(a for a in ARGS if not a.startswith("checkpoint_every_steps"))
-    script = (
-        f'mount -t tmpfs -o size=16k tmpfs "{output}" && '
-        f'"{sys.executable}" -m {LAUNCH} {args} checkpoint_every_steps=0; code=$?; '
-        f'echo LEFT:; ls -A "{output}"; exit $code'
-    )
-    env = {
-        **os.environ,
-        "TUNEPACK_WORKSPACE": str(workspace),
-        "TUNEPACK_MODEL": "tiny-llama3",
-        "OMP_NUM_THREADS": "1",
-        "PET_NPROC_PER_NODE": str(nproc),
-    }
-    done = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done, left = _run_with_tiny_tmpfs(
+        output,
+        "16k",
+        f"-m {LAUNCH} {args} checkpoint_every_steps=0",
+        {
+            "TUNEPACK_WORKSPACE": str(workspace),
+            "TUNEPACK_MODEL": "tiny-llama3",
+            "OMP_NUM_THREADS": "1",
+            "PET_NPROC_PER_NODE": str(nproc),
+        },
     )
     assert done.returncode == EXIT_TRANSIENT, done.stderr
     assert "Traceback" not in done.stderr
@@ -187,7 +198,7 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
             "trainer: error: process 1 stopped because another process of the run failed first "
             "(its error is above)"
         )
-    left = set(done.stdout.split("LEFT:\n", 1)[1].split())
+    left = set(left)
     assert {"config.yaml", "metrics.jsonl"} <= left, done.stdout
     assert not [name for name in left if "adapter" in name or ".tmp-" in name], left  # no partial
     assert "result.json" not in left
@@ -205,23 +216,15 @@ def test_full_disk_in_an_initializer_is_one_line_exit_75_nothing_partial(
     workspace.mkdir()
     source = tiny_model_dir if program == "model" else tiny_dataset_file
     size = "64k" if program == "model" else "8k"
-    script = (
-        f'mount -t tmpfs -o size={size} tmpfs "{workspace}" && '
-        f'"{sys.executable}" -m tunepack.initializers.{program}; code=$?; '
-        f'echo LEFT:; ls -A "{workspace}"; exit $code'
-    )
-    env = {
-        **os.environ,
-        "TUNEPACK_WORKSPACE": str(workspace),
-        "TUNEPACK_MODEL": "tiny-llama3",
-        "STORAGE_URI": f"file://{source}",
-    }
-    done = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    done, left = _run_with_tiny_tmpfs(
+        workspace,
+        size,
+        f"-m tunepack.initializers.{program}",
+        {
+            "TUNEPACK_WORKSPACE": str(workspace),
+            "TUNEPACK_MODEL": "tiny-llama3",
+            "STORAGE_URI": f"file://{source}",
+        },
     )
     assert done.returncode == EXIT_TRANSIENT, done.stdout + done.stderr
     assert "Traceback" not in done.stderr
@@ -232,7 +235,6 @@ def test_full_disk_in_an_initializer_is_one_line_exit_75_nothing_partial(
         f"{workspace}/{program}"
     )
     assert errors[0].endswith("then run again; nothing partial was kept")
-    left = done.stdout.split("LEFT:\n", 1)[1].split()
     assert not [name for name in left if name.startswith(program)], left
 
 
