@@ -157,32 +157,11 @@ class LocalBackend(RuntimeBackend):
     # --- jobs ----------------------------------------------------------------------------------
 
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
-        if options:
-            listed = options if isinstance(options, list | tuple) else [options]
-            names = ", ".join(type(o).__name__ for o in listed)
-            raise BadInputError(
-                f"options ({names}) are not supported by tunepack's local backend: they set "
-                "fields of a TrainJob on a cluster (use TrainingClient() with a cluster)"
-            )
-        if runtime is None:
-            raise BadInputError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
-        runtime = self.resolve_runtime(runtime if isinstance(runtime, str) else runtime.name)
-        name = submit.job_name()
-        trainjob = submit.build(
-            runtime.name,
-            initializer,
-            trainer,
-            name=name,
-            gpu=self.cfg.gpu,
-            memory_check=self.cfg.memory_check,
-            local=True,  # plain paths are read on this machine; nproc as the launcher decides
+        # The checks `tunepack train --local` makes too: one function for both local paths.
+        trainjob = submit.local_trainjob(
+            self, runtime, initializer, trainer, options, name=submit.job_name()
         )
-        for block in trainjob["spec"]["initializer"].values():
-            if "secretRef" in block:
-                raise BadInputError(
-                    "secretRef is a cluster feature: on the local backend, export the credential "
-                    "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
-                )
+        name = trainjob["metadata"]["name"]
         job_dir = self.register(trainjob)
         with (job_dir / "runner.log").open("w") as log:
             proc = subprocess.Popen(
@@ -290,6 +269,11 @@ class LocalBackend(RuntimeBackend):
     def get_job_logs(
         self, name: str, follow: bool = False, step: str = kc.NODE + "-0"
     ) -> Iterator[str]:
+        steps = self._step_names(name)
+        if step not in steps:
+            raise BadInputError(
+                f"local TrainJob {name!r} has no step {step!r}; its steps are {', '.join(steps)}"
+            )
         log = _step_log(self.workspace(name), step)
         position = 0
         while True:
@@ -309,6 +293,24 @@ class LocalBackend(RuntimeBackend):
                     continue  # drain what was written before the job ended
                 return
             time.sleep(0.2)
+
+    def _step_names(self, name: str) -> list[str]:
+        """The SDK names of the job's steps, whether or not they ran: the runtime's jobs in
+        order, the node job as ``node-0`` .. ``node-<nodes - 1>``."""
+        from tunepack.local import order_steps
+
+        trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
+        runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
+        nodes = (trainjob["spec"].get("trainer") or {}).get("numNodes") or runtime["spec"].get(
+            "mlPolicy", {}
+        ).get("numNodes", 1)
+        names = []
+        for job in order_steps(runtime["spec"]["template"]["spec"]["replicatedJobs"]):
+            if job["name"] == kc.NODE:
+                names += [f"{kc.NODE}-{i}" for i in range(int(nodes))]
+            else:
+                names.append(job["name"])
+        return names
 
     def get_job_events(self, name: str) -> list[kf.Event]:
         """The steps' starts and ends, in time order (what Kubernetes events show on a cluster)."""

@@ -303,14 +303,8 @@ def cmd_train(ns: argparse.Namespace) -> int:
             pass  # the terminal went away (SIGHUP): the job's state says the same
         return stop.exit_code
     if failed:
-        lines = step_error(failed.log) or [failed.error_line()]
-        reason = "\n  ".join(line for line in lines if line)
-        if len(lines) > 1:  # the job's record gets the offending rows too (tunepack status)
-            _record_failure(
-                job_dir,
-                f"step {failed.name!r} failed with exit code {failed.exit_code} "
-                f"({describe_exit(failed.exit_code)}): " + "\n".join(lines),
-            )
+        # The job's record has the same lines (run_job), for tunepack status and get_job().
+        reason = "\n  ".join(failed.error_lines())
         print(
             f"tunepack: step {failed.name!r} failed with exit code {failed.exit_code} "
             f"({describe_exit(failed.exit_code)}); log: {failed.log}"
@@ -320,27 +314,6 @@ def cmd_train(ns: argparse.Namespace) -> int:
         return failed.exit_code
     _print_summary(name, runtime, workspace, time.perf_counter() - started)
     return 0
-
-
-MAX_DETAIL_LINES = 5
-
-
-def step_error(log: Path) -> list[str] | None:
-    """A failed step's last ``<program>: error: ...`` line with the indented lines after it that
-    detail it (the offending rows of a dataset, the first few), as the step printed them."""
-    try:
-        lines = log.read_text(errors="replace").splitlines()
-    except OSError:
-        return None
-    at = next((i for i in reversed(range(len(lines))) if ": error: " in lines[i]), None)
-    if at is None:
-        return None
-    detail = []
-    for line in lines[at + 1 :]:
-        if not line.startswith("  ") or len(detail) == MAX_DETAIL_LINES:
-            break
-        detail.append(line)
-    return [lines[at], *detail]
 
 
 def _previous_job(backend, name: str) -> str | None:

@@ -52,6 +52,9 @@ class Step:
     depends_on: list[str] = field(default_factory=list)
 
 
+MAX_DETAIL_LINES = 5  # of the lines detailing a step's error (offending rows) that are shown
+
+
 @dataclass
 class StepOutcome:
     name: str
@@ -59,10 +62,26 @@ class StepOutcome:
     seconds: float
     log: Path
 
+    def error_lines(self) -> list[str]:
+        """The last ``<program>: error: ...`` line the step printed, with the indented lines
+        after it that detail it (the first offending rows of a dataset); empty if none."""
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        at = next((i for i in reversed(range(len(lines))) if ": error: " in lines[i]), None)
+        if at is None:
+            return []
+        detail = []
+        for line in lines[at + 1 :]:
+            if not line.startswith("  ") or len(detail) == MAX_DETAIL_LINES:
+                break
+            detail.append(line)
+        return [lines[at], *detail]
+
     def error_line(self) -> str | None:
-        """The last ``<program>: error: ...`` line the step printed, if any."""
-        lines = self.log.read_text(errors="replace").splitlines() if self.log.exists() else []
-        return next((line for line in reversed(lines) if ": error: " in line), None)
+        """``error_lines()`` as one message (lines joined by newlines), or None."""
+        return "\n".join(self.error_lines()) or None
 
 
 @dataclass

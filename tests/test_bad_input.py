@@ -562,14 +562,19 @@ def test_python_sees_the_failed_step_and_its_reason(failed_job):
     assert "has 1 invalid row" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the job's message carries the step's error line only; the offending rows follow it "
-    "in the log (needs sdk_ext/local.py StepOutcome.error_line to keep its detail lines)",
-)
 def test_python_exception_names_the_offending_rows(failed_job):
     _, _, message = failed_job
     assert "bad.jsonl row 1: not valid JSON" in message
+
+
+def test_python_logs_of_a_step_the_job_does_not_have(failed_job):
+    client, name, _ = failed_job
+    with pytest.raises(BadInputError) as err:
+        list(client.get_job_logs(name, step="node-3"))
+    assert str(err.value) == (
+        f"local TrainJob {name!r} has no step 'node-3'; its steps are dataset-initializer, "
+        "model-initializer, node-0"
+    )
 
 
 # --- Python: FineTune, Initializer, the client's methods -----------------------------------------
