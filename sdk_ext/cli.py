@@ -290,13 +290,13 @@ def cmd_train(ns: argparse.Namespace) -> int:
         _record_failure(
             job_dir,
             f"stopped ({stop.cause}) in step {failed.name!r}; to resume, run the same command "
-            f"with --workspace {workspace}",
+            f"again (it resumes in {workspace})",
         )
         try:
             print(
                 f"tunepack: run {name!r} stopped, no process of it left ({stop.cause}); logs in "
-                f"{workspace / 'logs'}; to resume, run the same command with --workspace "
-                f"{workspace}",
+                f"{workspace / 'logs'}; to resume, run the same command again (it resumes in "
+                f"{workspace})",
                 file=sys.stderr,
             )
         except OSError:

@@ -282,7 +282,7 @@ def _assert_stopped(proc, workspace: Path, out: str, err: str, seen) -> None:
     lines = err.splitlines()
     assert lines[0].startswith("tunepack: interrupted (Ctrl-C): stopping run ")
     assert lines[-1].startswith("tunepack: run ") and "stopped, no process of it left" in lines[-1]
-    assert f"run the same command with --workspace {workspace}" in lines[-1]
+    assert f"run the same command again (it resumes in {workspace})" in lines[-1]
     assert seen, "no step process was seen"
     assert _left_running(seen, proc.pid) == []
 
