@@ -41,7 +41,8 @@ def read_metrics(path: Path) -> list[dict]:
             rows.append(json.loads(line))
         except ValueError:
             continue
-    return [r for r in rows if "loss" in r and "step" in r]
+    # Training steps carry "loss"; evaluations ("event": "eval") carry "val_loss".
+    return [r for r in rows if ("loss" in r or "val_loss" in r) and "step" in r]
 
 
 def plot_loss(rows: list[dict], title: str = ""):
@@ -55,10 +56,22 @@ def plot_loss(rows: list[dict], title: str = ""):
             "plot_loss needs matplotlib: pip install matplotlib (the metrics are available "
             "without it from the job's output/metrics.jsonl)"
         ) from None
+    train = [r for r in rows if "loss" in r]
+    val = [r for r in rows if r.get("event") == "eval" and "val_loss" in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss")
+    if val:
+        ax.plot(
+            [r["step"] for r in val],
+            [r["val_loss"] for r in val],
+            marker="o",
+            label="validation loss",
+        )
+        best = min(val, key=lambda r: r["val_loss"])
+        ax.annotate(f"best {best['val_loss']:.3f}", (best["step"], best["val_loss"]))
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(f"training loss {title}".strip())
+    ax.set_title(f"loss {title}".strip())
     fig.tight_layout()
     return fig

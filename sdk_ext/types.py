@@ -135,6 +135,8 @@ class Progress:
     total_steps: int | None = None
     loss: float | None = None
     estimated_remaining_seconds: int | None = None
+    val_loss: float | None = None  # the latest validation loss (runs with val_fraction)
+    val_perplexity: float | None = None
 
 
 @dataclass

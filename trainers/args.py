@@ -19,6 +19,9 @@ LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 METHODS = ("lora", "qlora", "dora", "full")
+# Experiment trackers: a fixed allowlist, mapped in trainers/tracking.py to a logger class.
+TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
+TRACKER_URI_SCHEMES = ("http", "https", "file")
 # QLoRA (NF4-quantized frozen base) and DoRA (LoRA plus a learned magnitude) are built by the
 # catalog's LoRA builder with extra keywords, so they are available wherever LoRA is.
 LORA_FAMILY = ("lora", "qlora", "dora")
@@ -99,6 +102,34 @@ def _modules(key: str, raw: str) -> tuple[str, ...]:
     return names
 
 
+def _tracker_uri(key: str, raw: str) -> str:
+    scheme, sep, rest = raw.partition("://")
+    if (
+        not sep
+        or scheme.lower() not in TRACKER_URI_SCHEMES
+        or not rest
+        or any(c.isspace() for c in raw)
+    ):
+        raise BadInputError(
+            f"{key}={raw!r} is not valid: expected a URI starting with "
+            f"{', '.join(s + '://' for s in TRACKER_URI_SCHEMES)}"
+        )
+    if "@" in rest.split("/", 1)[0]:
+        raise BadInputError(
+            f"{key} must not carry credentials in the URI: give them through the environment "
+            "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN)"
+        )
+    return raw
+
+
+def _name(key: str, raw: str) -> str:
+    if not raw or len(raw) > 128 or not all(c.isalnum() or c in "-_." for c in raw):
+        raise BadInputError(
+            f"{key}={raw!r} is not valid: expected 1 to 128 letters, digits, '-', '_' or '.'"
+        )
+    return raw
+
+
 VOCABULARY: tuple[Arg, ...] = (
     Arg("method", _choice(METHODS), "lora, qlora (NF4-quantized base), dora or full", "lora"),
     Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
@@ -152,6 +183,38 @@ VOCABULARY: tuple[Arg, ...] = (
         "LoRA methods: also write a merged HF model (the adapter folded into a copy of the base)",
         False,
     ),
+    Arg(
+        "val_fraction",
+        _float(0.0, 0.5),
+        "hold out this fraction of the training rows for validation (the same rows on every run; "
+        "0: none)",
+        0.0,
+    ),
+    Arg(
+        "eval_every_steps",
+        _int(0),
+        "compute the validation loss every N optimizer steps (0: only at the end)",
+        0,
+    ),
+    Arg(
+        "keep_best",
+        _bool,
+        "publish the weights of the step with the lowest validation loss, not the last step's",
+        False,
+    ),
+    Arg(
+        "tracker",
+        _choice(TRACKERS),
+        "experiment tracker: none, tensorboard, mlflow or wandb",
+        "none",
+    ),
+    Arg("tracker_uri", _tracker_uri, "MLflow tracking URI (http, https or file)", ""),
+    Arg(
+        "tracker_project",
+        _name,
+        "MLflow experiment / W&B project name (default: tunepack)",
+        "tunepack",
+    ),
 )
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
 _DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5}
@@ -186,6 +249,12 @@ class TrainArgs:
     keep_checkpoints: int
     resume: bool
     merge: bool
+    val_fraction: float
+    eval_every_steps: int
+    keep_best: bool
+    tracker: str
+    tracker_uri: str
+    tracker_project: str
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
 
 
@@ -249,6 +318,10 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         raise BadInputError(
             f"packed=true is not available for {entry.name}: {entry.family.no_packing}; "
             "set packed=false"
+        )
+    if "tracker_uri" in values and resolved["tracker"] != "mlflow":
+        raise BadInputError(
+            f"tracker_uri is only used by tracker=mlflow, but tracker={resolved['tracker']!r}"
         )
     names = {f.name for f in fields(TrainArgs)} - {"given"}
     missing = sorted(n for n in names if resolved.get(n) is None and n != "max_steps")

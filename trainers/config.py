@@ -98,13 +98,24 @@ def read_model_hashes(model_dir: Path) -> dict[str, str | None] | None:
 # is observed, checkpointed or accelerated are left out, so changing them neither retrains a
 # finished run nor discards its checkpoints. (``merge`` changes the published artifacts, not the
 # training: it is part of the result's identity, not the checkpoints'.)
-BOOKKEEPING_KEYS = ("checkpointing", "trainer_args", "log_every_n_steps", "merge", "compile")
+# How often the validation loss is computed, which tracker hears about it and keep_best do not
+# change the training either (keep_best changes the published result: the result's identity).
+BOOKKEEPING_KEYS = (
+    "checkpointing",
+    "trainer_args",
+    "log_every_n_steps",
+    "merge",
+    "compile",
+    "eval",
+    "tracker",
+)
 # Why two identities differ, per part, for the "starting fresh" / "training again" messages.
 IDENTITY_CHANGES = {
     "base_model": "the base model changed (model/{manifest} differs from the {of}'s)",
     "dataset": "the dataset changed (dataset/{manifest} differs from the {of}'s)",
     "training": "the training configuration changed",
     "merge": "merge changed",
+    "keep_best": "keep_best changed",
 }
 
 
@@ -162,7 +173,11 @@ def run_digest(cfg: DictConfig) -> str:
 
 def result_identity(cfg: DictConfig) -> dict[str, str]:
     """The result's identity: the run's, plus what changes the published artifacts."""
-    return {**run_identity(cfg), "merge": _sha256_json(bool(cfg.get("merge", False)))}
+    identity = {**run_identity(cfg), "merge": _sha256_json(bool(cfg.get("merge", False)))}
+    keep_best = bool(cfg.get("eval", {}).get("keep_best", False))
+    if keep_best:  # absent when off: results written before evaluation existed stay finished
+        identity["keep_best"] = _sha256_json(keep_best)
+    return identity
 
 
 def result_digest(cfg: DictConfig) -> str:
@@ -230,6 +245,17 @@ def build_config(
             model["use_dora"] = True
 
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len)
+    has_validation = args.val_fraction > 0
+    if not has_validation and args.keep_best:
+        raise BadInputError(
+            "keep_best=true needs a validation split, and this run has none: set val_fraction "
+            "(for example val_fraction=0.05)"
+        )
+    if not has_validation and args.eval_every_steps:
+        raise BadInputError(
+            f"eval_every_steps={args.eval_every_steps} needs a validation split, and this run "
+            "has none: set val_fraction (for example val_fraction=0.05)"
+        )
 
     cfg = {
         "model_name": entry.name,
@@ -295,5 +321,14 @@ def build_config(
             "num_warmup_steps": args.warmup_steps,
         },
         "trainer_args": dict(args.given),
+        "eval": {"every_steps": args.eval_every_steps, "keep_best": args.keep_best},
+        "tracker": {
+            "kind": args.tracker,
+            "uri": args.tracker_uri,
+            "project": args.tracker_project,
+            "log_dir": str(output_dir / "tracker"),
+        },
     }
+    if has_validation:  # part of the run's identity: it changes which rows are trained on
+        cfg["validation"] = {"fraction": args.val_fraction}
     return OmegaConf.create(cfg)

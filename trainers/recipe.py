@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Sampler, Subset
 from torchtune import config, modules, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_packed, padded_collate_sft
 from torchtune.modules.peft import (
@@ -66,6 +66,7 @@ from tunepack.trainers.config import (
 )
 from tunepack.trainers.peft_export import export_adapter
 from tunepack.trainers.progress import StatusReporter
+from tunepack.trainers.tracking import Tracker
 
 log = logging.getLogger("tunepack.trainer")
 
@@ -74,6 +75,11 @@ MODEL_DIR = "model"
 MERGED_DIR = "merged"
 METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
+BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
+BEST_WEIGHTS = "weights.safetensors"
+# The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
+# seed= says, on every rank and every restart.
+VALIDATION_SEED = 0x5EED
 # Where the launcher asks each worker to leave its exit code (torchrun reports only "failed").
 EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"
 
@@ -134,6 +140,14 @@ class FineTuneRecipe:
         self.prior_wall_time = 0.0  # training time of earlier attempts of this run
         self.resumed_from: int | None = None
         self.restarts = 0
+        # Validation (val_fraction): also saved in checkpoints.
+        self.val_loss: float | None = None
+        self.val_step: int | None = None
+        self.best_val_loss: float | None = None
+        self.best_step: int | None = None
+        self.eval_time = 0.0  # seconds spent evaluating, kept out of the training throughput
+        self.eval_count = 0
+        self.val_indices: list[int] = []
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -285,6 +299,10 @@ class FineTuneRecipe:
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
         if len(dataset) == 0:
             raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
+        self.full_dataset = dataset
+        if cfg.get("validation"):
+            dataset = self._hold_out(dataset, float(cfg.validation.fraction))
+        self.collate = None
         self.sampler = ResumableSampler(
             len(dataset), rank=self.topo.rank, world_size=self.topo.world_size, seed=cfg.seed
         )
@@ -296,6 +314,7 @@ class FineTuneRecipe:
                 padding_idx=self.tokenizer.pad_id,
                 ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
             )
+        self.collate = collate
         # A generator of its own: a DataLoader otherwise draws a seed from the global RNG each
         # time it starts an epoch, so a resumed run would see different dropout masks.
         return DataLoader(
@@ -305,6 +324,23 @@ class FineTuneRecipe:
             collate_fn=collate,
             generator=torch.Generator().manual_seed(cfg.seed),
         )
+
+    def _hold_out(self, dataset, fraction: float):
+        """The training rows, after setting ``fraction`` of them aside for validation.
+
+        The held-out rows are a fixed-seed random draw over the row count: the same on every
+        rank, every restart and whatever ``seed`` is, so validation losses compare across runs.
+        """
+        size = len(dataset)
+        n_val = max(1, round(size * fraction))
+        if size - n_val < 1:
+            raise BadInputError(
+                f"val_fraction={fraction} leaves no training rows of the dataset's {size}: "
+                "lower val_fraction or add data"
+            )
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(VALIDATION_SEED))
+        self.val_indices = sorted(order[:n_val].tolist())
+        return Subset(dataset, sorted(order[n_val:].tolist()))
 
     def _resume_or_start_fresh(self) -> None:
         ckpt = self.cfg.checkpointing
@@ -335,6 +371,13 @@ class FineTuneRecipe:
         self.prior_wall_time = manifest["wall_time_s"]
         self.restarts = manifest.get("restarts", 0) + 1
         self.resumed_from = self.global_step
+        self.val_loss, self.val_step = manifest.get("val_loss"), manifest.get("val_step")
+        self.best_val_loss, self.best_step = (
+            manifest.get("best_val_loss"),
+            manifest.get("best_step"),
+        )
+        self.eval_time = manifest.get("eval_time_s", 0.0)
+        self.eval_count = manifest.get("eval_count", 0)
         if self.topo.is_main:
             log.info("resumed from %s (step %d)", found, self.global_step)
 
@@ -382,6 +425,8 @@ class FineTuneRecipe:
         every_s = cfg.checkpointing.every_minutes * 60
         reporter = StatusReporter.from_env() if topo.is_main else None
         metrics = self._open_metrics() if topo.is_main else None
+        tracker = Tracker.open(self._tracker_settings(), is_main=topo.is_main)
+        eval_every = int(cfg.get("eval", {}).get("every_steps", 0)) if self.val_indices else 0
         started = last_ckpt = time.monotonic()
         steps_at_start = self.global_step
 
@@ -432,7 +477,21 @@ class FineTuneRecipe:
                         self._report(
                             metrics, reporter, total_tokens, elapsed, started, steps_at_start
                         )
+                        tracker.log(
+                            {
+                                "loss": self.last_loss,
+                                "lr": self.optimizer.param_groups[0]["lr"],
+                                "tokens_per_second": total_tokens / max(elapsed, 1e-9),
+                            },
+                            self.global_step,
+                        )
                     finished = self.global_step >= self.total_steps
+                    # Evaluated before any checkpoint of this step, so the checkpoint records it.
+                    if self.val_indices and (
+                        finished or (eval_every and self.global_step % eval_every == 0)
+                    ):
+                        self._evaluate_and_record(metrics, reporter, tracker)
+                        started += self.last_eval_s  # evaluation is not training time
                     by_steps = every_steps > 0 and self.global_step % every_steps == 0
                     if stops or (not finished and (by_steps or due)):
                         self.save_checkpoint(time.monotonic() - started)
@@ -451,6 +510,130 @@ class FineTuneRecipe:
                 metrics.close()
             if reporter is not None:
                 reporter.close()
+            tracker.close()
+
+    def _tracker_settings(self) -> dict:
+        settings = dict(self.cfg.get("tracker") or {})
+        settings["run_name"] = f"{self.cfg.model_name}-{self.method}"
+        return settings
+
+    # ---------------------------------------------------------------- evaluate
+    def evaluate(self) -> float:
+        """The validation loss (mean per counted token, over every rank's share of the rows).
+
+        Each rank takes every world_size-th held-out row; ranks with fewer batches run a last
+        forward on a batch whose loss is discarded, so every rank joins every FSDP collective.
+        No random numbers are drawn (eval mode: no dropout), so training stays bit-identical.
+        """
+        topo, cfg = self.topo, self.cfg
+        mine = self.val_indices[topo.rank :: topo.world_size]
+        per_rank = math.ceil(len(self.val_indices) / topo.world_size)
+        n_batches = math.ceil(per_rank / cfg.batch_size)
+        total_loss, total_tokens = 0.0, 0
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for b in range(n_batches):
+                    rows = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+                    counted = bool(rows)
+                    rows = rows or self.val_indices[:1]
+                    batch = self.collate([self.full_dataset[i] for i in rows])
+                    loss, n_tokens = self._loss_and_tokens(batch)
+                    if counted:
+                        total_loss += loss.item()
+                        total_tokens += n_tokens
+        finally:
+            self.model.train()
+        total_loss, total_tokens = distributed.all_reduce_sum(
+            [total_loss, float(total_tokens)], self.device
+        )
+        return total_loss / max(total_tokens, 1.0)
+
+    def _evaluate_and_record(self, metrics, reporter, tracker) -> None:
+        began = time.monotonic()
+        val_loss = self.evaluate()
+        self.val_loss, self.val_step = val_loss, self.global_step
+        self.eval_count += 1
+        improved = math.isfinite(val_loss) and (
+            self.best_val_loss is None or val_loss < self.best_val_loss
+        )
+        if improved:
+            self.best_val_loss, self.best_step = val_loss, self.global_step
+            if self.cfg.get("eval", {}).get("keep_best"):
+                self._save_best()
+        self.last_eval_s = time.monotonic() - began
+        self.eval_time += self.last_eval_s
+        if not self.topo.is_main:
+            return
+        record = {
+            "event": "eval",
+            "step": self.global_step,
+            "total_steps": self.total_steps,
+            "val_loss": round(val_loss, 6),
+            "val_perplexity": round(_perplexity(val_loss), 4),
+            "best_val_loss": round(self.best_val_loss, 6)
+            if self.best_val_loss is not None
+            else None,
+            "best_step": self.best_step,
+            "val_rows": len(self.val_indices),
+            "eval_s": round(self.last_eval_s, 3),
+        }
+        _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+        tracker.log(
+            {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}, self.global_step
+        )
+        if reporter is not None:
+            reporter.update(
+                100 * self.global_step // self.total_steps,
+                None,
+                {**self._status_metrics(), "step": self.global_step},
+            )
+
+    def _status_metrics(self) -> dict:
+        """Validation metrics for the controller's status (empty before the first evaluation)."""
+        if self.val_loss is None:
+            return {}
+        return {
+            "val_loss": round(self.val_loss, 6),
+            "val_perplexity": round(_perplexity(self.val_loss), 4),
+        }
+
+    def _save_best(self) -> None:
+        """Keep the weights of the best step so far (collective), replacing the previous best."""
+        state = self._gather_state(trainable_only=self.is_lora)
+        if self.topo.is_main:
+
+            def write(directory: Path) -> None:
+                weights = {k: v.contiguous() for k, v in state.items()}
+                save_file(weights, directory / BEST_WEIGHTS)
+                (directory / "best.json").write_text(
+                    json.dumps(
+                        {
+                            "step": self.global_step,
+                            "val_loss": self.best_val_loss,
+                            "digest": self.digest,
+                        }
+                    )
+                )
+
+            durable.publish_dir(self.output_dir / BEST_DIR, write, needed=checkpoint.nbytes(state))
+        distributed.barrier()
+
+    def _best_state(self) -> dict[str, torch.Tensor] | None:
+        """Rank 0: the kept best weights when they are of ``best_step``, else None."""
+        directory = self.output_dir / BEST_DIR
+        try:
+            kept = json.loads((directory / "best.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+        if kept.get("step") != self.best_step or kept.get("digest") != self.digest:
+            return None
+        state = {}
+        with safe_open(directory / BEST_WEIGHTS, "pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+        return state
 
     def _non_finite_loss(self, loss: float) -> None:
         """Stop before the optimizer step: nothing non-finite is applied, saved or published."""
@@ -495,6 +678,7 @@ class FineTuneRecipe:
                     "tokens_per_second": round(tokens_per_s, 1),
                     "peak_memory_gib": round(peak_memory_gib(self.device), 3),
                     "step": self.global_step,
+                    **self._status_metrics(),
                 },
             )
         if self.global_step % self.cfg.log_every_n_steps and self.global_step != self.total_steps:
@@ -524,6 +708,12 @@ class FineTuneRecipe:
             "last_loss": self.last_loss,
             "wall_time_s": round(self.prior_wall_time + wall_time_s, 3),
             "restarts": self.restarts,
+            "val_loss": self.val_loss,
+            "val_step": self.val_step,
+            "best_val_loss": self.best_val_loss,
+            "best_step": self.best_step,
+            "eval_time_s": round(self.eval_time, 3),
+            "eval_count": self.eval_count,
             "world_size": self.topo.world_size,
             "method": self.method,
             "digest": self.digest,
@@ -550,6 +740,16 @@ class FineTuneRecipe:
         """Write the adapter (LoRA family) or HF model (full), then ``result.json`` (rank 0)."""
         state = self._gather_state(trainable_only=self.is_lora)  # collective: every rank calls
         artifact = self.output_dir / (ADAPTER_DIR if self.is_lora else MODEL_DIR)
+        published_step = self.global_step
+        keep_best = bool(self.cfg.get("eval", {}).get("keep_best"))
+        if self.topo.is_main and keep_best and self.best_step not in (None, self.global_step):
+            best = self._best_state()
+            if best is None:  # cannot happen unless the output was tampered with
+                raise RuntimeError(
+                    f"keep_best: the weights of step {self.best_step} are missing from "
+                    f"{self.output_dir / BEST_DIR}"
+                )
+            state, published_step = best, self.best_step
         if self.topo.is_main:
             needed = checkpoint.nbytes(state)  # about what the weights take on disk
             if self.is_lora:
@@ -576,6 +776,15 @@ class FineTuneRecipe:
                 "peak_memory_gib": round(peak_memory_gib(self.device), 3),
                 "resumed_from_step": self.resumed_from,
                 "restarts": self.restarts,
+                "val_loss": self.val_loss,
+                "val_perplexity": None if self.val_loss is None else _perplexity(self.val_loss),
+                "best_val_loss": self.best_val_loss,
+                "best_step": self.best_step,
+                "val_rows": len(self.val_indices),
+                "keep_best": keep_best,
+                "published_step": published_step,
+                "eval_time_s": round(self.eval_time, 3),
+                "evaluations": self.eval_count,
                 "artifact": str(artifact),
                 "merged_model": str(self.output_dir / MERGED_DIR) if self.cfg.merge else None,
                 "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
@@ -699,6 +908,11 @@ def _metrics_up_to(path: Path, step: int) -> list[str]:
             continue
         kept.append(line)
     return kept
+
+
+def _perplexity(loss: float) -> float:
+    """exp(loss), capped where it would overflow (a JSON-safe number)."""
+    return math.exp(min(loss, 700.0))
 
 
 def peak_memory_gib(device: torch.device) -> float:
