@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -50,9 +51,7 @@ def test_validation_rows_are_held_out_and_fixed(evaluated, initialized_workspace
     train_rows = set(recipe.dataloader.dataset.indices)
     assert train_rows.isdisjoint(recipe.val_indices)
     # Another seed shuffles training differently but holds out the very same rows.
-    other = _recipe(
-        initialized_workspace, tmp_path, ["val_fraction=0.1", "seed=7", "max_steps=1"]
-    )
+    other = _recipe(initialized_workspace, tmp_path, ["val_fraction=0.1", "seed=7", "max_steps=1"])
     assert other.val_indices == recipe.val_indices
 
 
@@ -83,39 +82,36 @@ def test_result_has_validation_and_eval_time(evaluated):
 
 
 def test_keep_best_publishes_the_best_step(initialized_workspace, tmp_path):
-    """A learning rate high enough to overshoot: the last step is not the best, and the
-    published adapter is the best step's, not the last one's."""
-    recipe = _recipe(
-        initialized_workspace,
-        tmp_path,
-        [
-            "val_fraction=0.1",
-            "eval_every_steps=2",
-            "max_steps=12",
-            "lr=0.05",
-            "warmup_steps=0",
-            "batch_size=8",
-            "keep_best=true",
-        ],
+    """lr=0.05 overshoots at step 2: step 1 has the best validation loss, and the published
+    adapter is bit for bit the one a run that stopped after step 1 publishes."""
+    common = ["val_fraction=0.1", "eval_every_steps=1", "lr=0.05", "warmup_steps=0"]
+    common.append("batch_size=4")
+    best_run = _recipe(
+        initialized_workspace, tmp_path / "best", [*common, "max_steps=2", "keep_best=true"]
     )
-    recipe.train()
-    recipe.save()
-    result = json.loads((tmp_path / "result.json").read_text())
-    evals = _records(tmp_path, "eval")
-    best = min(evals, key=lambda r: r["val_loss"])
+    best_run.train()
+    best_run.save()
+    result = json.loads((tmp_path / "best" / "result.json").read_text())
+    evals = _records(tmp_path / "best", "eval")
+    assert [r["step"] for r in evals] == [1, 2]
+    assert evals[1]["val_loss"] > evals[0]["val_loss"], evals
     assert result["keep_best"] is True
-    assert result["published_step"] == result["best_step"] == best["step"]
-    published = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    kept = load_file(tmp_path / ".best" / "weights.safetensors")
-    assert json.loads((tmp_path / ".best" / "best.json").read_text())["step"] == best["step"]
-    if best["step"] != 12:
-        # The live model is the last step's; the published adapter must differ from it.
-        recipe.save()  # idempotent: publishes the best again
-        live = {k: v for k, v in recipe.model.state_dict().items() if "lora" in k}
-        live_b = next(v for k, v in live.items() if k.endswith("lora_b.weight"))
-        kept_b = next(v for k, v in kept.items() if k.endswith("lora_b.weight"))
-        assert not torch.equal(live_b, kept_b)
-    assert published  # loads
+    assert result["steps"] == 2 and result["published_step"] == result["best_step"] == 1
+    assert result["val_loss"] == pytest.approx(evals[1]["val_loss"], abs=1e-6)
+    assert result["best_val_loss"] == pytest.approx(evals[0]["val_loss"], abs=1e-6)
+
+    one_step = _recipe(initialized_workspace, tmp_path / "one", [*common, "max_steps=1"])
+    one_step.train()
+    one_step.save()
+    published = load_file(tmp_path / "best" / "adapter" / "adapter_model.safetensors")
+    reference = load_file(tmp_path / "one" / "adapter" / "adapter_model.safetensors")
+    assert published.keys() == reference.keys()
+    for key in published:
+        assert torch.equal(published[key], reference[key]), key
+    # ... and not the last step's adapter, which the live model still holds.
+    last = {k: v for k, v in best_run.model.state_dict().items() if "lora_b" in k}
+    first = {k: v for k, v in one_step.model.state_dict().items() if "lora_b" in k}
+    assert any(not torch.equal(last[k], first[k]) for k in last)
 
 
 @pytest.mark.parametrize(
@@ -149,3 +145,108 @@ def test_keep_best_without_validation_exits_65(initialized_workspace, tmp_path):
     assert "keep_best=true needs a validation split" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (workspace / "output" / "result.json").exists()
+
+
+# ------------------------------------------------------------------ every method, in-process
+
+METHOD_CASES = [("full", None), ("dora", None), ("qlora", "nf4")]
+
+
+@pytest.mark.parametrize(("method", "model"), METHOD_CASES, ids=[m for m, _ in METHOD_CASES])
+def test_eval_under_every_method(initialized_workspace, tmp_path, method, model):
+    from tests.helpers import NF4_TINY
+    from tunepack.tiny import write_tiny_model
+
+    entry, model_dir = TINY, initialized_workspace / "model"
+    if model == "nf4":  # the tiny model's shapes are too small for NF4 blocks
+        entry, model_dir = NF4_TINY, write_tiny_model(tmp_path / "nf4", NF4_TINY)
+    argv = [f"method={method}", "val_fraction=0.1", "eval_every_steps=2", "max_steps=4"]
+    argv += ["warmup_steps=0", "batch_size=8", "lr=1e-2" if method != "full" else "lr=1e-3"]
+    recipe = setup_recipe(
+        entry,
+        argv,
+        model_dir=model_dir,
+        dataset_dir=initialized_workspace / "dataset",
+        output=tmp_path / "out",
+    )
+    recipe.train()
+    recipe.save()
+    evals = _records(tmp_path / "out", "eval")
+    assert [r["step"] for r in evals] == [2, 4]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] + 0.5  # finite and sane
+    assert all(math.isfinite(r["val_loss"]) for r in evals)
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["method"] == method
+    assert result["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
+
+
+# ------------------------------------------------------------------ processes: torchrun, kill -9
+
+
+def test_two_processes_evaluate_the_same_loss_as_one(initialized_workspace, tmp_path):
+    """Under torchrun each rank evaluates its share (26 rows over 2 ranks of batch 8: one rank
+    runs a discarded batch); the summed loss is the one-process loss of the same weights."""
+    from tests.test_trainer_processes import _env, _free_port, _launch, _workspace
+
+    args = ["method=full", "val_fraction=0.1", "eval_every_steps=2", "max_steps=2"]
+    args += ["warmup_steps=0", "lr=1e-3", "batch_size=8"]
+    two = _workspace(initialized_workspace, tmp_path, "two")
+    env = _env(two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
+    done = _launch(env, *args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((two / "output" / "result.json").read_text())
+    assert result["world_size"] == 2 and result["val_rows"] == 26
+    evals = _records(two / "output", "eval")
+    assert [r["step"] for r in evals] == [2]
+    # The published model, evaluated on the same rows in one process, gives the same loss.
+    published = tmp_path / "published"
+    shutil.copytree(two / "output" / "model", published)
+    (published / "model-00001-of-00001.safetensors").rename(published / "model.safetensors")
+    (published / "model.safetensors.index.json").unlink()
+    (published / "tunepack-manifest.json").unlink()
+    recipe = setup_recipe(
+        TINY,
+        ["method=full", "val_fraction=0.1", "batch_size=8", "max_steps=1"],
+        model_dir=published,
+        dataset_dir=two / "dataset",
+        output=tmp_path / "check",
+    )
+    assert recipe.evaluate() == pytest.approx(evals[0]["val_loss"], abs=1e-4)
+
+
+def test_kill_9_with_eval_resumes_bit_identical(initialized_workspace, tmp_path):
+    from tests.test_trainer_processes import (
+        RESUME_ARGS,
+        _adapter,
+        _env,
+        _launch,
+        _result,
+        _start_and_wait_for_step,
+        _workspace,
+    )
+
+    eval_args = [*RESUME_ARGS, "val_fraction=0.1", "eval_every_steps=2", "keep_best=true"]
+    reference = _workspace(initialized_workspace, tmp_path, "reference")
+    done = _launch(_env(reference), *eval_args, "checkpoint_every_minutes=0")
+    assert done.returncode == 0, done.stderr
+
+    interrupted = _workspace(initialized_workspace, tmp_path, "interrupted")
+    args = [*eval_args, "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
+    proc = _start_and_wait_for_step(_env(interrupted), args, step=5)
+    proc.kill()
+    proc.wait()
+    assert not (interrupted / "output" / "result.json").exists()
+    again = _launch(_env(interrupted), *args)
+    assert again.returncode == 0, again.stderr
+    result, expected_result = _result(interrupted), _result(reference)
+    assert result["resumed_from_step"] in (3, 6)
+    for key in ("steps", "tokens_seen", "val_loss", "best_val_loss", "best_step", "published_step"):
+        assert result[key] == expected_result[key], key
+    # Each evaluation recorded once, with the reference's values.
+    got = [(r["step"], r["val_loss"]) for r in _records(interrupted / "output", "eval")]
+    want = [(r["step"], r["val_loss"]) for r in _records(reference / "output", "eval")]
+    assert got == want and [s for s, _ in got] == [2, 4, 6, 8]
+    expected, published = _adapter(reference), _adapter(interrupted)
+    assert expected.keys() == published.keys()
+    for key in expected:
+        assert torch.equal(expected[key], published[key]), key

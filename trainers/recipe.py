@@ -586,7 +586,7 @@ class FineTuneRecipe:
         if reporter is not None:
             reporter.update(
                 100 * self.global_step // self.total_steps,
-                None,
+                0 if self.global_step >= self.total_steps else None,
                 {**self._status_metrics(), "step": self.global_step},
             )
 
