@@ -618,6 +618,12 @@ def _print_summary(name: str, runtime: str, workspace: Path, elapsed: float) -> 
     print(f"  steps       {result['steps']}")
     first, last = result["first_loss"], result["final_loss"]
     print(f"  loss        {first:.4f} (first step) -> {last:.4f} (last step)")
+    if result.get("val_loss") is not None:
+        kept = ", published" if result.get("keep_best") else ""
+        print(
+            f"  val loss    {result['val_loss']:.4f} (last step); best "
+            f"{result['best_val_loss']:.4f} at step {result['best_step']}{kept}"
+        )
     print(f"  elapsed     {elapsed:.1f} s")
     print(f"  result      {result['artifact']}")
     print(f"  logs        {workspace / 'logs'}")

@@ -204,6 +204,13 @@ def progress_line(line: str, verbose: bool | None = None) -> str | None:
         record = None
     if not isinstance(record, dict) or "event" not in record:
         return line.rstrip() if verbose or _OWN_LINE.match(line) else None
+    if record["event"] == "eval" and "val_loss" in record:
+        best = record.get("best_val_loss")
+        return (
+            f"eval at step {record['step']}/{record.get('total_steps', '?')}  val_loss "
+            f"{record['val_loss']:.4f}  perplexity {record.get('val_perplexity', float('nan')):.2f}"
+            + (f"  best {best:.4f} (step {record.get('best_step')})" if best is not None else "")
+        )
     if record["event"] != "step":
         return line.rstrip() if verbose else None
     step, total = record["step"], record["total_steps"]

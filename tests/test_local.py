@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import sys
 
 import pytest
@@ -119,3 +120,79 @@ def test_a_step_killed_by_a_signal_reports_128_plus_the_signal(tmp_path):
     outcome = run_step(step, tmp_path / "logs", echo=None)
     assert outcome.exit_code == 137
     assert describe_exit(outcome.exit_code).startswith("killed by SIGKILL")
+
+
+def test_the_console_shows_tunepack_lines_and_leaves_out_other_packages():
+    from tunepack.local import progress_line
+
+    own = [
+        "trainer: done: 4 steps, loss 5.9 -> 5.1; result at /w/output/adapter",
+        "model-initializer: delivered 7 files",
+        "INFO tunepack.trainer: model tiny-llama3 (lora, fp32, 1 process)",
+        "ERROR torch.distributed.elastic: failed (exitcode: 75)",
+    ]
+    noise = [
+        "Skipping import of cpp extensions due to incompatible torch version",
+        "/x/torch/distributed/tensor/_dispatch.py:342: UserWarning: DTensor random operators",
+        "DEBUG torchtune.utils._logging: Setting manual seed to local seed 0.",
+        '{"event": "checkpoint", "step": 3, "path": "/w/checkpoints/step-00000003"}',
+    ]
+    for line in own:
+        assert progress_line(line + "\n", verbose=False) == line
+    for line in noise:
+        assert progress_line(line + "\n", verbose=False) is None
+        assert progress_line(line + "\n", verbose=True) == line  # --verbose: everything
+
+
+def test_step_and_eval_records_become_short_lines():
+    from tunepack.local import progress_line
+
+    def step(n: int) -> str:
+        return json.dumps(
+            {"event": "step", "step": n, "total_steps": 100, "epoch": 1, "loss": 2.5,
+             "lr": 1e-3, "tokens_per_second": 812.4}
+        )  # fmt: skip
+
+    assert progress_line(step(1)) == "step 1/100  epoch 1  loss 2.5000  lr 1.00e-03  812 tok/s"
+    assert progress_line(step(7)) is None  # about twenty step lines per run
+    assert progress_line(step(10)).startswith("step 10/100 ")
+    assert progress_line(step(100)).startswith("step 100/100 ")
+    evaluation = {
+        "event": "eval", "step": 20, "total_steps": 100, "val_loss": 2.25,
+        "val_perplexity": 9.4877, "best_val_loss": 2.2, "best_step": 10,
+    }  # fmt: skip
+    assert progress_line(json.dumps(evaluation)) == (
+        "eval at step 20/100  val_loss 2.2500  perplexity 9.49  best 2.2000 (step 10)"
+    )
+
+
+def test_each_run_keeps_its_logs(tmp_path):
+    from tunepack.local import keep_previous_logs
+
+    logs = tmp_path / "logs"
+    assert keep_previous_logs(logs) is None  # nothing yet
+    for run in ("first", "second"):
+        logs.mkdir(exist_ok=True)
+        (logs / "node.log").write_text(f"{run} run\n")
+        (logs / "dataset-initializer.log").write_text(f"{run} run\n")
+        keep_previous_logs(logs)
+    assert (logs / "previous" / "1" / "node.log").read_text() == "first run\n"
+    assert (logs / "previous" / "2" / "dataset-initializer.log").read_text() == "second run\n"
+    assert not list(logs.glob("*.log"))
+
+
+def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
+    from tunepack.cli import _print_summary
+
+    output = tmp_path / "output"
+    output.mkdir()
+    result = {
+        "method": "lora", "steps": 29, "first_loss": 5.99, "final_loss": 4.77,
+        "artifact": str(output / "adapter"), "val_loss": 4.76, "best_val_loss": 4.70,
+        "best_step": 20, "keep_best": True,
+    }  # fmt: skip
+    (output / "result.json").write_text(json.dumps(result))
+    _print_summary("job", "tunepack-tiny-llama3", tmp_path, 19.2)
+    out = capsys.readouterr().out
+    assert "  val loss    4.7600 (last step); best 4.7000 at step 20, published\n" in out
+    assert "  loss        5.9900 (first step) -> 4.7700 (last step)\n" in out
