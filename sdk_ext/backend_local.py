@@ -442,23 +442,29 @@ def _alive(job_dir: Path) -> bool:
 
 
 def read_progress(metrics: Path) -> Progress | None:
-    """Progress from the trainer's ``metrics.jsonl`` (one JSON record per step)."""
+    """Progress from the trainer's ``metrics.jsonl``: the last step record (one per optimizer
+    step) and the last evaluation record (runs with a validation split)."""
     if not metrics.exists():
         return None
-    last = None
+    last: dict[str, dict] = {}
     for line in metrics.read_text().splitlines():
         try:
-            last = json.loads(line)
+            record = json.loads(line)
         except ValueError:
             continue  # a line being written
-    if not last:
+        if isinstance(record, dict) and record.get("event") in ("step", "eval"):
+            last[record["event"]] = record
+    if "step" not in last:
         return None
-    step, total = last.get("step"), last.get("total_steps")
+    step, total = last["step"].get("step"), last["step"].get("total_steps")
+    evaluation = last.get("eval", {})
     return Progress(
         percent=int(100 * step / total) if step and total else None,
         step=step,
         total_steps=total,
-        loss=last.get("loss"),
+        loss=last["step"].get("loss"),
+        val_loss=evaluation.get("val_loss"),
+        val_perplexity=evaluation.get("val_perplexity"),
     )
 
 

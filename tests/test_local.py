@@ -196,3 +196,20 @@ def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "  val loss    4.7600 (last step); best 4.7000 at step 20, published\n" in out
     assert "  loss        5.9900 (first step) -> 4.7700 (last step)\n" in out
+
+
+def test_local_progress_reads_the_last_step_and_the_last_evaluation(tmp_path):
+    from tunepack.backend_local import read_progress
+
+    metrics = tmp_path / "metrics.jsonl"
+    records = [
+        {"event": "step", "step": 9, "total_steps": 20, "loss": 3.0},
+        {"event": "step", "step": 10, "total_steps": 20, "loss": 2.5},
+        {"event": "eval", "step": 10, "total_steps": 20, "val_loss": 2.7, "val_perplexity": 14.88},
+        {"event": "checkpoint", "step": 10, "path": "/w/checkpoints/step-00000010"},
+    ]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in records) + '{"event": "st')
+    progress = read_progress(metrics)
+    assert (progress.step, progress.total_steps, progress.percent) == (10, 20, 50)
+    assert (progress.loss, progress.val_loss, progress.val_perplexity) == (2.5, 2.7, 14.88)
+    assert read_progress(tmp_path / "none.jsonl") is None
