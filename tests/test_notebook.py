@@ -73,3 +73,30 @@ def test_quickstart_runs_top_to_bottom(tmp_path, monkeypatch):
     assert "ok: mean loss" in checks, checks
     adapters = list((tmp_path / "work" / "jobs").glob("*/workspace/output/adapter"))
     assert len(adapters) == 1 and (adapters[0] / "adapter_config.json").is_file()
+
+
+def test_plot_loss_shows_validation_next_to_training(tmp_path):
+    """The notebook's loss plot reads metrics.jsonl as the trainer writes it: step lines and
+    "eval" lines; the validation loss is its own curve, the best evaluation marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from tunepack.progress import plot_loss, read_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"event": "step", "step": s, "total_steps": 4, "loss": 6.0 - s / 2} for s in (1, 2)]
+    lines.append({"event": "eval", "step": 2, "total_steps": 4, "val_loss": 5.4})
+    lines += [{"event": "step", "step": s, "total_steps": 4, "loss": 6.0 - s / 2} for s in (3, 4)]
+    lines.append({"event": "eval", "step": 4, "total_steps": 4, "val_loss": 5.1})
+    lines.append({"event": "checkpoint", "step": 4, "path": "/x"})
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 5, "lo')
+    rows = read_metrics(metrics)
+    assert len(rows) == 6  # the checkpoint event and the cut line are not metrics
+    fig = plot_loss(rows, title="job")
+    (ax,) = fig.axes
+    curves = {line.get_label(): line for line in ax.get_lines()}
+    assert set(curves) == {"training loss", "validation loss"}
+    assert list(curves["training loss"].get_xdata()) == [1, 2, 3, 4]
+    assert list(curves["validation loss"].get_xdata()) == [2, 4]
+    assert list(curves["validation loss"].get_ydata()) == [5.4, 5.1]
+    assert [t.get_text() for t in ax.texts] == ["best 5.100"]
