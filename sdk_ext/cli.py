@@ -8,6 +8,7 @@ tunepack train --local --runtime R --dataset URI --model URI [--verbose] [key=va
                                       # the same command again resumes the same job
 tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
 tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
+tunepack render serving --runtime R --name TRAINJOB [key=value ...]   # vLLM for its result
 tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
 tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
 tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
@@ -158,6 +159,19 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
     from tunepack.trainjob import to_yaml
 
     sys.stdout.write(to_yaml(_trainjob(ns)))
+    return 0
+
+
+def cmd_render_serving(ns: argparse.Namespace) -> int:
+    from tunepack import serving
+    from tunepack.errors import BadInputError
+    from tunepack.trainjob import check_dns_label
+
+    check_dns_label("TrainJob name (--name)", ns.name)
+    if ns.gpus < 1:
+        raise BadInputError(f"--gpus {ns.gpus} is not valid: expected at least 1")
+    served = serving.served_result(ns.runtime, ns.trainer_args)
+    sys.stdout.write(serving.render(serving.manifests(ns.name, served, gpus=ns.gpus)))
     return 0
 
 
@@ -800,6 +814,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace) instead of the ClusterTrainingRuntime",
     )
     p.set_defaults(func=cmd_render_trainjob)
+    p = render.add_parser(
+        "serving",
+        help="vLLM serving a finished TrainJob's result (give the training's runtime, name and "
+        "key=value arguments)",
+    )
+    p.add_argument("--runtime", required=True, help="the runtime the TrainJob ran")
+    p.add_argument("--name", required=True, help="the TrainJob's name (its PVC is served)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs for the vLLM pod (default 1)")
+    p.add_argument("trainer_args", nargs="*", metavar="key=value", help="the training arguments")
+    p.set_defaults(func=cmd_render_serving)
     return parser
 
 

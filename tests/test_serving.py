@@ -1,0 +1,108 @@
+"""Serving a result with vLLM: the manifest follows what was trained (issue 12, item 5)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tunepack import serving
+from tunepack.cli import main
+from tunepack.errors import BadInputError
+
+RUNTIME = "tunepack-llama3.1-8b"
+
+
+def _render(capsys, *argv: str) -> tuple[int, list[dict], str]:
+    code = main(["render", "serving", "--runtime", RUNTIME, "--name", "my-job", *argv])
+    out, err = capsys.readouterr()
+    return code, [o for o in yaml.safe_load_all(out) if o], err
+
+
+def _args(objects: list[dict]) -> list[str]:
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_the_kustomize_manifest_is_the_builders_output():
+    assert serving.MANIFEST.read_text() == serving.manifest_text(), (
+        "manifests/serving/vllm.yaml is stale: run python -m tunepack.serving"
+    )
+
+
+@pytest.mark.parametrize(
+    ("rank", "expected"), [(1, 1), (8, 8), (16, 16), (17, 32), (100, 128), (300, 320), (512, 512)]
+)
+def test_max_lora_rank_is_the_smallest_vllm_accepts_above_the_trained_rank(rank, expected):
+    assert serving.max_lora_rank(rank) == expected
+
+
+def test_a_lora_run_is_served_as_base_plus_adapter_from_its_pvc(capsys):
+    code, objects, err = _render(capsys, "lora_rank=48", "epochs=2")
+    assert code == 0, err
+    assert _args(objects) == [
+        "--model=/workspace/model",
+        "--served-model-name=base",
+        "--enable-lora",
+        "--lora-modules=tunepack-lora=/workspace/output/adapter",
+        "--max-lora-rank=64",
+        "--port=8000",
+    ]
+    pod = objects[0]["spec"]["template"]["spec"]
+    claim = pod["volumes"][0]["persistentVolumeClaim"]
+    assert claim == {"claimName": "initializer-my-job", "readOnly": True}
+    assert [o["kind"] for o in objects] == ["Deployment", "Service"]
+
+
+def test_the_catalog_default_rank_is_served_without_arguments(capsys):
+    code, objects, _ = _render(capsys)
+    assert code == 0
+    assert "--max-lora-rank=16" in _args(objects)  # llama3.1-8b's default lora_rank is 16
+
+
+@pytest.mark.parametrize(
+    ("argv", "model"),
+    [
+        (["method=full"], "/workspace/output/model"),
+        (["method=dora", "merge=true"], "/workspace/output/merged"),
+        (["merge=true"], "/workspace/output/merged"),
+    ],
+)
+def test_full_and_merged_results_are_served_without_lora(capsys, argv, model):
+    code, objects, err = _render(capsys, *argv)
+    assert code == 0, err
+    args = _args(objects)
+    assert args[0] == f"--model={model}"
+    assert not [a for a in args if "lora" in a]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["method=dora"],
+            "tunepack: error: method=dora: vLLM does not load DoRA adapters; train with "
+            "merge=true as well and serve the merged model",
+        ),
+        (
+            ["lora_rank=600"],
+            "tunepack: error: lora_rank=600: vLLM serves LoRA adapters up to rank 512; train "
+            "with merge=true and serve the merged model instead",
+        ),
+        (["lora_rank=0"], "tunepack: error: lora_rank='0' is not valid: expected an integer"),
+        (["--gpus", "0"], "tunepack: error: --gpus 0 is not valid: expected at least 1"),
+        (
+            ["--name", "My_Job"],
+            "tunepack: error: TrainJob name (--name) 'My_Job' is not a valid DNS-1123",
+        ),
+    ],
+)
+def test_what_vllm_cannot_serve_is_refused_in_one_line(capsys, argv, message):
+    code, objects, err = _render(capsys, *argv)
+    assert code == 65 and objects == []
+    assert err.startswith(message), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_served_result_refuses_an_unknown_runtime():
+    with pytest.raises(BadInputError, match="unknown runtime or model 'tunepack-nope'"):
+        serving.served_result("tunepack-nope", [])
