@@ -189,13 +189,16 @@ def test_two_processes_evaluate_the_same_loss_as_one(initialized_workspace, tmp_
     from tests.test_trainer_processes import _env, _free_port, _launch, _workspace
 
     args = ["method=full", "val_fraction=0.1", "eval_every_steps=2", "max_steps=2"]
-    args += ["warmup_steps=0", "lr=1e-3", "batch_size=8"]
+    args += ["warmup_steps=0", "lr=1e-3", "batch_size=8", "keep_best=true", "tracker=tensorboard"]
     two = _workspace(initialized_workspace, tmp_path, "two")
     env = _env(two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
     done = _launch(env, *args)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((two / "output" / "result.json").read_text())
     assert result["world_size"] == 2 and result["val_rows"] == 26
+    assert result["published_step"] == result["best_step"] == 2
+    # Only rank 0 tracks: one event file.
+    assert len(list((two / "output" / "tracker").glob("events.out.tfevents.*"))) == 1
     evals = _records(two / "output", "eval")
     assert [r["step"] for r in evals] == [2]
     # The published model, evaluated on the same rows in one process, gives the same loss.
