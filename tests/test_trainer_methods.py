@@ -225,3 +225,25 @@ def test_bf16_trains_in_bf16(initialized_workspace, tmp_path):
     losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((tmp_path / "result.json").read_text())["dtype"] == "bf16"
+
+
+def test_progress_posts_carry_the_validation_loss(
+    initialized_workspace, tmp_path, status_server, monkeypatch
+):
+    url, ca_file, received = status_server
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", url)
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_CA_CERT", str(ca_file))
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_TOKEN", str(token))
+    output = tmp_path / "out"
+    train_in_process(
+        initialized_workspace, output, ["max_steps=3", "val_fraction=0.1", "eval_every_steps=2"]
+    )
+    final = received[-1][1]["trainerStatus"]
+    assert final["progressPercentage"] == 100 and final["estimatedRemainingSeconds"] == 0
+    metrics = {m["name"]: m["value"] for m in final["metrics"]}
+    result = json.loads((output / "result.json").read_text())
+    assert float(metrics["val_loss"]) == pytest.approx(result["val_loss"], abs=1e-5)
+    assert float(metrics["val_perplexity"]) == pytest.approx(result["val_perplexity"], rel=1e-3)
+    assert float(metrics["loss"]) > 0

@@ -148,6 +148,7 @@ class FineTuneRecipe:
         self.eval_time = 0.0  # seconds spent evaluating, kept out of the training throughput
         self.eval_count = 0
         self.val_indices: list[int] = []
+        self._train_status: dict = {}  # the last step's metrics, re-sent with an evaluation's
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -587,7 +588,7 @@ class FineTuneRecipe:
             reporter.update(
                 100 * self.global_step // self.total_steps,
                 0 if self.global_step >= self.total_steps else None,
-                {**self._status_metrics(), "step": self.global_step},
+                {**self._train_status, **self._status_metrics()},
             )
 
     def _status_metrics(self) -> dict:
@@ -669,17 +670,17 @@ class FineTuneRecipe:
         per_step = (time.monotonic() - started) / max(done_here, 1)
         remaining = int(per_step * (self.total_steps - self.global_step))
         if reporter is not None:
+            self._train_status = {
+                "loss": round(self.last_loss, 6),
+                "learning_rate": lr,
+                "tokens_per_second": round(tokens_per_s, 1),
+                "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+                "step": self.global_step,
+            }
             reporter.update(
                 100 * self.global_step // self.total_steps,
                 remaining,
-                {
-                    "loss": round(self.last_loss, 6),
-                    "learning_rate": lr,
-                    "tokens_per_second": round(tokens_per_s, 1),
-                    "peak_memory_gib": round(peak_memory_gib(self.device), 3),
-                    "step": self.global_step,
-                    **self._status_metrics(),
-                },
+                {**self._train_status, **self._status_metrics()},
             )
         if self.global_step % self.cfg.log_every_n_steps and self.global_step != self.total_steps:
             return
