@@ -23,6 +23,10 @@ from tunepack.initializers.retry import retrying
 
 PROGRAM = "dataset-initializer"
 OUTPUT_FILE = "train.jsonl"
+# The source's own validation split (or its test split when it has no validation split), written
+# next to the training rows when the training split is read: the trainer evaluates on it.
+VALIDATION_FILE = "validation.jsonl"
+VALIDATION_SPLITS = ("validation", "test")
 MAX_REPORTED = 5
 
 
@@ -47,10 +51,14 @@ def initialize() -> None:
 
     expect: dict[str, object] = {"kind": "dataset", "source": source_uri.canonical, **options}
     files: dict[str, Path] | None = None
+    val_files: dict[str, Path] = {}
     if source_uri.is_local:
-        files = _local_files(source_uri, uri.resolve(source_uri), options["split"])
-        expect["source_fingerprint"] = atomic.source_fingerprint(files)
-    reason = atomic.why_incomplete(dest, expect, hashed=frozenset({OUTPUT_FILE}))
+        source = uri.resolve(source_uri)
+        files = _local_files(source_uri, source, options["split"])
+        val_files = _local_validation_files(source, options["split"])
+        expect["source_fingerprint"] = atomic.source_fingerprint({**files, **val_files})
+    hashed = frozenset({OUTPUT_FILE, VALIDATION_FILE})
+    reason = atomic.why_incomplete(dest, expect, hashed=hashed)
     if reason is None:
         rows = atomic.read_manifest(dest).get("rows", "?")
         _log(f"{dest} already complete ({rows} rows from {source_uri.display})")
@@ -61,10 +69,22 @@ def initialize() -> None:
     facts: dict[str, object] = {}
     if files is None:
         cache = download.cache_dir(workspace.workspace_root(), "dataset", source_uri.canonical)
-        files, facts = _remote_files(source_uri, options["split"], cache)
+        files, facts, val_files = _remote_files(source_uri, options["split"], cache)
 
     with atomic.staged(dest) as partial:
         result = _write_dataset(source_uri, files, partial / OUTPUT_FILE, options)
+        written = {OUTPUT_FILE: {"size": result["size"], "sha256": result["sha256"]}}
+        validation = None
+        if val_files:  # the same schema as the training rows
+            val_options = {**options, "requested_schema": result["schema"].name}
+            val = _write_dataset(source_uri, val_files, partial / VALIDATION_FILE, val_options)
+            written[VALIDATION_FILE] = {"size": val["size"], "sha256": val["sha256"]}
+            validation = {
+                "file": VALIDATION_FILE,
+                "split": splits.split_of(next(iter(val_files))),
+                "rows": val["rows"],
+                "source_files": list(val_files),
+            }
         manifest = {
             **expect,
             **facts,
@@ -75,7 +95,8 @@ def initialize() -> None:
             "rows": result["rows"],
             "content_sha256": result["sha256"],
             "source_files": list(files),
-            "files": {OUTPUT_FILE: {"size": result["size"], "sha256": result["sha256"]}},
+            "files": written,
+            **({"validation": validation} if validation else {}),
             "created": atomic.now_iso(),
         }
         atomic.write_manifest(partial, manifest)
@@ -86,6 +107,11 @@ def initialize() -> None:
         f"{source_uri.display}; wrote {dest / OUTPUT_FILE} ({result['size']} bytes, sha256 "
         f"{result['sha256'][:12]})"
     )
+    if validation:
+        _log(
+            f"read {validation['rows']} rows of the {validation['split']} split; wrote "
+            f"{dest / VALIDATION_FILE} (the trainer evaluates on it)"
+        )
 
 
 class _Auto:
@@ -126,17 +152,45 @@ def _local_files(source_uri: uri.StorageUri, source: Path, split: str) -> dict[s
     return {rel: found[rel] for rel in chosen}
 
 
+def validation_names(paths: list[str], split: str) -> list[str]:
+    """The files of the source's validation split (else its test split) when the training split
+    is read; none otherwise (a source whose files name no split has none)."""
+    if split != splits.DEFAULT_SPLIT:
+        return []
+    for candidate in VALIDATION_SPLITS:
+        names = [p for p in paths if splits.split_of(p) == candidate]
+        if names:
+            return names
+    return []
+
+
+def _local_validation_files(source: Path, split: str) -> dict[str, Path]:
+    if not source.is_dir():
+        return {}
+    found = {
+        path.relative_to(source).as_posix(): path
+        for path in sorted(source.rglob("*"))
+        if path.is_file()
+        and formats.format_of(path.name)
+        and not any(part.startswith(".") for part in path.relative_to(source).parts)
+    }
+    return {rel: found[rel] for rel in validation_names(list(found), split)}
+
+
 def _remote_files(
     source_uri: uri.StorageUri, split: str, cache: Path
-) -> tuple[dict[str, Path], dict[str, object]]:
-    """Download the split's data files into ``cache``; return them and manifest facts."""
+) -> tuple[dict[str, Path], dict[str, object], dict[str, Path]]:
+    """Download the split's data files into ``cache``; return them, manifest facts and the
+    validation split's files (empty when there is none)."""
     source, listing = download.open_listing(source_uri, "dataset", cache, _log)
+    val_chosen: list = []  # the source's validation split, when it has one
     if source_uri.scheme in ("https", "http"):
         (file,) = listing.files
         if is_archive(file.path):
             download.fetch(source, [file], cache, _log)
             root = extract(cache / file.path, cache / "extracted", source_uri.display)
-            return _local_files(source_uri, root, split), listing.facts
+            files = _local_files(source_uri, root, split)
+            return files, listing.facts, _local_validation_files(root, split)
         if formats.format_of(file.path) is None:
             raise BadInputError(
                 f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file or a "
@@ -152,12 +206,15 @@ def _remote_files(
             )
         names = splits.select([f.path for f in data], split, source_uri.display)
         chosen = [f for f in data if f.path in set(names)]
+        val_names = set(validation_names([f.path for f in data], split))
+        val_chosen = [f for f in data if f.path in val_names]
     if hasattr(source, "probe"):
         retrying(
             f"checking access to {source_uri.display!r}", lambda: source.probe(chosen[0]), _log
         )
-    fetched = download.fetch(source, chosen, cache, _log)
-    return {f.path: fetched[f.path].path for f in chosen}, listing.facts
+    fetched = download.fetch(source, [*chosen, *val_chosen], cache, _log)
+    files = {f.path: fetched[f.path].path for f in chosen}
+    return files, listing.facts, {f.path: fetched[f.path].path for f in val_chosen}
 
 
 def _write_dataset(

@@ -253,3 +253,59 @@ def test_kill_9_with_eval_resumes_bit_identical(initialized_workspace, tmp_path)
     assert expected.keys() == published.keys()
     for key in expected:
         assert torch.equal(expected[key], published[key]), key
+
+
+# ------------------------------------------------------------------ the dataset's own split
+
+
+@pytest.fixture
+def split_workspace(tmp_path, tiny_dataset_file, initialized_workspace):
+    """A source directory with train/validation files, through the real dataset initializer."""
+    rows = tiny_dataset_file.read_text().splitlines(keepends=True)
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "train.jsonl").write_text("".join(rows[:200]))
+    (source / "validation.jsonl").write_text("".join(rows[200:]))
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "model").symlink_to(initialized_workspace / "model")
+    env = {"TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
+    done = run_program("tunepack.initializers.dataset", {**env, "STORAGE_URI": f"file://{source}"})
+    assert done.returncode == 0, done.stderr
+    return workspace, env
+
+
+def test_dataset_validation_split_is_written_and_evaluated(split_workspace):
+    workspace, env = split_workspace
+    manifest = json.loads((workspace / "dataset" / "tunepack-manifest.json").read_text())
+    assert manifest["rows"] == 200
+    assert manifest["validation"]["rows"] == 56
+    assert manifest["validation"]["split"] == "validation"
+    assert set(manifest["files"]) == {"train.jsonl", "validation.jsonl"}
+
+    done = run_program(
+        "tunepack.trainers.launch",
+        env,
+        "eval_every_steps=2",
+        "max_steps=4",
+        "batch_size=8",
+        "warmup_steps=0",
+        "lr=3e-3",
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads((workspace / "output" / "result.json").read_text())
+    # Trained on the 200 training rows only, evaluated on the 56 validation rows.
+    assert result["val_rows"] == 56 and result["evaluations"] == 2
+    evals = _records(workspace / "output", "eval")
+    assert [r["step"] for r in evals] == [2, 4]
+    assert evals[1]["val_loss"] < evals[0]["val_loss"]
+    assert "200 examples" in done.stderr
+
+
+def test_val_fraction_with_the_datasets_own_split_exits_65(split_workspace):
+    workspace, env = split_workspace
+    done = run_program("tunepack.trainers.launch", env, "val_fraction=0.1", "max_steps=1")
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr
+    assert "the dataset has its own validation split (56 rows)" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (workspace / "output" / "result.json").exists()

@@ -227,7 +227,10 @@ def build_config(
 ) -> DictConfig:
     device = resolve_device(args.device)
     manifest = read_dataset_manifest(dataset_dir)
-    data_files = [str(dataset_dir / name) for name in sorted(manifest["files"])]
+    # The dataset initializer writes the source's own validation split next to the training rows.
+    own_validation = manifest.get("validation") or None
+    val_file = own_validation["file"] if own_validation else None
+    data_files = [str(dataset_dir / name) for name in sorted(manifest["files"]) if name != val_file]
 
     model = model_component(entry, args.method)
     if args.method in LORA_FAMILY:
@@ -245,16 +248,24 @@ def build_config(
             model["use_dora"] = True
 
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len)
-    has_validation = args.val_fraction > 0
+    if own_validation and args.val_fraction > 0:
+        raise BadInputError(
+            f"val_fraction={args.val_fraction} would hold out training rows, but the dataset has "
+            f"its own {own_validation.get('split', 'validation')} split "
+            f"({own_validation.get('rows', '?')} rows), which the trainer evaluates on: "
+            "drop val_fraction"
+        )
+    has_validation = args.val_fraction > 0 or bool(own_validation)
     if not has_validation and args.keep_best:
         raise BadInputError(
             "keep_best=true needs a validation split, and this run has none: set val_fraction "
-            "(for example val_fraction=0.05)"
+            "(for example val_fraction=0.05) or give a dataset with a validation split"
         )
     if not has_validation and args.eval_every_steps:
         raise BadInputError(
             f"eval_every_steps={args.eval_every_steps} needs a validation split, and this run "
-            "has none: set val_fraction (for example val_fraction=0.05)"
+            "has none: set val_fraction (for example val_fraction=0.05) or give a dataset with a "
+            "validation split"
         )
 
     cfg = {
@@ -329,6 +340,10 @@ def build_config(
             "log_dir": str(output_dir / "tracker"),
         },
     }
-    if has_validation:  # part of the run's identity: it changes which rows are trained on
+    # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
+    # content is in dataset_sha256 already).
+    if own_validation:
+        cfg["validation"] = {"data_files": [str(dataset_dir / val_file)]}
+    elif has_validation:
         cfg["validation"] = {"fraction": args.val_fraction}
     return OmegaConf.create(cfg)

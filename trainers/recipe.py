@@ -300,9 +300,14 @@ class FineTuneRecipe:
         dataset = config.instantiate(cfg.dataset, self.tokenizer)
         if len(dataset) == 0:
             raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
-        self.full_dataset = dataset
-        if cfg.get("validation"):
-            dataset = self._hold_out(dataset, float(cfg.validation.fraction))
+        self.val_dataset = dataset
+        validation = cfg.get("validation")
+        if validation and validation.get("data_files"):  # the dataset's own split
+            node = OmegaConf.merge(cfg.dataset, {"data_files": list(validation.data_files)})
+            self.val_dataset = config.instantiate(node, self.tokenizer)
+            self.val_indices = list(range(len(self.val_dataset)))
+        elif validation:
+            dataset = self._hold_out(dataset, float(validation.fraction))
         self.collate = None
         self.sampler = ResumableSampler(
             len(dataset), rank=self.topo.rank, world_size=self.topo.world_size, seed=cfg.seed
@@ -538,7 +543,7 @@ class FineTuneRecipe:
                     rows = mine[b * cfg.batch_size : (b + 1) * cfg.batch_size]
                     counted = bool(rows)
                     rows = rows or self.val_indices[:1]
-                    batch = self.collate([self.full_dataset[i] for i in rows])
+                    batch = self.collate([self.val_dataset[i] for i in rows])
                     loss, n_tokens = self._loss_and_tokens(batch)
                     if counted:
                         total_loss += loss.item()
