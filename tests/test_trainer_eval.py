@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import run_program, setup_recipe
+from tests.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
 from tunepack.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
@@ -309,3 +310,24 @@ def test_val_fraction_with_the_datasets_own_split_exits_65(split_workspace):
     assert "the dataset has its own validation split (56 rows)" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (workspace / "output" / "result.json").exists()
+
+
+def test_hub_dataset_test_split_becomes_the_validation_file(tmp_path, dataset_hub):  # noqa: F811
+    """hf:// (the loopback fake Hub): a repo with train and test parquet files and no
+    validation split; the test split is downloaded too and written as validation.jsonl."""
+    result = run_init(
+        "dataset", tmp_path, "hf://datasets/org/chats", {"HF_ENDPOINT": dataset_hub.url}
+    )
+    assert result.returncode == 0, result.stderr
+    manifest = manifest_of(tmp_path, "dataset")
+    assert manifest["rows"] == 3
+    assert manifest["validation"] == {
+        "file": "validation.jsonl",
+        "split": "test",
+        "rows": 1,
+        "source_files": ["data/test-00000-of-00001.parquet"],
+    }
+    lines = (tmp_path / "ws" / "dataset" / "validation.jsonl").read_text().splitlines()
+    assert [json.loads(x)["messages"][1]["content"] for x in lines] == ["hello 3"]
+    train = (tmp_path / "ws" / "dataset" / "train.jsonl").read_text()
+    assert "hello 3" not in train
