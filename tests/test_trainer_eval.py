@@ -123,12 +123,18 @@ def test_keep_best_publishes_the_best_step(initialized_workspace, tmp_path):
         (["tracker=comet"], "tracker='comet' is not valid: expected one of none, tensorboard"),
         (["tracker=mlflow", "tracker_uri=ftp://x"], "tracker_uri='ftp://x' is not valid"),
         (["tracker_uri=http://x"], "tracker_uri is only used by tracker=mlflow"),
+        (
+            ["tracker=mlflow", "tracker_uri=https://me:s3cret@mlflow.example"],
+            "tracker_uri must not carry credentials in the URI",
+        ),
+        (["keep_best=maybe"], "keep_best='maybe' is not valid: expected true or false"),
     ],
 )
 def test_bad_arguments(argv, message):
     with pytest.raises(BadInputError, match=None) as caught:
         parse_trainer_args(argv, TINY)
     assert message in str(caught.value)
+    assert "s3cret" not in str(caught.value)  # a credential is never echoed
 
 
 def test_keep_best_without_validation_exits_65(initialized_workspace, tmp_path):
