@@ -61,6 +61,8 @@ class Shape:
     # Mistral v0.1 and Phi-3 Mini, every other layer for Gemma 2), as config.json says; None
     # where every layer sees the whole context.
     sliding_window: int | None = None
+    # Qwen 3's RMSNorm over each head's query and key (one head_dim-wide scale each per layer).
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -95,7 +97,7 @@ class Shape:
         if self.qkv_bias:
             attention += q_out + 2 * kv_out
         mlp = 3 * d * self.intermediate_dim
-        norms = self.norms_per_layer * d
+        norms = self.norms_per_layer * d + (2 * hd if self.qk_norm else 0)
         embeddings = self.vocab_size * d * (1 if self.tied_embeddings else 2)
         return embeddings + self.num_layers * (attention + mlp + norms) + d
 
@@ -146,6 +148,9 @@ class Family:
     softcapping: tuple[float, float] | None = None
     # Why the trainer refuses packed=true for this family, if it does.
     no_packing: str | None = None
+    # The checkpointer that converts the family's HF checkpoints (a tunepack subclass where
+    # torchtune 0.6.1's conversion does not know every key, as for Qwen 3's q/k norms).
+    checkpointer: str = "torchtune.training.FullModelHFCheckpointer"
 
 
 @dataclass(frozen=True)
@@ -386,6 +391,15 @@ FAMILIES: dict[str, Family] = {
                 builders="torchtune.models.qwen2.qwen2",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
                 shape_keywords=("tie_word_embeddings",)),
+        # Qwen 3 (dense): not in torchtune 0.6.1, so built by tunepack on its components
+        # (trainers/qwen3.py): Qwen 2 without q/k/v biases, with an explicit head_dim and an
+        # RMSNorm over each head's query and key. Qwen 2.5's BPE vocabulary and ChatML format.
+        _family("qwen3", "Qwen 3", "qwen3", "Qwen3ForCausalLM",
+                tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
+                builders="tunepack.trainers.qwen3.qwen3",
+                options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
+                shape_keywords=("head_dim", "tie_word_embeddings"),
+                checkpointer="tunepack.trainers.qwen3.Qwen3HFCheckpointer"),
     )
 }  # fmt: skip
 
@@ -433,7 +447,7 @@ def _entry(family: str, name: str, hub_id: str, description: str, shape: Shape, 
            checkpoint: tuple[str, ...], **extra) -> ModelEntry:  # fmt: skip
     """A published size. ``builder`` is torchtune's name without ``lora_``: ``qwen2_5_3b``."""
     fam = FAMILIES[family]
-    module = f"torchtune.models.{family}"
+    module = extra.pop("module", f"torchtune.models.{family}")
     tier = _tier(shape)
     extra.setdefault("lora_output", fam.lora_output)
     entry = ModelEntry(
@@ -474,6 +488,36 @@ def _qwen(vocab: int, layers: int, heads: int, kv: int, dim: int, ffn: int,
 
 
 _QWEN_SMALL_VOCAB, _QWEN_LARGE_VOCAB = 151_936, 152_064
+
+
+# Qwen 3 dense sizes, from the config.json of each Qwen/Qwen3-<size> repository on the Hugging
+# Face Hub: every size has head_dim 128, vocab_size 151936, rope_theta 1e6, rms_norm_eps 1e-6 and
+# max_position_embeddings 40960 (we plan for the 32768 native context); tie_word_embeddings is
+# true up to 4B. trainers/qwen3.py builds them. name: (layers, heads, kv heads, hidden,
+# intermediate, tied)
+QWEN3_SIZES = {
+    "0_6b": (28, 16, 8, 1024, 3072, True),
+    "1_7b": (28, 16, 8, 2048, 6144, True),
+    "4b": (36, 32, 8, 2560, 9728, True),
+    "8b": (36, 32, 8, 4096, 12_288, False),
+    "14b": (40, 40, 8, 5120, 17_408, False),
+    "32b": (64, 64, 8, 5120, 25_600, False),
+}
+QWEN3_VOCAB, QWEN3_HEAD_DIM, QWEN3_CONTEXT = 151_936, 128, 32_768
+
+
+def _qwen3(size: str) -> Shape:
+    layers, heads, kv, dim, ffn, tied = QWEN3_SIZES[size]
+    return Shape(QWEN3_VOCAB, layers, heads, kv, dim, ffn, QWEN3_CONTEXT, tied_embeddings=tied,
+                 head_dim=QWEN3_HEAD_DIM, qk_norm=True)  # fmt: skip
+
+
+def _qwen3_entry(size: str, label: str, checkpoint: tuple[str, ...]) -> ModelEntry:
+    # Qwen 3 repositories are hybrid thinking/instruct models; there is no separate -Instruct.
+    return _entry("qwen3", f"qwen3-{label.lower()}", f"Qwen/Qwen3-{label}", f"Qwen 3 {label}",
+                  _qwen3(size), f"qwen3_{size}", checkpoint, module="tunepack.trainers.qwen3",
+                  lora_output=not QWEN3_SIZES[size][-1])  # fmt: skip
+
 
 # Shapes are copied from torchtune 0.6.1's model builders; test_catalog builds each one.
 _PUBLISHED = (
@@ -573,6 +617,12 @@ _PUBLISHED = (
            "Qwen 2.5 72B Instruct (torchtune's instruct builder)",
            _qwen(_QWEN_LARGE_VOCAB, 80, 64, 8, 8192, 29_568, tied=False),
            "qwen2_5_72b_instruct", _shards(37)),
+    _qwen3_entry("0_6b", "0.6B", _SINGLE),
+    _qwen3_entry("1_7b", "1.7B", _INDEXED),
+    _qwen3_entry("4b", "4B", _INDEXED),
+    _qwen3_entry("8b", "8B", _INDEXED),
+    _qwen3_entry("14b", "14B", _INDEXED),
+    _qwen3_entry("32b", "32B", _INDEXED),
 )  # fmt: skip
 
 
@@ -648,6 +698,8 @@ TINY: dict[str, ModelEntry] = {
         _tiny("phi4", "tiny-phi4", _tiny_shape(vocab=448)),
         _tiny("qwen2", "tiny-qwen2", _tiny_shape(tied_embeddings=True, qkv_bias=True)),
         _tiny("qwen2_5", "tiny-qwen2.5", _tiny_shape(qkv_bias=True)),
+        # head_dim twice embed_dim // num_heads, as Qwen 3 0.6B's query is twice its width.
+        _tiny("qwen3", "tiny-qwen3", _tiny_shape(tied_embeddings=True, head_dim=32, qk_norm=True)),
     )
 }  # fmt: skip
 assert set(TINY) == set(FAMILIES), "every family needs a tiny variant"

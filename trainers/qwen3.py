@@ -42,6 +42,8 @@ from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training import FullModelHFCheckpointer
 
+from tunepack.runtimes.catalog import QWEN3_CONTEXT, QWEN3_HEAD_DIM, QWEN3_SIZES, QWEN3_VOCAB
+
 
 class Qwen3Attention(MultiHeadAttention):
     """torchtune's attention with q/k RMSNorm per head applied before RoPE, as HF's Qwen 3."""
@@ -225,20 +227,7 @@ def lora_qwen3(
 
 
 # --- published sizes --------------------------------------------------------------------------
-# Dimensions from the config.json of each Qwen/Qwen3-<size> repository on the Hugging Face Hub
-# (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads,
-# head_dim=128, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings true up
-# to 4B). max_position_embeddings is 40960; we build the 32768 native context.
-# name: (layers, heads, kv heads, hidden, intermediate, tied)
-QWEN3_SIZES = {
-    "0_6b": (28, 16, 8, 1024, 3072, True),
-    "1_7b": (28, 16, 8, 2048, 6144, True),
-    "4b": (36, 32, 8, 2560, 9728, True),
-    "8b": (36, 32, 8, 4096, 12_288, False),
-    "14b": (40, 40, 8, 5120, 17_408, False),
-    "32b": (64, 64, 8, 5120, 25_600, False),
-}
-QWEN3_VOCAB, QWEN3_HEAD_DIM, QWEN3_CONTEXT = 151_936, 128, 32_768
+# The published sizes' dimensions live in the catalog (source named there).
 
 
 def _size_kwargs(size: str) -> dict:

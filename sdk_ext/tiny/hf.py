@@ -15,6 +15,7 @@ from tunepack.tiny.bpe import TokenizerFiles
 
 INIT_STD = 0.02
 _NORM_STD = 0.1
+_HEAD_NORM_STD = 0.5
 # torchtune's Llama3ScaledRoPE defaults, which its llama3_1 / llama3_2 builders use.
 _LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
@@ -92,9 +93,9 @@ class HfFormat:
         def normal(*size: int) -> torch.Tensor:
             return torch.randn(*size, generator=generator) * INIT_STD
 
-        def norm() -> torch.Tensor:
+        def norm(size: int = 0, std: float = _NORM_STD) -> torch.Tensor:
             neutral = 0.0 if self.offset_norms else 1.0
-            return neutral + torch.randn(d, generator=generator) * _NORM_STD
+            return neutral + torch.randn(size or d, generator=generator) * std
 
         d, q_out, kv_out = s.embed_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         weights = {"model.embed_tokens.weight": normal(s.vocab_size, d)}
@@ -119,6 +120,13 @@ class HfFormat:
                 sizes = {"q": q_out, "k": kv_out, "v": kv_out}
                 layer |= {f"{attn}.{name}_proj.bias": normal(size) for name, size in sizes.items()}
             layer |= {f"model.layers.{n}.{name}.weight": norm() for name in self.layer_norms}
+            if s.qk_norm:
+                # Far from neutral, and different across each rotary pair, so that a norm left
+                # out or applied after RoPE instead of before changes the logits clearly.
+                layer |= {
+                    f"{attn}.{name}.weight": norm(s.head_dim, _HEAD_NORM_STD)
+                    for name in ("q_norm", "k_norm")
+                }
             weights |= layer
         weights["model.norm.weight"] = norm()
         if not s.tied_embeddings:
@@ -155,6 +163,14 @@ PHI3 = HfFormat(
 )
 QWEN2 = HfFormat(
     extra=lambda entry: {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": entry.shape.num_layers,
+    }
+)
+QWEN3 = HfFormat(
+    extra=lambda entry: {
+        "attention_bias": False,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": entry.shape.num_layers,

@@ -83,6 +83,9 @@ FORMATS: dict[str, FamilyFormat] = {
         canonical="torchtune.models.qwen2._tokenizer:QWEN2_SPECIAL_TOKENS", **_QWEN)),
     "qwen2_5": FamilyFormat(hf.QWEN2, GptBpeFormat(
         canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN)),
+    # Qwen 3 keeps Qwen 2.5's vocabulary and special tokens (its <think> tokens are added ones).
+    "qwen3": FamilyFormat(hf.QWEN3, GptBpeFormat(
+        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN)),
 }  # fmt: skip
 
 
