@@ -245,28 +245,190 @@ def _size_kwargs(size: str) -> dict:
     }
 
 
-def _sized(size: str):
-    def full(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-        return qwen3(**_size_kwargs(size), rope_base=rope_base)
-
-    def lora(
-        lora_attn_modules, apply_lora_to_mlp=False, *, rope_base=1_000_000.0, **kwargs
-    ) -> TransformerDecoder:
-        return lora_qwen3(
-            lora_attn_modules, apply_lora_to_mlp, **_size_kwargs(size), rope_base=rope_base,
-            **kwargs,
-        )  # fmt: skip
-
-    full.__name__, lora.__name__ = f"qwen3_{size}", f"lora_qwen3_{size}"
-    return full, lora
+def _full(size: str, rope_base: float) -> TransformerDecoder:
+    return qwen3(**_size_kwargs(size), rope_base=rope_base)
 
 
-qwen3_0_6b, lora_qwen3_0_6b = _sized("0_6b")
-qwen3_1_7b, lora_qwen3_1_7b = _sized("1_7b")
-qwen3_4b, lora_qwen3_4b = _sized("4b")
-qwen3_8b, lora_qwen3_8b = _sized("8b")
-qwen3_14b, lora_qwen3_14b = _sized("14b")
-qwen3_32b, lora_qwen3_32b = _sized("32b")
+def _lora(size: str, lora_attn_modules, apply_lora_to_mlp: bool, **kwargs) -> TransformerDecoder:
+    return lora_qwen3(lora_attn_modules, apply_lora_to_mlp, **_size_kwargs(size), **kwargs)
+
+
+# One full and one LoRA builder per size, as torchtune names its own (qwen2_5_7b_instruct, ...).
+# The tied sizes' LoRA builders take no apply_lora_to_output: their output is the embedding.
+
+
+def qwen3_0_6b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
+    return _full("0_6b", rope_base)
+
+
+def lora_qwen3_0_6b(
+    lora_attn_modules,
+    apply_lora_to_mlp: bool = False,
+    *,
+    rope_base: float = 1_000_000.0,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    return _lora(
+        "0_6b",
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        rope_base=rope_base,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+    )
+
+
+def qwen3_1_7b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
+    return _full("1_7b", rope_base)
+
+
+def lora_qwen3_1_7b(
+    lora_attn_modules,
+    apply_lora_to_mlp: bool = False,
+    *,
+    rope_base: float = 1_000_000.0,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    return _lora(
+        "1_7b",
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        rope_base=rope_base,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+    )
+
+
+def qwen3_4b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
+    return _full("4b", rope_base)
+
+
+def lora_qwen3_4b(
+    lora_attn_modules,
+    apply_lora_to_mlp: bool = False,
+    *,
+    rope_base: float = 1_000_000.0,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    return _lora(
+        "4b",
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        rope_base=rope_base,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+    )
+
+
+def qwen3_8b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
+    return _full("8b", rope_base)
+
+
+def lora_qwen3_8b(
+    lora_attn_modules,
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    rope_base: float = 1_000_000.0,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    return _lora(
+        "8b",
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output=apply_lora_to_output,
+        rope_base=rope_base,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+    )
+
+
+def qwen3_14b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
+    return _full("14b", rope_base)
+
+
+def lora_qwen3_14b(
+    lora_attn_modules,
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    rope_base: float = 1_000_000.0,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    return _lora(
+        "14b",
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output=apply_lora_to_output,
+        rope_base=rope_base,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+    )
+
+
+def qwen3_32b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
+    return _full("32b", rope_base)
+
+
+def lora_qwen3_32b(
+    lora_attn_modules,
+    apply_lora_to_mlp: bool = False,
+    apply_lora_to_output: bool = False,
+    *,
+    rope_base: float = 1_000_000.0,
+    lora_rank: int,
+    lora_alpha: float,
+    lora_dropout: float = 0.0,
+    use_dora: bool = False,
+    quantize_base: bool = False,
+) -> TransformerDecoder:
+    return _lora(
+        "32b",
+        lora_attn_modules,
+        apply_lora_to_mlp,
+        apply_lora_to_output=apply_lora_to_output,
+        rope_base=rope_base,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_dropout=lora_dropout,
+        use_dora=use_dora,
+        quantize_base=quantize_base,
+    )
 
 
 # --- checkpoint conversion ----------------------------------------------------------------------
