@@ -107,3 +107,16 @@ def test_benchmark_dry_mode_exercises_the_measurement_path(tmp_path):
     row = report["rows"][0]
     assert row["estimate_bytes"] > 0 and row["measured_bytes"] is None
     assert row["steps_run"] == 1 and row["loss"] > 0
+
+
+def test_qwen3_by_hand_head_dim_wider_than_the_model_and_q_k_norms():
+    # Qwen 3 0.6B (config.json of Qwen/Qwen3-0.6B): d=1024, 28 layers, 16 heads of 128 (q=2048,
+    # twice d), 8 KV heads (kv=1024), i=3072, V=151936 tied, an RMSNorm of 128 on q and on k.
+    d, q, kv, i, layers = 1024, 2048, 1024, 3072, 28
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * i + 2 * d + 2 * 128
+    params = 151_936 * d + layers * per_layer + d
+    assert params == 596_049_920
+    assert estimate("qwen3-0.6b", "full", 2048, 1).parameters == params
+    r = 16
+    lora = layers * r * ((d + q) + 2 * (d + kv) + (q + d) + 3 * (d + i))
+    assert plan("qwen3-0.6b", "lora", 2048, 1, lora_rank=r).trainable == lora
