@@ -140,3 +140,13 @@ def test_phi4_needs_the_rope_correction():
         stock = phi4_14b()
     assert stock.layers[0].attn.pos_embeddings.base == 10_000
     assert catalog.get("phi4-14b").family.options["rope_base"] == 250_000
+
+
+def test_models_doc_is_generated_from_the_catalog():
+    from tunepack.runtimes import models_doc
+
+    assert models_doc.DOC.read_text(encoding="utf-8") == models_doc.render(), (
+        "docs/models.md does not match runtimes/catalog.py; run "
+        "`python -m tunepack.runtimes.models_doc`"
+    )
+    assert all(f"`{entry.runtime_name}`" in models_doc.render() for entry in PUBLISHED)

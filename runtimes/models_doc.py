@@ -1,0 +1,54 @@
+"""The model table of docs/models.md, rendered from the catalog.
+
+``python -m tunepack.runtimes.models_doc`` rewrites docs/models.md; tests/test_catalog.py fails
+when the file differs from what the catalog renders, so the table cannot go stale.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tunepack.runtimes import catalog
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+
+_HEADER = """\
+# Models
+
+Generated from `runtimes/catalog.py` by `python -m tunepack.runtimes.models_doc`; do not edit.
+A test fails when this page and the catalog differ.
+
+Every runtime trains the checkpoint's own model: `tests/test_families.py` compares each family's
+logits with transformers' on a tiny random checkpoint, and the exported PEFT adapter with the
+trained model. Qwen 3 is not in torchtune 0.6.1: tunepack builds it on torchtune's components
+(`trainers/qwen3.py`: q/k RMSNorm per head before RoPE, as Hugging Face's Qwen 3) and converts
+its checkpoints with a checkpointer that knows the q/k norms. Its prompt format is ChatML, written
+by torchtune's Qwen 2.5 tokenizer over the checkpoint's own vocabulary.
+
+| Runtime | Hugging Face checkpoint | Family | Parameters | Methods | Default GPUs |
+|---|---|---|---|---|---|
+"""
+
+
+def _billions(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
+
+
+def render() -> str:
+    rows = [
+        f"| `{e.runtime_name}` | `{e.hub_id}` | {e.family.title} | {_billions(e.parameter_count)}"
+        f" | {', '.join(e.methods)} | {e.resources.gpus * e.resources.nodes} |"
+        for e in catalog.CATALOG.values()
+    ]
+    return _HEADER + "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    DOC.write_text(render(), encoding="utf-8")
+    print(f"wrote {DOC}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
