@@ -1,9 +1,10 @@
 """The dataset initializer: ``python -m tunepack.initializers.dataset``.
 
 Reads ``STORAGE_URI`` (a local file or directory, ``hf://datasets/...``, ``s3://...`` or
-``https://...``), checks every row against one schema (instruction, chat, sharegpt or text) and
-writes ``<workspace>/dataset/train.jsonl`` in the normalized form the trainer reads, with a
-manifest. Bad rows are reported here, by file, row and field, before any trainer Pod starts.
+``https://...``), checks every row against one schema (instruction, chat, sharegpt, text or
+preference) and writes ``<workspace>/dataset/train.jsonl`` in the normalized form the trainer
+reads, with a manifest. Bad rows are reported here, by file, row and field, before any trainer
+Pod starts.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ instruction (alpaca)  instruction, optional input, output     the same three fie
 chat                  messages: [{role, content}, ...]        {"messages": [...]} (chat)
 sharegpt              conversations: [{from, value}, ...]     {"messages": [...]} (chat)
 text                  text                                    {"text": ...} (text)
+preference            prompt, chosen, rejected (strings), or  {"chosen": [...], "rejected":
+                      chosen, rejected as message arrays      [...]} as messages (preference)
 ====================  ======================================  ================================
 
 ``DATASET_SCHEMA`` picks one; otherwise the first row decides. ``COLUMN_MAP`` renames columns
@@ -87,7 +89,9 @@ def _turns(row: dict, field: str, text_cells: bool) -> tuple[list | None, str | 
     return value, None
 
 
-def _messages(turns: list, field: str, role_key: str, text_key: str, roles: dict) -> Normalized:
+def _messages(
+    turns: list, field: str, role_key: str, text_key: str, roles: dict, learn: bool = True
+) -> Normalized:
     messages = []
     for index, turn in enumerate(turns):
         where = f"{field}[{index}]"
@@ -106,7 +110,7 @@ def _messages(turns: list, field: str, role_key: str, text_key: str, roles: dict
         if not isinstance(content, str):
             return None, f"{where}: field {text_key!r} must be a string, got {json_type(content)}"
         messages.append({"role": roles[role], "content": content})
-    if not any(m["role"] == "assistant" for m in messages):
+    if learn and not any(m["role"] == "assistant" for m in messages):
         return None, f"field {field!r} has no assistant turn, so there is nothing to learn"
     return {"messages": messages}, None
 
@@ -131,6 +135,64 @@ def _text(row: dict, text_cells: bool) -> Normalized:
     if not row["text"].strip():
         return None, "field 'text' is empty"
     return {"text": row["text"]}, None
+
+
+def _preference(row: dict, text_cells: bool) -> Normalized:
+    """Prompt/chosen/rejected strings, or chosen/rejected conversations (an optional prompt as
+    a string or turns before them): both become conversations that differ only in the answer."""
+    if "chosen" not in row or "rejected" not in row:
+        missing = "chosen" if "chosen" not in row else "rejected"
+        return None, f"field {missing!r} is missing"
+    strings = [isinstance(row[side], str) for side in ("chosen", "rejected")]
+    if strings == [True, False] or strings == [False, True]:
+        kinds = " and ".join(json_type(row[side]) for side in ("chosen", "rejected"))
+        return None, f"'chosen' and 'rejected' must both be strings or both arrays, got {kinds}"
+    if all(strings):
+        if problem := _string_field(row, "prompt"):
+            return None, problem
+        prompt = [{"role": "user", "content": row["prompt"]}]
+        answers = {
+            side: [{"role": "assistant", "content": row[side]}] for side in ("chosen", "rejected")
+        }
+    else:
+        prompt = []
+        if "prompt" in row and row["prompt"] is not None:
+            if isinstance(row["prompt"], str):
+                prompt = [{"role": "user", "content": row["prompt"]}]
+            else:
+                turns, problem = _turns(row, "prompt", text_cells)
+                if problem:
+                    return None, problem
+                normalized, problem = _chat_turns(turns, "prompt")
+                if problem:
+                    return None, problem
+                prompt = normalized["messages"]
+        answers = {}
+        for side in ("chosen", "rejected"):
+            turns, problem = _turns(row, side, text_cells)
+            if problem:
+                return None, problem
+            normalized, problem = _chat_turns(turns, side)
+            if problem:
+                return None, problem
+            answers[side] = normalized["messages"]
+            if answers[side][-1]["role"] != "assistant":
+                return None, f"field {side!r} must end with an assistant turn"
+    chosen, rejected = prompt + answers["chosen"], prompt + answers["rejected"]
+    if chosen[:-1] != rejected[:-1]:
+        return None, (
+            "'chosen' and 'rejected' must be the same conversation up to their last "
+            "(assistant) turn"
+        )
+    if chosen[-1] == rejected[-1]:
+        return None, "'chosen' and 'rejected' are the same answer, so there is no preference"
+    if not any(m["role"] == "user" for m in chosen):
+        return None, "the conversation has no user turn (or 'prompt') before the answers"
+    return {"chosen": chosen, "rejected": rejected}, None
+
+
+def _chat_turns(turns: list, field: str) -> Normalized:
+    return _messages(turns, field, "role", "content", {r: r for r in ROLES}, learn=False)
 
 
 SCHEMAS: dict[str, Schema] = {
@@ -161,10 +223,19 @@ SCHEMAS: dict[str, Schema] = {
             _sharegpt,
         ),
         Schema("text", "text", "text", "each row must hold a non-empty string field 'text'", _text),
+        Schema(
+            "preference",
+            "preference",
+            "chosen",
+            "each row must hold string fields 'prompt', 'chosen' and 'rejected', or 'chosen' and "
+            "'rejected' as arrays of objects with 'role' (system, user or assistant) and string "
+            "'content' that share every turn but their last, an assistant turn",
+            _preference,
+        ),
     )
 }
 # Detection order: the most specific marker first ("text" is a common extra column).
-_DETECT = ("chat", "sharegpt", "instruction", "text")
+_DETECT = ("preference", "chat", "sharegpt", "instruction", "text")
 
 
 def requested() -> Schema | None:
@@ -193,7 +264,8 @@ def detect(row: object, source: str) -> Schema:
         problem = f"its first row is a JSON {json_type(row)}, not an object"
     raise BadInputError(
         f"cannot tell the schema of dataset {source!r}: {problem}. Rows need 'instruction' and "
-        f"'output' (instruction), 'messages' (chat), 'conversations' (sharegpt) or 'text'; "
+        f"'output' (instruction), 'messages' (chat), 'conversations' (sharegpt), 'text', or "
+        f"'chosen' and 'rejected' (preference); "
         f"rename columns with {COLUMN_MAP_ENV}=from:to,... or set {SCHEMA_ENV}"
     )
 

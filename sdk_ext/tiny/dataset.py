@@ -90,6 +90,21 @@ def tiny_dataset_rows(rows: int = 256, seed: int = 0) -> list[dict[str, str]]:
     return records
 
 
+def tiny_preference_rows(rows: int = 64, seed: int = 0) -> list[dict[str, str]]:
+    """The tiny dataset as preference rows (``prompt``, ``chosen``, ``rejected``): the right
+    answer is chosen, another answer to the same kind of task (a wrong one) is rejected."""
+    records = tiny_dataset_rows(max(check_int("rows", rows, minimum=1), 2 * len(_TASKS)), seed)
+    pairs = []
+    for index, row in enumerate(records[:rows]):
+        prompt = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
+        # The later rows of the same task, then the earlier ones, until one answers differently.
+        task = len(_TASKS)
+        others = records[index + task :: task] + records[index % task :: task]
+        wrong = next(o["output"] for o in others if o["output"] != row["output"])
+        pairs.append({"prompt": prompt, "chosen": row["output"], "rejected": wrong})
+    return pairs
+
+
 def tiny_corpus() -> str:
     """The text the tiny tokenizer learns its merges from: the default dataset and role names.
 
@@ -103,6 +118,15 @@ def write_tiny_dataset(path: Path, rows: int = 256, seed: int = 0) -> Path:
     """Write the tiny dataset as JSONL at ``path`` (atomically) and return the path."""
     path = Path(path)
     records = tiny_dataset_rows(rows, seed)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    _write_atomic(path, text.encode("utf-8"))
+    return path
+
+
+def write_tiny_preference_dataset(path: Path, rows: int = 64, seed: int = 0) -> Path:
+    """Write ``tiny_preference_rows`` as JSONL at ``path`` (atomically) and return the path."""
+    path = Path(path)
+    records = tiny_preference_rows(rows, seed)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     _write_atomic(path, text.encode("utf-8"))
     return path
