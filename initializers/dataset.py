@@ -127,6 +127,7 @@ def _local_files(source_uri: uri.StorageUri, source: Path, split: str) -> dict[s
                 f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file; give a "
                 f"data file or a directory of them"
             )
+        splits.check_single_file(source.name, split, source_uri.display)
         return {source.name: source}
     if not source.is_dir():
         raise BadInputError(
@@ -197,6 +198,7 @@ def _remote_files(
                 f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file or a "
                 f"tar/zip archive; name the file with its format's extension"
             )
+        splits.check_single_file(file.path, split, source_uri.display)
         chosen = [file]
     else:
         data = [f for f in listing.files if formats.format_of(f.path)]

@@ -80,3 +80,16 @@ def _matches_custom(path: str, split: str) -> bool:
     return split in pure.parts[:-1] or bool(
         re.match(rf"^{re.escape(split)}([-_. 0-9]|$)", pure.name)
     )
+
+
+def check_single_file(name: str, split: str, source: str) -> None:
+    """A single data file holds one split: ``train``, or the split its name says
+    (``test.jsonl``). Asked for another, it is refused rather than read whole as that split."""
+    if split == DEFAULT_SPLIT or split_of(name) == split or _matches_custom(name, split):
+        return
+    raise BadInputError(
+        f"dataset {source!r} is a single file, which has no {split!r} split: a file is the "
+        "train split unless its name says otherwise. Give the file of that split, or a "
+        "directory with one file per split (train.jsonl, test.jsonl), and no split to train "
+        "on the whole file"
+    )

@@ -269,17 +269,22 @@ def _as_dict(obj) -> dict:
 
 
 def progress_from_status(trainer_status: dict | None) -> Progress | None:
-    """Progress from ``TrainJob.status.trainerStatus`` (the TrainJobStatus feature)."""
+    """Progress from ``TrainJob.status.trainerStatus`` (the TrainJobStatus feature); the trainer
+    posts its metrics as strings (trainers/progress.py), validation ones after an evaluation."""
     if not trainer_status:
         return None
     metrics = {m.get("name"): m.get("value") for m in trainer_status.get("metrics") or []}
-    loss = metrics.get("loss")
-    try:
-        loss = float(loss) if loss is not None else None
-    except ValueError:
-        loss = None
     return Progress(
         percent=trainer_status.get("progressPercentage"),
-        loss=loss,
+        loss=_number(metrics.get("loss")),
         estimated_remaining_seconds=trainer_status.get("estimatedRemainingSeconds"),
+        val_loss=_number(metrics.get("val_loss")),
+        val_perplexity=_number(metrics.get("val_perplexity")),
     )
+
+
+def _number(value: object) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None

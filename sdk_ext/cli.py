@@ -543,8 +543,10 @@ def cmd_status(ns: argparse.Namespace) -> int:
     for step in job.steps:
         print(f"  {step.name:<22}{step.status}")
     if job.progress and job.progress.percent is not None:
-        loss = f"  loss {job.progress.loss:.4f}" if job.progress.loss is not None else ""
-        print(f"  progress {job.progress.percent}%{loss}")
+        p = job.progress
+        loss = f"  loss {p.loss:.4f}" if p.loss is not None else ""
+        val = f"  val_loss {p.val_loss:.4f}" if p.val_loss is not None else ""
+        print(f"  progress {p.percent}%{loss}{val}")
     if job.message:
         print(f"  message: {job.message}")
     return 1 if job.status == "Failed" else 0

@@ -168,11 +168,12 @@ def local_trainjob(
 
 
 def _check_local_split(dataset: dict) -> None:
-    """A split other than ``train`` of a single local data file: a file has no splits (the
-    dataset initializer would read the whole file as ``train``)."""
+    """A split other than ``train`` of a single local data file, refused before the run starts
+    (the dataset initializer refuses it too)."""
     import os
     from pathlib import Path
 
+    from tunepack.initializers import splits
     from tunepack.initializers import uri as storage_uri
 
     parsed = storage_uri.parse(dataset["storageUri"])
@@ -180,12 +181,8 @@ def _check_local_split(dataset: dict) -> None:
     split = (
         parsed.options.get("split") or env.get("DATASET_SPLIT") or os.environ.get("DATASET_SPLIT")
     )
-    if parsed.is_local and split not in (None, "", "train") and Path(parsed.location).is_file():
-        raise BadInputError(
-            f"dataset {parsed.display!r} is a single file, which has no {split!r} split: a file "
-            "is the train split. Give the file of that split, or a directory with one file per "
-            "split (train.jsonl, test.jsonl), and no split to train on the whole file"
-        )
+    if parsed.is_local and split and Path(parsed.location).is_file():
+        splits.check_single_file(Path(parsed.location).name, split, parsed.display)
 
 
 MEMORY_CHECKS = ("refuse", "warn", "off")

@@ -64,6 +64,11 @@ def test_given_values_are_parsed_and_recorded():
         (["lora_mlp=maybe"], "lora_mlp='maybe' is not valid: expected true or false"),
         (["lora_attn_modules=q_proj,up"], "expected a comma-separated subset of q_proj"),
         (["max_seq_len=100000"], "max_seq_len=100000 is larger than tiny-llama3's context window"),
+        (
+            ["method=full", "lora_rank=8", "lora_mlp=false"],
+            "lora_rank=8, lora_mlp=false set LoRA adapters, but method=full trains every weight "
+            "and has none; leave them out, or use method=lora",
+        ),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_expectation(argv, message):

@@ -707,3 +707,23 @@ def test_missing_shard_named_by_the_index_is_reported(tmp_path):
         model_initializer._check_shards(entry, source_uri, tmp_path)
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
     model_initializer._check_shards(entry, source_uri, tmp_path)
+
+
+def test_a_single_file_has_only_its_own_split(tmp_path):
+    """YAML TrainJobs reach the initializer without the SDK's pre-check: a single file asked for
+    another split is refused (not read whole as that split); one named after the split is read."""
+    data = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    result = run_program("dataset", tmp_path, f"file://{data}?split=test")
+    assert_bad_input(
+        result,
+        "dataset",
+        f"dataset 'file://{data}?split=test' is a single file, which has no 'test' split: a file "
+        "is the train split unless its name says otherwise. Give the file of that split, or a "
+        "directory with one file per split (train.jsonl, test.jsonl), and no split to train on "
+        "the whole file",
+    )
+    assert not (tmp_path / "ws" / "dataset").exists()
+    named = write_jsonl(tmp_path / "test.jsonl", ROWS)
+    result = run_program("dataset", tmp_path, f"file://{named}?split=test")
+    assert result.returncode == 0, result.stderr
+    assert len(read_jsonl(tmp_path / "ws" / "dataset" / "train.jsonl")) == len(ROWS)

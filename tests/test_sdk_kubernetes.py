@@ -95,7 +95,11 @@ def _controller_runs(fake, name: str, failed: bool = False):
         "trainerStatus": {
             "progressPercentage": 100,
             "estimatedRemainingSeconds": 0,
-            "metrics": [{"name": "loss", "value": "1.25"}],
+            "metrics": [
+                {"name": "loss", "value": "1.25"},
+                {"name": "val_loss", "value": "1.5"},
+                {"name": "val_perplexity", "value": "4.4817"},
+            ],
             "lastUpdatedTime": "2026-01-01T00:10:00Z",
         },
     }
@@ -149,6 +153,7 @@ def test_install_train_status_logs_delete(server):
     job = tc.wait_for_job_status(name, timeout=5, polling_interval=1)
     assert job.status == "Complete"
     assert job.progress.percent == 100 and job.progress.loss == 1.25
+    assert (job.progress.val_loss, job.progress.val_perplexity) == (1.5, 4.4817)
     assert {s.name for s in job.steps} == {"dataset-initializer", "model-initializer", "node-0"}
     assert list(tc.get_job_logs(name)) == ["hello from node", "second line"]
     assert (
@@ -615,7 +620,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
     lines = done.stdout.splitlines()
     assert lines[0] == "cli-job  Complete  runtime tunepack-tiny-llama3"
     assert ["node-0", "Succeeded"] in [line.split() for line in lines]
-    assert "  progress 100%  loss 1.2500" in lines
+    assert "  progress 100%  loss 1.2500  val_loss 1.5000" in lines
 
     done = tunepack("logs", "cli-job")
     assert done.returncode == 0, done.stderr

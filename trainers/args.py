@@ -297,6 +297,13 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             or f"method={method!r} is not available for {entry.name}: "
             f"expected one of {', '.join(available)}"
         )
+    if method == "full" and (lora := [k for k in values if k.startswith("lora_")]):
+        given = ", ".join(f"{k}={pairs[k]}" for k in lora)
+        raise BadInputError(
+            f"{given} set{'s' if len(lora) == 1 else ''} LoRA adapters, but method=full trains "
+            f"every weight and has none; leave {'it' if len(lora) == 1 else 'them'} out, or use "
+            "method=lora"
+        )
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
     resolved["lr"] = _DEFAULT_LR[method]
