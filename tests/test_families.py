@@ -110,7 +110,6 @@ def test_torchtune_tokenizer_loads_the_generated_files(family):
 def _recipe(family, workspace, output, argv: list[str]):
     """The trainer's recipe for this family's tiny model, set up (built and loaded)."""
     entry, model_dir, *_ = family
-    _xfail_unless_trainer_uses_family_checkpointer(entry, model_dir, workspace, output)
     return setup_recipe(
         entry,
         [*argv, "warmup_steps=0", "batch_size=4"],
@@ -118,26 +117,6 @@ def _recipe(family, workspace, output, argv: list[str]):
         dataset_dir=workspace / "dataset",
         output=output,
     )
-
-
-def _xfail_unless_trainer_uses_family_checkpointer(entry, model_dir, workspace, output):
-    """Qwen 3 needs tunepack's checkpointer (its q/k norms are unknown to torchtune's Qwen 2
-    conversion); until trainers/config.py names ``entry.family.checkpointer`` instead of
-    torchtune's class, the trainer cannot load a Qwen 3 checkpoint."""
-    from tunepack.trainers.args import parse_trainer_args
-    from tunepack.trainers.config import build_config
-
-    cfg = build_config(
-        entry,
-        parse_trainer_args([], entry),
-        model_dir=model_dir,
-        dataset_dir=workspace / "dataset",
-        output_dir=output,
-        cache_dir=output / ".cache",
-    )
-    used = cfg.checkpointer._component_
-    if used != entry.family.checkpointer:
-        pytest.xfail(f"trainers/config.py uses {used}, not {entry.family.checkpointer}")
 
 
 def test_lora_steps_through_the_trainer(family, initialized_workspace, tmp_path):

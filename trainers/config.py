@@ -304,7 +304,8 @@ def build_config(
         "model": model,
         "tokenizer": tokenizer,
         "checkpointer": {
-            "_component_": "torchtune.training.FullModelHFCheckpointer",
+            # torchtune's HF checkpointer, or the family's own where torchtune cannot convert it.
+            "_component_": entry.family.checkpointer,
             "checkpoint_dir": str(model_dir),
             "checkpoint_files": list(entry.weight_files(model_dir)),
             "model_type": entry.checkpoint_model_type,
