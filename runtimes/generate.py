@@ -87,6 +87,19 @@ INITIALIZER_SECRET_ENV = (
     ("AWS_ENDPOINT_URL", S3_CREDENTIALS_SECRET, "AWS_ENDPOINT_URL"),
     ("AWS_REGION", S3_CREDENTIALS_SECRET, "AWS_REGION"),
 )
+# The experiment tracker's credentials (trainers/tracking.py reads them from the environment),
+# by reference to one optional Secret with a key per variable; a run without a tracker, or
+# with a tracker that needs none, works without it.
+TRACKER_SECRET = "tunepack-tracker-credentials"
+TRACKER_SECRET_ENV = tuple(
+    (name, TRACKER_SECRET, name)
+    for name in (
+        "MLFLOW_TRACKING_TOKEN",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
+        "WANDB_API_KEY",
+    )
+)
 
 # Trainer environment from field practice (DESIGN.md). NCCL interface/IB settings are
 # cluster-specific and belong in an overlay. The model initializer already fetched the model,
@@ -312,21 +325,26 @@ def _container(step: Step, entry: ModelEntry, extra_env: dict[str, str]) -> dict
     }
 
 
-def _initializer_container(step: Step, entry: ModelEntry) -> dict:
-    container = _container(step, entry, {})
-    container["env"] += [
+def _secret_env(refs: tuple[tuple[str, str, str], ...]) -> list[dict]:
+    return [
         {
             "name": name,
             "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}},
         }
-        for name, secret, key in INITIALIZER_SECRET_ENV
+        for name, secret, key in refs
     ]
+
+
+def _initializer_container(step: Step, entry: ModelEntry) -> dict:
+    container = _container(step, entry, {})
+    container["env"] += _secret_env(INITIALIZER_SECRET_ENV)
     container["resources"] = INITIALIZER_RESOURCES
     return container
 
 
 def _trainer_container(entry: ModelEntry) -> dict:
     container = _container(TRAINER_STEP, entry, TRAINER_ENV)
+    container["env"] += _secret_env(TRACKER_SECRET_ENV)
     res = entry.resources
     container["resources"] = {"requests": {"cpu": res.cpu, "memory": res.memory}}
     if res.gpus:

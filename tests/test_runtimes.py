@@ -233,7 +233,19 @@ def test_environment(entry):
             _env(_container(jobs[job]))
         )
     trainer_env = _env(_container(jobs["node"]))
-    assert not any("valueFrom" in v for v in _container(jobs["node"])["env"])
+    refs = {v["name"]: v["valueFrom"] for v in _container(jobs["node"])["env"] if "valueFrom" in v}
+    # The tracker's credentials, by reference to one optional Secret (a run without one works).
+    assert refs == {
+        name: {
+            "secretKeyRef": {"name": "tunepack-tracker-credentials", "key": name, "optional": True}
+        }
+        for name in (
+            "MLFLOW_TRACKING_TOKEN",
+            "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD",
+            "WANDB_API_KEY",
+        )
+    }
     assert trainer_env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert trainer_env["TOKENIZERS_PARALLELISM"] == "false"
     assert trainer_env["NCCL_DEBUG"] == "WARN"
