@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
+from tunepack.trainers.prompt_format import check_chat_template, check_system_prompt
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
@@ -122,6 +123,11 @@ def _tracker_uri(key: str, raw: str) -> str:
     return raw
 
 
+def _as_given(key: str, raw: str) -> str:
+    """Checked against the model in ``parse_trainer_args`` (chat formats depend on it)."""
+    return raw
+
+
 def _name(key: str, raw: str) -> str:
     if not raw or len(raw) > 128 or not all(c.isalnum() or c in "-_." for c in raw):
         raise BadInputError(
@@ -215,6 +221,19 @@ VOCABULARY: tuple[Arg, ...] = (
         "MLflow experiment / W&B project name (default: tunepack)",
         "tunepack",
     ),
+    Arg(
+        "chat_template",
+        _as_given,
+        "chat format of chat and instruction data: model (the base model's own Hugging Face "
+        "template) or another format with the same special tokens (docs/trainer.md)",
+        "model",
+    ),
+    Arg(
+        "system_prompt",
+        _as_given,
+        "system message for conversations that have none (default: the template's own, if any)",
+        "",
+    ),
 )
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
 _DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5}
@@ -255,6 +274,8 @@ class TrainArgs:
     tracker: str
     tracker_uri: str
     tracker_project: str
+    chat_template: str  # a format name of trainers/prompt_format.py
+    system_prompt: str
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
 
 
@@ -326,6 +347,9 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             f"packed=true is not available for {entry.name}: {entry.family.no_packing}; "
             "set packed=false"
         )
+    resolved["chat_template"] = check_chat_template(entry.family.name, resolved["chat_template"])
+    if "system_prompt" in pairs:
+        check_system_prompt(resolved["system_prompt"], resolved["chat_template"])
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
         raise BadInputError(
             f"tracker_uri is only used by tracker=mlflow, but tracker={resolved['tracker']!r}"

@@ -39,13 +39,28 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
 }
 
 
-def tokenizer_config(entry: ModelEntry, model_dir: Path, max_seq_len: int | None) -> dict:
-    """The torchtune tokenizer of a catalog model, as a config node (``_component_`` from the
-    catalog, never from user input); ``Result.generate`` formats prompts with the same one."""
+# The family's torchtune tokenizer (named by the catalog) laying conversations out in the chat
+# format of the model's published template (trainers/prompt_format.py).
+TOKENIZER_BUILDER = "tunepack.trainers.prompt_format.build_tokenizer"
+
+
+def tokenizer_config(
+    entry: ModelEntry, model_dir: Path, max_seq_len: int | None, args: TrainArgs | None = None
+) -> dict:
+    """The tokenizer of a catalog model, as a config node (``_component_`` chosen by tunepack,
+    never by user input): the run's chat format (``chat_template``, ``system_prompt``; without
+    ``args`` the model's own format); ``Result.generate`` formats prompts with the same one."""
+    from tunepack.trainers.prompt_format import check_chat_template
+
     return {
-        "_component_": entry.tokenizer.component,
-        **{kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()},
+        "_component_": TOKENIZER_BUILDER,
+        "family": entry.family.name,
+        "files": {kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()},
         "max_seq_len": max_seq_len,
+        "chat_template": check_chat_template(
+            entry.family.name, args.chat_template if args else None
+        ),
+        "system_prompt": (args.system_prompt if args else "") or None,
     }
 
 
@@ -247,7 +262,7 @@ def build_config(
         if args.method == "dora":
             model["use_dora"] = True
 
-    tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len)
+    tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len, args)
     if own_validation and args.val_fraction > 0:
         raise BadInputError(
             f"val_fraction={args.val_fraction} would hold out training rows, but the dataset has "

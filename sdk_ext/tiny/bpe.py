@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
+from tunepack.runtimes.chat_templates import FAMILY_FORMAT, TEMPLATES
 from tunepack.tiny.dataset import check_int, tiny_corpus
 
 # The special tokens torchtune's Llama3Tokenizer looks up, and nothing more: the 256 reserved
@@ -44,13 +45,10 @@ SPLIT_PATTERN = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
-    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
-    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-)
+
+def chat_template(entry: ModelEntry) -> str:
+    """The Jinja chat template of the family's published model, for ``tokenizer_config.json``."""
+    return TEMPLATES[FAMILY_FORMAT[entry.family.name]]
 
 
 def train_bpe(
@@ -276,8 +274,8 @@ class TiktokenFormat:
                         "pad_token": "<|finetune_right_pad_id|>",
                         "model_max_length": entry.shape.max_seq_len,
                         "clean_up_tokenization_spaces": False,
-                        # The layout of torchtune's Llama3Tokenizer.tokenize_messages.
-                        "chat_template": _CHAT_TEMPLATE,
+                        # The published model's template (runtimes/chat_templates.py).
+                        "chat_template": chat_template(entry),
                     }
                 ),
             },
@@ -342,6 +340,7 @@ class GptBpeFormat:
                         "pad_token": self.pad,
                         "model_max_length": entry.shape.max_seq_len,
                         "clean_up_tokenization_spaces": False,
+                        "chat_template": chat_template(entry),
                     }
                 ),
             },

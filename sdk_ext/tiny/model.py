@@ -46,9 +46,11 @@ _QWEN_SPLIT_PATTERN = (
 
 _LLAMA_SPM = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1}
 _LLAMA_SPM_FORMAT = SentencePieceFormat(**_LLAMA_SPM, tokenizer_class="LlamaTokenizer")
+# Gemma's turn markers are pieces of its SentencePiece model, as in the published tokenizer.
 _GEMMA_SPM = SentencePieceFormat(
-    pad_id=0, eos_id=1, bos_id=2, unk_id=3, tokenizer_class="GemmaTokenizer"
-)
+    pad_id=0, eos_id=1, bos_id=2, unk_id=3, tokenizer_class="GemmaTokenizer",
+    user_symbols=("<start_of_turn>", "<end_of_turn>"), dummy_prefix=False,
+)  # fmt: skip
 _QWEN = {"pattern": _QWEN_SPLIT_PATTERN, "learned_tokens": 352, "bos": None}
 _QWEN |= {"eos": "<|im_end|>", "pad": "<|endoftext|>", "normalizer": {"type": "NFC"}}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.tiny.bpe import TokenizerFiles, _added_tokens, dump_json
+from tunepack.tiny.bpe import TokenizerFiles, _added_tokens, chat_template, dump_json
 from tunepack.tiny.dataset import tiny_corpus
 
 
@@ -30,6 +30,11 @@ class SentencePieceFormat:
     eos_token: str | None = None  # a special token that ends text instead of </s> (Phi-3)
     # Ids the SentencePiece model leaves to special tokens and padding (Phi-3: 32064 - 32000).
     reserved: int = 0
+    # Pieces the model keeps whole, as Gemma's turn markers (its chat template's tokens).
+    user_symbols: tuple[str, ...] = ()
+    # Whether a text gets a leading "▁" (Llama's models do; Gemma's do not, nor after its
+    # special tokens).
+    dummy_prefix: bool = True
 
     def _train(self, vocab_size: int) -> bytes:
         import sentencepiece
@@ -50,6 +55,8 @@ class SentencePieceFormat:
                 bos_id=self.bos_id,
                 eos_id=self.eos_id,
                 pad_id=self.pad_id,
+                user_defined_symbols=list(self.user_symbols),
+                add_dummy_prefix=self.dummy_prefix,
                 num_threads=1,  # one thread: the same model on every run
                 minloglevel=2,
             )
@@ -61,7 +68,8 @@ class SentencePieceFormat:
 
     def write(self, entry: ModelEntry) -> TokenizerFiles:
         pieces = entry.shape.vocab_size - self.reserved
-        files = {entry.tokenizer.files["path"]: self._train(pieces)}
+        model = self._train(pieces)
+        files = {entry.tokenizer.files["path"]: model}
         specials: dict[str, int] = {}
         if self.special_tokens:
             module, name = self.special_tokens.split(":")
@@ -70,11 +78,22 @@ class SentencePieceFormat:
             added = {"version": "1.0", "added_tokens": _added_tokens(specials)}
             files[entry.tokenizer.files["special_tokens_path"]] = dump_json(added)
         eos = specials[self.eos_token] if self.eos_token else self.eos_id
+        import sentencepiece
+
+        processor = sentencepiece.SentencePieceProcessor(model_proto=model)
         files["tokenizer_config.json"] = dump_json(
             {
                 "tokenizer_class": self.tokenizer_class,
+                "bos_token": processor.id_to_piece(self.bos_id),
+                "eos_token": self.eos_token or processor.id_to_piece(self.eos_id),
                 "model_max_length": entry.shape.max_seq_len,
                 "clean_up_tokenization_spaces": False,
+                # Llama's published tokenizer.json starts every text between special tokens
+                # with "▁" (its normalizer prepends it), as SentencePiece and torchtune do;
+                # transformers builds that from the .model file only with legacy=true.
+                **({"legacy": True} if self.dummy_prefix else {}),
+                # The published model's template (runtimes/chat_templates.py).
+                "chat_template": chat_template(entry),
             }
         )
         return TokenizerFiles(

@@ -1,0 +1,293 @@
+"""The chat templates tunepack knows, as the Hugging Face Jinja of each family's published model.
+
+Each catalog family trains in the chat format of its published instruct model (the
+``chat_template`` of the repository's ``tokenizer_config.json``). This module holds that Jinja, by
+format name, for three readers:
+
+- the tiny model generator (``tunepack.tiny``), which writes it into the tiny model's
+  ``tokenizer_config.json`` so that tests can render a conversation with transformers'
+  ``apply_chat_template`` and compare it, token by token, with the trainer's rendering
+  (``trainers/prompt_format.py``, which implements each format in Python);
+- the serving builder (``sdk_ext/serving.py``), which passes a template to vLLM
+  (``--chat-template``) when a run was trained in another format than the model's own, or with a
+  default system prompt;
+- the docs.
+
+The templates are written from the published files named beside each one. The branches for tool
+calls (Llama 3.1+, Qwen 2.5, Qwen 3) are left out: tunepack trains on system/user/assistant
+conversations, and a conversation without tools renders the same through the full template.
+These strings are tunepack's, never taken from user input.
+"""
+
+from __future__ import annotations
+
+# meta-llama/Llama-2-7b-chat-hf (and CodeLlama-*-Instruct-hf, which publish the same template).
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}"
+    "{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+# mistralai/Mistral-7B-Instruct-v0.1 (the template with an optional system message, as the
+# repository publishes it since 2024).
+MISTRAL = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content'] %}\n"
+    "    {%- set loop_messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    "    {%- set loop_messages = messages %}\n"
+    "{%- endif %}\n\n"
+    "{{- bos_token }}\n"
+    "{%- for message in loop_messages %}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}\n"
+    "        {{- raise_exception('After the optional system message, conversation roles must "
+    "alternate user/assistant/user/assistant/...') }}\n"
+    "    {%- endif %}\n"
+    "    {%- if message['role'] == 'user' %}\n"
+    "        {%- if loop.first and system_message is defined %}\n"
+    "            {{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}\n"
+    "        {%- else %}\n"
+    "            {{- ' [INST] ' + message['content'] + ' [/INST]' }}\n"
+    "        {%- endif %}\n"
+    "    {%- elif message['role'] == 'assistant' %}\n"
+    "        {{- ' ' + message['content'] + eos_token}}\n"
+    "    {%- else %}\n"
+    "        {{- raise_exception('Only user and assistant roles are supported, with the "
+    "exception of an initial optional system message!') }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+)
+
+# meta-llama/Meta-Llama-3-8B-Instruct (and -70B-Instruct).
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'"
+    "+ message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}"
+)
+
+# meta-llama/Llama-3.1-8B-Instruct (3.1 and 3.3; Llama 3.2's is the same with today's date in
+# place of the fixed one when the renderer provides strftime_now). Tool branches left out.
+LLAMA3_1 = (
+    "{{- bos_token }}\n"
+    "{%- if not date_string is defined %}\n"
+    '    {%- set date_string = "26 Jul 2024" %}\n'
+    "{%- endif %}\n\n"
+    "{#- This block extracts the system message, so we can slot it into the right place. #}\n"
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- set system_message = messages[0]['content']|trim %}\n"
+    "    {%- set messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    '    {%- set system_message = "" %}\n'
+    "{%- endif %}\n\n"
+    '{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
+    '{{- "Cutting Knowledge Date: December 2023\\n" }}\n'
+    '{{- "Today Date: " + date_string + "\\n\\n" }}\n'
+    "{{- system_message }}\n"
+    '{{- "<|eot_id|>" }}\n\n'
+    "{%- for message in messages %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    "+ message['content'] | trim + '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+# meta-llama/Llama-3.2-1B-Instruct (and 3B): Llama 3.1's, dated today where the renderer offers
+# strftime_now (transformers and vLLM do), else the same fixed date.
+LLAMA3_2 = LLAMA3_1.replace(
+    '    {%- set date_string = "26 Jul 2024" %}\n',
+    "    {%- if strftime_now is defined %}\n"
+    '        {%- set date_string = strftime_now("%d %b %Y") %}\n'
+    "    {%- else %}\n"
+    '        {%- set date_string = "26 Jul 2024" %}\n'
+    "    {%- endif %}\n",
+)
+assert LLAMA3_2 != LLAMA3_1
+
+# google/gemma-2b-it, gemma-7b-it and the Gemma 2 -it models: no system role.
+GEMMA = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+
+# microsoft/Phi-3-mini-4k-instruct (the template of its July 2024 update).
+PHI3 = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{'<|system|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\n' + message['content'] + '<|end|>\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\n' + message['content'] + '<|end|>\n'}}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+# microsoft/phi-4.
+PHI4 = (
+    "{% for message in messages %}{% if (message['role'] == 'system') %}"
+    "{{'<|im_start|>system<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'user') %}"
+    "{{'<|im_start|>user<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% elif (message['role'] == 'assistant') %}"
+    "{{'<|im_start|>assistant<|im_sep|>' + message['content'] + '<|im_end|>'}}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant<|im_sep|>' }}{% endif %}"
+)
+
+# Qwen/Qwen2-7B-Instruct (and the 0.5B/1.5B Instruct models).
+QWEN2 = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+QWEN2_5_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen/Qwen2.5-7B-Instruct (every Qwen 2.5 Instruct size). Tool branches left out.
+QWEN2_5 = (
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
+    "{%- else %}\n"
+    "    {{- '<|im_start|>system\\n" + QWEN2_5_SYSTEM + "<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- for message in messages %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or '
+    '(message.role == "assistant") %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
+    "'\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n"
+)
+
+# Qwen/Qwen3-8B (every Qwen 3 dense size): hybrid thinking. The assistant turns after the last
+# user message carry a <think> block (empty when the message has no reasoning); the generation
+# prompt opens one only when enable_thinking is false. Tool branches left out.
+QWEN3 = (
+    "{%- if messages[0].role == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
+    '    {%- if ns.multi_step_tool and message.role == "user" and message.content is string '
+    "and not(message.content.startswith('<tool_response>') and "
+    "message.content.endswith('</tool_response>')) %}\n"
+    "        {%- set ns.multi_step_tool = false %}\n"
+    "        {%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message.content is string %}\n"
+    "        {%- set content = message.content %}\n"
+    "    {%- else %}\n"
+    "        {%- set content = '' %}\n"
+    "    {%- endif %}\n"
+    '    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}\n'
+    "        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
+    '    {%- elif message.role == "assistant" %}\n'
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if message.reasoning_content is string %}\n"
+    "            {%- set reasoning_content = message.reasoning_content %}\n"
+    "        {%- else %}\n"
+    "            {%- if '</think>' in content %}\n"
+    "                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}\n"
+    "                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "            {%- endif %}\n"
+    "        {%- endif %}\n"
+    "        {%- if loop.index0 > ns.last_query_index %}\n"
+    "            {%- if loop.last or (not loop.last and reasoning_content) %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + "
+    "reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {%- else %}\n"
+    "                {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "            {%- endif %}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>' + message.role + '\\n' + content }}\n"
+    "        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+)
+
+# Format name -> the published Jinja.
+TEMPLATES: dict[str, str] = {
+    "llama2": LLAMA2,
+    "mistral": MISTRAL,
+    "llama3": LLAMA3,
+    "llama3.1": LLAMA3_1,
+    "llama3.2": LLAMA3_2,
+    "gemma": GEMMA,
+    "phi3": PHI3,
+    "phi4": PHI4,
+    "qwen2": QWEN2,
+    "qwen2.5": QWEN2_5,
+    "qwen3": QWEN3,
+}
+
+# Catalog family -> its published model's format.
+FAMILY_FORMAT: dict[str, str] = {
+    "llama2": "llama2",
+    "code_llama2": "llama2",
+    "mistral": "mistral",
+    "llama3": "llama3",
+    "llama3_1": "llama3.1",
+    "llama3_2": "llama3.2",
+    "llama3_3": "llama3.1",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "phi3": "phi3",
+    "phi4": "phi4",
+    "qwen2": "qwen2",
+    "qwen2_5": "qwen2.5",
+    "qwen3": "qwen3",
+}
+
+# Formats that share a family's special tokens, so a run may pick another one of its group with
+# chat_template= (a format's markers must be single tokens of the model's vocabulary).
+GROUPS: tuple[tuple[str, ...], ...] = (
+    ("llama2", "mistral"),
+    ("llama3", "llama3.1", "llama3.2"),
+    ("gemma",),
+    ("phi3",),
+    ("phi4",),
+    ("qwen2", "qwen2.5", "qwen3"),
+)
+
+
+def formats_for(family: str) -> tuple[str, ...]:
+    """The chat formats a model of ``family`` can train in: its own first, then its group's."""
+    own = FAMILY_FORMAT[family]
+    group = next(g for g in GROUPS if own in g)
+    return (own, *(name for name in group if name != own))

@@ -1,0 +1,188 @@
+"""The training format is the model's Hugging Face chat template, token for token, per family.
+
+Each family's tiny model carries its published model's chat template (tokenizer_config.json,
+runtimes/chat_templates.py). transformers renders a conversation with it (``apply_chat_template``)
+and tokenizes it with the model's HF tokenizer; the trainer renders the same conversation with
+``trainers/prompt_format.py`` and tokenizes it with the family's torchtune tokenizer. The ids
+must be equal, for whole conversations (training) and for generation prompts (``generate()``),
+and the loss must cover exactly the assistant's replies and their end-of-turn markers.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from omegaconf import OmegaConf
+from torchtune import config as tt_config
+from torchtune.data import Message
+
+from tunepack import tiny
+from tunepack.errors import BadInputError
+from tunepack.runtimes import catalog
+from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, TEMPLATES
+from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.config import tokenizer_config
+from tunepack.trainers.prompt_format import FORMATS
+
+ENTRIES = list(catalog.TINY.values())
+SYSTEM = {"role": "system", "content": "Answer in one short line."}
+CONVERSATION = [
+    {"role": "user", "content": "What is the capital of Iceland?"},
+    {"role": "assistant", "content": "Reykjavik is the capital."},
+    # Surrounding spaces: templates that trim and templates that keep them differ here.
+    {"role": "user", "content": " Reverse the letters of this word: zebra. "},
+    {"role": "assistant", "content": "arbez"},
+]
+# What transformers' chat templates take besides the messages: Llama 3.2's would otherwise
+# print today's date; Qwen 3's generation prompt as tunepack trains it (no thinking).
+# The token that ends an assistant turn, per format: the model learns to stop on it.
+END_OF_TURN = ("<|eot_id|>", "</s>", "<end_of_turn>", "<|end|>", "<|im_end|>")
+TEMPLATE_KWARGS = {"date_string": "26 Jul 2024", "enable_thinking": False}
+
+
+@pytest.fixture(autouse=True)
+def _no_tiktoken_cache(monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+
+
+@pytest.fixture(scope="module", params=ENTRIES, ids=lambda entry: entry.name)
+def family(request, tmp_path_factory):
+    """(entry, model dir, HF tokenizer) for each family's tiny model."""
+    from transformers import AutoTokenizer
+
+    entry = request.param
+    model_dir = tiny.write_tiny_model(tmp_path_factory.mktemp("formats") / entry.name, entry)
+    hf_dir = model_dir
+    if entry.family.name == "phi3":
+        # The tiny Phi-3 keeps its chat tokens in a tokenizer.json holding only added_tokens
+        # (what torchtune reads; the real repository's file is a whole tokenizer), which
+        # transformers cannot load: it gets the SentencePiece model and the same tokens here.
+        hf_dir = tmp_path_factory.mktemp("phi3-hf")
+        shutil.copy(model_dir / "tokenizer.model", hf_dir / "tokenizer.model")
+        config = json.loads((model_dir / "tokenizer_config.json").read_text())
+        added = json.loads((model_dir / "tokenizer.json").read_text())["added_tokens"]
+        config["added_tokens_decoder"] = {str(t["id"]): t for t in added}
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = AutoTokenizer.from_pretrained(hf_dir)
+    assert hf.chat_template == TEMPLATES[FAMILY_FORMAT[entry.family.name]]
+    return entry, model_dir, hf
+
+
+def _tunepack_tokenizer(entry, model_dir, **args):
+    """The tokenizer node the trainer's config gets, instantiated as the recipe does."""
+    given = [f"{k}={v}" for k, v in args.items()]
+    node = tokenizer_config(entry, model_dir, None, parse_trainer_args(given, entry))
+    return tt_config.instantiate(OmegaConf.create(node))
+
+
+def _messages(conversation: list[dict]) -> list[Message]:
+    return [Message(m["role"], m["content"], masked=m["role"] != "assistant") for m in conversation]
+
+
+def _hf_ids(hf, conversation: list[dict], **kwargs) -> list[int]:
+    rendered = hf.apply_chat_template(
+        conversation, tokenize=True, return_dict=True, **TEMPLATE_KWARGS, **kwargs
+    )
+    return list(rendered["input_ids"])
+
+
+def _conversations(entry) -> list[list[dict]]:
+    if FAMILY_FORMAT[entry.family.name] == "gemma":  # no system role in Gemma's template
+        return [CONVERSATION, CONVERSATION[:2]]
+    return [[SYSTEM, *CONVERSATION], CONVERSATION, CONVERSATION[:2]]
+
+
+def test_training_tokens_equal_the_hf_chat_template(family):
+    entry, model_dir, hf = family
+    tokenizer = _tunepack_tokenizer(entry, model_dir)
+    for conversation in _conversations(entry):
+        ids, mask = tokenizer.tokenize_messages(_messages(conversation))
+        assert ids == _hf_ids(hf, conversation), [m["role"] for m in conversation]
+        # The loss covers the replies and what ends each reply, nothing else.
+        trained = hf.decode([i for i, masked in zip(ids, mask, strict=True) if not masked])
+        for reply in (m["content"] for m in conversation if m["role"] == "assistant"):
+            assert reply in trained
+        assert "Iceland" not in trained and "zebra" not in trained and "user" not in trained
+        last = [i for i, masked in zip(ids, mask, strict=True) if not masked][-1]
+        assert hf.convert_ids_to_tokens(last) in END_OF_TURN
+
+
+def test_generation_prompt_equals_the_hf_chat_template(family):
+    entry, model_dir, hf = family
+    tokenizer = _tunepack_tokenizer(entry, model_dir)
+    for conversation in _conversations(entry):
+        prompt = conversation[:-1]
+        ids, _ = tokenizer.tokenize_messages(
+            [*_messages(prompt), Message("assistant", "")], add_end_tokens=False
+        )
+        expected = _hf_ids(hf, prompt, add_generation_prompt=True)
+        assert ids == expected
+        # ... and the whole conversation continues it: the reply follows the prompt.
+        full, _ = tokenizer.tokenize_messages(_messages(conversation))
+        assert full[: len(ids)] == ids
+
+
+def test_system_prompt_is_the_first_turn(family):
+    entry, model_dir, hf = family
+    if FAMILY_FORMAT[entry.family.name] == "gemma":
+        with pytest.raises(BadInputError, match="system_prompt=.* gemma chat format has no system"):
+            parse_trainer_args(["system_prompt=Be terse."], entry)
+        return
+    tokenizer = _tunepack_tokenizer(entry, model_dir, system_prompt="Answer in one short line.")
+    ids, _ = tokenizer.tokenize_messages(_messages(CONVERSATION))
+    assert ids == _hf_ids(hf, [SYSTEM, *CONVERSATION])
+    # A conversation's own system message wins over the default.
+    own = [{"role": "system", "content": "Be precise."}, *CONVERSATION]
+    ids, _ = tokenizer.tokenize_messages(_messages(own))
+    assert ids == _hf_ids(hf, own)
+
+
+def test_every_family_has_a_published_template_and_a_format():
+    assert set(FAMILY_FORMAT) == set(catalog.FAMILIES)
+    assert set(TEMPLATES) == set(FORMATS)
+    assert sorted(n for group in GROUPS for n in group) == sorted(FORMATS)
+
+
+def test_gemma_refuses_a_conversation_with_a_system_message(tmp_path):
+    entry = catalog.TINY["gemma"]
+    model_dir = tiny.write_tiny_model(tmp_path / "gemma", entry)
+    tokenizer = _tunepack_tokenizer(entry, model_dir)
+    with pytest.raises(BadInputError, match="gemma chat format has no system role"):
+        tokenizer.tokenize_messages(_messages([SYSTEM, *CONVERSATION]))
+
+
+def test_another_format_of_the_same_tokens_is_the_hf_template_of_that_format(tmp_path):
+    """chat_template=qwen2.5 on Qwen 3: the run trains as Qwen 2.5's template renders."""
+    from transformers import AutoTokenizer
+
+    entry = catalog.TINY["qwen3"]
+    model_dir = tiny.write_tiny_model(tmp_path / "qwen3", entry)
+    tokenizer = _tunepack_tokenizer(entry, model_dir, chat_template="qwen2.5")
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    ids, _ = tokenizer.tokenize_messages(_messages(CONVERSATION))
+    expected = hf.apply_chat_template(
+        CONVERSATION, chat_template=TEMPLATES["qwen2.5"], tokenize=True, return_dict=True
+    )["input_ids"]
+    assert ids == list(expected)
+
+
+@pytest.mark.parametrize(
+    ("model", "arg", "message"),
+    [
+        ("tiny-llama3", "chat_template=chatml", "chat_template='chatml' is not valid for this "
+         "model: expected model (its own, llama3) or one of llama3, llama3.1, llama3.2"),
+        ("tiny-llama3", "chat_template=qwen2.5", "chat_template='qwen2.5' is not valid"),
+        ("tiny-llama3", "chat_template={{ 7*7 }}", "is not valid for this model"),
+        ("tiny-llama3", "system_prompt=", "system_prompt='' is not valid: expected"),
+        ("tiny-llama3", "system_prompt=<|eot_id|>hi", "system_prompt must not contain the special "
+         "token <|eot_id|>"),
+        ("tiny-llama3", "system_prompt=" + "x" * 5000, "system_prompt is 5000 characters long"),
+    ],
+)  # fmt: skip
+def test_bad_chat_arguments_are_refused_in_one_line(model, arg, message):
+    with pytest.raises(BadInputError) as caught:
+        parse_trainer_args([arg], catalog.get(model))
+    assert message in str(caught.value)
+    assert "\n" not in str(caught.value)

@@ -1,0 +1,480 @@
+"""The chat format a run trains in: each family's published Hugging Face chat template.
+
+torchtune 0.6.1's tokenizers lay conversations out in their own way (Llama 2 and Mistral without
+``[INST]``, Gemma without turn markers, Qwen without its default system prompt, Llama 3.1 without
+its dated system header, an end-of-text token after every conversation, ...), so a model trained
+through them would be prompted one way in training and another by vLLM or transformers, which
+apply the chat template of the model's ``tokenizer_config.json``. tunepack trains in that
+template instead: ``FormattedTokenizer`` wraps the family's torchtune tokenizer (which still
+encodes the text) and lays each conversation out as the template does, token for token
+(tests/test_prompt_format.py renders the same conversations with transformers'
+``apply_chat_template`` on every family's tiny model and compares the ids).
+
+A format is a name (``runtimes/chat_templates.py`` holds the published Jinja of each); a run may
+pick another format of the model's group (``chat_template=``) and a default system prompt
+(``system_prompt=``), both validated by ``trainers/args.py``. Formats are Python here: no
+template text from a user or a model repository is ever executed.
+
+Loss: the assistant's content and the marker that ends its turn are trained (the model learns to
+stop); role headers, system and user turns are not, unless ``train_on_input``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tunepack.errors import BadInputError
+from tunepack.runtimes.chat_templates import FAMILY_FORMAT, QWEN2_5_SYSTEM, formats_for
+
+# Markers the tokenizer resolves to its own BOS / EOS ids.
+BOS, EOS = "<bos>", "<eos>"
+QWEN2_SYSTEM = "You are a helpful assistant."
+LLAMA3_1_DATE = "26 Jul 2024"  # the published template's date when it is given none
+
+
+@dataclass(frozen=True)
+class Turn:
+    role: str
+    content: str
+    trained: bool = False  # its content counts in the loss
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text, or one special token (``special``), belonging to turn ``turn`` (None: framing)."""
+
+    text: str
+    turn: int | None = None
+    kind: str = "head"  # head (role markers), body (content) or end (the turn's closing marker)
+    special: bool = False
+
+
+def _text(text: str, turn: int | None = None, kind: str = "head") -> Piece:
+    return Piece(text, turn, kind)
+
+
+def _tok(name: str, turn: int | None = None, kind: str = "head") -> Piece:
+    return Piece(name, turn, kind, special=True)
+
+
+def _split_system(turns: Sequence[Turn]) -> tuple[Turn | None, list[tuple[int, Turn]]]:
+    indexed = list(enumerate(turns))
+    if turns and turns[0].role == "system":
+        return turns[0], indexed[1:]
+    return None, indexed
+
+
+def _alternating(fmt: str, turns: list[tuple[int, Turn]]) -> None:
+    for position, (_, turn) in enumerate(turns):
+        expected = "user" if position % 2 == 0 else "assistant"
+        if turn.role != expected:
+            roles = "/".join(t.role for _, t in turns)
+            raise BadInputError(
+                f"the {fmt} chat format needs turns alternating user/assistant after an optional "
+                f"system message, but a conversation has {roles}"
+            )
+
+
+def _llama2(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    system, rest = _split_system(turns)
+    _alternating("llama2", rest)
+    out: list[Piece] = []
+    for position, (i, turn) in enumerate(rest):
+        content = turn.content
+        if position == 0 and system is not None:
+            content = f"<<SYS>>\n{system.content}\n<</SYS>>\n\n{content}"
+        if turn.role == "user":
+            out += [_tok(BOS, i), _text(f"[INST] {content.strip()} [/INST]", i, "body")]
+        else:
+            out += [_text(" ", i), _text(content.strip(), i, "body"), _text(" ", i, "end")]
+            out.append(_tok(EOS, i, "end"))
+    return out
+
+
+def _mistral(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    system, rest = _split_system(turns)
+    _alternating("mistral", rest)
+    out = [_tok(BOS)]
+    for position, (i, turn) in enumerate(rest):
+        if turn.role == "user":
+            content = turn.content
+            if position == 0 and system is not None:
+                content = f"{system.content}\n\n{content}"
+            out.append(_text(f" [INST] {content} [/INST]", i, "body"))
+        else:
+            out += [_text(" ", i), _text(turn.content, i, "body"), _tok(EOS, i, "end")]
+    return out
+
+
+def _llama3_turn(i: int | None, role: str, content: str) -> list[Piece]:
+    return [
+        _tok("<|start_header_id|>", i),
+        _text(role, i),
+        _tok("<|end_header_id|>", i),
+        _text("\n\n", i),
+        _text(content.strip(), i, "body"),
+        _tok("<|eot_id|>", i, "end"),
+    ]
+
+
+def _llama3_generation() -> list[Piece]:
+    return [_tok("<|start_header_id|>"), _text("assistant"), _tok("<|end_header_id|>")] + [
+        _text("\n\n")
+    ]
+
+
+def _llama3(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    out = [_tok(BOS)]
+    for i, turn in enumerate(turns):
+        out += _llama3_turn(i, turn.role, turn.content)
+    return out + (_llama3_generation() if generation else [])
+
+
+def _llama3_1(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    system, rest = _split_system(turns)
+    header = f"Cutting Knowledge Date: December 2023\nToday Date: {LLAMA3_1_DATE}\n\n"
+    # The template prepends the header to the (trimmed) system text, then trims nothing more.
+    system_turn = _llama3_turn(0 if system else None, "system", "x")
+    text = header + (system.content.strip() if system else "")
+    system_turn[4] = _text(text, system_turn[4].turn, "body")
+    out = [_tok(BOS), *system_turn]
+    for i, turn in rest:
+        out += _llama3_turn(i, turn.role, turn.content)
+    return out + (_llama3_generation() if generation else [])
+
+
+def _gemma(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    system, rest = _split_system(turns)
+    if system is not None:
+        raise BadInputError(
+            "the gemma chat format has no system role (Gemma's published template refuses it), "
+            "but a conversation starts with a system message: drop it, or fold it into the first "
+            "user message"
+        )
+    _alternating("gemma", rest)
+    out = [_tok(BOS)]
+    for i, turn in rest:
+        role = "model" if turn.role == "assistant" else turn.role
+        out += [_tok("<start_of_turn>", i), _text(f"{role}\n", i)]
+        out += [_text(turn.content.strip(), i, "body"), _tok("<end_of_turn>", i, "end")]
+        out.append(_text("\n", i, "tail"))
+    if generation:
+        out += [_tok("<start_of_turn>"), _text("model\n")]
+    return out
+
+
+def _phi3(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    out: list[Piece] = []
+    for i, turn in enumerate(turns):
+        if turn.role not in ("system", "user", "assistant"):
+            continue  # the published template leaves other roles out
+        out += [_tok(f"<|{turn.role}|>", i), _text("\n", i), _text(turn.content, i, "body")]
+        out += [_tok("<|end|>", i, "end"), _text("\n", i, "tail")]
+    if generation:
+        return out + [_tok("<|assistant|>"), _text("\n")]
+    return out + [_tok(EOS)]
+
+
+def _phi4(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    out: list[Piece] = []
+    for i, turn in enumerate(turns):
+        if turn.role not in ("system", "user", "assistant"):
+            continue
+        out += [_tok("<|im_start|>", i), _text(turn.role, i), _tok("<|im_sep|>", i)]
+        out += [_text(turn.content, i, "body"), _tok("<|im_end|>", i, "end")]
+    if generation:
+        out += [_tok("<|im_start|>"), _text("assistant"), _tok("<|im_sep|>")]
+    return out
+
+
+def _chatml_turn(i: int | None, role: str, content: str, prefix: str = "") -> list[Piece]:
+    return [
+        _tok("<|im_start|>", i),
+        _text(f"{role}\n{prefix}", i),
+        _text(content, i, "body"),
+        _tok("<|im_end|>", i, "end"),
+        _text("\n", i, "tail"),
+    ]
+
+
+def _chatml(default_system: str | None):
+    def render(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+        out: list[Piece] = []
+        if default_system and turns and turns[0].role != "system":
+            out += _chatml_turn(None, "system", default_system)
+        for i, turn in enumerate(turns):
+            out += _chatml_turn(i, turn.role, turn.content)
+        if generation:
+            out += [_tok("<|im_start|>"), _text("assistant\n")]
+        return out
+
+    return render
+
+
+def _qwen3(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    out: list[Piece] = []
+    last_query = len(turns) - 1
+    for i in range(len(turns) - 1, -1, -1):
+        content = turns[i].content
+        if turns[i].role == "user" and not (
+            content.startswith("<tool_response>") and content.endswith("</tool_response>")
+        ):
+            last_query = i
+            break
+    for i, turn in enumerate(turns):
+        if turn.role == "system" and i == 0:
+            out += _chatml_turn(i, "system", turn.content)
+        elif turn.role in ("user", "system"):
+            out += _chatml_turn(i, turn.role, turn.content)
+        elif turn.role == "assistant":
+            content, reasoning = turn.content, ""
+            if "</think>" in content:
+                reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1]
+                reasoning = reasoning.lstrip("\n")
+                content = content.split("</think>")[-1].lstrip("\n")
+            last = i == len(turns) - 1
+            if i > last_query and (last or reasoning):
+                think = f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n"
+                content = content.lstrip("\n")
+                if reasoning:  # the model's own reasoning is trained; an empty block is prompt
+                    content, think = think + content, ""
+                out += _chatml_turn(i, "assistant", content, prefix=think)
+            else:
+                out += _chatml_turn(i, "assistant", content)
+    if generation:  # as the template with enable_thinking=false: an empty thinking block
+        out += [_tok("<|im_start|>"), _text("assistant\n<think>\n\n</think>\n\n")]
+    return out
+
+
+FORMATS = {
+    "llama2": _llama2,
+    "mistral": _mistral,
+    "llama3": _llama3,
+    "llama3.1": _llama3_1,
+    "llama3.2": _llama3_1,  # the fixed date: training does not depend on the day it ran
+    "gemma": _gemma,
+    "phi3": _phi3,
+    "phi4": _phi4,
+    "qwen2": _chatml(QWEN2_SYSTEM),
+    "qwen2.5": _chatml(QWEN2_5_SYSTEM),
+    "qwen3": _qwen3,
+}
+# Formats that have no system role.
+NO_SYSTEM = ("gemma",)
+
+
+def render(fmt: str, turns: Sequence[Turn], *, generation: bool = False) -> list[Piece]:
+    """``turns`` laid out in format ``fmt``; ``generation``: end with the assistant's opening."""
+    return FORMATS[fmt](list(turns), generation)
+
+
+class FormattedTokenizer:
+    """A torchtune model tokenizer that lays conversations out in a chat format.
+
+    Everything but the conversation layout (``encode``, ``decode``, ids, ``max_seq_len``) is the
+    wrapped tokenizer's.
+    """
+
+    def __init__(self, base, chat_template: str, system_prompt: str | None = None):
+        if chat_template not in FORMATS:
+            raise BadInputError(
+                f"chat_template={chat_template!r} is not valid: expected one of "
+                f"{', '.join(FORMATS)}"
+            )
+        self._base = base
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt or None
+        self._special_ids: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    # --- special tokens -------------------------------------------------------------------------
+
+    def special_id(self, name: str) -> int:
+        if name not in self._special_ids:
+            self._special_ids[name] = self._resolve(name)
+        return self._special_ids[name]
+
+    def _resolve(self, name: str) -> int:
+        base = self._base
+        if name == BOS:
+            return base.bos_id
+        if name == EOS:
+            return base.eos_id
+        table = getattr(base, "special_tokens", None)
+        if isinstance(table, Mapping) and name in table:
+            return table[name]
+        spm = getattr(getattr(base, "_spm_model", None), "spm_model", None)
+        if spm is not None:
+            piece = spm.piece_to_id(name)
+            if piece != spm.unk_id() and spm.id_to_piece(piece) == name:
+                return piece
+        raise BadInputError(
+            f"the {self.chat_template} chat format needs the token {name}, which this model's "
+            "tokenizer does not have: pick the model's own chat_template"
+        )
+
+    # --- conversations --------------------------------------------------------------------------
+
+    def turns(self, messages: Sequence[Any]) -> list[Turn]:
+        """torchtune ``Message``s as turns, the default system prompt first where none is."""
+        turns = [
+            Turn(m.role, m.text_content, trained=not m.masked)
+            for m in messages
+            if m.role != "ipython"
+        ]
+        if self.system_prompt and (not turns or turns[0].role != "system"):
+            turns.insert(0, Turn("system", self.system_prompt))
+        return turns
+
+    def encode_pieces(self, pieces: Sequence[Piece], trained) -> tuple[list[int], list[bool]]:
+        """Token ids and loss mask (True: not trained) of ``pieces``.
+
+        Consecutive text pieces are encoded as one text, as transformers encodes everything
+        between two special tokens; a piece boundary inside that text is placed where the
+        encoding of the text before it ends (a token across it goes to the later piece).
+        """
+        tokens: list[int] = []
+        mask: list[bool] = []
+        run: list[Piece] = []
+
+        def flush() -> None:
+            if not run:
+                return
+            text = "".join(p.text for p in run)
+            ids = self._encode(text)
+            flags = [not trained(p) for p in run]
+            start, consumed = 0, ""
+            for k, piece in enumerate(run):
+                consumed += piece.text
+                if k == len(run) - 1:
+                    end = len(ids)
+                else:
+                    prefix = self._encode(consumed) if consumed else []
+                    end = start
+                    while end < min(len(prefix), len(ids)) and prefix[end] == ids[end]:
+                        end += 1
+                    end = max(end, start)
+                tokens.extend(ids[start:end])
+                mask.extend([flags[k]] * (end - start))
+                start = end
+            run.clear()
+
+        for piece in pieces:
+            if piece.special:
+                flush()
+                tokens.append(self.special_id(piece.text))
+                mask.append(not trained(piece))
+            elif piece.text:
+                run.append(piece)
+        flush()
+        return tokens, mask
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._base.encode(text, add_bos=False, add_eos=False))
+
+    def tokenize_messages(
+        self, messages: Sequence[Any], *, add_end_tokens: bool = True
+    ) -> tuple[list[int], list[bool]]:
+        """Token ids and mask of a conversation (``add_end_tokens=False``: up to the opening of
+        the assistant's turn, for generation; a trailing empty assistant message is dropped)."""
+        turns = self.turns(messages)
+        generation = not add_end_tokens
+        if generation:
+            while turns and turns[-1].role == "assistant" and not turns[-1].content:
+                turns.pop()
+        if self.chat_template in NO_SYSTEM and turns and turns[0].role == "system":
+            render(self.chat_template, turns)  # raises the format's own message
+        pieces = render(self.chat_template, turns, generation=generation)
+
+        def trained(piece: Piece) -> bool:
+            if piece.turn is None or piece.kind not in ("body", "end"):
+                return False
+            return turns[piece.turn].trained
+
+        tokens, mask = self.encode_pieces(pieces, trained)
+        max_len = getattr(self._base, "max_seq_len", None)
+        if max_len and len(tokens) > max_len:
+            tokens, mask = tokens[:max_len], mask[:max_len]
+        return tokens, mask
+
+    def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
+        messages = sample.pop("messages")
+        tokens, mask = self.tokenize_messages(messages, add_end_tokens=not inference)
+        sample["tokens"] = tokens
+        sample["mask"] = mask
+        return sample
+
+
+def build_tokenizer(
+    family: str,
+    files: dict[str, str],
+    max_seq_len: int | None = None,
+    chat_template: str | None = None,
+    system_prompt: str | None = None,
+) -> FormattedTokenizer:
+    """The family's torchtune tokenizer (the catalog names it) in ``chat_template``'s layout
+    (default: the family's published format)."""
+    from torchtune.config._utils import _get_component_from_path
+
+    from tunepack.runtimes.catalog import FAMILIES
+
+    if family not in FAMILIES:
+        raise BadInputError(f"unknown model family {family!r}")
+    fmt = check_chat_template(family, chat_template)
+    builder = _get_component_from_path(FAMILIES[family].tokenizer.component)
+    base = builder(**files, max_seq_len=max_seq_len)
+    return FormattedTokenizer(base, fmt, system_prompt)
+
+
+def check_chat_template(family: str, chat_template: str | None) -> str:
+    """The format a model of ``family`` trains in for ``chat_template`` (None or ``model``: the
+    family's own); a format of another group is refused in one line."""
+    allowed = formats_for(family)
+    if chat_template in (None, "", "model"):
+        return FAMILY_FORMAT[family]
+    if chat_template not in allowed:
+        raise BadInputError(
+            f"chat_template={chat_template!r} is not valid for this model: expected model (its "
+            f"own, {allowed[0]}) or one of {', '.join(allowed)}"
+        )
+    return chat_template
+
+
+SYSTEM_PROMPT_MAX = 4000
+# Markup that would let a system prompt open or close turns: every format's special tokens look
+# like one of these.
+_MARKUP = re.compile(
+    r"<\|[^<>|\s]*\|>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>|</?think>"
+)
+
+
+def check_system_prompt(text: str, chat_template: str) -> str:
+    """A default system message for ``chat_template``, refused in one line where unusable."""
+    if not text.strip():
+        raise BadInputError(
+            f"system_prompt={text!r} is not valid: expected the text of a system message"
+        )
+    if len(text) > SYSTEM_PROMPT_MAX:
+        raise BadInputError(
+            f"system_prompt is {len(text)} characters long: expected at most {SYSTEM_PROMPT_MAX}"
+        )
+    if chat_template in NO_SYSTEM:
+        raise BadInputError(
+            f"system_prompt={text[:40]!r}: the {chat_template} chat format has no system role "
+            "(the model's published template refuses one); leave system_prompt out"
+        )
+    if found := _MARKUP.search(text):
+        raise BadInputError(
+            f"system_prompt must not contain the special token {found.group(0)}: it would open "
+            "or close a turn of the chat format; give plain text"
+        )
+    if any(ord(c) < 32 and c not in "\n\t" for c in text):
+        raise BadInputError("system_prompt must not contain control characters: give plain text")
+    return text
