@@ -6,6 +6,22 @@
 - ``HEAD``/``GET /[datasets/]<repo>/resolve/<rev>/<path>``: file bytes with ``ETag``,
   ``X-Repo-Commit``, ``X-Linked-Etag``/``X-Linked-Size`` (LFS) and byte ranges.
 
+Uploads, as ``create_repo`` and ``create_commit`` (LFS "basic" transfer; run the client with
+``HF_HUB_DISABLE_XET=1``) make them:
+
+- ``POST /api/repos/create``: a new repository (private when ``visibility`` says so), 409 with its
+  ``url`` when it exists;
+- ``POST /api/models/<repo>/preupload/<rev>``: the upload mode of each file (LFS for weights and
+  files over 10 MB) and the ``oid`` of the file already there;
+- ``POST /<repo>.git/info/lfs/objects/batch``: an upload action per object the LFS store lacks,
+  none for those it has (so a re-run after a kill sends nothing twice);
+- ``PUT /lfs-upload/<oid>``: the object's bytes, refused unless their sha256 is the oid;
+- ``POST /api/models/<repo>/commit/<rev>``: the NDJSON commit (regular files inline, LFS files by
+  oid, deletions), applied all at once; 400 when it names an LFS object never uploaded.
+
+Writes need a token in ``write_tokens`` (a read token gets 403). Tests may hold the next LFS
+upload (``hold_uploads``) to kill the client mid-transfer, and read ``commits``.
+
 Access rules follow the real hub: a gated repository lists publicly but its files need a token
 (401 ``GatedRepo`` without one), an unknown or private repository is 401 ``RepoNotFound`` without
 a token and 404 with one, an unknown revision is 404 ``RevisionNotFound``, and a malformed token
@@ -15,6 +31,7 @@ it, or make its next requests fail with 503, and read the request log.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import threading
@@ -65,10 +82,15 @@ class Repo:
 
 
 class FakeHub:
-    def __init__(self, tokens: tuple[str, ...] = ()):
+    def __init__(self, tokens: tuple[str, ...] = (), write_tokens: tuple[str, ...] = ()):
         self.repos: dict[tuple[str, str], Repo] = {}
-        self.tokens = set(tokens)
+        self.write_tokens = set(write_tokens)
+        self.tokens = set(tokens) | self.write_tokens
         self.requests: list[dict] = []
+        self.lfs: dict[str, bytes] = {}  # the LFS store: sha256 -> bytes
+        self.commits: list[dict] = []  # one record per commit made through the API
+        self.hold_uploads = threading.Event()  # set: LFS uploads are received, then held
+        self.upload_held = threading.Event()  # set when an upload is being held
         self._lock = threading.Lock()
         hub = self
 
@@ -114,6 +136,126 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         self._route(head=True)
+
+    def do_POST(self):
+        self._write("POST")
+
+    def do_PUT(self):
+        self._write("PUT")
+
+    # --- uploads ----------------------------------------------------------------------------
+
+    def _write(self, method: str) -> None:
+        url = urlsplit(self.path)
+        parts = [unquote(p) for p in url.path.strip("/").split("/")]
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        auth = self.headers.get("Authorization", "")
+        token = auth.removeprefix("Bearer ").strip() if auth.startswith("Bearer ") else None
+        self.hub.log(method=method, path=url.path, token=token, size=len(body))
+        if method == "PUT" and parts[0] == "lfs-upload" and len(parts) == 2:
+            return self._lfs_put(parts[1], body)
+        if token is None or token not in self.hub.tokens:
+            return self._error(401, None, "Invalid credentials in Authorization header")
+        if token not in self.hub.write_tokens:
+            return self._error(403, None, "You don't have the rights to write to this namespace")
+        if parts == ["api", "repos", "create"]:
+            return self._create(json.loads(body))
+        if (
+            len(parts) == 6
+            and parts[:2] == ["api", "models"]
+            and parts[4] in ("preupload", "commit")
+        ):
+            repo = self.hub.repos.get(("model", f"{parts[2]}/{parts[3]}"))
+            if repo is None:
+                return self._error(404, "RepoNotFound", "Repository not found")
+            if parts[5] != "main":
+                return self._error(404, "RevisionNotFound", f"Invalid rev id: {parts[5]}")
+            if parts[4] == "preupload":
+                return self._preupload(repo, json.loads(body))
+            return self._commit(repo, body)
+        if (
+            len(parts) == 6
+            and parts[1].endswith(".git")
+            and parts[2:] == ["info", "lfs", "objects", "batch"]
+        ):
+            return self._batch(json.loads(body))
+        self._error(404, None, "not found")
+
+    def _create(self, payload: dict) -> None:
+        repo_id = f"{payload['organization']}/{payload['name']}"
+        url = f"{self.hub.url}/{repo_id}"
+        if ("model", repo_id) in self.hub.repos:
+            return self._json({"error": "You already created this model repo", "url": url}, 409)
+        private = payload.get("visibility") == "private" or payload.get("private") is True
+        self.hub.add(Repo(repo_id, {}, private=private))
+        self._json({"url": url})
+
+    def _preupload(self, repo: Repo, payload: dict) -> None:
+        answers = []
+        for item in payload["files"]:
+            path, size = item["path"], item["size"]
+            lfs = repo.is_lfs(path) or size > 10 * 1024 * 1024
+            oid = None
+            if path in repo.files:
+                entry = repo.entry(path)
+                oid = entry["lfs"]["oid"] if "lfs" in entry else entry["oid"]
+            answers.append(
+                {
+                    "path": path,
+                    "uploadMode": "lfs" if lfs else "regular",
+                    "shouldIgnore": False,
+                    "oid": oid,
+                }
+            )
+        self._json({"files": answers})
+
+    def _batch(self, payload: dict) -> None:
+        objects = []
+        for obj in payload["objects"]:
+            answer = {"oid": obj["oid"], "size": obj["size"]}
+            if obj["oid"] not in self.hub.lfs:
+                href = f"{self.hub.url}/lfs-upload/{obj['oid']}"
+                answer["actions"] = {"upload": {"href": href, "header": {}}}
+            objects.append(answer)
+        self._json({"transfer": "basic", "objects": objects})
+
+    def _lfs_put(self, oid: str, body: bytes) -> None:
+        if self.hub.hold_uploads.is_set():
+            self.hub.upload_held.set()
+            while self.hub.hold_uploads.is_set():  # until the test lets go (or kills the client)
+                time.sleep(0.05)
+        if hashlib.sha256(body).hexdigest() != oid:
+            return self._error(400, None, "the uploaded bytes do not match the oid")
+        self.hub.lfs[oid] = body
+        self._json({})
+
+    def _commit(self, repo: Repo, body: bytes) -> None:
+        files = dict(repo.files)
+        header = {}
+        for line in body.decode().splitlines():
+            item = json.loads(line)
+            key, value = item["key"], item["value"]
+            if key == "header":
+                header = value
+            elif key == "file":
+                files[value["path"]] = base64.b64decode(value["content"])
+            elif key == "lfsFile":
+                if value["oid"] not in self.hub.lfs:
+                    return self._error(400, None, f"LFS object {value['oid']} was not uploaded")
+                files[value["path"]] = self.hub.lfs[value["oid"]]
+            elif key == "deletedFile":
+                files.pop(value["path"], None)
+            else:
+                return self._error(400, None, f"unknown commit line {key!r}")
+        repo.files = files
+        self.hub.commits.append({"repo": repo.repo_id, "summary": header.get("summary")})
+        self._json(
+            {
+                "commitUrl": f"{self.hub.url}/{repo.repo_id}/commit/{repo.commit}",
+                "commitOid": repo.commit,
+                "pullRequestUrl": None,
+            }
+        )
 
     # --- routing ----------------------------------------------------------------------------
 
@@ -250,9 +392,9 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
-    def _json(self, data: object) -> None:
+    def _json(self, data: object, status: int = 200) -> None:
         body = json.dumps(data).encode()
-        self.send_response(200)
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()

@@ -1,0 +1,165 @@
+"""The exporter: ``python -m tunepack.initializers.export``, the step after the trainer.
+
+It sends a finished run's result out of the workspace to ``EXPORT_URI``:
+
+- ``s3://bucket/prefix``: objects under ``prefix/`` (S3 or an S3-compatible store; credentials
+  and endpoint from the AWS environment, as the initializers read them);
+- ``hf://org/name[@branch]``: a Hub model repository, created **private** unless
+  ``EXPORT_PRIVATE=false`` (token: ``HF_TOKEN``); one commit holds every file;
+- ``file:///abs/path`` or a plain path (a PVC mounted in the exporter's Pod, or a local disk).
+
+What is exported: the adapter (LoRA methods) or the model (``full``), the merged model when the
+run made one, ``result.json``, ``config.yaml`` and ``metrics.jsonl``, plus
+``tunepack-manifest.json`` listing every file with its size and sha256.
+
+For the reader the export is all-or-nothing: the manifest is written last, after every file has
+been uploaded and read back (sizes and checksums; for the Hub, the commit's tree); an earlier
+manifest at the destination is removed first, so a destination with a manifest is complete and a
+destination without one is not a result. A re-run (after ``kill -9``, a preemption, a network
+failure) skips the files already uploaded and verified, resumes a multipart S3 upload at its
+first missing part, and finishes; a destination already holding this very export is left alone.
+
+Same contract as the initializers: one ``export: error: ...`` line and exit 65 for what the
+user must fix (bad URI, wrong credentials, no result to export), 75 for what may pass (network,
+preemption); secrets never reach the log. ``EXPORT_URI`` unset: nothing to do, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tunepack import workspace
+from tunepack.errors import BadInputError
+from tunepack.initializers import atomic
+from tunepack.initializers._entry import log, run
+from tunepack.initializers.uri import redact
+
+PROGRAM = "export"
+EXPORT_URI_ENV = "EXPORT_URI"
+PRIVATE_ENV = "EXPORT_PRIVATE"
+MANIFEST_KIND = "export"
+# The run's records that travel with the artifact (when present).
+RECORDS = ("result.json", "config.yaml", "metrics.jsonl")
+RESULT_FILE = "result.json"
+SCHEMES = "s3://bucket/prefix, hf://org/name, file:///absolute/path or a path"
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """One file to export: its path in the export, on disk, and what it must be remotely."""
+
+    rel: str
+    path: Path
+    size: int
+    sha256: str
+
+
+def _log(message: str) -> None:
+    log(PROGRAM, message)
+
+
+def main() -> int:
+    return run(PROGRAM, export)
+
+
+def export() -> None:
+    raw = os.environ.get(EXPORT_URI_ENV, "").strip()
+    if not raw:
+        _log(f"{EXPORT_URI_ENV} is not set: nothing to export")
+        return
+    from tunepack.initializers import sinks
+
+    sink = sinks.open_sink(raw, _log)  # the URI is checked before anything is read
+    files, result = collect(workspace.output_dir())
+    manifest = build_manifest(files, result, sink.display)
+    sink.publish(files, manifest)
+
+
+def collect(output: Path) -> tuple[list[LocalFile], dict]:
+    """The files of a finished run under ``output`` (sorted), and its ``result.json``."""
+    result_path = output / RESULT_FILE
+    try:
+        result = json.loads(result_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInputError(
+            f"there is no finished result to export: {result_path} does not exist (the trainer "
+            "writes it when training completes); run the training first"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise BadInputError(f"cannot read {result_path}: {error}") from None
+    if not isinstance(result, dict) or not result.get("artifact"):
+        raise BadInputError(f"{result_path} names no artifact; it was not written by tunepack")
+    dirs = [Path(result["artifact"]).name]
+    if result.get("merged_model"):
+        dirs.append(Path(result["merged_model"]).name)
+    paths: dict[str, Path] = {}
+    for name in dirs:
+        directory = output / name
+        if not directory.is_dir():
+            raise BadInputError(
+                f"{result_path} names {name}/, but {directory} is not there; the result is "
+                "incomplete: run the training again"
+            )
+        for path in sorted(directory.rglob("*")):
+            rel = path.relative_to(output)
+            if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+                paths[rel.as_posix()] = path
+    for name in RECORDS:
+        if (output / name).is_file():
+            paths[name] = output / name
+    files = [
+        LocalFile(rel, path, path.stat().st_size, atomic.sha256_file(path))
+        for rel, path in sorted(paths.items())
+    ]
+    return files, result
+
+
+def build_manifest(files: list[LocalFile], result: dict, destination: str) -> dict:
+    """The export manifest: what a reader needs to fetch and verify the result."""
+    return {
+        "kind": MANIFEST_KIND,
+        "destination": destination,
+        "model": result.get("model"),
+        "base_model": result.get("base_model"),
+        "method": result.get("method"),
+        "artifact": Path(result["artifact"]).name,
+        "merged_model": Path(result["merged_model"]).name if result.get("merged_model") else None,
+        "final_loss": result.get("final_loss"),
+        "config_digest": result.get("config_digest"),
+        "files": {f.rel: {"size": f.size, "sha256": f.sha256} for f in files},
+    }
+
+
+def same_export(existing: dict | None, manifest: dict) -> bool:
+    """Whether a destination's manifest records this very export (``created`` aside)."""
+    if not isinstance(existing, dict):
+        return False
+    return {k: v for k, v in existing.items() if k != "created"} == manifest
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps({**manifest, "created": atomic.now_iso()}, indent=2) + "\n").encode()
+
+
+def export_uri_problem(raw: str) -> str | None:
+    """Why ``raw`` cannot be an export destination (checked by the SDK and CLI before a run),
+    or None."""
+    from tunepack.initializers import sinks
+
+    try:
+        sinks.parse(raw)
+    except BadInputError as error:
+        return str(error)
+    return None
+
+
+def display(raw: str) -> str:
+    return redact(raw)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
