@@ -27,6 +27,10 @@ class Result:
     method: str | None = None
     final_loss: float | None = None
     local: bool = True
+    # The chat format it was trained in (result.json; trainers/prompt_format.py) and its default
+    # system prompt: prompt_ids() and generate() use them.
+    chat_template: str | None = None
+    system_prompt: str | None = None
 
     def load(self):
         """(model, tokenizer) with transformers + peft (local backend only)."""
@@ -71,8 +75,10 @@ class Result:
 
     def prompt_ids(self, prompt: str, *, input: str = "") -> list[int] | None:
         """The tokens the model saw before each response in training, for ``prompt``: the
-        dataset's schema (workspace ``dataset/`` manifest) through the run's torchtune tokenizer,
-        up to the assistant's turn. None for a text-completion run (the prompt is the text)."""
+        dataset's schema (workspace ``dataset/`` manifest) in the run's chat format
+        (``chat_template``, with its ``system_prompt``), up to the opening of the assistant's
+        turn, as the model's Hugging Face chat template renders it with
+        ``add_generation_prompt=True``. None for a text-completion run (the prompt is the text)."""
         from tunepack.workspace import MANIFEST_FILE
 
         workspace = self._workspace()
@@ -86,8 +92,11 @@ class Result:
         from tunepack.runtimes import catalog
         from tunepack.trainers.config import tokenizer_config
 
-        model_name = json.loads((workspace / "output" / "result.json").read_text())["model"]
-        node = tokenizer_config(catalog.get(model_name), workspace / "model", None)
+        info = json.loads((workspace / "output" / "result.json").read_text())
+        node = tokenizer_config(catalog.get(info["model"]), workspace / "model", None)
+        # Results written before the format was recorded trained in the model's own format.
+        node["chat_template"] = info.get("chat_template") or node["chat_template"]
+        node["system_prompt"] = info.get("system_prompt")
         tokenizer = tt_config.instantiate(OmegaConf.create(node))
         if schema == "instruction":
             sample = {"instruction": prompt, "input": input, "output": ""}
@@ -125,6 +134,8 @@ def result_for(backend, name: str) -> Result:
             base_model=str(workspace / "model"),
             method=info.get("method"),
             final_loss=info.get("final_loss"),
+            chat_template=info.get("chat_template"),
+            system_prompt=info.get("system_prompt"),
         )
     pvc = workspace_pvc(name)
     return Result(

@@ -186,3 +186,80 @@ def test_bad_chat_arguments_are_refused_in_one_line(model, arg, message):
         parse_trainer_args([arg], catalog.get(model))
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_chat_run_records_its_format_and_generate_asks_in_it(initialized_workspace, tmp_path):
+    """Chat data, trained in another format of the model's tokens with a default system prompt:
+    the loss falls, result.json records the format, and the result's generation prompt is the
+    HF template's (the one vLLM applies with --chat-template), which is also how every
+    training row begins."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import run_program, setup_recipe
+    from tunepack.result import Result
+    from tunepack.tiny import tiny_dataset_rows
+
+    entry = catalog.get("tiny-llama3")
+    rows = tiny_dataset_rows(32)
+    source = tmp_path / "chat.jsonl"
+    source.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": r["instruction"]},
+                        {"role": "assistant", "content": r["output"]},
+                    ]
+                }
+            )
+            + "\n"
+            for r in rows
+        )
+    )
+    workspace = tmp_path / "ws"
+    shutil.copytree(initialized_workspace / "model", workspace / "model")
+    done = run_program(
+        "tunepack.initializers.dataset",
+        {"TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)},
+    )
+    assert done.returncode == 0, done.stderr
+    system = "Answer with the result only."
+    recipe = setup_recipe(
+        entry,
+        ["epochs=4", "warmup_steps=0", "batch_size=8", "chat_template=llama3.1",
+         f"system_prompt={system}"],
+        model_dir=workspace / "model",
+        dataset_dir=workspace / "dataset",
+        output=workspace / "output",
+    )  # fmt: skip
+    recipe.train()
+    recipe.save()
+    info = json.loads((workspace / "output" / "result.json").read_text())
+    assert info["final_loss"] < info["first_loss"]
+    assert (info["chat_template"], info["system_prompt"]) == ("llama3.1", system)
+
+    result = Result(
+        job="chat",
+        path=info["artifact"],
+        base_model=str(workspace / "model"),
+        method="lora",
+        chat_template=info["chat_template"],
+        system_prompt=info["system_prompt"],
+    )
+    hf = AutoTokenizer.from_pretrained(workspace / "model")
+    asked = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": rows[0]["instruction"]},
+    ]
+    expected = hf.apply_chat_template(
+        asked, chat_template=TEMPLATES["llama3.1"], add_generation_prompt=True, tokenize=True,
+        return_dict=True,
+    )["input_ids"]  # fmt: skip
+    prompt = result.prompt_ids(rows[0]["instruction"])
+    assert prompt == list(expected)
+    # The first row as the trainer tokenized it: this prompt, then the answer and end of turn.
+    trained = recipe.dataloader.dataset[0]["tokens"]
+    assert trained[: len(prompt)] == prompt
+    answer = hf.decode(trained[len(prompt) :])
+    assert answer == rows[0]["output"].strip() + "<|eot_id|>"
+    assert isinstance(result.generate(rows[0]["instruction"], max_new_tokens=4), str)

@@ -794,6 +794,10 @@ class FineTuneRecipe:
                 "artifact": str(artifact),
                 "merged_model": str(self.output_dir / MERGED_DIR) if self.cfg.merge else None,
                 "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
+                # The chat format it was trained in (trainers/prompt_format.py): generate() and
+                # the vLLM manifest prompt the model the same way.
+                "chat_template": self.cfg.tokenizer.get("chat_template"),
+                "system_prompt": self.cfg.tokenizer.get("system_prompt"),
                 "config_digest": result_digest(self.cfg),
                 "identity": result_identity(self.cfg),
                 **(extra or {}),
