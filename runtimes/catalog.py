@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RUNTIME_PREFIX = "tunepack-"
-# Methods that build the LoRA model with one more keyword (quantize_base, use_dora), so a model
-# with a LoRA builder supports them (QLoRA only where NF4 can quantize its weights).
-LORA_VARIANTS = ("qlora", "dora")
+# Methods that build the LoRA model with one more keyword (quantize_base, use_dora) or train it
+# another way (dpo), so a model with a LoRA builder supports them (QLoRA only where NF4 can
+# quantize its weights).
+LORA_VARIANTS = ("qlora", "dora", "dpo")
 # torchao's NF4 quantizes a weight in blocks of 64 values with one scale each, and those scales
 # again in blocks of 256: a weight's size must be a multiple of both, or building the model fails
 # deep inside torchao with an assertion.

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers import TINY, run_program, setup_recipe
 from tests.test_dataset_schemas import jsonl, output, run_dataset
-from tunepack.errors import EXIT_BAD_INPUT
+from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.runtimes import catalog
+from tunepack.tiny.dataset import write_tiny_preference_dataset
+from tunepack.trainers.args import builder_for, parse_trainer_args
+from tunepack.trainers.dpo import DPO, answer_logps
 
 PAIR = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
 CHAT_PAIR = {
@@ -148,3 +156,168 @@ def test_tiny_preference_rows_prefer_the_right_answer():
     rows = tiny_dataset_rows(20)
     assert [p["chosen"] for p in pairs] == [r["output"] for r in rows]
     assert json.dumps(pairs) == json.dumps(tiny_preference_rows(20))  # deterministic
+
+
+# ------------------------------------------------------------------ the DPO loss
+
+
+def test_loss_variants_on_known_log_probabilities():
+    """h = (policy margin) - (reference margin) = (-1 - -3) - (-2 - -2) = 2, beta = 0.5."""
+
+    class Fixed(torch.nn.Module):
+        """A "model" whose adapters, when on, raise the chosen answer's log-probability."""
+
+        def __init__(self):
+            super().__init__()
+            self.lora = torch.nn.Linear(1, 1)  # torchtune's disable_adapter finds none: unused
+
+        def forward(self, tokens):
+            return tokens
+
+    for loss, expected in (
+        ("sigmoid", -torch.nn.functional.logsigmoid(torch.tensor(1.0))),
+        ("hinge", torch.tensor(0.0)),
+        ("ipo", torch.tensor((2 - 1) ** 2.0)),
+    ):
+        dpo = DPO(beta=0.5, loss=loss)
+        policy = torch.tensor([-1.0, -3.0])
+        reference = torch.tensor([-2.0, -2.0])
+        outputs = iter([reference, policy])
+        dpo._logps = lambda model, tokens, labels, out=outputs: next(out)
+        batch = {"tokens": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3)}
+        total, pairs = dpo.forward(Fixed(), batch, torch.device("cpu"))
+        assert pairs == 1 and torch.allclose(total, expected), (loss, total)
+        _, chosen, rejected, correct = dpo.batch_stats
+        assert (chosen, rejected, correct) == (0.5, -0.5, 1)
+
+
+def test_answer_log_probabilities_count_only_labelled_tokens():
+    logits = torch.randn(2, 4, 5, generator=torch.Generator().manual_seed(0))
+    labels = torch.tensor([[-100, -100, 3, 1], [-100, 2, -100, -100]])
+    summed, counted = answer_logps(logits, labels)
+    logp = logits.log_softmax(-1)
+    assert counted.tolist() == [2, 1]
+    assert torch.allclose(summed[0], logp[0, 1, 3] + logp[0, 2, 1])
+    assert torch.allclose(summed[1], logp[1, 0, 2])
+
+
+# ------------------------------------------------------------------ arguments
+
+
+def test_dpo_arguments_and_their_errors():
+    llama = catalog.get("llama3.1-8b")
+    args = parse_trainer_args(["method=dpo", "beta=0.3", "dpo_loss=ipo"], llama)
+    assert (args.method, args.beta, args.dpo_loss, args.lr) == ("dpo", 0.3, "ipo", 5e-5)
+    assert builder_for(llama, "dpo") == llama.builders["lora"]
+    assert "dpo" in TINY.methods and "dpo" in llama.methods
+    defaults = parse_trainer_args(["method=dpo"], llama)
+    assert (defaults.beta, defaults.dpo_loss) == (0.1, "sigmoid")
+    for argv, message in (
+        (["beta=0.3"], "beta=0.3: only method=dpo uses beta, but method=lora"),
+        (["method=dpo", "beta=0"], "beta='0' is not valid: expected a number > 0.0"),
+        (
+            ["method=dpo", "dpo_loss=kto"],
+            "dpo_loss='kto' is not valid: expected one of sigmoid, ipo, hinge",
+        ),
+        (
+            ["method=dpo", "packed=true"],
+            "packed=true is not available with method=dpo: each preference pair is its own "
+            "sequence; set packed=false",
+        ),
+    ):
+        with pytest.raises(BadInputError) as err:
+            parse_trainer_args(argv, TINY)
+        assert str(err.value) == message
+
+
+# ------------------------------------------------------------------ training
+
+
+def _initialize(root: Path, dataset: Path, model_dir: Path) -> Path:
+    env = {"TUNEPACK_WORKSPACE": str(root), "TUNEPACK_MODEL": "tiny-llama3"}
+    for module, uri in (
+        ("tunepack.initializers.dataset", dataset),
+        ("tunepack.initializers.model", model_dir),
+    ):
+        done = run_program(module, {**env, "STORAGE_URI": f"file://{uri}"})
+        assert done.returncode == 0, done.stderr
+    return root
+
+
+@pytest.fixture(scope="module")
+def preference_workspace(tmp_path_factory, tiny_model_dir) -> Path:
+    """Both initializers run over 8 tiny preference pairs (read-only: copy before writing)."""
+    data = write_tiny_preference_dataset(tmp_path_factory.mktemp("pref") / "pairs.jsonl", rows=8)
+    return _initialize(tmp_path_factory.mktemp("pref-ws"), data, tiny_model_dir)
+
+
+# Every step sees all 8 pairs (one batch): the margin should grow step after step.
+TRAIN = ["method=dpo", "batch_size=8", "epochs=12", "lr=3e-3", "warmup_steps=0"]
+
+
+def _steps(output: Path) -> list[dict]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "step"]
+
+
+def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace, tmp_path):
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    recipe = setup_recipe(
+        TINY,
+        [*TRAIN, "checkpoint_every_minutes=0"],
+        model_dir=preference_workspace / "model",
+        dataset_dir=preference_workspace / "dataset",
+        output=tmp_path,
+    )
+    recipe.train()
+    recipe.save()
+    steps = _steps(tmp_path)
+    margins = [s["reward_margin"] for s in steps]
+    accuracy = [s["reward_accuracy"] for s in steps]
+    assert len(steps) == 12 and steps[0]["loss"] == pytest.approx(0.693147, abs=1e-5)
+    assert margins[0] == 0  # the first batch meets the untrained adapters: policy == reference
+    assert margins[-1] > margins[6] > margins[2] > 0, margins
+    assert accuracy[-1] >= 0.75 and accuracy[-1] > accuracy[1], accuracy
+    assert steps[-1]["loss"] < steps[1]["loss"] < steps[0]["loss"]
+    assert all(s["tokens"] > 8 * 2 for s in steps)  # real tokens, not pairs
+
+    # The published adapter, loaded by peft over the base in transformers, prefers the chosen
+    # answers: its implicit reward margin on the pairs is what the trainer reached.
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        preference_workspace / "model", torch_dtype=torch.float32
+    )
+    batch = recipe.collate([recipe.dataloader.dataset[i] for i in range(8)])
+    with torch.no_grad():
+        ref, _ = answer_logps(base(batch["tokens"]).logits, batch["labels"])
+        tuned = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        pol, _ = answer_logps(tuned(batch["tokens"]).logits, batch["labels"])
+    rewards = 0.1 * (pol - ref)
+    margin = (rewards[:8] - rewards[8:]).mean().item()
+    assert margin > margins[-1] > 0  # one more update than the last step's (pre-update) margin
+    assert (rewards[:8] > rewards[8:]).float().mean().item() >= 0.75
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["method"] == "dpo" and result["dpo"]["beta"] == 0.1
+    assert result["dpo"]["reward_margin"] == margins[-1]
+
+
+def test_method_and_dataset_must_match(preference_workspace, initialized_workspace, tmp_path):
+    with pytest.raises(BadInputError) as err:
+        setup_recipe(
+            TINY,
+            ["method=dpo"],
+            model_dir=initialized_workspace / "model",
+            dataset_dir=initialized_workspace / "dataset",
+            output=tmp_path / "a",
+        )
+    assert str(err.value) == (
+        "method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and 'rejected'), "
+        "but the dataset's schema is 'instruction'"
+    )
+    env = {"TUNEPACK_WORKSPACE": str(shutil.copytree(preference_workspace, tmp_path / "ws"))}
+    done = run_program("tunepack.trainers.launch", {**env, "TUNEPACK_MODEL": "tiny-llama3"})
+    assert done.returncode == EXIT_BAD_INPUT
+    assert done.stderr.endswith(
+        "error: the dataset is a preference dataset (chosen/rejected pairs), which method=lora "
+        "cannot learn from: use method=dpo\n"
+    ), done.stderr

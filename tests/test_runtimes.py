@@ -106,7 +106,7 @@ def test_metadata(entry):
     notes = meta["annotations"]
     assert notes["tunepack.dev/hub-id"] == entry.hub_id
     # Every real model takes every method; the tiny one is too small for NF4 (QLoRA).
-    methods = "full,lora,dora" if entry.name == "tiny-llama3" else "full,lora,qlora,dora"
+    methods = "full,lora,dora,dpo" if entry.name == "tiny-llama3" else "full,lora,qlora,dora,dpo"
     assert notes["tunepack.dev/methods"] == methods
     assert notes["tunepack.dev/parameters"] == str(entry.parameter_count)
     assert notes["tunepack.dev/default-gpus"] == str(entry.resources.gpus)
@@ -135,7 +135,7 @@ def test_multi_node_runtime():
 
 def test_steps_labels_names_images_and_commands():
     jobs = _jobs(build_runtime(GPU))
-    assert list(jobs) == ["dataset-initializer", "model-initializer", "node"]
+    assert list(jobs) == ["dataset-initializer", "model-initializer", "node", "exporter"]
     expected = {  # job: (ancestor-step label, image name, module)
         "dataset-initializer": (
             "dataset-initializer",
@@ -144,6 +144,8 @@ def test_steps_labels_names_images_and_commands():
         ),
         "model-initializer": ("model-initializer", "model-initializer", "initializers.model"),
         "node": ("trainer", "trainer", "trainers.launch"),
+        # After the trainer, in the initializers' image (docs/export.md).
+        "exporter": ("exporter", "model-initializer", "initializers.export"),
     }
     for name, (ancestor, image, module) in expected.items():
         job, container = jobs[name], _container(jobs[name])
@@ -164,6 +166,7 @@ def test_trainer_waits_for_both_initializers():
     ]
     assert "dependsOn" not in jobs["dataset-initializer"]
     assert "dependsOn" not in jobs["model-initializer"]
+    assert jobs["exporter"]["dependsOn"] == [{"name": "node", "status": "Complete"}]
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
@@ -304,7 +307,7 @@ def test_list_runtimes():
     assert sorted(rows) == sorted(entry.runtime_name for entry in ENTRIES)
     tiny = rows[TINY.runtime_name]
     assert tiny["model"] == "tiny-llama3"
-    assert tiny["methods"] == ["full", "lora", "dora"]  # too small for NF4: no qlora
+    assert tiny["methods"] == ["full", "lora", "dora", "dpo"]  # too small for NF4: no qlora
     assert tiny["params"] == TINY.parameter_count
     assert tiny["gpus"] == 0
 

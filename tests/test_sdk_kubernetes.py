@@ -115,7 +115,7 @@ def test_install_train_status_logs_delete(server):
     assert (one_b.model, one_b.default_gpus, one_b.methods) == (
         "llama3.2-1b",
         1,
-        ("full", "lora", "qlora", "dora"),
+        ("full", "lora", "qlora", "dora", "dpo"),
     )
 
     name = tc.train(

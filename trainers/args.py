@@ -19,13 +19,24 @@ from tunepack.trainers.prompt_format import check_chat_template, check_system_pr
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-METHODS = ("lora", "qlora", "dora", "full")
+METHODS = ("lora", "qlora", "dora", "full", "dpo")
+# What each method does (README and docs/trainer.md list them from here).
+METHOD_HELP = {
+    "lora": "LoRA adapters on a frozen base",
+    "qlora": "LoRA adapters on a frozen base stored in NF4 (4-bit)",
+    "dora": "LoRA plus a learned per-row magnitude (DoRA)",
+    "full": "every weight trained",
+    "dpo": "preference tuning (DPO) of LoRA adapters on a preference dataset; the reference "
+    "model is the base with the adapters switched off",
+}
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 # Experiment trackers: a fixed allowlist, mapped in trainers/tracking.py to a logger class.
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
 TRACKER_URI_SCHEMES = ("http", "https", "file")
 # QLoRA (NF4-quantized frozen base) and DoRA (LoRA plus a learned magnitude) are built by the
-# catalog's LoRA builder with extra keywords, so they are available wherever LoRA is.
-LORA_FAMILY = ("lora", "qlora", "dora")
+# catalog's LoRA builder with extra keywords, so they are available wherever LoRA is; DPO trains
+# the LoRA model too.
+LORA_FAMILY = ("lora", "qlora", "dora", "dpo")
 
 
 @dataclass(frozen=True)
@@ -137,7 +148,12 @@ def _name(key: str, raw: str) -> str:
 
 
 VOCABULARY: tuple[Arg, ...] = (
-    Arg("method", _choice(METHODS), "lora, qlora (NF4-quantized base), dora or full", "lora"),
+    Arg(
+        "method",
+        _choice(METHODS),
+        "lora, qlora (NF4-quantized base), dora, full or dpo (preference tuning)",
+        "lora",
+    ),
     Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
     Arg("max_steps", _int(1), "stop after this many optimizer steps (default: no limit)"),
     Arg("batch_size", _int(1, 4096), "examples per device per step (default: catalog)"),
@@ -222,6 +238,10 @@ VOCABULARY: tuple[Arg, ...] = (
         "tunepack",
     ),
     Arg(
+        "beta", _float(0.0, lo_open=True), "method=dpo: how far from the reference (KL weight)", 0.1
+    ),
+    Arg("dpo_loss", _choice(DPO_LOSSES), "method=dpo: the loss, sigmoid, ipo or hinge", "sigmoid"),
+    Arg(
         "chat_template",
         _as_given,
         "chat format of chat and instruction data: model (the base model's own Hugging Face "
@@ -235,8 +255,9 @@ VOCABULARY: tuple[Arg, ...] = (
         "",
     ),
 )
+DPO_ONLY = ("beta", "dpo_loss")
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
-_DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5}
+_DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5, "dpo": 5e-5}
 
 
 @dataclass(frozen=True)
@@ -274,6 +295,8 @@ class TrainArgs:
     tracker: str
     tracker_uri: str
     tracker_project: str
+    beta: float
+    dpo_loss: str
     chat_template: str  # a format name of trainers/prompt_format.py
     system_prompt: str
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
@@ -346,6 +369,16 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         raise BadInputError(
             f"packed=true is not available for {entry.name}: {entry.family.no_packing}; "
             "set packed=false"
+        )
+    if method != "dpo" and (dpo_only := [k for k in DPO_ONLY if k in values]):
+        raise BadInputError(
+            f"{', '.join(f'{k}={pairs[k]}' for k in dpo_only)}: only method=dpo uses "
+            f"{' and '.join(dpo_only)}, but method={method}"
+        )
+    if method == "dpo" and resolved["packed"]:
+        raise BadInputError(
+            "packed=true is not available with method=dpo: each preference pair is its own "
+            "sequence; set packed=false"
         )
     resolved["chat_template"] = check_chat_template(entry.family.name, resolved["chat_template"])
     if "system_prompt" in pairs:

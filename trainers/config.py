@@ -25,6 +25,7 @@ DATASET_BUILDERS = {
     "instruction": "torchtune.datasets.alpaca_dataset",
     "chat": "torchtune.datasets.chat_dataset",
     "text": "torchtune.datasets.text_completion_dataset",
+    "preference": "torchtune.datasets.preference_dataset",
 }
 # Builder keywords per schema: the initializer writes chat rows as OpenAI-style "messages" and
 # text rows as "text"; text completion has no prompt to mask, so no train_on_input.
@@ -36,6 +37,7 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
         "train_on_input": True,
     },
     "text": {"column": "text"},
+    "preference": {"train_on_input": True},  # chosen/rejected conversations
 }
 
 
@@ -212,6 +214,19 @@ def identity_changes(old: dict | None, new: dict[str, str], of: str) -> str:
     return "; ".join(changed) or f"the {of} was written by another configuration"
 
 
+def _check_method_fits_data(method: str, schema: str) -> None:
+    if method == "dpo" and schema != "preference":
+        raise BadInputError(
+            f"method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and "
+            f"'rejected'), but the dataset's schema is {schema!r}"
+        )
+    if method != "dpo" and schema == "preference":
+        raise BadInputError(
+            f"the dataset is a preference dataset (chosen/rejected pairs), which method={method} "
+            "cannot learn from: use method=dpo"
+        )
+
+
 # Every model is built by this function around the catalog's torchtune builder: it corrects
 # the builders that would not reproduce their checkpoint (see trainers/builders.py).
 MODEL_BUILDER = "tunepack.trainers.builders.build"
@@ -263,6 +278,7 @@ def build_config(
             model["use_dora"] = True
 
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len, args)
+    _check_method_fits_data(args.method, manifest["schema"])
     if own_validation and args.val_fraction > 0:
         raise BadInputError(
             f"val_fraction={args.val_fraction} would hold out training rows, but the dataset has "
@@ -356,6 +372,8 @@ def build_config(
             "log_dir": str(output_dir / "tracker"),
         },
     }
+    if args.method == "dpo":  # only here: other methods' run identities stay as they were
+        cfg["dpo"] = {"beta": args.beta, "loss": args.dpo_loss}
     # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
     # content is in dataset_sha256 already).
     if own_validation:

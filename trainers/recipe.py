@@ -55,7 +55,7 @@ from torchtune.modules.peft import (
 
 from tunepack import durable, lifetime
 from tunepack.errors import BadInputError, TransientError, TunepackError
-from tunepack.trainers import checkpoint, distributed
+from tunepack.trainers import checkpoint, distributed, dpo
 from tunepack.trainers.args import LORA_FAMILY
 from tunepack.trainers.config import (
     identity_changes,
@@ -129,6 +129,9 @@ class FineTuneRecipe:
         self.method = cfg.method
         self.is_lora = cfg.method in LORA_FAMILY
         self.digest = run_digest(cfg)
+        # Preference tuning: the DPO loss over the LoRA model and its adapter-less reference.
+        self.dpo = dpo.DPO(cfg.dpo.beta, cfg.dpo.loss) if cfg.method == "dpo" else None
+        self.step_metrics: dict[str, float] = {}  # DPO's rewards of the last step
         self.stop_requested = False  # set by the SIGTERM handler; honoured after each step
         # Training progress, all of it saved in checkpoints.
         self.global_step = 0
@@ -312,7 +315,9 @@ class FineTuneRecipe:
         self.sampler = ResumableSampler(
             len(dataset), rank=self.topo.rank, world_size=self.topo.world_size, seed=cfg.seed
         )
-        if cfg.dataset.packed:
+        if self.dpo is not None:
+            collate = partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
+        elif cfg.dataset.packed:
             collate = padded_collate_packed
         else:
             collate = partial(
@@ -409,7 +414,10 @@ class FineTuneRecipe:
 
     # ---------------------------------------------------------------- train
     def _loss_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Summed next-token loss over the batch and the number of tokens it counts."""
+        """Summed next-token loss over the batch and the number of tokens it counts (DPO: the
+        summed loss of its pairs and their number)."""
+        if self.dpo is not None:
+            return self.dpo.forward(self.model, batch, self.device)
         tokens = batch["tokens"].to(self.device)
         labels = batch["labels"].to(self.device)
         # Predict token t+1 from position t: shift labels left, ignore the last position.
@@ -443,11 +451,16 @@ class FineTuneRecipe:
                     self.epoch, start=self.batch_in_epoch * cfg.batch_size * topo.world_size
                 )
                 step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
+                step_stats = [0.0] * len(dpo.STAT_NAMES) if self.dpo else []
                 for batch in self.dataloader:
                     loss, n_tokens = self._loss_and_tokens(batch)
                     loss.backward()
                     step_loss += loss.item()
                     step_tokens += n_tokens
+                    if self.dpo is not None:
+                        step_stats = [
+                            a + b for a, b in zip(step_stats, self.dpo.batch_stats, strict=True)
+                        ]
                     self.batch_in_epoch += 1
                     if self.batch_in_epoch % accum:
                         continue
@@ -457,8 +470,15 @@ class FineTuneRecipe:
                     time_due = (
                         topo.is_main and every_s > 0 and time.monotonic() - last_ckpt >= every_s
                     )
-                    total_loss, total_tokens, stops, due = distributed.all_reduce_sum(
-                        [step_loss, step_tokens, float(self.stop_requested), float(time_due)],
+                    # (DPO: "tokens" are pairs here, its stats add the step's real token count.)
+                    total_loss, total_tokens, stops, due, *stats = distributed.all_reduce_sum(
+                        [
+                            step_loss,
+                            step_tokens,
+                            float(self.stop_requested),
+                            float(time_due),
+                            *step_stats,
+                        ],
                         self.device,
                     )
                     if not math.isfinite(total_loss):  # the same sum on every rank: all stop
@@ -471,8 +491,11 @@ class FineTuneRecipe:
                     self.optimizer.zero_grad(set_to_none=True)
                     self.lr_scheduler.step()
                     self.global_step += 1
-                    self.tokens_seen += int(total_tokens)
                     self.last_loss = total_loss / max(total_tokens, 1.0)
+                    if self.dpo is not None:
+                        self.step_metrics = self.dpo.metrics(stats, total_tokens)
+                        total_tokens = stats[0]
+                    self.tokens_seen += int(total_tokens)
                     if self.first_loss is None:
                         self.first_loss = self.last_loss
                     if self.batch_in_epoch >= usable:  # the epoch's last whole step
@@ -488,6 +511,7 @@ class FineTuneRecipe:
                                 "loss": self.last_loss,
                                 "lr": self.optimizer.param_groups[0]["lr"],
                                 "tokens_per_second": total_tokens / max(elapsed, 1e-9),
+                                **self.step_metrics,
                             },
                             self.global_step,
                         )
@@ -510,6 +534,7 @@ class FineTuneRecipe:
                     if finished or self.batch_in_epoch == 0:
                         break  # done, or on to the next epoch (the remainder is left out)
                     step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
+                    step_stats = [0.0] * len(step_stats)
         finally:
             self.wall_time = self.prior_wall_time + time.monotonic() - started
             if metrics is not None:
@@ -681,6 +706,7 @@ class FineTuneRecipe:
                 "tokens_per_second": round(tokens_per_s, 1),
                 "peak_memory_gib": round(peak_memory_gib(self.device), 3),
                 "step": self.global_step,
+                **self.step_metrics,
             }
             reporter.update(
                 100 * self.global_step // self.total_steps,
@@ -700,6 +726,7 @@ class FineTuneRecipe:
             "tokens_per_second": round(tokens_per_s, 1),
             "peak_memory_gib": round(peak_memory_gib(self.device), 3),
             "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
+            **self.step_metrics,
         }
         _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
@@ -798,6 +825,11 @@ class FineTuneRecipe:
                 # the vLLM manifest prompt the model the same way.
                 "chat_template": self.cfg.tokenizer.get("chat_template"),
                 "system_prompt": self.cfg.tokenizer.get("system_prompt"),
+                **(
+                    {"dpo": {**OmegaConf.to_container(self.cfg.dpo), **self.step_metrics}}
+                    if self.dpo
+                    else {}
+                ),
                 "config_digest": result_digest(self.cfg),
                 "identity": result_identity(self.cfg),
                 **(extra or {}),

@@ -1,0 +1,114 @@
+"""Direct Preference Optimization (``method=dpo``) over LoRA adapters.
+
+The policy is the model with its LoRA adapters; the reference is the same model with the
+adapters switched off (``disable_adapter``), so no second copy of the weights is held. Each
+batch holds the chosen conversations then the rejected ones, padded together; one forward pass
+with the adapters off (no gradient) and one with them on give the log-probability of every
+answer under the reference and the policy. With ``h = (policy_chosen - policy_rejected) -
+(reference_chosen - reference_rejected)``, the loss per pair is
+
+- ``sigmoid`` (the DPO paper): ``-log sigmoid(beta * h)``;
+- ``hinge`` (SLiC / RSO): ``max(0, 1 - beta * h)``;
+- ``ipo`` (IPO): ``(h - 1 / (2 * beta))**2`` on log-probabilities averaged per answer token, as
+  the IPO paper defines them (the others sum them).
+
+The implicit rewards are ``beta * (policy - reference)`` of each answer; their margin (chosen
+minus rejected) and accuracy (the share of pairs whose chosen reward is higher) go to the
+metrics next to the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
+from torchtune.modules.peft import disable_adapter
+
+LOSSES = ("sigmoid", "ipo", "hinge")
+# What one micro-batch adds to the step's sums (all-reduced over ranks with the loss).
+STAT_NAMES = ("tokens", "reward_chosen", "reward_rejected", "correct")
+
+
+def collate(batch: list[dict], *, padding_idx: int) -> dict[str, torch.Tensor]:
+    """Chosen rows first, then rejected rows, padded to one length: ``tokens``, ``labels``."""
+    tokens, labels = padded_collate_dpo(
+        batch, padding_idx=padding_idx, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
+    )
+    return {"tokens": tokens, "labels": labels}
+
+
+def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: the summed log-probability of its labelled tokens, and how many there are.
+
+    Position t predicts token t+1; unlabelled (prompt, padding) positions count for nothing.
+    """
+    targets = labels[:, 1:]
+    per_token = -F.cross_entropy(
+        logits[:, :-1].float().transpose(1, 2),
+        targets,
+        ignore_index=CROSS_ENTROPY_IGNORE_IDX,
+        reduction="none",
+    )
+    counted = (targets != CROSS_ENTROPY_IGNORE_IDX).sum(-1)
+    return per_token.sum(-1), counted
+
+
+@dataclass
+class DPO:
+    beta: float
+    loss: str
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:  # the argument parser allows only these
+            raise ValueError(f"unknown DPO loss {self.loss!r}")
+        self.batch_stats: list[float] = [0.0] * len(STAT_NAMES)
+
+    def _logps(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor):
+        summed, counted = answer_logps(model(tokens), labels)
+        if self.loss == "ipo":
+            return summed / counted.clamp(min=1)
+        return summed
+
+    def forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, int]:
+        """The summed loss over the batch's pairs and their number; leaves the micro-batch's
+        token count and reward sums in ``batch_stats``."""
+        tokens = batch["tokens"].to(device)
+        labels = batch["labels"].to(device)
+        pairs = tokens.size(0) // 2
+        # The reference first: its logits are gone before the policy's activations pile up.
+        with torch.no_grad(), disable_adapter(model):
+            reference = self._logps(model, tokens, labels)
+        policy = self._logps(model, tokens, labels)
+        h = (policy[:pairs] - policy[pairs:]) - (reference[:pairs] - reference[pairs:])
+        if self.loss == "sigmoid":
+            losses = -F.logsigmoid(self.beta * h)
+        elif self.loss == "hinge":
+            losses = torch.relu(1 - self.beta * h)
+        else:
+            losses = (h - 1 / (2 * self.beta)) ** 2
+        rewards = self.beta * (policy - reference).detach()
+        chosen, rejected = rewards[:pairs], rewards[pairs:]
+        self.batch_stats = [
+            float((labels != CROSS_ENTROPY_IGNORE_IDX).sum()),
+            chosen.sum().item(),
+            rejected.sum().item(),
+            (chosen > rejected).sum().item(),
+        ]
+        return losses.sum(), pairs
+
+    @staticmethod
+    def metrics(stats: list[float], pairs: float) -> dict[str, float]:
+        """A step's reward metrics from its summed stats (every rank's) and pair count."""
+        _, chosen, rejected, correct = stats
+        n = max(pairs, 1.0)
+        return {
+            "reward_chosen": round(chosen / n, 6),
+            "reward_rejected": round(rejected / n, 6),
+            "reward_margin": round((chosen - rejected) / n, 6),
+            "reward_accuracy": round(correct / n, 6),
+        }
