@@ -291,3 +291,30 @@ def formats_for(family: str) -> tuple[str, ...]:
     own = FAMILY_FORMAT[family]
     group = next(g for g in GROUPS if own in g)
     return (own, *(name for name in group if name != own))
+
+
+def serving_template(fmt: str, family: str, system_prompt: str | None = None) -> str | None:
+    """The Jinja a server must apply to prompt a model the way it was trained, or None where
+    the model's own template (its tokenizer_config.json) already does.
+
+    - another format than the family's own: that format's template;
+    - a default system prompt: set as the first message where a conversation has none;
+    - Qwen 3: tunepack trains its replies after an empty thinking block, so thinking is off
+      unless a request asks for it (``chat_template_kwargs: {"enable_thinking": true}``).
+    """
+    import json
+
+    prefix = ""
+    if fmt == "qwen3":
+        prefix += "{%- if enable_thinking is not defined %}{%- set enable_thinking = false %}"
+        prefix += "{%- endif %}\n"
+    if system_prompt:
+        # A JSON string is a valid Jinja string literal (same escapes).
+        message = "{'role': 'system', 'content': " + json.dumps(system_prompt) + "}"
+        prefix += (
+            "{%- if not messages or messages[0]['role'] != 'system' %}"
+            "{%- set messages = [" + message + "] + messages %}{%- endif %}\n"
+        )
+    if not prefix and fmt == FAMILY_FORMAT[family]:
+        return None
+    return prefix + TEMPLATES[fmt]

@@ -263,3 +263,87 @@ def test_a_chat_run_records_its_format_and_generate_asks_in_it(initialized_works
     answer = hf.decode(trained[len(prompt) :])
     assert answer == rows[0]["output"].strip() + "<|eot_id|>"
     assert isinstance(result.generate(rows[0]["instruction"], max_new_tokens=4), str)
+
+
+def _served(capsys, runtime: str, *argv: str) -> tuple[list[str], str | None]:
+    """vLLM's arguments and the chat template it is given, from `tunepack render serving`."""
+    import yaml
+
+    from tunepack.cli import main
+
+    code = main(["render", "serving", "--runtime", runtime, "--name", "my-job", *argv])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    objects = [o for o in yaml.safe_load_all(out) if o]
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    maps = [o for o in objects if o["kind"] == "ConfigMap"]
+    template = maps[0]["data"]["chat_template.jinja"] if maps else None
+    flag = [a for a in args if a.startswith("--chat-template")]
+    assert bool(flag) == bool(template)
+    if template:  # mounted where the flag points
+        pod = deployment["spec"]["template"]["spec"]
+        assert {"name": "chat-template", "configMap": {"name": maps[0]["metadata"]["name"]}} in (
+            pod["volumes"]
+        )
+        mounts = pod["containers"][0]["volumeMounts"]
+        mount = next(m for m in mounts if m["name"] == "chat-template")
+        assert flag[0] == f"--chat-template={mount['mountPath']}/chat_template.jinja"
+    return args, template
+
+
+def test_a_run_in_the_models_own_format_is_served_with_the_models_own_template(capsys):
+    args, template = _served(capsys, "tunepack-llama3.1-8b", "lora_rank=8")
+    assert template is None and not any("chat-template" in a for a in args)
+
+
+def test_the_served_template_prompts_as_the_run_was_trained(capsys, tmp_path):
+    """A run with another format and a system prompt (with quotes and accents, which must
+    survive the Jinja string): vLLM's template renders the prompts the trainer's format does."""
+    from transformers import AutoTokenizer
+
+    system = 'Say "done" when finished — café\\n'
+    argv = ["chat_template=llama3.1", f"system_prompt={system}"]
+    _, template = _served(capsys, "tunepack-tiny-llama3", *argv)
+    entry = catalog.get("tiny-llama3")
+    model_dir = tiny.write_tiny_model(tmp_path / "m", entry)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = _tunepack_tokenizer(
+        entry, model_dir, chat_template="llama3.1", system_prompt=system
+    )
+    for asked in (CONVERSATION[:1], [{"role": "system", "content": "Own."}, *CONVERSATION[:3]]):
+        ids, _ = tokenizer.tokenize_messages(
+            [*_messages(asked), Message("assistant", "")], add_end_tokens=False
+        )
+        served = hf.apply_chat_template(
+            asked, chat_template=template, add_generation_prompt=True, tokenize=True,
+            return_dict=True,
+        )["input_ids"]  # fmt: skip
+        assert ids == list(served)
+        # The run's system prompt where the request has none, the request's own otherwise.
+        assert (system.strip() in hf.decode(ids)) == (asked[0]["role"] != "system")
+
+
+def test_qwen3_is_served_without_thinking_as_it_was_trained(capsys, tmp_path):
+    from transformers import AutoTokenizer
+
+    _, template = _served(capsys, "tunepack-qwen3-0.6b")
+    entry = catalog.TINY["qwen3"]
+    model_dir = tiny.write_tiny_model(tmp_path / "q", entry)
+    hf = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = _tunepack_tokenizer(entry, model_dir)
+    ids, _ = tokenizer.tokenize_messages(
+        [*_messages(CONVERSATION[:1]), Message("assistant", "")], add_end_tokens=False
+    )
+    served = hf.apply_chat_template(  # no enable_thinking: the served template turns it off
+        CONVERSATION[:1], chat_template=template, add_generation_prompt=True, tokenize=True,
+        return_dict=True,
+    )["input_ids"]  # fmt: skip
+    assert ids == list(served)
+    assert "<think>\n\n</think>" in hf.decode(ids)
+    # A request may still turn thinking on.
+    thinking = hf.apply_chat_template(
+        CONVERSATION[:1], chat_template=template, add_generation_prompt=True,
+        enable_thinking=True, tokenize=False,
+    )  # fmt: skip
+    assert thinking.endswith("<|im_start|>assistant\n")
