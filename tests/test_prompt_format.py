@@ -347,3 +347,19 @@ def test_qwen3_is_served_without_thinking_as_it_was_trained(capsys, tmp_path):
         enable_thinking=True, tokenize=False,
     )  # fmt: skip
     assert thinking.endswith("<|im_start|>assistant\n")
+
+
+def test_torchtune_alone_lays_out_no_family_as_its_published_template(family):
+    """Why the wrapper exists: torchtune 0.6.1's own tokenizers (their default prompt templates)
+    render a conversation differently from every family's published template (docs/trainer.md,
+    "Chat format", says how)."""
+    entry, model_dir, hf = family
+    files = {kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()}
+    own = tt_config.instantiate(
+        OmegaConf.create({"_component_": entry.tokenizer.component, **files})
+    )
+    ids, _ = own.tokenize_messages(_messages(CONVERSATION[:2]))
+    assert ids != _hf_ids(hf, CONVERSATION[:2])
+    assert _tunepack_tokenizer(entry, model_dir).tokenize_messages(_messages(CONVERSATION[:2]))[
+        0
+    ] == _hf_ids(hf, CONVERSATION[:2])
