@@ -363,3 +363,32 @@ def test_torchtune_alone_lays_out_no_family_as_its_published_template(family):
     assert _tunepack_tokenizer(entry, model_dir).tokenize_messages(_messages(CONVERSATION[:2]))[
         0
     ] == _hf_ids(hf, CONVERSATION[:2])
+
+
+def test_a_gemma_run_on_conversations_with_a_system_message_fails_with_the_formats_message(
+    tmp_path,
+):
+    from tests.helpers import run_program, setup_recipe
+
+    entry = catalog.TINY["gemma"]
+    workspace = tmp_path / "ws"
+    tiny.write_tiny_model(workspace / "model", entry)
+    source = tmp_path / "chat.jsonl"
+    row = {"messages": [SYSTEM, *CONVERSATION[:2]]}
+    source.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    done = run_program(
+        "tunepack.initializers.dataset",
+        {"TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)},
+    )
+    assert done.returncode == 0, done.stderr
+    recipe = setup_recipe(
+        entry,
+        ["max_steps=1", "batch_size=2", "warmup_steps=0"],
+        model_dir=workspace / "model",
+        dataset_dir=workspace / "dataset",
+        output=workspace / "output",
+    )
+    with pytest.raises(BadInputError) as caught:
+        recipe.train()
+    assert str(caught.value).startswith("the gemma chat format has no system role")
+    assert not (workspace / "output" / "result.json").exists()

@@ -304,13 +304,16 @@ class GptBpeFormat:
     eos: str
     pad: str
     normalizer: dict | None = None
+    # Tokens the model's tokenizer.json adds after torchtune's table (Qwen 3's thinking and tool
+    # response markers).
+    added: tuple[str, ...] = ()
 
     def special_names(self) -> list[str]:
         import importlib
 
         module, name = self.canonical.split(":")
         table = getattr(importlib.import_module(module), name)
-        return sorted(table, key=table.get)
+        return sorted(table, key=table.get) + list(self.added)
 
     def write(self, entry: ModelEntry) -> TokenizerFiles:
         merges = _learn(self.learned_tokens, self.pattern)

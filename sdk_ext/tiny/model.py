@@ -85,9 +85,11 @@ FORMATS: dict[str, FamilyFormat] = {
         canonical="torchtune.models.qwen2._tokenizer:QWEN2_SPECIAL_TOKENS", **_QWEN)),
     "qwen2_5": FamilyFormat(hf.QWEN2, GptBpeFormat(
         canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN)),
-    # Qwen 3 keeps Qwen 2.5's vocabulary and special tokens (its <think> tokens are added ones).
+    # Qwen 3 keeps Qwen 2.5's vocabulary and special tokens and adds four (Qwen/Qwen3-8B's
+    # tokenizer.json, ids 151665-151668), among them the <think> markers of its chat template.
     "qwen3": FamilyFormat(hf.QWEN3, GptBpeFormat(
-        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN)),
+        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN,
+        added=("<tool_response>", "</tool_response>", "<think>", "</think>"))),
 }  # fmt: skip
 
 
