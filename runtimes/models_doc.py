@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from tunepack.runtimes import catalog
+from tunepack.runtimes.chat_templates import FAMILY_FORMAT
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
@@ -23,11 +24,15 @@ Every runtime trains the checkpoint's own model: `tests/test_families.py` compar
 logits with transformers' on a tiny random checkpoint, and the exported PEFT adapter with the
 trained model. Qwen 3 is not in torchtune 0.6.1: tunepack builds it on torchtune's components
 (`trainers/qwen3.py`: q/k RMSNorm per head before RoPE, as Hugging Face's Qwen 3) and converts
-its checkpoints with a checkpointer that knows the q/k norms. Its prompt format is ChatML, written
-by torchtune's Qwen 2.5 tokenizer over the checkpoint's own vocabulary.
+its checkpoints with a checkpointer that knows the q/k norms.
 
-| Runtime | Hugging Face checkpoint | Family | Parameters | Methods | Default GPUs |
-|---|---|---|---|---|---|
+"Chat template" is the format a runtime trains chat and instruction data in by default: the
+published chat template of the checkpoint's `tokenizer_config.json`, token for token
+(`runtimes/chat_templates.py`; docs/trainer.md, "Chat format"; `chat_template=` picks another of
+the same tokens).
+
+| Runtime | Hugging Face checkpoint | Family | Parameters | Methods | Chat template | Default GPUs |
+|---|---|---|---|---|---|---|
 """
 
 
@@ -38,7 +43,8 @@ def _billions(count: int) -> str:
 def render() -> str:
     rows = [
         f"| `{e.runtime_name}` | `{e.hub_id}` | {e.family.title} | {_billions(e.parameter_count)}"
-        f" | {', '.join(e.methods)} | {e.resources.gpus * e.resources.nodes} |"
+        f" | {', '.join(e.methods)} | {FAMILY_FORMAT[e.family.name]}"
+        f" | {e.resources.gpus * e.resources.nodes} |"
         for e in catalog.CATALOG.values()
     ]
     return _HEADER + "\n".join(rows) + "\n"
