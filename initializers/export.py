@@ -19,7 +19,7 @@ destination without one is not a result. A re-run (after ``kill -9``, a preempti
 failure) skips the files already uploaded and verified, resumes a multipart S3 upload at its
 first missing part, and finishes; a destination already holding this very export is left alone.
 
-Same contract as the initializers: one ``export: error: ...`` line and exit 65 for what the
+Same contract as the initializers: one ``exporter: error: ...`` line and exit 65 for what the
 user must fix (bad URI, wrong credentials, no result to export), 75 for what may pass (network,
 preemption); secrets never reach the log. ``EXPORT_URI`` unset: nothing to do, exit 0.
 """
@@ -38,7 +38,7 @@ from tunepack.initializers import atomic
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.uri import redact
 
-PROGRAM = "export"
+PROGRAM = "exporter"
 EXPORT_URI_ENV = "EXPORT_URI"
 PRIVATE_ENV = "EXPORT_PRIVATE"
 MANIFEST_KIND = "export"

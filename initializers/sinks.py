@@ -481,6 +481,14 @@ def _looks_like_md5_etag(etag: str) -> bool:
 # --- the Hugging Face Hub ------------------------------------------------------------------------
 
 
+def hub_endpoint() -> str:
+    """``HF_ENDPOINT`` as it is now: huggingface_hub reads it once, at import, which in a notebook
+    may be before the user set it."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", "").strip().rstrip("/") or constants.ENDPOINT
+
+
 def git_blob_id(path: Path) -> str:
     """The git blob id of a file: what the Hub publishes for files not stored in LFS/Xet."""
     digest = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # noqa: S324 - git's id
@@ -507,7 +515,7 @@ class HubSink:
         self.repo_id = parsed.location
         self.revision = unquote(parsed.revision) if parsed.revision else constants.DEFAULT_REVISION
         self.token = hf.token()
-        self.endpoint = constants.ENDPOINT
+        self.endpoint = hub_endpoint()
         self.api = HfApi(endpoint=self.endpoint, token=self.token or False)
 
     @property
@@ -709,6 +717,11 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
     else:
         cache = dest.with_name(f".{dest.name}.tunepack-download")
         source = uri.remote_source(parsed, "model")
+        if parsed.scheme == "hf":
+            from huggingface_hub import HfApi
+
+            source.endpoint = hub_endpoint()
+            source.api = HfApi(endpoint=source.endpoint, token=source._auth)
         listing = retrying(f"listing {parsed.display!r}", source.list, log)
         by_path = {f.path: f for f in listing.files}
         if MANIFEST_FILE not in by_path:

@@ -4,12 +4,19 @@
     python -m tunepack.runtimes.generate --check  # exit 1 if the committed files are stale
 
 The YAML is committed (``make runtimes``) so that ``kubectl apply -k`` needs no Python; a test
-fails when it no longer matches the catalog. Each runtime is a JobSet template with three steps
+fails when it no longer matches the catalog. Each runtime is a JobSet template with four steps
 sharing a ``/workspace`` volume:
 
     dataset-initializer ─┐
-                         ├─> node (the trainer; torchrun inside, one Pod per node)
+                         ├─> node (the trainer; torchrun inside, one Pod per node) ─> exporter
     model-initializer ───┘
+
+The exporter (``tunepack.initializers.export``, in the model initializer's image) uploads the
+result where the TrainJob's ``EXPORT_URI`` says, and does nothing when it is unset. The TrainJob
+sets it through ``runtimePatches`` (the only per-job way to give a container of a job other than
+the initializers and the trainer its environment; Trainer v2.3 refuses patched env only on the
+dataset-initializer, model-initializer and node containers). JobSet's default success policy
+(every replicatedJob) keeps the JobSet running until the exporter has finished.
 
 Platform contract (Kubeflow Trainer v2.3) this file encodes: the step labels and container names
 the controller looks for, ``trainer.kubeflow.org/framework: torch`` (the torchtune plugin would
@@ -163,7 +170,16 @@ TRAINER_STEP = Step(
     module="tunepack.trainers.launch",
     backoff_limit=0,
 )
-STEPS = (DATASET_STEP, MODEL_STEP, TRAINER_STEP)
+# After the trainer: uploads the result (EXPORT_URI), CPU only. The label value is tunepack's own:
+# the Trainer acts only on the dataset-initializer, model-initializer and trainer values.
+EXPORT_STEP = Step(
+    job="exporter",
+    ancestor="exporter",
+    image="model-initializer",  # the initializers' image holds the exporter and its libraries
+    module="tunepack.initializers.export",
+    backoff_limit=3,
+)
+STEPS = (DATASET_STEP, MODEL_STEP, TRAINER_STEP, EXPORT_STEP)
 
 
 def build_runtime(entry: ModelEntry) -> dict:
@@ -239,6 +255,9 @@ def _jobset_spec(entry: ModelEntry) -> dict:
                 _trainer_container(entry),
                 volumes=[_shm_volume(entry)],
                 depends_on=(DATASET_STEP, MODEL_STEP),
+            ),
+            _replicated_job(
+                EXPORT_STEP, _initializer_container(EXPORT_STEP, entry), depends_on=(TRAINER_STEP,)
             ),
         ],
     }

@@ -37,7 +37,8 @@ from pydantic import BaseModel
 from tunepack import durable, submit
 from tunepack.errors import BadInputError, TunepackError
 from tunepack.runtimes import catalog
-from tunepack.runtimes.generate import load_runtime
+from tunepack.runtimes.generate import EXPORT_STEP, load_runtime
+from tunepack.trainjob import export_of
 from tunepack.types import (
     Progress,
     RuntimeList,
@@ -306,6 +307,8 @@ class LocalBackend(RuntimeBackend):
         ).get("numNodes", 1)
         names = []
         for job in order_steps(runtime["spec"]["template"]["spec"]["replicatedJobs"]):
+            if job["name"] == EXPORT_STEP.job and export_of(trainjob) is None:
+                continue  # no export asked for: the local backend leaves the no-op step out
             if job["name"] == kc.NODE:
                 names += [f"{kc.NODE}-{i}" for i in range(int(nodes))]
             else:

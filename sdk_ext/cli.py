@@ -15,6 +15,8 @@ tunepack jobs [--local]               # the jobs: name, runtime, status, created
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
 tunepack logs NAME [--step node-0] [--local]
 tunepack result NAME [--local]        # a finished job's adapter (or model) and final loss
+tunepack download NAME DIR [--local]  # fetch an exported result (train --export URI), verified;
+                                      # NAME may also be the export URI itself
 tunepack delete NAME [--local] [--workspace-too]   # the workspace is kept unless asked
 tunepack --version
 
@@ -151,6 +153,8 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         num_proc_per_node=ns.num_proc_per_node,
         queue=ns.queue,
         runtime_kind=NAMESPACED_RUNTIME_KIND if namespaced else CLUSTER_RUNTIME_KIND,
+        export_uri=ns.export,
+        export_secret=ns.export_secret,
         local=local,
     )
 
@@ -222,6 +226,8 @@ def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
         num_nodes=ns.num_nodes,
         num_proc_per_node=ns.num_proc_per_node,
         env=_verbose_env(ns),
+        export=ns.export,
+        export_secret=ns.export_secret,
     )
     runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
     initializer = Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {})
@@ -326,7 +332,9 @@ def cmd_train(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return failed.exit_code
-    _print_summary(name, runtime, workspace, time.perf_counter() - started)
+    from tunepack.trainjob import export_of
+
+    _print_summary(name, runtime, workspace, time.perf_counter() - started, export_of(trainjob))
     return 0
 
 
@@ -390,6 +398,8 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
         num_nodes=ns.num_nodes,
         num_proc_per_node=ns.num_proc_per_node,
         env=_verbose_env(ns),
+        export=ns.export,
+        export_secret=ns.export_secret,
     )
     options = [Name(ns.name if ns.name is not None else _default_job_name(ns.runtime))]
     if ns.queue is not None:
@@ -506,6 +516,23 @@ def cmd_result(ns: argparse.Namespace) -> int:
         print(f"  method      {result.method}")
     if result.final_loss is not None:
         print(f"  final loss  {result.final_loss:.4f}")
+    if result.export:
+        print(f"  exported    {result.export} (tunepack download {ns.name} DIR)")
+    return 0
+
+
+def cmd_download(ns: argparse.Namespace) -> int:
+    """Fetch an exported result: of a finished TrainJob, or at an export URI."""
+    from tunepack.initializers.sinks import fetch_export
+    from tunepack.result import result_for
+
+    def log(line: str) -> None:
+        print(f"tunepack: {line}", flush=True)
+
+    if "://" in ns.name:
+        fetch_export(ns.name, Path(ns.dir), log)
+        return 0
+    result_for(_backend(ns), ns.name).download(ns.dir, log)
     return 0
 
 
@@ -624,7 +651,9 @@ def cmd_install(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(name: str, runtime: str, workspace: Path, elapsed: float) -> None:
+def _print_summary(
+    name: str, runtime: str, workspace: Path, elapsed: float, export: str | None = None
+) -> None:
     result = json.loads((workspace / "output" / "result.json").read_text())
     print()
     print("tunepack: training finished")
@@ -642,6 +671,8 @@ def _print_summary(name: str, runtime: str, workspace: Path, elapsed: float) -> 
         )
     print(f"  elapsed     {elapsed:.1f} s")
     print(f"  result      {result['artifact']}")
+    if export:
+        print(f"  exported    {export} (tunepack download {name} DIR)")
     print(f"  logs        {workspace / 'logs'}")
 
 
@@ -672,6 +703,17 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--queue", help="Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name)"
+    )
+    parser.add_argument(
+        "--export",
+        metavar="URI",
+        help="where the result goes after training: s3://bucket/prefix, hf://org/name (a "
+        "private model repository) or a path (docs/export.md)",
+    )
+    parser.add_argument(
+        "--export-secret",
+        metavar="SECRET",
+        help="cluster: a Secret whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) the exporter gets",
     )
     parser.add_argument(
         "trainer_args", nargs="*", metavar="key=value", help="trainer arguments (tunepack args)"
@@ -778,6 +820,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="also remove the local job's workspace (default: kept)",
             )
         p.set_defaults(func=func)
+
+    p = sub.add_parser(
+        "download", help="fetch a TrainJob's exported result (or the export at a URI), verified"
+    )
+    p.add_argument("name", help="TrainJob name, or an export URI (s3://, hf://, a path)")
+    p.add_argument("dir", help="directory to create (it appears only when complete)")
+    _add_backend_arguments(p)
+    p.set_defaults(func=cmd_download)
 
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
     p.add_argument("--model", required=True, help="catalog model or runtime name")

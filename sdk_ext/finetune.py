@@ -17,7 +17,9 @@ fails in the notebook cell that wrote it, naming the field and the allowed range
 Besides the trainer arguments, ``FineTune`` carries the trainer's placement, which is not part of
 the argument vocabulary but of the TrainJob: ``num_nodes``, ``num_proc_per_node``,
 ``resources_per_node`` (the upstream SDK's dict, e.g. ``{"gpu": 4, "memory": "200Gi"}``) and
-``env`` (extra environment variables for the trainer container).
+``env`` (extra environment variables for the trainer container); and where the result goes
+when training ends: ``export`` (``s3://bucket/prefix``, ``hf://org/name`` or a path; see
+docs/export.md) with ``export_secret`` (a cluster Secret holding the exporter's credentials).
 
 ``FineTune.from_args(["epochs=2", "lora_rank=8"])`` reads the ``key=value`` spelling the CLI and
 TrainJob YAML use.
@@ -33,6 +35,8 @@ from tunepack.trainers.args import VOCABULARY, Arg, split_pairs
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields).
 PLACEMENT_FIELDS = ("num_nodes", "num_proc_per_node", "resources_per_node", "env")
+# Where the result goes after training (the exporter step; docs/export.md).
+EXPORT_FIELDS = ("export", "export_secret")
 
 
 def _value_type(arg: Arg) -> type:
@@ -92,7 +96,7 @@ def _init(self, **values) -> None:
         hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
         raise BadInputError(
             f"FineTune has no field {unknown[0]!r}: its fields are the trainer arguments of "
-            f"`tunepack args` and {', '.join(PLACEMENT_FIELDS)}; {hint}"
+            f"`tunepack args` and {', '.join(PLACEMENT_FIELDS + EXPORT_FIELDS)}; {hint}"
         )
     for name in names:
         object.__setattr__(self, name, values.get(name))
@@ -127,6 +131,21 @@ def _post_init(self) -> None:
         and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
     ):
         raise BadInputError(f"FineTune.env must map names to string values, got {self.env!r}")
+    if self.export is not None:
+        from tunepack.initializers.export import export_uri_problem
+
+        problem = (
+            export_uri_problem(self.export)
+            if isinstance(self.export, str)
+            else f"expected a string such as 's3://bucket/prefix', got {self.export!r}"
+        )
+        if problem:
+            raise BadInputError(f"FineTune.export: {problem}")
+    if self.export_secret is not None and self.export is None:
+        raise BadInputError(
+            "FineTune.export_secret names the exporter's credentials, but export is not set; "
+            "give export='s3://bucket/prefix' (or hf://org/name) too"
+        )
 
 
 def _is_lora(name: str, obj) -> bool:
@@ -171,6 +190,8 @@ def _doc() -> str:
         "    num_proc_per_node (int): processes per node (default: the GPUs per node, or 1)",
         "    resources_per_node (dict): e.g. {'gpu': 4, 'memory': '200Gi'}",
         "    env (dict): extra environment variables for the trainer container",
+        "    export (str): where the result goes: s3://bucket/prefix, hf://org/name or a path",
+        "    export_secret (str): a cluster Secret with the exporter's credentials",
         "",
         "Example:",
         "    >>> FineTune(method='lora', lora_rank=16, epochs=3, num_nodes=2)",
@@ -187,6 +208,8 @@ def _fields() -> list[tuple]:
         ("num_proc_per_node", int | None, dataclasses.field(default=None)),
         ("resources_per_node", dict | None, dataclasses.field(default=None)),
         ("env", dict | None, dataclasses.field(default=None)),
+        ("export", str | None, dataclasses.field(default=None)),
+        ("export_secret", str | None, dataclasses.field(default=None)),
     ]
     return out
 

@@ -26,9 +26,11 @@ from pathlib import Path
 
 from tunepack import lifetime
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.initializers.export import EXPORT_URI_ENV
 from tunepack.runtimes.generate import (
     ANCESTOR_LABEL,
     DATASET_STEP,
+    EXPORT_STEP,
     MODEL_STEP,
     TRAINER_STEP,
     WORKSPACE_VOLUME,
@@ -169,6 +171,13 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
                 PET_MASTER_PORT=str(master_port),
             )
 
+        # Per-job environment of the other containers (the exporter's EXPORT_URI) comes through
+        # the TrainJob's runtimePatches, as on a cluster. Secret references have no local
+        # equivalent: credentials come from this process's environment.
+        env.update(patched_env(trainjob, job["name"], container["name"]))
+        if ancestor == EXPORT_STEP.ancestor and not env.get(EXPORT_URI_ENV):
+            # On a cluster the exporter Pod runs and does nothing; here the no-op is left out.
+            continue
         # The workspace volume's mount path becomes the local directory.
         for mount in container.get("volumeMounts", []):
             if mount["name"] == WORKSPACE_VOLUME:
@@ -180,11 +189,29 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
     return steps
 
 
+def patched_env(trainjob: dict, job: str, container: str) -> dict[str, str]:
+    """The plain-value environment the TrainJob's ``runtimePatches`` give ``container`` of
+    replicated job ``job`` (later patches win, as the Trainer merges them)."""
+    env: dict[str, str] = {}
+    for patch in (trainjob.get("spec") or {}).get("runtimePatches") or []:
+        spec = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}
+        for rjob in spec.get("replicatedJobs") or []:
+            if rjob.get("name") != job:
+                continue
+            pod = (((rjob.get("template") or {}).get("spec") or {}).get("template") or {}).get(
+                "spec"
+            ) or {}
+            for c in pod.get("containers") or []:
+                if c.get("name") == container:
+                    env.update({e["name"]: e["value"] for e in c.get("env") or [] if "value" in e})
+    return env
+
+
 # Lines tunepack's programs write themselves ("trainer: ...", "model-initializer: ...", records
 # of the "tunepack.*" loggers); everything else in a step's log is other packages' (kept in the
 # log file, echoed only with TUNEPACK_VERBOSE) unless it reports an error.
 _OWN_LINE = re.compile(
-    r"^(?:[a-z]+(?:-[a-z]+)*-initializer|trainer|tunepack(?:\.[\w.]+)?): "
+    r"^(?:[a-z]+(?:-[a-z]+)*-initializer|trainer|exporter|tunepack(?:\.[\w.]+)?): "
     r"|^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) tunepack[.:]"
     r"|^(?:ERROR|CRITICAL) "
 )

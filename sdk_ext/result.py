@@ -4,7 +4,9 @@ On the local backend the result is a directory; ``load()`` reads the base model 
 workspace and the LoRA adapter with transformers + peft. On a cluster the result is on the job's
 workspace PVC (``initializer-<job>``, kept after the TrainJob is deleted, mounted at
 ``/workspace``; the adapter under ``/workspace/output/adapter``): ``Result.path`` names it and
-docs/cluster.md shows how to read it.
+docs/cluster.md shows how to read it. A job given ``FineTune(export=...)`` also has its result
+where the exporter put it (``Result.export``), and ``Result.download(dir)`` fetches it from
+there, verified (docs/export.md).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class Result:
     method: str | None = None
     final_loss: float | None = None
     local: bool = True
+    export: str | None = None  # where the exporter uploaded the result (FineTune(export=...))
     # The chat format it was trained in (result.json; trainers/prompt_format.py) and its default
     # system prompt: prompt_ids() and generate() use them.
     chat_template: str | None = None
@@ -106,6 +109,21 @@ class Result:
         ids, _ = tokenizer.tokenize_messages(messages, add_end_tokens=False)
         return ids
 
+    def download(self, directory: str | Path, log=print) -> Path:
+        """Fetch the exported result into ``directory`` (created; it appears only when complete
+        and every file matches the export's manifest) and return its path: the artifact is
+        ``<directory>/adapter`` (LoRA methods) or ``<directory>/model`` (full)."""
+        from tunepack.initializers.sinks import fetch_export
+
+        if not self.export:
+            where = "" if not self.local else f"; the local result is at {self.path}"
+            raise NotAvailableError(
+                f"TrainJob {self.job} was not exported, so there is nothing to download: train "
+                f"with FineTune(export='s3://bucket/prefix') (tunepack train --export URI){where}"
+            )
+        fetch_export(self.export, Path(directory), log)
+        return Path(directory).expanduser().absolute()
+
     def _workspace(self) -> Path:
         if not self.local:
             raise NotAvailableError(
@@ -126,6 +144,12 @@ def result_for(backend, name: str) -> Result:
             + "; wait_for_job_status(name) first"
         )
     if isinstance(backend, LocalBackend):
+        import yaml
+
+        from tunepack.backend_local import TRAINJOB_FILE
+        from tunepack.trainjob import export_of
+
+        trainjob = yaml.safe_load((backend.job_dir(name) / TRAINJOB_FILE).read_text())
         workspace = backend.workspace(name)
         info = json.loads((workspace / "output" / "result.json").read_text())
         return Result(
@@ -134,6 +158,7 @@ def result_for(backend, name: str) -> Result:
             base_model=str(workspace / "model"),
             method=info.get("method"),
             final_loss=info.get("final_loss"),
+            export=export_of(trainjob),
             chat_template=info.get("chat_template"),
             system_prompt=info.get("system_prompt"),
         )
@@ -143,4 +168,17 @@ def result_for(backend, name: str) -> Result:
         path=f"pvc/{pvc}:/workspace/output/adapter",
         base_model=f"pvc/{pvc}:/workspace/model",
         local=False,
+        export=_cluster_export(backend, name),
     )
+
+
+def _cluster_export(backend, name: str) -> str | None:
+    """The export destination of TrainJob ``name`` on the cluster (its runtimePatches)."""
+    from kubeflow.trainer.constants import constants as kc
+
+    from tunepack.trainjob import export_of
+
+    raw = backend.custom_api.get_namespaced_custom_object(
+        kc.GROUP, kc.VERSION, backend.namespace, kc.TRAINJOB_PLURAL, name
+    )
+    return export_of(raw if isinstance(raw, dict) else raw.to_dict())

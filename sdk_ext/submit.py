@@ -127,6 +127,8 @@ def build(
         runtime_kind=runtime_kind,
         active_deadline_seconds=active_deadline_seconds,
         runtime_patches=runtime_patches,
+        export_uri=finetune.export,
+        export_secret=finetune.export_secret,
         local=local,
     )
 
@@ -158,6 +160,11 @@ def local_trainjob(
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
     )
     _check_local_split(trainjob["spec"]["initializer"]["dataset"])
+    if to_finetune(trainer).export_secret is not None:
+        raise BadInputError(
+            "export_secret is a cluster feature: on the local backend, export the credential "
+            "(HF_TOKEN, AWS_ACCESS_KEY_ID, ...) in the environment that runs the notebook instead"
+        )
     for block in trainjob["spec"]["initializer"].values():
         if "secretRef" in block:
             raise BadInputError(

@@ -20,6 +20,7 @@ machine, and leave ``numProcPerNode`` to the launcher's ``auto`` unless it is gi
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import PurePosixPath
 
@@ -66,6 +67,8 @@ def build_trainjob(
     runtime_kind: str = CLUSTER_RUNTIME_KIND,
     active_deadline_seconds: int | None = None,
     runtime_patches: list[dict] | None = None,
+    export_uri: str | None = None,
+    export_secret: str | None = None,
     local: bool = False,
 ) -> dict:
     """A validated TrainJob for ``runtime`` (a runtime name or model name from the catalog).
@@ -84,7 +87,11 @@ def build_trainjob(
     ``annotations`` go to the TrainJob's metadata; ``queue`` is the Kueue LocalQueue (the label
     ``kueue.x-k8s.io/queue-name``). ``active_deadline_seconds`` and ``runtime_patches`` are the
     TrainJob fields of those names (what the SDK's ``ActiveDeadlineSeconds`` and ``RuntimePatch``
-    options produce). ``local=True`` builds for tunepack's local backend: plain paths are kept and
+    options produce). ``export_uri`` (``s3://``, ``hf://``, an absolute path in the exporter's Pod)
+    is where the exporter step uploads the result, ``export_secret`` a Secret whose keys
+    (``HF_TOKEN``, ``AWS_ACCESS_KEY_ID``, ...) it gets as environment variables; both reach the
+    exporter through a ``runtimePatches`` entry (``export_patch``). ``local=True`` builds for
+    tunepack's local backend: plain paths are kept (a relative export path made absolute) and
     ``numProcPerNode`` is only written when given.
 
     Raises ``BadInputError`` with a hint on bad input.
@@ -129,6 +136,9 @@ def build_trainjob(
         raise BadInputError(
             f"active_deadline_seconds must be a positive integer, got {active_deadline_seconds!r}"
         )
+    patches = list(runtime_patches or [])
+    if export_uri is not None or export_secret is not None:
+        patches.append(export_patch(export_uri, export_secret, local=local))
     for what, secret in (("dataset_secret", dataset_secret), ("model_secret", model_secret)):
         if secret is not None:
             _check_dns_label(what, secret)
@@ -174,8 +184,8 @@ def build_trainjob(
     }
     if active_deadline_seconds is not None:
         spec["activeDeadlineSeconds"] = active_deadline_seconds
-    if runtime_patches:
-        spec["runtimePatches"] = list(runtime_patches)
+    if patches:
+        spec["runtimePatches"] = patches
     trainjob = {
         "apiVersion": generate.API_VERSION,
         "kind": TRAINJOB_KIND,
@@ -184,6 +194,79 @@ def build_trainjob(
     }
     validate_trainjob(trainjob)
     return trainjob
+
+
+# The runtimePatches entry that carries the export settings to the exporter container.
+EXPORT_PATCH_MANAGER = "tunepack.dev/export"
+EXPORT_SECRET_KEYS = (
+    "HF_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+)
+
+
+def export_patch(uri: str | None, secret: str | None, *, local: bool = False) -> dict:
+    """The ``runtimePatches`` entry giving the exporter step ``EXPORT_URI`` (checked here) and,
+    by reference, the keys of Secret ``secret``. Raises ``BadInputError`` on a bad value."""
+    from tunepack.initializers.export import EXPORT_URI_ENV, export_uri_problem
+
+    if not isinstance(uri, str) or not uri.strip():
+        raise BadInputError(
+            f"export must be a destination such as s3://bucket/prefix, hf://org/name or an "
+            f"absolute path, got {uri!r}"
+        )
+    uri = uri.strip()
+    problem = export_uri_problem(uri)
+    if problem:
+        raise BadInputError(problem)
+    if not _STORAGE_URI.match(uri):
+        if local:
+            uri = os.path.abspath(os.path.expanduser(uri.removeprefix("file:")))
+        elif uri.startswith("/") or uri.startswith("file:/"):
+            uri = cluster_storage_uri(uri, "export")
+        else:
+            raise BadInputError(
+                f"export path {uri!r} is relative: on a cluster the exporter writes it inside its "
+                "Pod, so give an absolute path on a volume mounted there, or s3://bucket/prefix "
+                "or hf://org/name"
+            )
+    env: list[dict] = [{"name": EXPORT_URI_ENV, "value": uri}]
+    if secret is not None:
+        _check_dns_label("export_secret", secret)
+        env += [
+            {
+                "name": key,
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}},
+            }
+            for key in EXPORT_SECRET_KEYS
+        ]
+    container = {"name": generate.EXPORT_STEP.job, "env": env}
+    job = {
+        "name": generate.EXPORT_STEP.job,
+        "template": {"spec": {"template": {"spec": {"containers": [container]}}}},
+    }
+    return {
+        "manager": EXPORT_PATCH_MANAGER,
+        "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}},
+    }
+
+
+def export_of(trainjob: dict) -> str | None:
+    """The export destination a TrainJob names (its exporter's ``EXPORT_URI``), if any."""
+    from tunepack.initializers.export import EXPORT_URI_ENV
+
+    for patch in (trainjob.get("spec") or {}).get("runtimePatches") or []:
+        if patch.get("manager") != EXPORT_PATCH_MANAGER:
+            continue
+        for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+            for container in job["template"]["spec"]["template"]["spec"]["containers"]:
+                for var in container.get("env") or []:
+                    if var["name"] == EXPORT_URI_ENV:
+                        return var.get("value")
+    return None
 
 
 def cluster_storage_uri(uri: str, what: str = "storage") -> str:

@@ -104,9 +104,9 @@ def run_export(trained: Path, tmp_path: Path, uri: str, env=None, wait=True):
 
 def error_of(result) -> str:
     assert "error:" not in result.stdout
-    assert result.stderr.startswith("export: error: "), result.stderr
+    assert result.stderr.startswith("exporter: error: "), result.stderr
     assert result.stderr.count("\n") == 1, result.stderr  # one line, no traceback
-    return result.stderr.removeprefix("export: error: ").rstrip("\n")
+    return result.stderr.removeprefix("exporter: error: ").rstrip("\n")
 
 
 def output_bytes(trained: Path) -> dict[str, bytes]:
@@ -188,7 +188,7 @@ def test_nothing_to_export_and_bad_destinations(tmp_path, trained):
 def test_unset_export_uri_is_nothing_to_do(trained, tmp_path):
     done = run_export(trained, tmp_path, "")
     assert done.returncode == 0
-    assert done.stdout == "export: EXPORT_URI is not set: nothing to export\n"
+    assert done.stdout == "exporter: EXPORT_URI is not set: nothing to export\n"
 
 
 def test_fetching_an_incomplete_export_is_refused(tmp_path):
@@ -529,3 +529,118 @@ def test_hub_wrong_or_read_only_token_exit_65_in_one_line(hub, trained, tmp_path
         "cluster: the Secret tunepack-hub-token, key token)"
     )
     assert ("model", "acme/x") not in hub.repos and hub.commits == []
+
+
+# --- through the local backend: the CLI and the SDK ----------------------------------------------
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def _loads_with_peft(adapter: Path, base: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter)
+    assert type(model).__name__ == "PeftModelForCausalLM"
+
+
+def test_cli_local_run_exports_to_s3_wrong_credentials_first(
+    s3, tiny_model_dir, tiny_dataset_file, tmp_path
+):
+    train = [
+        "train",
+        "--local",
+        "--runtime",
+        "tiny-llama3",
+        "--dataset",
+        str(tiny_dataset_file),
+        "--model",
+        str(tiny_model_dir),
+        "--workspace",
+        str(tmp_path / "ws"),
+        "--name",
+        "cli-export",
+        "--export",
+        "s3://results/cli/run",
+        "max_steps=4",
+    ]
+    wrong = _cli(*train, env=s3_env(s3, AWS_SECRET_ACCESS_KEY=SECRET))
+    assert wrong.returncode == EXIT_BAD_INPUT, wrong.stdout + wrong.stderr
+    assert "step 'exporter' failed with exit code 65" in wrong.stderr
+    assert "exporter: error: S3 rejected the credentials for 's3://results/cli/run'" in (
+        wrong.stderr
+    )
+    assert SECRET not in wrong.stdout + wrong.stderr
+    assert keys(s3, "cli/run") == []
+
+    done = _cli(*train, env=s3_env(s3))  # the same command: the trainer has nothing left to do
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[exporter] exporter: exported to s3://results/cli/run" in done.stdout
+    assert "exported    s3://results/cli/run (tunepack download cli-export DIR)" in done.stdout
+
+    got = _cli("download", "cli-export", str(tmp_path / "got"), "--local", env=s3_env(s3))
+    assert got.returncode == 0, got.stderr
+    workspace_output = tmp_path / "ws" / "output"
+    for rel in EXPORTED:
+        assert (tmp_path / "got" / rel).read_bytes() == (workspace_output / rel).read_bytes()
+    result = json.loads((tmp_path / "got" / "result.json").read_text())
+    assert result["final_loss"] < result["first_loss"]
+    _loads_with_peft(tmp_path / "got" / "adapter", tiny_model_dir)
+
+
+def test_sdk_local_run_exports_to_the_hub_and_downloads(
+    hub, tiny_model_dir, tiny_dataset_file, tmp_path, monkeypatch
+):
+    from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
+
+    for key, value in {
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": str(tmp_path / "hf-home"),
+    }.items():
+        monkeypatch.setenv(key, value)  # the runner and its steps inherit the notebook's env
+    client = TrainingClient(LocalBackendConfig(root_dir=str(tmp_path / "jobs")))
+    name = client.train(
+        runtime="tunepack-tiny-llama3",
+        initializer=Initializer(dataset=str(tiny_dataset_file), model=str(tiny_model_dir)),
+        trainer=FineTune(method="lora", max_steps=4, export="hf://acme/sdk-lora"),
+    )
+    job = client.wait_for_job_status(name, timeout=600, polling_interval=1)
+    assert [s.name for s in job.steps] == [
+        "dataset-initializer",
+        "model-initializer",
+        "node-0",
+        "exporter",
+    ]
+    repo = hub.repos[("model", "acme/sdk-lora")]
+    assert repo.private and len(hub.commits) == 1
+    result = client.result(name)
+    assert result.export == "hf://acme/sdk-lora"
+    path = result.download(tmp_path / "got")
+    assert json.loads((path / MANIFEST_FILE).read_text())["files"].keys() == set(EXPORTED)
+    for rel in EXPORTED:
+        assert (path / rel).read_bytes() == repo.files[rel]
+    _loads_with_peft(path / "adapter", tiny_model_dir)
+
+
+def test_finetune_export_values_are_checked_in_the_notebook():
+    from tunepack import FineTune
+
+    with pytest.raises(BadInputError) as err:
+        FineTune(export="ftp://host/x")
+    assert str(err.value) == (
+        "FineTune.export: cannot export to 'ftp://host/x': expected s3://bucket/prefix, "
+        "hf://org/name, file:///absolute/path or a path (https:// is read-only)"
+    )
+    with pytest.raises(BadInputError) as err:
+        FineTune(export_secret="creds")
+    assert "export_secret names the exporter's credentials, but export is not set" in str(err.value)

@@ -44,6 +44,8 @@ def test_finetune_fields_are_the_vocabulary_plus_placement():
         "num_proc_per_node",
         "resources_per_node",
         "env",
+        "export",  # where the result goes (docs/export.md)
+        "export_secret",
     ]
 
 

@@ -255,7 +255,7 @@ def test_cli_and_runtime_steps_run_from_the_installed_wheel(
         python, *args = container["command"]
         assert python == "python"
         steps[job["name"]] = ([str(bin_dir / "python"), *args], env)
-    assert list(steps) == ["dataset-initializer", "model-initializer", "node"]
+    assert list(steps) == ["dataset-initializer", "model-initializer", "node", "exporter"]
 
     command, env = steps["dataset-initializer"]
     done = _run(command, cwd=tmp_path, STORAGE_URI=data.as_uri(), **env)

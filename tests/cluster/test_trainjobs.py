@@ -27,7 +27,7 @@ def _check_rendered(api, namespace: str, name: str, *, nodes: int, procs: int, a
     """The JobSet the real Trainer rendered from a tunepack runtime and this TrainJob."""
     js = api.wait_jobset(namespace, name)
     jobs = {j["name"]: j for j in js["spec"]["replicatedJobs"]}
-    assert set(jobs) == {"dataset-initializer", "model-initializer", "node"}
+    assert set(jobs) == {"dataset-initializer", "model-initializer", "node", "exporter"}
     node = replicated_job(js, "node")
     assert node["replicas"] == 1
     assert node["template"]["spec"]["parallelism"] == nodes
