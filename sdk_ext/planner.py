@@ -20,6 +20,11 @@ Terms (per device, ``N`` = devices the model is sharded over, FSDP when ``N > 1`
   layer input ``d`` with activation checkpointing (plus one layer's worth while recomputing);
 - logits: ``s * b * V`` values in the dtype plus their float32 copy for the loss.
 
+DPO (``dpo``) trains LoRA adapters on two sequences per example (chosen and rejected): its
+activations and logits count ``2 * s * b`` tokens. Its reference forward pass (adapters off, no
+gradient) keeps no activations and is reduced to one number per sequence before the policy's
+pass starts, so it adds compute (about a third more per sequence), not peak memory.
+
 The estimate is what ``torch.cuda.max_memory_allocated`` measures; for "fits" it is compared with
 the GPU's memory less ``CUDA_RESERVE_GIB`` (CUDA context, allocator fragmentation).
 """
@@ -47,7 +52,9 @@ GPUS: dict[str, float] = {
 CUDA_RESERVE_GIB = 2.0  # context + fragmentation, kept free on every device
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
-METHODS = ("full", "lora", "qlora", "dora")
+METHODS = ("full", "lora", "qlora", "dora", "dpo")
+# Sequences each example puts through the model: DPO's chosen and rejected answers.
+SEQUENCES = {"dpo": 2}
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "output_proj")
 LAYOUTS = tuple((n, g) for n in (1, 2, 4, 8, 16) for g in (1, 2, 4, 8))
 
@@ -172,7 +179,7 @@ def estimate(
     base_bytes = NF4_BYTES if method == "qlora" else width
     frozen = p if method != "full" else 0
     weights = (frozen * base_bytes + trainable * width) / devices
-    tokens = seq_len * batch_size
+    tokens = seq_len * batch_size * SEQUENCES.get(method, 1)
     return Plan(
         model=entry.name,
         method=method,
@@ -237,6 +244,11 @@ def plan(
         )
     if recommended and recommended[0] * recommended[1] > 1:
         notes.append("more than one device means FSDP sharding across all of them")
+    if method == "dpo":
+        notes.append(
+            "dpo: each example is two sequences (chosen, rejected) and each step adds a "
+            "reference forward pass without gradients (compute, not memory)"
+        )
     return Plan(**{**current.__dict__, "recommended": recommended, "notes": notes})
 
 

@@ -333,8 +333,8 @@ def test_method_and_dataset_must_match(preference_workspace, initialized_workspa
 
 LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
 F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
-# 12 epochs of 2 steps of 2 micro-batches of 2 pairs (8 pairs): 24 steps; LoRA dropout makes the result
-# depend on the restored random state too.
+# 12 epochs of 2 steps of 2 micro-batches of 2 pairs (8 pairs): 24 steps; LoRA dropout makes
+# the result depend on the restored random state too.
 RESUME = [
     "method=dpo",
     "epochs=12",
@@ -447,3 +447,53 @@ def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_pat
     assert sharded[-1]["reward_margin"] > sharded[2]["reward_margin"] > sharded[1]["reward_margin"]
     assert sharded[-1]["loss"] < sharded[1]["loss"] < sharded[0]["loss"]
     assert sharded[-1]["reward_accuracy"] >= 0.75
+
+
+# ------------------------------------------------------------------ planner
+
+
+def test_planner_counts_two_sequences_per_example():
+    from tunepack.planner import plan
+
+    lora = plan("llama3.1-8b", "lora", 1024, 2, lora_rank=8)
+    dpo = plan("llama3.1-8b", "dpo", 1024, 2, lora_rank=8)
+    assert (dpo.weights, dpo.gradients, dpo.optimizer) == (
+        lora.weights,
+        lora.gradients,
+        lora.optimizer,
+    )
+    # Same tokens per sequence, twice the sequences: chosen and rejected.
+    assert (dpo.activations, dpo.logits) == (2 * lora.activations, 2 * lora.logits)
+    assert dpo.peak_bytes > lora.peak_bytes
+    assert any("reference forward pass" in note for note in dpo.notes)
+    assert not any("reference" in note for note in lora.notes)
+    # Batch 4 fits for LoRA but not for DPO on one H100 without activation checkpointing.
+    assert plan("llama3.1-8b", "lora", 2048, 4).fits
+    assert not plan("llama3.1-8b", "dpo", 2048, 4).fits
+
+
+def test_readme_method_table_is_generated_from_the_vocabulary():
+    from tunepack.trainers.args import METHODS, methods_table
+
+    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- methods:begin -->\n")[1].split("<!-- methods:end -->")[0]
+    assert block == methods_table(), "README.md is stale: python -m tunepack.trainers.args methods"
+    assert all(f"| `{method}` |" in block for method in METHODS)
+
+
+def test_validation_split_reports_the_dpo_loss_of_held_out_pairs(preference_workspace, tmp_path):
+    recipe = setup_recipe(
+        TINY,
+        ["method=dpo", "batch_size=2", "max_steps=2", "val_fraction=0.25", "lr=3e-3"],
+        model_dir=preference_workspace / "model",
+        dataset_dir=preference_workspace / "dataset",
+        output=tmp_path,
+    )
+    assert len(recipe.val_indices) == 2 and len(recipe.dataloader.dataset) == 6
+    before = recipe.evaluate()
+    assert before == pytest.approx(0.693147, abs=1e-6)  # adapters untrained: policy == reference
+    recipe.train()
+    recipe.save()
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["val_loss"] == pytest.approx(recipe.evaluate(), abs=1e-6)
+    assert result["val_loss"] != pytest.approx(before, abs=1e-6)

@@ -426,5 +426,14 @@ def markdown_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def methods_table() -> str:
+    """The methods as the Markdown table in README.md (``python -m`` this module ``methods``)."""
+    lines = ["| method | trains | default lr |", "| --- | --- | --- |"]
+    lines += [f"| `{m}` | {METHOD_HELP[m]} | {_DEFAULT_LR[m]:g} |" for m in METHODS]
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
-    print(markdown_table(), end="")
+    import sys
+
+    print(methods_table() if sys.argv[1:] == ["methods"] else markdown_table(), end="")
