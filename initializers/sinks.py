@@ -722,7 +722,12 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
 
             source.endpoint = hub_endpoint()
             source.api = HfApi(endpoint=source.endpoint, token=source._auth)
-        listing = retrying(f"listing {parsed.display!r}", source.list, log)
+        try:
+            listing = retrying(f"listing {parsed.display!r}", source.list, log)
+        except BadInputError as error:
+            if "matches no objects" not in str(error):
+                raise
+            _check_manifest(None, parsed.display)  # an empty prefix: no export there
         by_path = {f.path: f for f in listing.files}
         if MANIFEST_FILE not in by_path:
             manifest = None

@@ -82,7 +82,9 @@ class Repo:
 
 
 class FakeHub:
-    def __init__(self, tokens: tuple[str, ...] = (), write_tokens: tuple[str, ...] = ()):
+    def __init__(
+        self, tokens: tuple[str, ...] = (), write_tokens: tuple[str, ...] = (), port: int = 0
+    ):
         self.repos: dict[tuple[str, str], Repo] = {}
         self.write_tokens = set(write_tokens)
         self.tokens = set(tokens) | self.write_tokens
@@ -98,7 +100,7 @@ class FakeHub:
             pass
 
         Handler.hub = hub
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -412,3 +414,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.fakehub --port 8900 --token hf_xxx``: the fake hub on loopback, for trying
+    an ``hf://`` export by hand (docs/export.md); Ctrl-C stops it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.fakehub", description=main.__doc__)
+    parser.add_argument("--port", type=int, default=8900)
+    parser.add_argument("--token", required=True, help="a token with write access")
+    args = parser.parse_args(argv)
+    hub = FakeHub(write_tokens=(args.token,), port=args.port)
+    print(f"fake hub at {hub.url} (HF_ENDPOINT={hub.url})", flush=True)
+    try:
+        hub.server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

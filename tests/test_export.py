@@ -9,6 +9,7 @@ nothing visible, and ``fetch_export`` downloading what was exported.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -316,6 +317,22 @@ def s3_env(s3, endpoint=None, **extra) -> dict[str, str]:
     }
 
 
+@contextlib.contextmanager
+def s3_environ(s3):
+    """This process's environment pointed at moto, for fetch_export (as a notebook's would be)."""
+    env = s3_env(s3)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
+
+
 def keys(s3, prefix: str) -> list[str]:
     listed = s3["client"].list_objects_v2(Bucket="results", Prefix=prefix + "/")
     return sorted(o["Key"][len(prefix) + 1 :] for o in listed.get("Contents", []))
@@ -347,14 +364,8 @@ def test_s3_export_is_verified_manifest_last_rerun_and_download(s3, trained, tmp
     assert "already holds this export" in again.stdout
     assert [m for m, _ in s3["handler"].seen if m in ("PUT", "POST", "DELETE")] == []
 
-    env = s3_env(s3)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with s3_environ(s3):
         fetch_export("s3://results/runs/one", tmp_path / "got", print)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert_same_as_output(tmp_path / "got", trained)
 
 
@@ -377,6 +388,10 @@ def test_s3_kill_9_mid_upload_then_rerun_finishes_without_resending(s3, trained,
     assert keys(s3, "runs/kill") == ["adapter/adapter_config.json"]
     uploads = s3["client"].list_multipart_uploads(Bucket="results", Prefix="runs/kill/")
     assert len(uploads["Uploads"]) == 1
+    with s3_environ(s3), pytest.raises(BadInputError) as err:
+        fetch_export("s3://results/runs/kill", tmp_path / "early", print)
+    assert "holds no complete tunepack export (no tunepack-manifest.json)" in str(err.value)
+    assert not (tmp_path / "early").exists()
 
     done = run_export(trained, tmp_path, "s3://results/runs/kill", s3_env(s3, s3["proxy"]))
     assert done.returncode == 0, done.stderr
@@ -416,6 +431,13 @@ def test_s3_wrong_credentials_exit_65_in_one_line_and_nothing_visible(s3, traine
     assert done.returncode == EXIT_BAD_INPUT
     assert "(InvalidAccessKeyId)" in error_of(done)
     assert keys(s3, "runs/denied") == []
+    with s3_environ(s3), pytest.raises(BadInputError) as err:
+        fetch_export("s3://results/runs/denied", tmp_path / "got", print)
+    assert str(err.value) == (
+        "'s3://results/runs/denied' holds no complete tunepack export (no "
+        "tunepack-manifest.json): the export did not finish, or it was never made; run the "
+        "export again"
+    )
 
 
 def test_s3_re_export_of_another_result_removes_the_old_manifest_first(s3, trained, tmp_path):
