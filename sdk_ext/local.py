@@ -243,10 +243,13 @@ def progress_line(line: str, verbose: bool | None = None) -> str | None:
     step, total = record["step"], record["total_steps"]
     if step != 1 and step != total and step % max(1, total // 20):
         return None
-    return (
+    line = (
         f"step {step}/{total}  epoch {record['epoch']}  loss {record['loss']:.4f}  "
         f"lr {record['lr']:.2e}  {record['tokens_per_second']:.0f} tok/s"
     )
+    if "reward_margin" in record:  # method=dpo
+        line += f"  margin {record['reward_margin']:.4f}  accuracy {record['reward_accuracy']:.2f}"
+    return line
 
 
 LOG_SUFFIX = ".log"

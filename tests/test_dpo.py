@@ -497,3 +497,28 @@ def test_validation_split_reports_the_dpo_loss_of_held_out_pairs(preference_work
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["val_loss"] == pytest.approx(recipe.evaluate(), abs=1e-6)
     assert result["val_loss"] != pytest.approx(before, abs=1e-6)
+
+
+def test_local_cli_run_shows_the_margin_on_the_console(tiny_model_dir, tmp_path):
+    """`tunepack train --local` end to end: both initializers, the trainer, the console."""
+    data = write_tiny_preference_dataset(tmp_path / "pairs.jsonl", rows=8)
+    workspace = tmp_path / "ws"
+    done = subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", "train", "--local"]
+        + ["--runtime", "tunepack-tiny-llama3", "--workspace", str(workspace)]
+        + ["--dataset", f"file://{data}", "--model", f"file://{tiny_model_dir}"]
+        + ["method=dpo", "epochs=6", "batch_size=8", "lr=3e-3", "warmup_steps=0"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    shown = [line for line in done.stdout.splitlines() if "step 6/6" in line]
+    last = _steps(workspace / "output")[-1]
+    assert len(shown) == 1 and shown[0].endswith(
+        f"margin {last['reward_margin']:.4f}  accuracy {last['reward_accuracy']:.2f}"
+    )
+    assert last["reward_margin"] > 0 and "method      dpo" in done.stdout
+    manifest = json.loads((workspace / "dataset" / "tunepack-manifest.json").read_text())
+    assert (manifest["schema"], manifest["rows"]) == ("preference", 8)
