@@ -532,7 +532,16 @@ def cmd_download(ns: argparse.Namespace) -> int:
     if "://" in ns.name:
         fetch_export(ns.name, Path(ns.dir), log)
         return 0
-    result_for(_backend(ns), ns.name).download(ns.dir, log)
+    from tunepack.errors import BadInputError
+
+    backend = _backend(ns)
+    job = backend.get_job(ns.name)
+    if job.status != "Complete":
+        raise BadInputError(
+            f"TrainJob {ns.name} is {job.status}, not Complete; it has no exported result"
+            + (" yet (tunepack status)" if job.status != "Failed" else "")
+        )
+    result_for(backend, ns.name).download(ns.dir, log)
     return 0
 
 

@@ -666,3 +666,14 @@ def test_finetune_export_values_are_checked_in_the_notebook():
     with pytest.raises(BadInputError) as err:
         FineTune(export_secret="creds")
     assert "export_secret names the exporter's credentials, but export is not set" in str(err.value)
+
+
+def test_download_of_a_job_without_export_says_where_its_result_is(trained, tmp_path):
+    done = _cli("download", "export-src", str(tmp_path / "got"), "--local", env={})
+    assert done.returncode == EXIT_BAD_INPUT
+    assert done.stderr == (
+        "tunepack: error: TrainJob export-src was not exported, so there is nothing to download: "
+        "train with FineTune(export='s3://bucket/prefix') (tunepack train --export URI); the "
+        f"local result is at {trained / 'output' / 'adapter'}\n"
+    )
+    assert not (tmp_path / "got").exists()
