@@ -522,3 +522,19 @@ def test_local_cli_run_shows_the_margin_on_the_console(tiny_model_dir, tmp_path)
     assert last["reward_margin"] > 0 and "method      dpo" in done.stdout
     manifest = json.loads((workspace / "dataset" / "tunepack-manifest.json").read_text())
     assert (manifest["schema"], manifest["rows"]) == ("preference", 8)
+
+
+@pytest.mark.parametrize(("loss", "at_start"), [("ipo", (1 / (2 * 0.1)) ** 2), ("hinge", 1.0)])
+def test_other_losses_train_too(preference_workspace, tmp_path, loss, at_start):
+    recipe = setup_recipe(
+        TINY,
+        ["method=dpo", f"dpo_loss={loss}", "batch_size=8", "epochs=4", "lr=3e-3", "warmup_steps=0"],
+        model_dir=preference_workspace / "model",
+        dataset_dir=preference_workspace / "dataset",
+        output=tmp_path,
+    )
+    recipe.train()
+    steps = _steps(tmp_path)
+    assert steps[0]["loss"] == pytest.approx(at_start, rel=1e-6)  # h = 0 before any update
+    assert steps[-1]["loss"] < steps[1]["loss"] < steps[0]["loss"]
+    assert steps[-1]["reward_margin"] > steps[1]["reward_margin"] > 0
