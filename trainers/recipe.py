@@ -140,6 +140,10 @@ class FineTuneRecipe:
         self.tokens_seen = 0
         self.first_loss: float | None = None
         self.last_loss: float | None = None
+        # The fill of the last step: real tokens / computed positions (padding and a pack's
+        # unused tail are computed too); batch_fill counts both for the last micro-batch.
+        self.last_fill: float | None = None
+        self.batch_fill = (0, 0)
         self.prior_wall_time = 0.0  # training time of earlier attempts of this run
         self.resumed_from: int | None = None
         self.restarts = 0
@@ -420,6 +424,7 @@ class FineTuneRecipe:
             return self.dpo.forward(self.model, batch, self.device)
         tokens = batch["tokens"].to(self.device)
         labels = batch["labels"].to(self.device)
+        self.batch_fill = (real_positions(labels), tokens.numel())
         # Predict token t+1 from position t: shift labels left, ignore the last position.
         ignore = torch.full_like(labels[:, :1], CROSS_ENTROPY_IGNORE_IDX)
         labels = torch.cat([labels[:, 1:], ignore], dim=1)
@@ -451,12 +456,14 @@ class FineTuneRecipe:
                     self.epoch, start=self.batch_in_epoch * cfg.batch_size * topo.world_size
                 )
                 step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
+                step_fill = [0, 0]
                 step_stats = [0.0] * len(dpo.STAT_NAMES) if self.dpo else []
                 for batch in self.dataloader:
                     loss, n_tokens = self._loss_and_tokens(batch)
                     loss.backward()
                     step_loss += loss.item()
                     step_tokens += n_tokens
+                    step_fill = [a + b for a, b in zip(step_fill, self.batch_fill, strict=True)]
                     if self.dpo is not None:
                         step_stats = [
                             a + b for a, b in zip(step_stats, self.dpo.batch_stats, strict=True)
@@ -471,16 +478,20 @@ class FineTuneRecipe:
                         topo.is_main and every_s > 0 and time.monotonic() - last_ckpt >= every_s
                     )
                     # (DPO: "tokens" are pairs here, its stats add the step's real token count.)
-                    total_loss, total_tokens, stops, due, *stats = distributed.all_reduce_sum(
-                        [
-                            step_loss,
-                            step_tokens,
-                            float(self.stop_requested),
-                            float(time_due),
-                            *step_stats,
-                        ],
-                        self.device,
+                    total_loss, total_tokens, stops, due, real, computed, *stats = (
+                        distributed.all_reduce_sum(
+                            [
+                                step_loss,
+                                step_tokens,
+                                float(self.stop_requested),
+                                float(time_due),
+                                *step_fill,
+                                *step_stats,
+                            ],
+                            self.device,
+                        )
                     )
+                    self.last_fill = real / computed if computed else None
                     if not math.isfinite(total_loss):  # the same sum on every rank: all stop
                         self._non_finite_loss(total_loss)
                     # Normalise by every token in the step on every rank, as one big batch would.
@@ -534,6 +545,7 @@ class FineTuneRecipe:
                     if finished or self.batch_in_epoch == 0:
                         break  # done, or on to the next epoch (the remainder is left out)
                     step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
+                    step_fill = [0, 0]
                     step_stats = [0.0] * len(step_stats)
         finally:
             self.wall_time = self.prior_wall_time + time.monotonic() - started
@@ -728,6 +740,8 @@ class FineTuneRecipe:
             "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
             **self.step_metrics,
         }
+        if self.last_fill is not None:
+            record["fill"] = round(self.last_fill, 4)
         _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
         print(json.dumps(record), flush=True)
 
@@ -950,6 +964,15 @@ def _metrics_up_to(path: Path, step: int) -> list[str]:
             continue
         kept.append(line)
     return kept
+
+
+def real_positions(labels: torch.Tensor) -> int:
+    """The positions of a batch that hold example tokens: each row up to its last labelled one
+    (padding, and a pack's unused tail, is unlabelled and comes last; an example ends with its
+    labelled end-of-turn token). ``labels`` as collated, before the shift."""
+    labelled = labels != CROSS_ENTROPY_IGNORE_IDX
+    from_end = labelled.flip(1).int().argmax(dim=1)  # unlabelled positions after the last label
+    return int(torch.where(labelled.any(dim=1), labels.size(1) - from_end, 0).sum())
 
 
 def _perplexity(loss: float) -> float:
