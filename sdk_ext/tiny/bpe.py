@@ -246,12 +246,28 @@ class TokenizerFiles:
 
 @dataclass(frozen=True)
 class TiktokenFormat:
-    """Llama 3.x: tiktoken ranks + Llama 3 special tokens at the end of the vocabulary."""
+    """Llama 3.x: tiktoken ranks + Llama 3 special tokens at the end of the vocabulary.
+
+    ``merges``: merges learned elsewhere, exactly ``vocab_size - 256 - len(SPECIAL_TOKENS)`` of
+    them (a realistic vocabulary from a larger corpus); by default they are learned from the tiny
+    corpus.
+    """
+
+    merges: tuple[tuple[bytes, bytes], ...] | None = None
 
     def write(self, entry: ModelEntry) -> TokenizerFiles:
         vocab_size = entry.shape.vocab_size
         specials = special_token_ids(vocab_size)
-        ranks = tiny_tokenizer_ranks(vocab_size)
+        source = "the tiny dataset" if self.merges is None else "a generated corpus"
+        if self.merges is None:
+            ranks = tiny_tokenizer_ranks(vocab_size)
+        else:
+            ranks = _ranks(list(self.merges))
+            if len(ranks) + len(specials) != vocab_size:
+                raise BadInputError(
+                    f"{len(self.merges)} merges do not fill vocab_size {vocab_size}: it needs "
+                    f"{vocab_size - 256 - len(specials)}"
+                )
         tokenizer_json = _hf_tokenizer_json(
             ranks,
             _all_splits(ranks),
@@ -284,7 +300,7 @@ class TiktokenFormat:
             pad_id=specials["<|finetune_right_pad_id|>"],
             # Generation stops where torchtune's tokenizer stops: end of text, turn or message.
             stop_ids=tuple(specials[t] for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")),
-            description="byte-level BPE learned from the tiny dataset, Llama 3 special tokens",
+            description=f"byte-level BPE learned from {source}, Llama 3 special tokens",
         )
 
 
