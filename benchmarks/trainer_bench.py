@@ -39,12 +39,14 @@ SIZES = {"tiny": "tiny-llama3", "1b": "llama3.2-1b"}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0}
 
 
-def run_measured(cmd: list[str], env: dict, log: Path) -> tuple[int, float]:
-    """Run a command; return its exit code and its peak resident memory in GiB."""
+def run_measured(cmd: list[str], env: dict, log: Path) -> tuple[int, float, float]:
+    """Run a command; return its exit code, its peak resident memory in GiB and its CPU seconds
+    (user + system; wait4 counts the process and every descendant it waited for)."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
-    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20
+    cpu_s = usage.ru_utime + usage.ru_stime
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20, cpu_s
 
 
 def prepare_workspace(root: Path, model_name: str, env: dict) -> Path:
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "activation_checkpointing=false",
             "checkpoint_every_minutes=0",
         ]
-        code, tp_rss = run_measured(
+        code, tp_rss, _ = run_measured(
             [sys.executable, "-m", "tunepack.trainers.launch", *trainer_args],
             {**env, "TUNEPACK_WORKSPACE": str(ws)},
             root / "tunepack.log",
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         stock_out.mkdir()
         stock_yaml = stock_out / "config.yaml"
         stock_yaml.write_text(yaml.safe_dump(stock_config(cfg, stock_out, args.steps, args.device)))
-        code, st_rss = run_measured(
+        code, st_rss, _ = run_measured(
             [sys.executable, str(stock_recipe_file()), "--config", str(stock_yaml)],
             env,
             root / "stock.log",
