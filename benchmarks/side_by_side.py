@@ -1,0 +1,518 @@
+"""tunepack's trainer side by side with its peers, on one CPU workload, in one run, as ratios.
+
+    python benchmarks/side_by_side.py                # the issue's workload (long at 1 thread)
+    python benchmarks/side_by_side.py --steps 6      # the same workload, fewer steps
+    python benchmarks/side_by_side.py --size smoke   # seconds per trainer: checks the harness
+
+Trainers (each a fresh process, one CPU thread, the same model, rows and settings):
+
+- ``tunepack``: tunepack's launcher, default settings (each batch padded to its longest row);
+- ``tunepack-packed``: the same with ``packed=true``;
+- ``torchtune-stock``: torchtune 0.6.1's stock ``lora_finetune_single_device`` recipe, with a
+  config derived from the one tunepack wrote (``trainer_bench.stock_config``);
+- ``trl``: HF TRL's ``SFTTrainer`` + PEFT LoRA, no packing (``sbs_trl.py``), in a virtual
+  environment of its own that the benchmark creates under ``~/.cache/tunepack/bench/trl-<ver>``
+  (TRL and what it pins; torch and the rest come from the project's environment);
+- ``trl-packed``: TRL with its best-fit-decreasing, padding-free packing.
+
+Workload (``sbs_workload.ISSUE``): a random-weight Llama-3-architecture model of 58.7M
+parameters (8 layers, width 512, a 32,768-id BPE vocabulary learned from a generated corpus),
+512 alpaca-style rows of about 131 to 512 tokens, max_seq_len 512, batch 4, LoRA r=8 (alpha 16)
+on attention and MLP, AdamW, fp32, cosine schedule without warm-up.
+
+Measurement (``sbs_probe``): every batch a trainer collates is counted (real tokens, computed
+positions) and stamped with the process CPU time and the wall clock; the steps after
+``--warmup`` give CPU seconds and wall seconds per real token. Rounds are interleaved (each
+round runs every trainer, in a rotated order) and the median over rounds is reported. Also: the
+fill fraction (real tokens / computed positions), the process tree's CPU time over the whole run
+and its peak RSS (wait4), the trainer's last logged loss (each trainer's own, over its own
+labelled tokens), versions and the load average. Ratios are throughputs (real tokens per CPU
+second) relative to tunepack default in the same run: above 1 is faster. Nothing here asserts a
+speed; on a shared machine the figures are indicative.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from sbs_workload import CACHE, ISSUE, SMOKE, Workload, _encoding, prepare  # noqa: E402
+from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
+
+SYSTEMS = ("tunepack", "tunepack-packed", "torchtune-stock", "trl", "trl-packed")
+BASELINE = "tunepack"
+SIZES = {"issue": ISSUE, "smoke": SMOKE}
+TRL_VERSION = "1.16.0"
+PROBE = HERE / "sbs_probe.py"
+
+
+@dataclasses.dataclass
+class Settings:
+    steps: int
+    warmup: int
+    batch_size: int
+    lr: float
+    threads: int
+    seed: int = 0
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    weight_decay: float = 0.01
+
+
+# ----------------------------------------------------------------------------- TRL's venv
+def trl_python(version: str, *, create: bool, log=print) -> tuple[Path | None, str]:
+    """The interpreter of TRL's virtual environment, creating it if asked; else why not."""
+    venv = CACHE / f"trl-{version}"
+    python = venv / "bin" / "python"
+    if (venv / "ready").is_file():
+        return python, ""
+    if not create:
+        return None, f"TRL's environment {venv} is not created (run without --trl if-ready)"
+    log(f"creating TRL {version}'s environment in {venv} ...")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{venv.name}.", dir=CACHE))
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
+        # The project's packages after TRL's own: torch is reused, not downloaded again, and
+        # whatever TRL needs in another version is installed in (and imported from) its venv.
+        site = Path(
+            subprocess.check_output(
+                [
+                    tmp / "bin" / "python",
+                    "-c",
+                    "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+                ],
+                text=True,
+            ).strip()
+        )
+        (site / "zz_tunepack_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        done = subprocess.run(
+            [tmp / "bin" / "python", "-m", "pip", "install", "-q", f"trl[peft]=={version}"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if done.returncode:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            return None, f"pip could not install trl[peft]=={version}: {' / '.join(tail)}"
+        (tmp / "ready").write_text(version + "\n")
+        shutil.rmtree(venv, ignore_errors=True)
+        os.rename(tmp, venv)
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"could not create TRL's environment: {err}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return python, ""
+
+
+# ----------------------------------------------------------------------------- runs
+def _probe_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def steady(records: list[dict], warmup: int, prefetch: int) -> dict:
+    """CPU and wall seconds of the steps after ``warmup``, and their real tokens.
+
+    The stamp before step k's compute is record k + prefetch (a loader that collates one batch
+    ahead, as accelerate's does, has prefetch 1); step k's batch is record k.
+    """
+    last = len(records) - 2 - prefetch  # the last step whose end is stamped
+    first = min(warmup, max(last, 0))
+    if last < first:
+        return {"steps": 0, "cpu_s": 0.0, "wall_s": 0.0, "real": 0}
+    start, end = records[first + prefetch], records[last + 1 + prefetch]
+    return {
+        "steps": last - first + 1,
+        "cpu_s": end["cpu_s"] - start["cpu_s"],
+        "wall_s": end["wall_s"] - start["wall_s"],
+        "real": sum(r["real"] for r in records[first : last + 1]),
+    }
+
+
+def summarize(
+    name: str, records: list[dict], settings: Settings, prefetch: int, usage: dict, loss
+) -> dict:
+    window = steady(records, settings.warmup, prefetch)
+    if len(records) != settings.steps + prefetch:
+        # An epoch ended inside the run: the loader's stamps no longer bracket single steps.
+        window = {"steps": 0, "cpu_s": 0.0, "wall_s": 0.0, "real": 0}
+    real = sum(r["real"] for r in records)
+    positions = sum(r["positions"] for r in records)
+    return {
+        "system": name,
+        "batches": len(records),
+        "steady_steps": window["steps"],
+        "real_tokens": real,
+        "positions": positions,
+        "fill": real / positions if positions else None,
+        "tokens_per_cpu_s": window["real"] / window["cpu_s"] if window["cpu_s"] > 0 else None,
+        "tokens_per_wall_s": window["real"] / window["wall_s"] if window["wall_s"] > 0 else None,
+        "process_cpu_s": usage["cpu_s"],
+        "process_wall_s": usage["wall_s"],
+        "peak_rss_gib": usage["rss_gib"],
+        "loss": loss,
+    }
+
+
+def _measure(cmd: list, env: dict, log: Path) -> dict:
+    start = time.perf_counter()
+    code, rss, cpu = run_measured([str(c) for c in cmd], env, log)
+    if code:
+        raise RuntimeError(f"{cmd[1:4]} exited {code}:\n{log.read_text()[-3000:]}")
+    return {"cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_gib": rss}
+
+
+class Bench:
+    def __init__(self, root: Path, workload: Workload, settings: Settings, trl: Path | None):
+        self.root, self.workload, self.settings, self.trl = root, workload, settings, trl
+        self.entry, self.model_dir, self.data = prepare(workload, log=self.log)
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(settings.threads),
+            "MKL_NUM_THREADS": str(settings.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "TUNEPACK_MODEL": self.entry.name,
+            "TUNEPACK_BENCH_WORKLOAD": json.dumps(dataclasses.asdict(workload)),
+            "PYTHONPATH": os.pathsep.join(
+                [str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        }
+        self.env.pop("TUNEPACK_BENCH_PROBE", None)
+        self.template = root / "ws-template"
+        self.runs = 0
+        self.tunepack_cfg: dict | None = None
+        self._initialize()
+
+    @staticmethod
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    def _initialize(self) -> None:
+        for module, uri in (
+            ("tunepack.initializers.dataset", f"file://{self.data}"),
+            ("tunepack.initializers.model", f"file://{self.model_dir}"),
+        ):
+            env = {**self.env, "TUNEPACK_WORKSPACE": str(self.template), "STORAGE_URI": uri}
+            log = self.root / f"{module.rsplit('.', 1)[1]}-initializer.log"
+            _measure([sys.executable, PROBE, "module", module], env, log)
+
+    def _run_dir(self, name: str) -> Path:
+        self.runs += 1
+        path = self.root / f"{self.runs:02d}-{name}"
+        path.mkdir()
+        return path
+
+    def run(self, name: str) -> dict:
+        return getattr(self, "_" + name.replace("-", "_"))(name)
+
+    def _tunepack(self, name: str, packed: bool = False) -> dict:
+        s, run = self.settings, self._run_dir(name)
+        ws = run / "ws"
+        ws.mkdir()
+        for part in ("dataset", "model"):
+            (ws / part).symlink_to(self.template / part)
+        args = [
+            "method=lora",
+            f"max_steps={s.steps}",
+            f"batch_size={s.batch_size}",
+            f"max_seq_len={self.workload.max_seq_len}",
+            f"lr={s.lr}",
+            f"weight_decay={s.weight_decay}",
+            f"lora_rank={s.lora_rank}",
+            f"lora_alpha={s.lora_alpha}",
+            f"lora_dropout={s.lora_dropout}",
+            f"seed={s.seed}",
+            f"packed={str(packed).lower()}",
+            "device=cpu",
+            "dtype=fp32",
+            "warmup_steps=0",
+            "activation_checkpointing=false",
+            "checkpoint_every_minutes=0",
+        ]
+        probe = run / "probe.jsonl"
+        env = {**self.env, "TUNEPACK_WORKSPACE": str(ws), "TUNEPACK_BENCH_PROBE": str(probe)}
+        cmd = [sys.executable, PROBE, "module", "tunepack.trainers.launch", *args]
+        usage = _measure(cmd, env, run / "train.log")
+        metrics = [
+            json.loads(line)
+            for line in (ws / "output" / "metrics.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
+        steps = [m for m in metrics if m.get("event", "step") == "step"]
+        if not packed and self.tunepack_cfg is None:
+            self.tunepack_cfg = yaml.safe_load((ws / "output" / "config.yaml").read_text())
+        records = _probe_records(probe)
+        result = summarize(name, records, s, 0, usage, steps[-1]["loss"])
+        # The trainer's own fill metric per step, beside the probe's count of the same batches.
+        result["metrics_fill"] = [m.get("fill") for m in steps]
+        result["probe_fill"] = [r["real"] / r["positions"] for r in records]
+        return result
+
+    def _tunepack_packed(self, name: str) -> dict:
+        return self._tunepack(name, packed=True)
+
+    def _torchtune_stock(self, name: str) -> dict:
+        if self.tunepack_cfg is None:  # its config is derived from tunepack's
+            self._tunepack("tunepack-config")
+        s, run = self.settings, self._run_dir(name)
+        cfg = stock_config(self.tunepack_cfg, run / "out", s.steps, "cpu")
+        cfg["collate_fn"] = "sbs_probe.counting_collate_sft"
+        (run / "out").mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+        probe = run / "probe.jsonl"
+        env = {**self.env, "TUNEPACK_BENCH_PROBE": str(probe)}
+        cmd = [
+            sys.executable,
+            PROBE,
+            "script",
+            stock_recipe_file(),
+            "--config",
+            run / "config.yaml",
+        ]
+        usage = _measure(cmd, env, run / "train.log")
+        text = "".join(p.read_text() for p in (run / "out" / "logs").glob("*.txt"))
+        losses = re.findall(r"\bloss:(\S+)", text)
+        loss = float(losses[-1]) if losses else None
+        return summarize(name, _probe_records(probe), s, 0, usage, loss)
+
+    def _trl(self, name: str, packing: bool = False) -> dict:
+        s, run = self.settings, self._run_dir(name)
+        settings = {
+            **dataclasses.asdict(s),
+            "model_dir": str(self.model_dir),
+            "data": str(self.data),
+            "out": str(run / "out"),
+            "max_seq_len": self.workload.max_seq_len,
+            "packing": packing,
+        }
+        (run / "settings.json").write_text(json.dumps(settings))
+        probe = run / "probe.jsonl"
+        env = {**self.env, "TUNEPACK_BENCH_PROBE": str(probe)}
+        # TRL's venv, not the project's: its own packages first.
+        env.pop("VIRTUAL_ENV", None)
+        cmd = [self.trl, HERE / "sbs_trl.py", run / "settings.json"]
+        usage = _measure(cmd, env, run / "train.log")
+        out = json.loads((run / "out" / "result.json").read_text())
+        # accelerate's loader collates the next batch before it hands out the current one.
+        result = summarize(name, _probe_records(probe), s, 1, usage, out["loss"])
+        result["versions"] = out["versions"]
+        result["paths"] = out["paths"]
+        return result
+
+    def _trl_packed(self, name: str) -> dict:
+        return self._trl(name, packing=True)
+
+
+# ----------------------------------------------------------------------------- report
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def combine(rounds: list[dict[str, dict]], systems: list[str]) -> dict[str, dict]:
+    """Per system: the median over rounds of every figure, and the ratio to the baseline."""
+    table = {}
+    for name in systems:
+        runs = [r[name] for r in rounds if name in r]
+        row = {"system": name, "rounds": len(runs)}
+        for key in (
+            "tokens_per_cpu_s",
+            "tokens_per_wall_s",
+            "fill",
+            "peak_rss_gib",
+            "loss",
+            "process_cpu_s",
+            "real_tokens",
+            "steady_steps",
+        ):
+            row[key] = _median([run.get(key) for run in runs])
+        row["per_round_tokens_per_cpu_s"] = [run.get("tokens_per_cpu_s") for run in runs]
+        table[name] = row
+    base = table.get(BASELINE, {})
+    for row in table.values():
+        for key, ratio in (("tokens_per_cpu_s", "ratio_cpu"), ("tokens_per_wall_s", "ratio_wall")):
+            b, v = base.get(key), row.get(key)
+            row[ratio] = v / b if b and v else None
+    return table
+
+
+def versions(trl_runs: list[dict]) -> dict:
+    found = {}
+    for package in ("tunepack", "torch", "torchtune", "torchao", "transformers", "peft"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = None
+    for run in trl_runs:
+        found["trl_env"] = run["versions"]
+        found["trl_env_paths"] = run["paths"]
+        break
+    found["python"] = platform.python_version()
+    return found
+
+
+def render(report: dict) -> str:
+    w = report["workload"]
+    lines = [
+        f"workload: {report['model']} ({report['parameters'] / 1e6:.1f}M parameters, "
+        f"{w['num_layers']} layers, width {w['embed_dim']}, vocab {w['vocab_size']}), "
+        f"{w['rows']} rows of {report['row_tokens']['min']}-{report['row_tokens']['max']} text "
+        f"tokens, max_seq_len {w['max_seq_len']}, batch {report['settings']['batch_size']}, "
+        f"LoRA r={report['settings']['lora_rank']}, {report['settings']['threads']} thread(s)",
+        f"{report['settings']['steps']} steps per run, median after {report['settings']['warmup']}"
+        f"; {report['rounds']} interleaved round(s); load average "
+        f"{' '.join(f'{x:.2f}' for x in report['loadavg_before'])} before, "
+        f"{' '.join(f'{x:.2f}' for x in report['loadavg_after'])} after",
+        "",
+        f"{'system':<18}{'tok/CPU-s':>11}{'tok/wall-s':>12}{'ratio':>7}{'fill':>7}"
+        f"{'RSS GiB':>9}{'loss':>8}",
+    ]
+    for row in report["systems"].values():
+
+        def f(key, fmt, row=row):
+            v = row.get(key)
+            return format(v, fmt) if v is not None else "-"
+
+        lines.append(
+            f"{row['system']:<18}{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
+            f"{f('ratio_cpu', '7.2f')}{f('fill', '7.2f')}{f('peak_rss_gib', '9.3f')}"
+            f"{f('loss', '8.3f')}"
+        )
+    for name, why in report["skipped"].items():
+        lines.append(f"{name:<18}skipped: {why}")
+    lines.append("ratio: real tokens per CPU second relative to tunepack default (above 1: faster)")
+    v = report["versions"]
+    lines.append(
+        "versions: "
+        + ", ".join(
+            f"{k} {v[k]}" for k in ("tunepack", "torch", "torchtune", "transformers", "peft")
+        )
+        + (
+            ", TRL env: " + ", ".join(f"{k} {x}" for k, x in v["trl_env"].items())
+            if "trl_env" in v
+            else ""
+        )
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=tuple(SIZES), default="issue")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run (issue 12, smoke 4)")
+    parser.add_argument("--warmup", type=int, help="steps left out of the figures (2; smoke 1)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rows", type=int, help="dataset rows (default: the size's)")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    parser.add_argument(
+        "--trl",
+        choices=("create", "if-ready", "no"),
+        default="create",
+        help="TRL's environment: create it if missing (pip), use it only if already created, "
+        "or leave TRL out",
+    )
+    parser.add_argument("--trl-version", default=TRL_VERSION)
+    parser.add_argument("--json", type=Path, help="also write the report here as JSON")
+    parser.add_argument("--keep", type=Path, help="keep the runs' directories here")
+    args = parser.parse_args(argv)
+
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    workload = SIZES[args.size]
+    if args.rows:
+        workload = dataclasses.replace(workload, rows=args.rows)
+    smoke = args.size == "smoke"
+    settings = Settings(
+        steps=args.steps or (4 if smoke else 12),
+        warmup=args.warmup if args.warmup is not None else (1 if smoke else 2),
+        batch_size=args.batch_size,
+        lr=args.lr,
+        threads=args.threads,
+    )
+
+    skipped: dict[str, str] = {}
+    trl = None
+    wanted_trl = [s for s in systems if s.startswith("trl")]
+    if wanted_trl:
+        why = "left out (--trl no)"
+        if args.trl != "no":
+            trl, why = trl_python(args.trl_version, create=args.trl == "create", log=Bench.log)
+        if trl is None:
+            for name in wanted_trl:
+                skipped[name] = why
+            systems = [s for s in systems if s not in wanted_trl]
+
+    load_before = os.getloadavg()
+    root = Path(tempfile.mkdtemp(prefix="tunepack-sbs-"))
+    try:
+        bench = Bench(root, workload, settings, trl)
+        rounds = []
+        for index in range(args.rounds):
+            order = systems[index % len(systems) :] + systems[: index % len(systems)]
+            results = {}
+            for name in order:
+                Bench.log(f"round {index + 1}/{args.rounds}: {name} ...")
+                results[name] = bench.run(name)
+            rounds.append(results)
+        enc = _encoding(bench.model_dir)
+        row_tokens = [
+            sum(len(enc.encode(v)) for v in r.values())
+            for r in map(json.loads, bench.data.read_text().splitlines())
+        ]
+        report = {
+            "model": bench.entry.name,
+            "parameters": bench.entry.parameter_count,
+            "workload": dataclasses.asdict(workload),
+            "row_tokens": {
+                "min": min(row_tokens),
+                "max": max(row_tokens),
+                "mean": statistics.fmean(row_tokens),
+            },
+            "settings": dataclasses.asdict(settings),
+            "rounds": args.rounds,
+            "systems": combine(rounds, systems),
+            "runs": rounds,
+            "skipped": skipped,
+            "versions": versions([r[s] for r in rounds for s in r if s.startswith("trl")]),
+            "loadavg_before": list(load_before),
+            "loadavg_after": list(os.getloadavg()),
+            "cpu_count": os.cpu_count(),
+        }
+    finally:
+        if args.keep:
+            shutil.copytree(root, args.keep, symlinks=True, dirs_exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)
+    print(render(report))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The side-by-side benchmark (benchmarks/side_by_side.py): its smoke size produces a complete
+report (no speed is asserted), its tokenizer learner matches tunepack's, and the trainer's fill
+metric counts what the benchmark's probe counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tunepack.errors import BadInputError
+from tunepack.tiny import tiny_corpus, train_bpe
+from tunepack.tiny.bpe import TiktokenFormat
+from tunepack.trainers.recipe import real_positions
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import sbs_workload  # noqa: E402
+import side_by_side  # noqa: E402
+
+
+def test_incremental_bpe_learns_the_same_merges_as_train_bpe():
+    text = tiny_corpus()
+    assert sbs_workload.learn_merges(text, 300) == train_bpe(text, 300)
+    # And on the benchmark's own corpus, past the point where frequent pairs run out.
+    smoke = sbs_workload.corpus(sbs_workload.SMOKE)
+    assert sbs_workload.learn_merges(smoke, 900) == train_bpe(smoke, 900)
+
+
+def test_tiktoken_format_refuses_merges_that_do_not_fill_the_vocabulary():
+    entry = sbs_workload.SMOKE.entry()
+    with pytest.raises(BadInputError, match="3 merges do not fill vocab_size 1024: it needs 758"):
+        TiktokenFormat(merges=((b"a", b"b"), (b"c", b"d"), (b"e", b"f"))).write(entry)
+
+
+def test_issue_workload_is_the_issue_model():
+    entry = sbs_workload.ISSUE.entry()
+    assert round(entry.parameter_count / 1e6, 1) == 58.7
+    assert (entry.shape.num_layers, entry.shape.embed_dim, entry.shape.vocab_size) == (
+        8,
+        512,
+        32768,
+    )
+
+
+def test_real_positions_counts_each_row_up_to_its_last_label():
+    ignore = -100
+    labels = torch.tensor(
+        [
+            [5, 6, 7, ignore, ignore],  # padded after 3 tokens
+            [ignore, ignore, 8, 9, 10],  # prompt unlabelled, no padding
+            [ignore, 4, ignore, 3, ignore],  # a pack: two examples, one position of padding
+            [ignore] * 5,  # nothing labelled: nothing counted
+        ]
+    )
+    assert real_positions(labels) == 3 + 5 + 4 + 0
+
+
+def test_steady_window_skips_warmup_and_follows_prefetch():
+    def stamps(cpu, real):
+        return [
+            {"cpu_s": c, "wall_s": c, "real": r, "positions": 8}
+            for c, r in zip(cpu, real, strict=True)
+        ]
+
+    # Record k is stamped before step k: steps 1..2 run from stamp 1 to stamp 3.
+    window = side_by_side.steady(stamps([0, 1, 3, 6], [5, 6, 7, 8]), warmup=1, prefetch=0)
+    assert window == {"steps": 2, "cpu_s": 5, "wall_s": 5, "real": 6 + 7}
+    # A loader one batch ahead stamps record k + 1 before step k.
+    window = side_by_side.steady(stamps([0, 0, 1, 3, 6], [5, 6, 7, 8, 9]), warmup=1, prefetch=1)
+    assert window == {"steps": 2, "cpu_s": 5, "wall_s": 5, "real": 6 + 7}
+
+
+@pytest.mark.slow
+def test_side_by_side_smoke_report(tmp_path):
+    """Every trainer at the smoke size, one round: a report with every system, its ratio, fill,
+    memory, loss and the versions. TRL runs where its environment was created earlier (the full
+    benchmark creates it); otherwise the report says it was skipped."""
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/side_by_side.py",
+            "--size",
+            "smoke",
+            "--rounds",
+            "1",
+            "--trl",
+            "if-ready",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ran, skipped = report["systems"], report["skipped"]
+    assert set(ran) | set(skipped) == set(side_by_side.SYSTEMS)
+    assert {"tunepack", "tunepack-packed", "torchtune-stock"} <= set(ran)
+    for name, why in skipped.items():
+        assert name.startswith("trl") and "TRL" in why, (name, why)
+        assert f"{name:<18}skipped: {why}" in done.stdout
+    for name, row in ran.items():
+        assert row["tokens_per_cpu_s"] > 0 and row["tokens_per_wall_s"] > 0, name
+        assert row["ratio_cpu"] == pytest.approx(
+            row["tokens_per_cpu_s"] / ran["tunepack"]["tokens_per_cpu_s"]
+        )
+        assert 0 < row["fill"] <= 1 and row["peak_rss_gib"] > 0, name
+        assert math.isfinite(row["loss"]) and row["steady_steps"] == 2, name
+        assert row["system"] in done.stdout
+    assert ran["tunepack"]["ratio_cpu"] == 1.0
+    # Rows of 20 to 100 tokens in batches of 4 leave padding; padding-free packing leaves none.
+    assert ran["tunepack"]["fill"] < 1
+    if "trl-packed" in ran:
+        assert ran["trl-packed"]["fill"] == 1.0
+        assert report["versions"]["trl_env"]["trl"] == side_by_side.TRL_VERSION
+    # tunepack's own fill metric agrees with the probe's count, step by step.
+    for name in ("tunepack", "tunepack-packed"):
+        run = report["runs"][0][name]
+        assert run["metrics_fill"] == pytest.approx(run["probe_fill"], abs=1e-4), name
+    for package in ("tunepack", "torch", "torchtune"):
+        assert report["versions"][package], package
+    assert report["parameters"] == dataclasses.replace(sbs_workload.SMOKE).entry().parameter_count
+    assert len(report["loadavg_before"]) == 3
