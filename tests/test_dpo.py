@@ -395,15 +395,14 @@ def test_kill_9_then_restart_ends_bit_identical(preference_workspace, tmp_path):
     proc.kill()  # SIGKILL: nothing runs on the way out
     proc.wait()
     assert not (interrupted / "output" / "result.json").exists()
-    assert sorted(p.name for p in (interrupted / "checkpoints").glob("step-*"))[-1] in (
-        "step-00000003",
-        "step-00000006",
-    )
+    # The trainer may have run up to a page of output past step 5, never to the end.
+    newest = max(int(p.name[5:]) for p in (interrupted / "checkpoints").glob("step-*"))
+    assert newest % 3 == 0 and 3 <= newest < 24
 
     again = _launch(_env(interrupted), *args)
     assert again.returncode == 0, again.stderr
     result, expected = _result(interrupted), _result(reference)
-    assert result["resumed_from_step"] in (3, 6) and result["restarts"] == 1
+    assert result["resumed_from_step"] == newest and result["restarts"] == 1
     assert (result["steps"], result["tokens_seen"]) == (24, expected["tokens_seen"])
     assert result["dpo"] == expected["dpo"]  # the last step's rewards, to the last digit
     want, got = _adapter(reference), _adapter(interrupted)
