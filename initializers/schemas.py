@@ -178,6 +178,15 @@ def _preference(row: dict, text_cells: bool) -> Normalized:
             answers[side] = normalized["messages"]
             if answers[side][-1]["role"] != "assistant":
                 return None, f"field {side!r} must end with an assistant turn"
+        if prompt and any(m["role"] == "user" for m in answers["chosen"]):
+            # Conversations that hold their prompt already (as in UltraFeedback binarized, next
+            # to a 'prompt' column that repeats it): the prompt is not added a second time.
+            if not _holds_prompt(answers["chosen"], prompt, isinstance(row["prompt"], str)):
+                return None, (
+                    "'chosen' and 'rejected' hold user turns of their own and 'prompt' is not "
+                    "among them: leave out 'prompt', or give only the answers in them"
+                )
+            prompt = []
     chosen, rejected = prompt + answers["chosen"], prompt + answers["rejected"]
     if chosen[:-1] != rejected[:-1]:
         return None, (
@@ -189,6 +198,14 @@ def _preference(row: dict, text_cells: bool) -> Normalized:
     if not any(m["role"] == "user" for m in chosen):
         return None, "the conversation has no user turn (or 'prompt') before the answers"
     return {"chosen": chosen, "rejected": rejected}, None
+
+
+def _holds_prompt(conversation: list, prompt: list, single: bool) -> bool:
+    """Whether a conversation already holds ``prompt``: a prompt string as one of its user turns,
+    prompt turns as its first turns."""
+    if single:
+        return any(m == prompt[0] for m in conversation[:-1])
+    return conversation[: len(prompt)] == prompt
 
 
 def _chat_turns(turns: list, field: str) -> Normalized:

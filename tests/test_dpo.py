@@ -68,6 +68,29 @@ def test_chat_form_with_a_separate_prompt_and_a_system_turn(tmp_path):
     }
 
 
+def test_a_prompt_the_conversations_already_hold_is_not_repeated(tmp_path):
+    """UltraFeedback binarized style: full conversations next to a 'prompt' that repeats them."""
+    system = {"role": "system", "content": "Be brief."}
+    h4 = {"prompt": "2+2?", **CHAT_PAIR, "score_chosen": 8.0, "score_rejected": 2.0}
+    with_system = {
+        "prompt": "2+2?",
+        "chosen": [system, *CHAT_PAIR["chosen"]],
+        "rejected": [system, *CHAT_PAIR["rejected"]],
+    }
+    as_turns = {"prompt": CHAT_PAIR["chosen"][:1], **CHAT_PAIR}
+    result = run_dataset(tmp_path, jsonl(tmp_path / "p.jsonl", [h4, with_system, as_turns]))
+    assert result.returncode == 0, result.stderr
+    rows, _ = output(tmp_path)
+    assert rows == [
+        NORMALIZED,
+        {
+            "chosen": [system, *NORMALIZED["chosen"]],
+            "rejected": [system, *NORMALIZED["rejected"]],
+        },
+        NORMALIZED,
+    ]
+
+
 def test_csv_preference_rows_with_a_column_map(tmp_path):
     (tmp_path / "p.csv").write_text("question,good,bad\n2+2?,4,5\n")
     result = run_dataset(tmp_path, "p.csv", COLUMN_MAP="question:prompt,good:chosen,bad:rejected")
@@ -123,6 +146,12 @@ PREFERENCE_CORPUS = [
         "chat-no-user",
         [PAIR, {"chosen": [_turn("assistant", "y")], "rejected": [_turn("assistant", "z")]}],
         "the conversation has no user turn (or 'prompt') before the answers",
+    ),
+    (
+        "prompt-not-in-conversations",
+        [PAIR, {"prompt": "3+3?", **CHAT_PAIR}],
+        "'chosen' and 'rejected' hold user turns of their own and 'prompt' is not among them: "
+        "leave out 'prompt', or give only the answers in them",
     ),
     (
         "chat-empty",
