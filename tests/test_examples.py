@@ -35,6 +35,7 @@ EXAMPLES = {
     "multinode-lora.yaml": "A100-40GB",
     "full-finetune.yaml": "A100-40GB",
     "local-dataset-pvc.yaml": "L4-24GB",
+    "dpo-lora.yaml": "L4-24GB",
 }
 
 # Features other branches bring: (what is pending) -> reason. Remove an entry when it merges.
