@@ -392,3 +392,44 @@ def test_a_gemma_run_on_conversations_with_a_system_message_fails_with_the_forma
         recipe.train()
     assert str(caught.value).startswith("the gemma chat format has no system role")
     assert not (workspace / "output" / "result.json").exists()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama2", "tiny-mistral", "tiny-llama3.1", "tiny-qwen2.5"])
+def test_train_on_input_trains_the_turns_not_the_markup(name, tmp_path):
+    entry = catalog.get(name) if name in catalog.CATALOG else catalog.TINY[_family_of(name)]
+    model_dir = tiny.write_tiny_model(tmp_path / name, entry)
+    tokenizer = _tunepack_tokenizer(entry, model_dir)
+    messages = [Message(m["role"], m["content"], masked=False) for m in [SYSTEM, *CONVERSATION]]
+    ids, mask = tokenizer.tokenize_messages(messages)
+    trained = tokenizer.decode([i for i, masked in zip(ids, mask, strict=True) if not masked])
+    assert "Iceland" in trained and "zebra" in trained and "one short line" in trained
+    for markup in ("[INST]", "[/INST]", "<<SYS>>", "<|im_start|>", "assistant", "Cutting"):
+        assert markup not in trained
+
+
+def _family_of(name: str) -> str:
+    return next(f for f, e in catalog.TINY.items() if e.name == name)
+
+
+def test_turns_out_of_order_are_refused_with_the_formats_rule(tmp_path):
+    entry = catalog.TINY["llama2"]
+    tokenizer = _tunepack_tokenizer(entry, tiny.write_tiny_model(tmp_path / "l2", entry))
+    with pytest.raises(BadInputError) as caught:
+        tokenizer.tokenize_messages(_messages([CONVERSATION[1], CONVERSATION[0]]))
+    assert str(caught.value) == (
+        "the llama2 chat format needs turns alternating user/assistant after an optional system "
+        "message, but a conversation has assistant/user"
+    )
+
+
+def test_max_seq_len_cuts_the_conversation_and_its_mask_together(tmp_path):
+    entry = catalog.TINY["qwen2_5"]
+    model_dir = tiny.write_tiny_model(tmp_path / "q", entry)
+    full, full_mask = _tunepack_tokenizer(entry, model_dir).tokenize_messages(
+        _messages(CONVERSATION)
+    )
+    node = tokenizer_config(entry, model_dir, 20)
+    cut, cut_mask = tt_config.instantiate(OmegaConf.create(node)).tokenize_messages(
+        _messages(CONVERSATION)
+    )
+    assert len(full) > 20 and (cut, cut_mask) == (full[:20], full_mask[:20])

@@ -83,13 +83,19 @@ def _llama2(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     _alternating("llama2", rest)
     out: list[Piece] = []
     for position, (i, turn) in enumerate(rest):
-        content = turn.content
-        if position == 0 and system is not None:
-            content = f"<<SYS>>\n{system.content}\n<</SYS>>\n\n{content}"
         if turn.role == "user":
-            out += [_tok(BOS, i), _text(f"[INST] {content.strip()} [/INST]", i, "body")]
+            out += [_tok(BOS, i), _text("[INST] ", i)]
+            if position == 0 and system is not None:
+                # The template strips "<<SYS>>\n{system}\n<</SYS>>\n\n{user}" as a whole: only
+                # the user text's end, or the block's end when the user text is blank.
+                user = turn.content.rstrip()
+                out += [_text("<<SYS>>\n", 0), _text(system.content, 0, "body")]
+                out += [_text("\n<</SYS>>" + ("\n\n" if user else ""), 0), _text(user, i, "body")]
+            else:
+                out.append(_text(turn.content.strip(), i, "body"))
+            out.append(_text(" [/INST]", i))
         else:
-            out += [_text(" ", i), _text(content.strip(), i, "body"), _text(" ", i, "end")]
+            out += [_text(" ", i), _text(turn.content.strip(), i, "body"), _text(" ", i, "end")]
             out.append(_tok(EOS, i, "end"))
     return out
 
@@ -103,7 +109,7 @@ def _mistral(turns: Sequence[Turn], generation: bool) -> list[Piece]:
             content = turn.content
             if position == 0 and system is not None:
                 content = f"{system.content}\n\n{content}"
-            out.append(_text(f" [INST] {content} [/INST]", i, "body"))
+            out += [_text(" [INST] ", i), _text(content, i, "body"), _text(" [/INST]", i)]
         else:
             out += [_text(" ", i), _text(turn.content, i, "body"), _tok(EOS, i, "end")]
     return out
@@ -121,8 +127,11 @@ def _llama3_turn(i: int | None, role: str, content: str) -> list[Piece]:
 
 
 def _llama3_generation() -> list[Piece]:
-    return [_tok("<|start_header_id|>"), _text("assistant"), _tok("<|end_header_id|>")] + [
-        _text("\n\n")
+    return [
+        _tok("<|start_header_id|>"),
+        _text("assistant"),
+        _tok("<|end_header_id|>"),
+        _text("\n\n"),
     ]
 
 
@@ -136,10 +145,11 @@ def _llama3(turns: Sequence[Turn], generation: bool) -> list[Piece]:
 def _llama3_1(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     system, rest = _split_system(turns)
     header = f"Cutting Knowledge Date: December 2023\nToday Date: {LLAMA3_1_DATE}\n\n"
-    # The template prepends the header to the (trimmed) system text, then trims nothing more.
-    system_turn = _llama3_turn(0 if system else None, "system", "x")
-    text = header + (system.content.strip() if system else "")
-    system_turn[4] = _text(text, system_turn[4].turn, "body")
+    # Always a system turn: the dated header, then the (trimmed) system text, if any.
+    index = 0 if system else None
+    system_turn = _llama3_turn(index, "system", "")
+    text = system.content.strip() if system else ""
+    system_turn[4:5] = [_text(header, index), _text(text, index, "body")]
     out = [_tok(BOS), *system_turn]
     for i, turn in rest:
         out += _llama3_turn(i, turn.role, turn.content)
