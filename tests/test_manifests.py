@@ -204,7 +204,7 @@ def _check_concerns(runtime: dict, base: dict, concerns: set[str]) -> None:
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
     if "registry-mirror" in concerns:
-        for job in ("dataset-initializer", "model-initializer", "node"):
+        for job in ("dataset-initializer", "model-initializer", "node", "exporter"):
             container = _pod(runtime, job)["containers"][0]
             image = container["image"]
             assert image.startswith("registry.example.internal/tunepack/"), image
