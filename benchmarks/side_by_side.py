@@ -40,6 +40,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -392,7 +393,7 @@ def render(report: dict) -> str:
 
         def f(key, fmt, row=row):
             v = row.get(key)
-            return format(v, fmt) if v is not None else "-"
+            return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
 
         lines.append(
             f"{row['system']:<18}{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
@@ -468,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                 skipped[name] = why
             systems = [s for s in systems if s not in wanted_trl]
 
+    # SIGTERM unwinds like Ctrl-C: the running trainer is stopped, the temporary runs removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()
     root = Path(tempfile.mkdtemp(prefix="tunepack-sbs-"))
     try:

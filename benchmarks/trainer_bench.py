@@ -44,7 +44,12 @@ def run_measured(cmd: list[str], env: dict, log: Path) -> tuple[int, float, floa
     (user + system; wait4 counts the process and every descendant it waited for)."""
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted: the measured run does not outlive the benchmark
+            proc.terminate()
+            proc.wait()
+            raise
     cpu_s = usage.ru_utime + usage.ru_stime
     return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20, cpu_s
 
