@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
 import socket
@@ -196,34 +197,26 @@ def test_tiny_preference_rows_prefer_the_right_answer():
 # ------------------------------------------------------------------ the DPO loss
 
 
-def test_loss_variants_on_known_log_probabilities():
-    """h = (policy margin) - (reference margin) = (-1 - -3) - (-2 - -2) = 2, beta = 0.5."""
-
-    class Fixed(torch.nn.Module):
-        """A "model" whose adapters, when on, raise the chosen answer's log-probability."""
-
-        def __init__(self):
-            super().__init__()
-            self.lora = torch.nn.Linear(1, 1)  # torchtune's disable_adapter finds none: unused
-
-        def forward(self, tokens):
-            return tokens
-
-    for loss, expected in (
-        ("sigmoid", -torch.nn.functional.logsigmoid(torch.tensor(1.0))),
-        ("hinge", torch.tensor(0.0)),
-        ("ipo", torch.tensor((2 - 1) ** 2.0)),
-    ):
-        dpo = DPO(beta=0.5, loss=loss)
-        policy = torch.tensor([-1.0, -3.0])
-        reference = torch.tensor([-2.0, -2.0])
-        outputs = iter([reference, policy])
-        dpo._logps = lambda model, tokens, labels, out=outputs: next(out)
-        batch = {"tokens": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3)}
-        total, pairs = dpo.forward(Fixed(), batch, torch.device("cpu"))
-        assert pairs == 1 and torch.allclose(total, expected), (loss, total)
-        _, chosen, rejected, correct = dpo.batch_stats
-        assert (chosen, rejected, correct) == (0.5, -0.5, 1)
+@pytest.mark.parametrize(
+    ("loss", "beta", "expected"),
+    [
+        ("sigmoid", 0.5, -math.log(1 / (1 + math.exp(-1.0)))),  # -log sigmoid(0.5 * 2)
+        ("hinge", 0.5, 0.0),  # max(0, 1 - 0.5 * 2)
+        ("hinge", 0.25, 0.5),  # max(0, 1 - 0.25 * 2)
+        ("ipo", 0.5, 1.0),  # (2 - 1 / (2 * 0.5)) ** 2
+    ],
+)
+def test_loss_variants_on_known_log_probabilities(loss, beta, expected):
+    """h = (policy margin) - (reference margin) = (-1 - -3) - (-2 - -2) = 2; the
+    log-probabilities are given (reference pass first, then the policy's)."""
+    dpo = DPO(beta=beta, loss=loss)
+    outputs = iter([torch.tensor([-2.0, -2.0]), torch.tensor([-1.0, -3.0])])
+    dpo._logps = lambda model, tokens, labels: next(outputs)
+    batch = {"tokens": torch.zeros(2, 3, dtype=torch.long), "labels": torch.zeros(2, 3)}
+    total, pairs = dpo.forward(torch.nn.Identity(), batch, torch.device("cpu"))
+    assert pairs == 1 and total.item() == pytest.approx(expected, abs=1e-6)
+    _, chosen, rejected, correct = dpo.batch_stats
+    assert (chosen, rejected, correct) == (beta, -beta, 1)
 
 
 def test_answer_log_probabilities_count_only_labelled_tokens():
