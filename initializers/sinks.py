@@ -663,6 +663,11 @@ class HubSink:
 
         from tunepack.initializers.sources import _http
 
+        # huggingface_hub wraps a failed LFS upload in a RuntimeError: the cause says what failed.
+        cause = error
+        while cause is not None and not isinstance(cause, httpx2.TransportError | HfHubHTTPError):
+            cause = cause.__cause__ or cause.__context__
+        error = cause if cause is not None else error
         if isinstance(error, httpx2.TransportError):
             return _http.transport_problem(error)
         if not isinstance(error, HfHubHTTPError):

@@ -20,7 +20,8 @@ Uploads, as ``create_repo`` and ``create_commit`` (LFS "basic" transfer; run the
   oid, deletions), applied all at once; 400 when it names an LFS object never uploaded.
 
 Writes need a token in ``write_tokens`` (a read token gets 403). Tests may hold the next LFS
-upload (``hold_uploads``) to kill the client mid-transfer, and read ``commits``.
+upload (``hold_uploads``) to kill the client mid-transfer, refuse the next ones
+(``upload_errors``), and read ``commits``.
 
 Access rules follow the real hub: a gated repository lists publicly but its files need a token
 (401 ``GatedRepo`` without one), an unknown or private repository is 401 ``RepoNotFound`` without
@@ -93,6 +94,7 @@ class FakeHub:
         self.commits: list[dict] = []  # one record per commit made through the API
         self.hold_uploads = threading.Event()  # set: LFS uploads are received, then held
         self.upload_held = threading.Event()  # set when an upload is being held
+        self.upload_errors: list[int] = []  # statuses the next LFS uploads are answered with
         self._lock = threading.Lock()
         hub = self
 
@@ -222,6 +224,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json({"transfer": "basic", "objects": objects})
 
     def _lfs_put(self, oid: str, body: bytes) -> None:
+        if self.hub.upload_errors:
+            return self._error(self.hub.upload_errors.pop(0), None, "upload refused")
         if self.hub.hold_uploads.is_set():
             self.hub.upload_held.set()
             while self.hub.hold_uploads.is_set():  # until the test lets go (or kills the client)

@@ -522,6 +522,18 @@ def test_hub_kill_9_mid_upload_then_rerun_commits_once_without_resending(hub, tr
     assert len(uploads) == 1
 
 
+def test_hub_upload_refused_is_one_line_and_no_commit(hub, trained, tmp_path):
+    hub.upload_errors.append(400)  # e.g. an expired upload URL: huggingface_hub does not retry it
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
+    done = run_export(trained, tmp_path, "hf://acme/refused", env)
+    assert done.returncode == EXIT_BAD_INPUT
+    assert error_of(done) == (
+        "the hub answered HTTP 400 for hub model repository 'acme/refused'; check "
+        "'hf://acme/refused'"
+    )
+    assert hub.commits == [] and hub.repos[("model", "acme/refused")].files == {}
+
+
 def test_hub_wrong_or_read_only_token_exit_65_in_one_line(hub, trained, tmp_path):
     done = run_export(
         trained,
