@@ -15,8 +15,10 @@ pick another format of the model's group (``chat_template=``) and a default syst
 (``system_prompt=``), both validated by ``trainers/args.py``. Formats are Python here: no
 template text from a user or a model repository is ever executed.
 
-Loss: the assistant's content and the marker that ends its turn are trained (the model learns to
-stop); role headers, system and user turns are not, unless ``train_on_input``.
+Loss: as torchtune's own tokenizers do, a turn is trained whole (its role markers, its content
+and the marker that ends it, so the model learns to stop) when its message is not masked: the
+assistant's turns, and with ``train_on_input`` every turn. What belongs to no turn (BOS, a
+template's default system prompt) is never trained.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def _llama2(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     out: list[Piece] = []
     for position, (i, turn) in enumerate(rest):
         if turn.role == "user":
-            out += [_tok(BOS, i), _text("[INST] ", i)]
+            out += [_tok(BOS), _text("[INST] ", i)]
             if position == 0 and system is not None:
                 # The template strips "<<SYS>>\n{system}\n<</SYS>>\n\n{user}" as a whole: only
                 # the user text's end, or the block's end when the user text is blank.
@@ -404,9 +406,7 @@ class FormattedTokenizer:
         pieces = render(self.chat_template, turns, generation=generation)
 
         def trained(piece: Piece) -> bool:
-            if piece.turn is None or piece.kind not in ("body", "end"):
-                return False
-            return turns[piece.turn].trained
+            return piece.turn is not None and turns[piece.turn].trained
 
         tokens, mask = self.encode_pieces(pieces, trained)
         max_len = getattr(self._base, "max_seq_len", None)
