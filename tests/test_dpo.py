@@ -309,6 +309,7 @@ def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace
     assert accuracy[-1] >= 0.75 and accuracy[-1] > accuracy[1], accuracy
     assert steps[-1]["loss"] < steps[1]["loss"] < steps[0]["loss"]
     assert all(s["tokens"] > 8 * 2 for s in steps)  # real tokens, not pairs
+    assert all(0 < s["fill"] <= 1 for s in steps)  # chosen and rejected padded together
 
     # The published adapter, loaded by peft over the base in transformers, prefers the chosen
     # answers: its implicit reward margin on the pairs is what the trainer reached.

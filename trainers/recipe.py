@@ -421,6 +421,7 @@ class FineTuneRecipe:
         """Summed next-token loss over the batch and the number of tokens it counts (DPO: the
         summed loss of its pairs and their number)."""
         if self.dpo is not None:
+            self.batch_fill = (real_positions(batch["labels"]), batch["tokens"].numel())
             return self.dpo.forward(self.model, batch, self.device)
         tokens = batch["tokens"].to(self.device)
         labels = batch["labels"].to(self.device)
