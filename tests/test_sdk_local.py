@@ -122,9 +122,7 @@ def test_generate_asks_in_the_format_the_model_was_trained_on(client, finished):
     assert answer.strip() == row["output"]
     # Without the template the model would be asked something it never saw.
     assert result.prompt_ids(row["instruction"], input="") != asked
-    # Trained in the chat template, a few steps from random weights may answer with the end of
-    # turn at once (an empty answer): generate() runs; the prompt above is what it asks.
-    assert isinstance(result.generate(row["instruction"], 4, input=row["input"]), str)
+    assert len(result.generate(row["instruction"], 4, input=row["input"])) > 0
 
 
 def test_a_bad_dataset_is_a_failed_job_with_the_steps_message(client, tiny_model_dir, tmp_path):
