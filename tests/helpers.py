@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import subprocess
 import sys
@@ -68,3 +69,19 @@ def assert_local_status_complete(stdout: str, name: str, runtime: str) -> list[s
         ["node-0", "Succeeded"],
     ]
     return lines
+
+
+F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
+
+
+def lines_held_back(fd: int):
+    """The lines of a pipe, read a byte at a time from a pipe shrunk to one page: the writer
+    blocks when it is about 4 KiB (a dozen step lines) ahead of the reader, so a run cannot
+    finish while a test waits for one of its steps to kill it, however slow the test process is."""
+    fcntl.fcntl(fd, F_SETPIPE_SZ, 4096)
+    line = b""
+    while byte := os.read(fd, 1):
+        line += byte
+        if byte == b"\n":
+            yield line
+            line = b""

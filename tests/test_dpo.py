@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -16,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import TINY, run_program, setup_recipe
+from tests.helpers import TINY, lines_held_back, run_program, setup_recipe
 from tests.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
@@ -355,7 +354,6 @@ def test_method_and_dataset_must_match(preference_workspace, initialized_workspa
 # ------------------------------------------------------------------ exact resume, FSDP2
 
 LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
-F_SETPIPE_SZ = 1031  # Linux fcntl: set a pipe's capacity
 # 12 epochs of 2 steps of 2 micro-batches of 2 pairs (8 pairs): 24 steps; LoRA dropout makes
 # the result depend on the restored random state too.
 RESUME = [
@@ -389,19 +387,6 @@ def _result(workspace: Path) -> dict:
     return json.loads((workspace / "output" / "result.json").read_text())
 
 
-def _lines_held_back(fd: int):
-    """The lines of a pipe, read a byte at a time from a pipe shrunk to one page: the writer
-    blocks when it is about 4 KiB (a dozen step lines) ahead of the reader, so a run of 24 steps
-    cannot finish while the test waits for step 5, however slow the test process is."""
-    fcntl.fcntl(fd, F_SETPIPE_SZ, 4096)
-    line = b""
-    while byte := os.read(fd, 1):
-        line += byte
-        if byte == b"\n":
-            yield line
-            line = b""
-
-
 def test_kill_9_then_restart_ends_bit_identical(preference_workspace, tmp_path):
     reference = shutil.copytree(preference_workspace, tmp_path / "reference")
     done = _launch(_env(reference), *RESUME)
@@ -412,7 +397,7 @@ def test_kill_9_then_restart_ends_bit_identical(preference_workspace, tmp_path):
     proc = subprocess.Popen(
         [*LAUNCH, *args], env=_env(interrupted), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    for line in _lines_held_back(proc.stdout.fileno()):
+    for line in lines_held_back(proc.stdout.fileno()):
         if line.startswith(b"{") and json.loads(line).get("step", 0) >= 5:
             break
     proc.kill()  # SIGKILL: nothing runs on the way out

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.helpers import lines_held_back
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.trainers.launch import _exit_code, layout_from_env
 from tunepack.trainers.recipe import ResumableSampler
@@ -54,10 +55,11 @@ def _launch(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedPr
 
 def _start_and_wait_for_step(env: dict, args: list[str], step: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [*LAUNCH, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [*LAUNCH, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    for line in proc.stdout:
-        if line.startswith("{") and json.loads(line).get("step", 0) >= step:
+    # The trainer cannot run more than a page of output ahead: the kill lands before it ends.
+    for line in lines_held_back(proc.stdout.fileno()):
+        if line.startswith(b"{") and json.loads(line).get("step", 0) >= step:
             return proc
     raise AssertionError(f"the trainer ended (rc {proc.wait()}) before step {step}")
 
@@ -203,7 +205,7 @@ def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspac
     workers = _descendants(proc.pid)
     assert len(workers) >= 3  # torchrun's agent and two workers
     proc.send_signal(signal.SIGTERM)  # what the kubelet does on eviction
-    output, _ = proc.communicate(timeout=120)
+    output = proc.communicate(timeout=120)[0].decode()
     assert proc.returncode == EXIT_TRANSIENT, output
     stopped = [p.name for p in (ws / "checkpoints").glob("step-*")]
     assert len(stopped) == 1 and "asked to stop (SIGTERM)" in output
