@@ -1,12 +1,12 @@
 """Why tunepack's runtimes carry no ``podGroupPolicy``: the real Trainer's evidence.
 
 With ``podGroupPolicy.coscheduling`` the Trainer makes a scheduler-plugins PodGroup whose
-``minMember`` counts the pods of every replicatedJob, initializers included, while JobSet creates
-the trainer (``node``) pods only after both initializers completed. scheduler-plugins'
-coscheduling admits a pod only when at least ``minMember`` pods of its group exist, so the
-initializer pods would wait forever. This test shows both halves on the real controllers (with the
-PodGroup CRD from the very scheduler-plugins version Trainer v2.3.0 pins, and the default
-scheduler, which ignores PodGroups).
+``minMember`` counts the pods of every replicatedJob, initializers and exporter included, while
+JobSet creates the trainer (``node``) pods only after both initializers completed.
+scheduler-plugins' coscheduling admits a pod only when at least ``minMember`` pods of its group
+exist, so the initializer pods would wait forever. This test shows both halves on the real
+controllers (with the PodGroup CRD from the very scheduler-plugins version Trainer v2.3.0 pins, and
+the default scheduler, which ignores PodGroups).
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def test_a_coscheduling_gang_counts_pods_that_cannot_exist_together(api, control
             "the Trainer's PodGroup",
             diagnose=lambda: api.diagnose(namespace, "gang"),
         )
-        # 1 dataset-initializer + 1 model-initializer + 2 trainer pods.
-        assert group["spec"]["minMember"] == 4
-        # While the initializers run, the node Job does not exist: 2 of the 4 pods can exist.
+        # 1 dataset-initializer + 1 model-initializer + 2 trainer pods + 1 exporter.
+        assert group["spec"]["minMember"] == 5
+        # While the initializers run, neither the node Job nor the exporter's (which waits for
+        # node) exists: 2 of the 5 pods can exist.
         js = api.wait_jobset(namespace, "gang")
         node = kube.replicated_job(js, "node")
         assert {d["name"] for d in node["dependsOn"]} == {
