@@ -689,3 +689,66 @@ def test_download_of_a_job_without_export_says_where_its_result_is(trained, tmp_
         f"local result is at {trained / 'output' / 'adapter'}\n"
     )
     assert not (tmp_path / "got").exists()
+
+
+def test_the_trainjob_carries_the_export_in_a_runtime_patch():
+    from tunepack.trainjob import build_trainjob, export_of
+
+    job = build_trainjob(
+        "exp-1",
+        "tiny-llama3",
+        "/data/train.jsonl",
+        "/models/tiny",
+        ["max_steps=4"],
+        export_uri="hf://acme/lora",
+        export_secret="export-creds",
+    )
+    (patch,) = job["spec"]["runtimePatches"]
+    assert patch["manager"] == "tunepack.dev/export"
+    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    (c,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    assert (rjob["name"], c["name"]) == ("exporter", "exporter")
+    assert c["env"][0] == {"name": "EXPORT_URI", "value": "hf://acme/lora"}
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"][1:]}
+    assert refs["HF_TOKEN"] == {"name": "export-creds", "key": "HF_TOKEN", "optional": True}
+    assert set(refs) >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}
+    assert export_of(job) == "hf://acme/lora"
+    assert export_of(build_trainjob("exp-2", "tiny-llama3", "/d.jsonl", "/m", [])) is None
+
+    with pytest.raises(BadInputError) as err:
+        build_trainjob("exp-3", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run")
+    assert str(err.value) == (
+        "export path 'out/run' is relative: on a cluster the exporter writes it inside its Pod, "
+        "so give an absolute path on a volume mounted there, or s3://bucket/prefix or "
+        "hf://org/name"
+    )
+    local = build_trainjob(
+        "exp-4", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run", local=True
+    )
+    assert export_of(local) == str(Path("out/run").absolute())
+
+
+def test_render_trainjob_with_export(tmp_path):
+    done = _cli(
+        "render",
+        "trainjob",
+        "--runtime",
+        "tiny-llama3",
+        "--dataset",
+        "/data/train.jsonl",
+        "--model",
+        "/models/tiny",
+        "--name",
+        "exp-yaml",
+        "--export",
+        "s3://results/exp-yaml",
+        "--export-secret",
+        "export-creds",
+        env={},
+    )
+    assert done.returncode == 0, done.stderr
+    import yaml
+
+    from tunepack.trainjob import export_of
+
+    assert export_of(yaml.safe_load(done.stdout)) == "s3://results/exp-yaml"
