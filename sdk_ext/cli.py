@@ -98,6 +98,7 @@ def cmd_tiny_model(ns: argparse.Namespace) -> int:
 def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
     from tunepack.errors import BadInputError
     from tunepack.tiny import write_tiny_dataset
+    from tunepack.tiny.dataset import write_tiny_preference_dataset
 
     if os.path.isdir(ns.file):
         raise BadInputError(
@@ -105,8 +106,10 @@ def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
             f"(e.g. {os.path.join(ns.file, 'instructions.jsonl')})"
         )
     with _writing(ns.file, "a path for the dataset file"):
-        path = write_tiny_dataset(Path(ns.file), rows=ns.rows, seed=ns.seed)
-    print(f"tiny dataset ready at {path}")
+        write = write_tiny_preference_dataset if ns.preference else write_tiny_dataset
+        path = write(Path(ns.file), rows=ns.rows, seed=ns.seed)
+    kind = "preference dataset (for method=dpo)" if ns.preference else "dataset"
+    print(f"tiny {kind} ready at {path}")
     return 0
 
 
@@ -758,6 +761,8 @@ def _console_logging(verbose: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tunepack import planner
+
     parser = _Parser(prog="tunepack", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -772,6 +777,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-dataset", help="write a small instruction dataset (offline)")
     p.add_argument("file")
+    p.add_argument(
+        "--preference", action="store_true", help="preference pairs for method=dpo instead"
+    )
     p.add_argument("--rows", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_tiny_dataset)
@@ -840,7 +848,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
     p.add_argument("--model", required=True, help="catalog model or runtime name")
-    p.add_argument("--method", default="lora", help="full, lora, qlora, dora")
+    p.add_argument("--method", default="lora", help=", ".join(planner.METHODS))
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=1, help="per device")
     p.add_argument("--gpu", default="H100-80GB")

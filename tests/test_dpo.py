@@ -507,8 +507,17 @@ def test_validation_split_reports_the_dpo_loss_of_held_out_pairs(preference_work
 
 
 def test_local_cli_run_shows_the_margin_on_the_console(tiny_model_dir, tmp_path):
-    """`tunepack train --local` end to end: both initializers, the trainer, the console."""
-    data = write_tiny_preference_dataset(tmp_path / "pairs.jsonl", rows=8)
+    """`tunepack tiny-dataset --preference` then `tunepack train --local` end to end: both
+    initializers, the trainer, the console."""
+    data = tmp_path / "pairs.jsonl"
+    made = subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", "tiny-dataset", "--preference", str(data)]
+        + ["--rows", "8"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert made.returncode == 0 and "tiny preference dataset" in made.stdout, made.stderr
     workspace = tmp_path / "ws"
     done = subprocess.run(
         [sys.executable, "-m", "tunepack.cli", "train", "--local"]
