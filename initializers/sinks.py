@@ -597,9 +597,13 @@ class HubSink:
             head = self._call(
                 f"reading {self.what}", self.api.repo_info, self.repo_id, revision=self.revision
             )
-            self._verify(files, head.sha)
-            self.log(f"{self.display} already holds this export (commit {head.sha}, verified)")
-            return
+            try:
+                self._verify(files, head.sha)
+            except TransientError as error:  # changed since: commit the export again
+                self.log(f"the export there no longer matches ({error}); committing it again")
+            else:
+                self.log(f"{self.display} already holds this export (commit {head.sha}, verified)")
+                return
         operations = [CommitOperationAdd(f.rel, str(f.path)) for f in files]
         operations.append(CommitOperationAdd(MANIFEST_FILE, manifest_bytes(manifest)))
         previous = set((existing or {}).get("files") or {}) if isinstance(existing, dict) else set()
