@@ -367,33 +367,40 @@ def test_torchtune_alone_lays_out_no_family_as_its_published_template(family):
     ] == _hf_ids(hf, CONVERSATION[:2])
 
 
-def test_a_gemma_run_on_conversations_with_a_system_message_fails_with_the_formats_message(
+def test_a_gemma_run_on_conversations_with_a_system_message_is_refused_before_the_model_loads(
     tmp_path,
 ):
-    from tests.helpers import run_program, setup_recipe
+    """The trainer checks a chat dataset against the format while it builds its configuration:
+    one line naming the file and row, before any model or torchrun starts."""
+    from tests.helpers import run_program
+    from tunepack.trainers.config import build_config
 
     entry = catalog.TINY["gemma"]
     workspace = tmp_path / "ws"
     tiny.write_tiny_model(workspace / "model", entry)
     source = tmp_path / "chat.jsonl"
-    row = {"messages": [SYSTEM, *CONVERSATION[:2]]}
-    source.write_text(json.dumps(row) + "\n" + json.dumps(row) + "\n")
+    good = {"messages": CONVERSATION[:2]}
+    bad = {"messages": [SYSTEM, *CONVERSATION[:2]]}
+    source.write_text("".join(json.dumps(row) + "\n" for row in (good, good, bad, good)))
     done = run_program(
         "tunepack.initializers.dataset",
         {"TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)},
     )
     assert done.returncode == 0, done.stderr
-    recipe = setup_recipe(
-        entry,
-        ["max_steps=1", "batch_size=2", "warmup_steps=0"],
-        model_dir=workspace / "model",
-        dataset_dir=workspace / "dataset",
-        output=workspace / "output",
-    )
     with pytest.raises(BadInputError) as caught:
-        recipe.train()
-    assert str(caught.value).startswith("the gemma chat format has no system role")
-    assert not (workspace / "output" / "result.json").exists()
+        build_config(
+            entry,
+            parse_trainer_args(["max_steps=1"], entry),
+            model_dir=workspace / "model",
+            dataset_dir=workspace / "dataset",
+            output_dir=workspace / "output",
+            cache_dir=workspace / "cache",
+        )
+    assert str(caught.value).startswith(
+        "train.jsonl row 3: the gemma chat format has no system role"
+    )
+    assert "\n" not in str(caught.value)
+    assert not (workspace / "output").exists()
 
 
 @pytest.mark.parametrize("name", ["tiny-llama2", "tiny-mistral", "tiny-llama3.1", "tiny-qwen2.5"])

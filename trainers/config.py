@@ -261,6 +261,11 @@ def build_config(
     own_validation = manifest.get("validation") or None
     val_file = own_validation["file"] if own_validation else None
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"]) if name != val_file]
+    if manifest["schema"] == "chat":  # conversations the chat format refuses: before any model
+        from tunepack.trainers.prompt_format import check_conversations
+
+        for name in (*data_files, *([str(dataset_dir / val_file)] if val_file else [])):
+            check_conversations(Path(name), args.chat_template, args.system_prompt or None)
 
     model = model_component(entry, args.method)
     if args.method in LORA_FAMILY:

@@ -23,9 +23,11 @@ template's default system prompt) is never trained.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tunepack.errors import BadInputError
@@ -441,6 +443,35 @@ def build_tokenizer(
     builder = _get_component_from_path(FAMILIES[family].tokenizer.component)
     base = builder(**files, max_seq_len=max_seq_len)
     return FormattedTokenizer(base, fmt, system_prompt)
+
+
+# Formats whose published templates refuse some conversations (turns out of order; Gemma: a
+# system message).
+STRICT = ("llama2", "mistral", "gemma")
+
+
+def check_conversations(path: Path, chat_template: str, system_prompt: str | None) -> None:
+    """Refuse, naming the file and row, the first conversation of a chat dataset (``messages``
+    rows, as the dataset initializer writes them) that ``chat_template`` cannot lay out: the
+    trainer checks before it loads the model, not when it meets the row."""
+    if chat_template not in STRICT:
+        return
+    with open(path, encoding="utf-8") as rows:
+        for number, line in enumerate(rows, 1):
+            if not line.strip():
+                continue
+            messages = json.loads(line).get("messages") or []
+            turns = [
+                Turn(str(m.get("role")), str(m.get("content") or ""))
+                for m in messages
+                if m.get("role") != "ipython"
+            ]
+            if system_prompt and (not turns or turns[0].role != "system"):
+                turns.insert(0, Turn("system", system_prompt))
+            try:
+                render(chat_template, turns)
+            except BadInputError as error:
+                raise BadInputError(f"{path.name} row {number}: {error}") from None
 
 
 def check_chat_template(family: str, chat_template: str | None) -> str:
