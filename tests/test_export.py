@@ -752,3 +752,47 @@ def test_render_trainjob_with_export(tmp_path):
     from tunepack.trainjob import export_of
 
     assert export_of(yaml.safe_load(done.stdout)) == "s3://results/exp-yaml"
+
+
+def test_hub_export_changed_since_is_committed_again(hub, trained, tmp_path):
+    env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN}
+    assert run_export(trained, tmp_path, "hf://acme/changed", env).returncode == 0
+    repo = hub.repos[("model", "acme/changed")]
+    repo.files["config.yaml"] = b"edited on the hub\n"  # the manifest still names the original
+    again = run_export(trained, tmp_path, "hf://acme/changed", env)
+    assert again.returncode == 0, again.stderr
+    assert "no longer matches" in again.stdout and len(hub.commits) == 2
+    assert repo.files["config.yaml"] == output_bytes(trained)["config.yaml"]
+
+
+def test_a_merged_model_is_exported_with_the_adapter(tiny_model_dir, tiny_dataset_file, tmp_path):
+    ws = tmp_path / "ws"
+    done = _cli(
+        "train",
+        "--local",
+        "--runtime",
+        "tiny-llama3",
+        "--dataset",
+        str(tiny_dataset_file),
+        "--model",
+        str(tiny_model_dir),
+        "--workspace",
+        str(ws),
+        "--name",
+        "merged-export",
+        "--export",
+        str(tmp_path / "out"),
+        "merge=true",
+        "max_steps=4",
+        env={},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = json.loads((tmp_path / "out" / MANIFEST_FILE).read_text())
+    assert (manifest["artifact"], manifest["merged_model"]) == ("adapter", "merged")
+    merged = sorted(rel for rel in manifest["files"] if rel.startswith("merged/"))
+    assert "merged/config.json" in merged and any(r.endswith(".safetensors") for r in merged)
+    for rel in manifest["files"]:
+        assert (tmp_path / "out" / rel).read_bytes() == (ws / "output" / rel).read_bytes()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "merged")
