@@ -14,6 +14,7 @@ loaded. The files the catalog requires are always fetched.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -28,7 +29,7 @@ from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
 from tunepack.initializers.retry import retrying
 from tunepack.initializers.sources import RemoteFile
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, custom
 
 PROGRAM = "model-initializer"
 _CHUNK = 1 << 20
@@ -103,6 +104,8 @@ def initialize() -> None:
             records[rel] = {"size": size, "sha256": sha256}
             linked += how == "linked"
             _log(f"{how} {rel} ({size} bytes)")
+        if entry.custom:  # checked on the delivered files, before the manifest makes them whole
+            facts = {**facts, "shape": _custom_shape(entry, source_uri, partial)}
         manifest = {**expect, **facts, "files": records, "created": atomic.now_iso()}
         atomic.write_manifest(partial, manifest)
     if cache is not None:
@@ -247,7 +250,26 @@ def _check_shards(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source:
         )
 
 
+def _custom_shape(entry: catalog.ModelEntry, source_uri: uri.StorageUri, model: Path) -> dict:
+    """A bring-your-own checkpoint's shape (recorded in the manifest for the planner), after
+    checking its tokenizer names BOS/EOS/padding tokens inside the vocabulary."""
+    where = f"model at {source_uri.display!r}"
+    resolved = custom.resolve(entry, model, where)
+    ids = custom.special_token_ids(model, resolved.shape.vocab_size, where)
+    shape = dataclasses.asdict(resolved.shape)
+    _log(
+        f"{entry.runtime_name}: {resolved.parameter_count:,} parameters ({shape['num_layers']} "
+        f"layers, width {shape['embed_dim']}, vocabulary {shape['vocab_size']}); tokenizer.json "
+        f"BOS {ids['bos']} EOS {ids['eos']}"
+    )
+    return shape
+
+
 def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: Path) -> None:
+    if entry.custom:  # read, not compared: refused only where the builders cannot follow it
+        where = f"model at {source_uri.display!r}"
+        custom.with_config(entry, custom.load_config(path, where), where)
+        return
     try:
         config = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -174,6 +174,9 @@ class ModelEntry:
     tokenizer_files: dict[str, str] | None = None
     # The catalog's default trainer arguments for this model (users override per job).
     defaults: dict[str, object] = field(default_factory=dict)
+    # A bring-your-own runtime: the runtimes/custom.py architecture whose checkpoint's
+    # config.json gives the shape (``shape`` is only a placeholder until custom.resolve).
+    custom: str | None = None
 
     @property
     def runtime_name(self) -> str:
@@ -229,11 +232,19 @@ class ModelEntry:
 
     def weight_files(self, model_dir: Path) -> tuple[str, ...]:
         """The weight files of the model in ``model_dir``, shards resolved through the index."""
-        if self.checkpoint_files != (SAFETENSORS_INDEX,):
-            return self.checkpoint_files
         from tunepack.errors import BadInputError
 
         path = Path(model_dir) / SAFETENSORS_INDEX
+        if self.custom and not path.is_file():  # a bring-your-own checkpoint: either layout
+            if (Path(model_dir) / "model.safetensors").is_file():
+                return ("model.safetensors",)
+            raise BadInputError(
+                f"{model_dir} has neither model.safetensors nor {SAFETENSORS_INDEX}: a "
+                f"{self.runtime_name} checkpoint is Hugging Face safetensors, in one file or "
+                "sharded with its index"
+            )
+        if self.checkpoint_files != (SAFETENSORS_INDEX,) and not self.custom:
+            return self.checkpoint_files
         try:
             weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
@@ -705,8 +716,51 @@ TINY: dict[str, ModelEntry] = {
 }  # fmt: skip
 assert set(TINY) == set(FAMILIES), "every family needs a tiny variant"
 
-# The published runtimes: every real size, and the quickstart's tiny model.
-CATALOG: dict[str, ModelEntry] = {entry.name: entry for entry in (TINY_LLAMA3, *_PUBLISHED)}
+
+def _custom(arch: str) -> ModelEntry:
+    """A runtime for any checkpoint of ``arch`` (runtimes/custom.py): built with the family's
+    shape-taking builders from the checkpoint's config.json, its text encoded by the
+    checkpoint's own tokenizer.json. The shape here is the family's tiny one, a placeholder."""
+    from tunepack.runtimes import custom
+
+    spec = custom.ARCHITECTURES[arch]
+    fam, tiny = FAMILIES[spec.family], TINY[spec.family].shape
+    # A placeholder that limits nothing the checkpoint may set: a long context, no window the
+    # trainer caps at, weights NF4 can quantize. The trainer, initializer and planner resolve it.
+    placeholder = Shape(
+        tiny.vocab_size, tiny.num_layers, 4, tiny.num_kv_heads, 256, 512, 1 << 20,
+        tied_embeddings=tiny.tied_embeddings, qkv_bias=tiny.qkv_bias,
+        head_dim=64 if "head_dim" in fam.shape_keywords else 0,
+        norms_per_layer=tiny.norms_per_layer,
+        sliding_window=tiny.sliding_window if "sliding_window_size" in fam.shape_keywords else None,
+    )  # fmt: skip
+    return ModelEntry(
+        name=custom.runtime_model_name(arch),
+        family=fam,
+        hub_id=f"<your {spec.model_type} checkpoint>",
+        description=f"Your own {spec.model_type}-architecture checkpoint (shape from config.json)",
+        shape=placeholder,
+        builders=dict(fam.component_builders),
+        shape_kwargs=True,
+        checkpoint_files=(),  # model.safetensors or an index: weight_files
+        lora_output=fam.lora_output,
+        tokenizer_files={"path": custom.TOKENIZER_JSON},
+        resources=_TIERS[1].resources,
+        defaults={"batch_size": 2, "lora_rank": 16, "lora_alpha": 32, "max_seq_len": 2048},
+        custom=arch,
+    )
+
+
+CUSTOM: dict[str, ModelEntry] = {
+    entry.name: entry
+    for entry in (_custom(a) for a in ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"))
+}
+
+# The published runtimes: every real size, the quickstart's tiny model and one bring-your-own
+# runtime per architecture.
+CATALOG: dict[str, ModelEntry] = {
+    entry.name: entry for entry in (TINY_LLAMA3, *_PUBLISHED, *CUSTOM.values())
+}
 
 
 def get(name: str) -> ModelEntry:

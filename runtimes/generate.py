@@ -198,7 +198,12 @@ def build_runtime(entry: ModelEntry) -> dict:
                 ANNOTATION_PREFIX + "description": entry.description,
                 ANNOTATION_PREFIX + "hub-id": entry.hub_id,
                 ANNOTATION_PREFIX + "methods": ",".join(entry.methods),
-                ANNOTATION_PREFIX + "parameters": str(entry.parameter_count),
+                # A bring-your-own runtime's size is its checkpoint's (config.json).
+                **(
+                    {}
+                    if entry.custom
+                    else {ANNOTATION_PREFIX + "parameters": str(entry.parameter_count)}
+                ),
                 ANNOTATION_PREFIX + "default-gpus": str(entry.resources.gpus),
             },
         },
@@ -461,7 +466,7 @@ def list_runtimes() -> list[dict]:
             "name": entry.runtime_name,
             "model": entry.name,
             "methods": list(entry.methods),
-            "params": entry.parameter_count,
+            "params": None if entry.custom else entry.parameter_count,  # custom: config.json's
             "gpus": entry.resources.gpus,
             "description": entry.description,
         }

@@ -31,6 +31,19 @@ published chat template of the checkpoint's `tokenizer_config.json`, token for t
 (`runtimes/chat_templates.py`; docs/trainer.md, "Chat format"; `chat_template=` picks another of
 the same tokens).
 
+The `-custom` runtimes take your own checkpoint of an architecture (a fine-tune, a
+re-trained or resized model): the model is built from the checkpoint's `config.json` and its text
+encoded by the checkpoint's own `tokenizer.json`, in the chat format shown. What the builders
+cannot reproduce is refused by the model initializer with the field and its value
+(`runtimes/custom.py`; docs/trainer.md, "Models"). Mistral's and Phi-3's sliding window caps
+`max_seq_len` (torchtune's models attend over the whole sequence, which agrees with the window
+up to its length); Gemma 2's is built in.
+
+
+| Custom runtime | Architecture | Built with | Default chat template | Refused |
+|---|---|---|---|---|
+{custom}
+
 | Runtime | Hugging Face checkpoint | Family | Parameters | Methods | Chat template | Default GPUs |
 |---|---|---|---|---|---|---|
 """
@@ -40,14 +53,42 @@ def _billions(count: int) -> str:
     return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"
 
 
+def _custom_rows() -> str:
+    from tunepack.runtimes import custom
+
+    rows = []
+    for e in catalog.CUSTOM.values():
+        arch = custom.ARCHITECTURES[e.custom]
+        refused = [
+            f"hidden_act other than {arch.activation}",
+            "MLP biases" if arch.qkv_bias else "attention/MLP biases",
+        ]
+        if arch.head_dim == "derived":
+            refused.append("head_dim other than hidden_size / heads")
+        refused.append(
+            {"never": "tied embeddings", "always": "untied embeddings", "either": ""}[arch.tied]
+        )
+        refused.append("RoPE scaling other than llama3" if arch.llama3_rope else "RoPE scaling")
+        if arch.qkv_bias:  # Qwen 2's config has the switch
+            refused.append("use_sliding_window=true")
+        if arch.softcapping:
+            refused.append("query_pre_attn_scalar other than head_dim")
+        rows.append(
+            f"| `{e.runtime_name}` | {arch.model_type} | {e.family.title}'s builders"
+            f" | {FAMILY_FORMAT[e.family.name]} | {'; '.join(r for r in refused if r)} |"
+        )
+    return "\n".join(rows)
+
+
 def render() -> str:
     rows = [
         f"| `{e.runtime_name}` | `{e.hub_id}` | {e.family.title} | {_billions(e.parameter_count)}"
         f" | {', '.join(e.methods)} | {FAMILY_FORMAT[e.family.name]}"
         f" | {e.resources.gpus * e.resources.nodes} |"
         for e in catalog.CATALOG.values()
+        if not e.custom
     ]
-    return _HEADER + "\n".join(rows) + "\n"
+    return _HEADER.format(custom=_custom_rows()) + "\n".join(rows) + "\n"
 
 
 def main() -> int:

@@ -72,7 +72,13 @@ def cmd_runtimes(_: argparse.Namespace) -> int:
     from tunepack.runtimes.generate import list_runtimes
 
     rows = [
-        [r["name"], ",".join(r["methods"]), _count(r["params"]), r["gpus"], r["description"]]
+        [
+            r["name"],
+            ",".join(r["methods"]),
+            _count(r["params"]) if r["params"] else "yours",
+            r["gpus"],
+            r["description"],
+        ]
         for r in list_runtimes()
     ]
     print(_table(rows, ["RUNTIME", "METHODS", "PARAMS", "GPUS", "DESCRIPTION"]))

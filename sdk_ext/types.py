@@ -62,7 +62,7 @@ class TunepackRuntime(kf.Runtime):
                 extra = {
                     "model": entry.name,
                     "methods": entry.methods,
-                    "parameters": entry.parameter_count,
+                    "parameters": None if entry.custom else entry.parameter_count,
                     "default_gpus": entry.resources.gpus,
                     "description": entry.description,
                 }

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from tunepack.errors import BadInputError
+from tunepack.runtimes import custom
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.args import LORA_FAMILY, TrainArgs, builder_for
 from tunepack.workspace import MANIFEST_FILE
@@ -54,7 +55,7 @@ def tokenizer_config(
     ``args`` the model's own format); ``Result.generate`` formats prompts with the same one."""
     from tunepack.trainers.prompt_format import check_chat_template
 
-    return {
+    node = {
         "_component_": TOKENIZER_BUILDER,
         "family": entry.family.name,
         "files": {kw: str(model_dir / rel) for kw, rel in entry.tokenizer.files.items()},
@@ -64,6 +65,9 @@ def tokenizer_config(
         ),
         "system_prompt": (args.system_prompt if args else "") or None,
     }
+    if entry.custom:  # the checkpoint's own tokenizer.json, in the family's chat format
+        node["checkpoint_tokenizer"] = True
+    return node
 
 
 def resolve_device(device: str) -> str:
@@ -255,6 +259,7 @@ def build_config(
     cache_dir: Path,
     checkpoint_dir: Path | None = None,
 ) -> DictConfig:
+    entry = custom.resolve(entry, model_dir)  # a bring-your-own checkpoint's own shape
     device = resolve_device(args.device)
     manifest = read_dataset_manifest(dataset_dir)
     # The dataset initializer writes the source's own validation split next to the training rows.

@@ -47,7 +47,7 @@ from omegaconf import OmegaConf
 
 from tunepack import durable, lifetime, workspace
 from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, custom
 from tunepack.trainers import noise
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import (
@@ -148,7 +148,8 @@ def run(argv: list[str]) -> int:
         raise BadInputError(
             f"{workspace.MODEL_ENV} is not set: the runtime must name its catalog model"
         )
-    entry = catalog.get(model_name)
+    # A bring-your-own runtime's model is the one the checkpoint's config.json describes.
+    entry = custom.resolve(catalog.get(model_name), workspace.model_dir())
     args = parse_trainer_args(argv, entry)
 
     root = workspace.workspace_root()

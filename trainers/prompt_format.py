@@ -318,12 +318,21 @@ class FormattedTokenizer:
     def _resolve(self, name: str) -> int:
         base = self._base
         if name == BOS:
+            if base.bos_id is None:
+                raise BadInputError(
+                    f"the {self.chat_template} chat format starts with a BOS token, which this "
+                    "model's tokenizer does not name (tokenizer_config.json bos_token or "
+                    "config.json bos_token_id)"
+                )
             return base.bos_id
         if name == EOS:
             return base.eos_id
         table = getattr(base, "special_tokens", None)
         if isinstance(table, Mapping) and name in table:
             return table[name]
+        lookup = getattr(base, "special_token_id", None)  # a checkpoint's own tokenizer.json
+        if lookup is not None and (found := lookup(name)) is not None:
+            return found
         spm = getattr(getattr(base, "_spm_model", None), "spm_model", None)
         if spm is not None:
             piece = spm.piece_to_id(name)
@@ -430,9 +439,11 @@ def build_tokenizer(
     max_seq_len: int | None = None,
     chat_template: str | None = None,
     system_prompt: str | None = None,
+    checkpoint_tokenizer: bool = False,
 ) -> FormattedTokenizer:
     """The family's torchtune tokenizer (the catalog names it) in ``chat_template``'s layout
-    (default: the family's published format)."""
+    (default: the family's published format); with ``checkpoint_tokenizer``, the checkpoint's
+    own tokenizer.json (``files["path"]``: a bring-your-own runtime) in that layout."""
     from torchtune.config._utils import _get_component_from_path
 
     from tunepack.runtimes.catalog import FAMILIES
@@ -440,8 +451,13 @@ def build_tokenizer(
     if family not in FAMILIES:
         raise BadInputError(f"unknown model family {family!r}")
     fmt = check_chat_template(family, chat_template)
-    builder = _get_component_from_path(FAMILIES[family].tokenizer.component)
-    base = builder(**files, max_seq_len=max_seq_len)
+    if checkpoint_tokenizer:
+        from tunepack.trainers.checkpoint_tokenizer import CheckpointTokenizer
+
+        base = CheckpointTokenizer(files["path"], max_seq_len=max_seq_len)
+    else:
+        builder = _get_component_from_path(FAMILIES[family].tokenizer.component)
+        base = builder(**files, max_seq_len=max_seq_len)
     return FormattedTokenizer(base, fmt, system_prompt)
 
 

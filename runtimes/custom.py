@@ -1,0 +1,402 @@
+"""Bring your own checkpoint of a supported architecture: the ``tunepack-<arch>-custom`` runtimes.
+
+A catalog entry publishes one size; a custom entry (``ModelEntry.custom``) publishes an
+architecture. Its model is built by the family's shape-taking torchtune builders with the
+dimensions of the checkpoint's own ``config.json`` (layers, heads, key/value heads, hidden and
+intermediate sizes, head_dim, vocabulary, RoPE base and Llama 3 scaling, tied embeddings, norm
+epsilon, sliding window, Gemma 2's soft-capping), and its text is encoded by the checkpoint's own
+``tokenizer.json`` in the family's chat format (``trainers/prompt_format.py``).
+
+``read_config`` is the one reader: the model initializer calls it before anything is copied or
+downloaded (a checkpoint the builders cannot reproduce is refused there, naming the field and
+its value: exit 65), the trainer calls it to build the model, the planner to size it. Nothing in
+``config.json`` selects code: it only fills in numbers the table below allows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tunepack.errors import BadInputError
+
+CUSTOM_SUFFIX = "-custom"
+TOKENIZER_JSON = "tokenizer.json"
+# torchtune 0.6.1's Llama3ScaledRoPE has these three constants built in; only the factor is a
+# builder keyword.
+_LLAMA3_ROPE_FIXED = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What tunepack can build of one Hugging Face architecture, and how."""
+
+    name: str  # the runtime is tunepack-<name>-custom
+    family: str  # the catalog family: builders, checkpointer, chat format
+    model_type: str  # config.json "model_type"
+    activation: str  # the MLP activation the builders hard-code
+    # "derived": the builders compute head_dim as hidden_size // heads; "free": config.json's.
+    head_dim: str = "derived"
+    # Tied input/output embeddings: "never", "always" or "either" (a builder keyword).
+    tied: str = "never"
+    qkv_bias: bool = False
+    # How a sliding window is treated: "refuse", "limit" (the builders attend over the whole
+    # sequence: max_seq_len is capped at the window, where both agree) or "model" (built in).
+    window: str = "refuse"
+    llama3_rope: bool = False  # Llama 3 RoPE scaling (rope_type llama3) can be built
+    softcapping: bool = False  # Gemma 2's attention and final-logit tanh soft-capping
+    # HF class defaults of the fields an older config.json may leave out.
+    defaults: tuple[tuple[str, object], ...] = ()
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        # Llama 3.2's builders: the only Llama ones that take tie_word_embeddings; their scaled
+        # RoPE with factor 1 is plain RoPE, so a checkpoint without rope_scaling builds too.
+        Architecture("llama", "llama3_2", "llama", "silu", tied="either", llama3_rope=True,
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 2048),
+                               ("tie_word_embeddings", False))),
+        Architecture("mistral", "mistral", "mistral", "silu", window="limit",
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 131_072),
+                               ("tie_word_embeddings", False))),
+        Architecture("qwen2", "qwen2_5", "qwen2", "silu", tied="either", qkv_bias=True,
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 32_768),
+                               ("tie_word_embeddings", False))),
+        Architecture("gemma", "gemma", "gemma", "gelu_pytorch_tanh", head_dim="free",
+                     tied="always",
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 8192),
+                               ("tie_word_embeddings", True), ("head_dim", 256))),
+        Architecture("gemma2", "gemma2", "gemma2", "gelu_pytorch_tanh", head_dim="free",
+                     tied="always", window="model", softcapping=True,
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 8192),
+                               ("tie_word_embeddings", True), ("head_dim", 256),
+                               ("sliding_window", 4096), ("attn_logit_softcapping", 50.0),
+                               ("final_logit_softcapping", 30.0))),
+        Architecture("phi3", "phi3", "phi3", "silu", window="limit",
+                     defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096),
+                               ("tie_word_embeddings", False))),
+    )
+}  # fmt: skip
+
+
+def runtime_model_name(arch: str) -> str:
+    return arch + CUSTOM_SUFFIX
+
+
+@dataclass(frozen=True)
+class Built:
+    """What config.json says, as the builders take it."""
+
+    shape: object  # catalog.Shape
+    options: dict[str, object]  # the family's builder options (rope_base, norm_eps, ...)
+    softcapping: tuple[float, float] | None = None
+
+
+def _fail(where: str, field: str, value: object, expected: str) -> BadInputError:
+    return BadInputError(
+        f"{where}: config.json has {field}={value!r}, which tunepack cannot build: expected "
+        f"{expected}"
+    )
+
+
+def _positive_int(where: str, config: dict, field: str) -> int:
+    value = config.get(field)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if value is None and field not in config:
+            raise BadInputError(
+                f"{where}: config.json has no {field}; expected a positive integer (give the "
+                "checkpoint's original config.json)"
+            )
+        raise _fail(where, field, value, "a positive integer")
+    return value
+
+
+def _positive_number(where: str, config: dict, field: str) -> float:
+    value = config.get(field)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _fail(where, field, value, "a positive number")
+    if not math.isfinite(value):
+        raise _fail(where, field, value, "a finite positive number")
+    return float(value)
+
+
+def _rope(config: dict) -> tuple[dict, dict | None]:
+    """(RoPE parameters, scaling) from either layout: transformers 5's ``rope_parameters``
+    (rope_theta and the scaling together) or the older ``rope_theta`` + ``rope_scaling``."""
+    params = config.get("rope_parameters")
+    scaling = config.get("rope_scaling")
+    merged: dict = {}
+    if isinstance(params, dict):
+        merged |= params
+    if isinstance(scaling, dict):
+        merged |= scaling
+    if "rope_theta" in config:
+        merged.setdefault("rope_theta", config["rope_theta"])
+    rope_type = merged.get("rope_type", merged.get("type"))
+    if rope_type in (None, "default") and not isinstance(scaling, dict):
+        return merged, None
+    return merged, {**merged, "rope_type": rope_type}
+
+
+def read_config(arch_name: str, config: object, where: str) -> Built:
+    """The model ``config`` (a parsed config.json) describes, as ``arch_name``'s builders take
+    it; ``BadInputError`` naming the field and value of anything they cannot reproduce.
+    ``where`` names the checkpoint in messages."""
+    from tunepack.runtimes.catalog import Shape
+
+    arch = ARCHITECTURES[arch_name]
+    if not isinstance(config, dict):
+        raise BadInputError(f"{where}: config.json is not a JSON object")
+    config = dict(arch.defaults) | config
+    model_type = config.get("model_type")
+    if model_type != arch.model_type:
+        raise _fail(where, "model_type", model_type, f"{arch.model_type!r} for this runtime")
+
+    dims = {
+        field: _positive_int(where, config, field)
+        for field in (
+            "vocab_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "hidden_size",
+            "intermediate_size",
+            "max_position_embeddings",
+        )
+    }
+    heads, width = dims["num_attention_heads"], dims["hidden_size"]
+    kv_heads = config.get("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else _positive_int(where, config, "num_key_value_heads")
+    if heads % kv_heads:
+        raise _fail(
+            where, "num_key_value_heads", kv_heads, f"a divisor of num_attention_heads ({heads})"
+        )
+    head_dim = config.get("head_dim")
+    if arch.head_dim == "derived":
+        if width % heads:
+            raise _fail(where, "hidden_size", width, f"a multiple of num_attention_heads ({heads})")
+        if head_dim is not None and head_dim != width // heads:
+            raise _fail(
+                where, "head_dim", head_dim,
+                f"hidden_size // num_attention_heads ({width // heads}): the {arch.name} "
+                "builders derive it",
+            )  # fmt: skip
+        head_dim = width // heads
+    else:
+        head_dim = _positive_int(where, config, "head_dim")
+    if head_dim % 2:
+        raise _fail(where, "head_dim", head_dim, "an even number (RoPE rotates pairs)")
+
+    activation_key = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
+    if config.get(activation_key) != arch.activation:
+        raise _fail(where, activation_key, config.get(activation_key), repr(arch.activation))
+    for field in ("attention_bias", "mlp_bias"):  # Qwen 2's q/k/v biases are implied
+        if config.get(field) not in (None, False):
+            raise _fail(where, field, config[field], "false (the builders have no such bias)")
+
+    tied = config.get("tie_word_embeddings")
+    allowed = {"never": (False,), "always": (True,), "either": (False, True)}[arch.tied]
+    if tied not in allowed:
+        raise _fail(where, "tie_word_embeddings", tied, " or ".join(map(str, allowed)).lower())
+
+    rope, scaling = _rope(config)
+    rope_base = _positive_number(where, {"rope_theta": rope.get("rope_theta", 10_000.0)},
+                                 "rope_theta")  # fmt: skip
+    options: dict[str, object] = {
+        "rope_base": rope_base,
+        "norm_eps": _positive_number(where, config, "rms_norm_eps"),
+    }
+    if arch.llama3_rope:
+        options["scale_factor"] = 1
+    if scaling is not None:
+        kind = scaling.get("rope_type")
+        if not arch.llama3_rope or kind != "llama3":
+            expected = "none or rope_type 'llama3'" if arch.llama3_rope else "none"
+            raise _fail(where, "rope_scaling.rope_type", kind, expected)
+        for key, value in _LLAMA3_ROPE_FIXED.items():
+            if scaling.get(key) != value:
+                raise _fail(
+                    where, f"rope_scaling.{key}", scaling.get(key),
+                    f"{value} (torchtune 0.6.1's Llama 3 scaled RoPE has it built in)",
+                )  # fmt: skip
+        options["scale_factor"] = _positive_number(where, scaling, "factor")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _fail(where, "partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
+
+    window = config.get("sliding_window")
+    if config.get("use_sliding_window") is True:
+        raise _fail(where, "use_sliding_window", True, "false")
+    if arch.window == "refuse" or (arch.window == "limit" and window is None):
+        window = None
+    else:
+        window = _positive_int(where, config, "sliding_window")
+    layer_types = config.get("layer_types")
+    if layer_types is not None:
+        expected_types = ["full_attention"] * dims["num_hidden_layers"]
+        if arch.window == "model":  # Gemma 2: sliding on even layers, as torchtune builds it
+            expected_types = [
+                "sliding_attention" if i % 2 == 0 else "full_attention"
+                for i in range(dims["num_hidden_layers"])
+            ]
+        elif arch.window == "limit" and window is not None:
+            expected_types = ["sliding_attention"] * dims["num_hidden_layers"]
+        if layer_types != expected_types and not (
+            arch.window == "limit" and set(layer_types) <= {"sliding_attention", "full_attention"}
+            and window is not None
+        ):  # fmt: skip
+            raise _fail(where, "layer_types", layer_types, repr(expected_types))
+
+    softcapping = None
+    if arch.softcapping:
+        caps = []
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            caps.append(_positive_number(where, config, field))
+        softcapping = (caps[0], caps[1])
+        scalar = config.get("query_pre_attn_scalar", head_dim)
+        if scalar != head_dim:
+            raise _fail(where, "query_pre_attn_scalar", scalar, f"head_dim ({head_dim})")
+
+    shape = Shape(
+        vocab_size=dims["vocab_size"],
+        num_layers=dims["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        embed_dim=width,
+        intermediate_dim=dims["intermediate_size"],
+        max_seq_len=dims["max_position_embeddings"],
+        tied_embeddings=bool(tied),
+        qkv_bias=arch.qkv_bias,
+        head_dim=head_dim,
+        norms_per_layer=4 if arch.softcapping else 2,
+        sliding_window=window,
+    )
+    return Built(shape=shape, options=options, softcapping=softcapping)
+
+
+def load_config(path: Path, where: str) -> dict:
+    try:
+        config = json.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise BadInputError(f"{where} has no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadInputError(
+            f"{where} has a config.json that is not valid JSON; give the checkpoint's original "
+            "config.json"
+        ) from None
+    if not isinstance(config, dict):
+        raise BadInputError(f"{where}: config.json is not a JSON object")
+    return config
+
+
+def resolve(entry, model_dir: Path, where: str | None = None):
+    """``entry`` (a custom catalog entry) as the checkpoint in ``model_dir`` makes it: its shape,
+    RoPE, norms and soft-capping from config.json. Other entries come back unchanged."""
+    if not entry.custom:
+        return entry
+    where = where or f"model at {str(model_dir)!r}"
+    config = load_config(Path(model_dir) / "config.json", where)
+    return with_config(entry, config, where)
+
+
+def with_config(entry, config: dict, where: str):
+    built = read_config(entry.custom, config, where)
+    family = replace(
+        entry.family,
+        options=built.options,
+        softcapping=built.softcapping,
+        # Llama: untied checkpoints convert as Llama 3 (the output weight is its own).
+        checkpoint_model_type=(
+            "LLAMA3"
+            if entry.family.checkpoint_model_type == "LLAMA3_2" and not built.shape.tied_embeddings
+            else entry.family.checkpoint_model_type
+        ),
+    )
+    resolved = replace(
+        entry,
+        family=family,
+        shape=built.shape,
+        defaults=dict(entry.defaults),
+    )
+    limits = (entry.defaults["max_seq_len"], built.shape.max_seq_len)
+    resolved.defaults["max_seq_len"] = min((*limits, resolved.window_limit or limits[0]))
+    return resolved
+
+
+def special_token_ids(model_dir: Path, vocab_size: int, where: str) -> dict[str, int | None]:
+    """BOS, EOS and padding ids of the checkpoint's tokenizer, read from its JSON files alone
+    (tokenizer_config.json's token strings, looked up in tokenizer.json; else config.json's and
+    generation_config.json's ids). ``BadInputError`` when tokenizer.json is missing or unreadable,
+    or a token is outside the vocabulary."""
+    model_dir = Path(model_dir)
+
+    def read(name: str) -> dict:
+        try:
+            data = json.loads((model_dir / name).read_bytes())
+        except FileNotFoundError:
+            return {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise BadInputError(f"{where} has a {name} that is not valid JSON") from None
+        return data if isinstance(data, dict) else {}
+
+    if not (model_dir / TOKENIZER_JSON).is_file():
+        raise BadInputError(
+            f"{where} has no {TOKENIZER_JSON}: a custom runtime encodes text with the "
+            "checkpoint's own Hugging Face fast tokenizer (save it with "
+            "tokenizer.save_pretrained)"
+        )
+    tokenizer = read(TOKENIZER_JSON)
+    if not isinstance(tokenizer.get("model"), dict):
+        raise BadInputError(f"{where} has a {TOKENIZER_JSON} without a tokenizer model")
+    ids: dict[str, int] = {}
+    vocab = tokenizer["model"].get("vocab")
+    if isinstance(vocab, dict):
+        ids |= {k: v for k, v in vocab.items() if isinstance(v, int)}
+    elif isinstance(vocab, list):  # Unigram: [piece, score] pairs
+        ids |= {p[0]: i for i, p in enumerate(vocab) if isinstance(p, list) and p}
+    for added in tokenizer.get("added_tokens") or []:
+        if isinstance(added, dict) and isinstance(added.get("id"), int):
+            ids[added.get("content")] = added["id"]
+
+    token_config, config = read("tokenizer_config.json"), read("config.json")
+    generation = read("generation_config.json")
+    found: dict[str, int | None] = {}
+    for role in ("bos", "eos", "pad"):
+        token = token_config.get(f"{role}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        value: object = None
+        field = f"tokenizer_config.json {role}_token"
+        if isinstance(token, str):
+            if token not in ids:
+                raise BadInputError(
+                    f"{where}: {field}={token!r} is not a token of its {TOKENIZER_JSON}"
+                )
+            value = ids[token]
+        else:
+            for name, source in (("config.json", config), ("generation_config.json", generation)):
+                raw = source.get(f"{role}_token_id")
+                if isinstance(raw, list):
+                    raw = raw[0] if raw else None
+                if raw is not None:
+                    value, field = raw, f"{name} {role}_token_id"
+                    break
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size
+        ):
+            raise BadInputError(
+                f"{where}: {field}={value!r} is not a token id of the model (0 to {vocab_size - 1})"
+            )
+        found[role] = value
+    if found["eos"] is None:
+        raise BadInputError(
+            f"{where} names no end-of-sequence token: expected eos_token in "
+            "tokenizer_config.json or eos_token_id in config.json"
+        )
+    return found

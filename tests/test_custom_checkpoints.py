@@ -1,0 +1,345 @@
+"""Bring your own checkpoint: the ``tunepack-<arch>-custom`` runtimes (runtimes/custom.py).
+
+Each architecture gets a random checkpoint made by transformers' own config and model classes,
+with dimensions no catalog entry has (odd head counts, head_dim 16 or 24, a vocabulary that is
+not the tokenizer's, RoPE bases, epsilons, windows and soft-capping of its own) and a
+tokenizer.json saved by transformers. The model initializer accepts it and records its shape;
+the trainer builds it from config.json, gives transformers' logits, trains LoRA adapters whose
+loss falls, and the exported adapter applied by peft reproduces the trained model. What the
+builders cannot reproduce is refused with the field and its value.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import run_program, setup_recipe
+from tunepack import tiny
+from tunepack.errors import BadInputError
+from tunepack.runtimes import catalog, custom
+
+STEPS = 10
+# Shared by every architecture: none is a catalog shape.
+_DIMS = {
+    "hidden_size": 80,
+    "num_hidden_layers": 3,
+    "intermediate_size": 176,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def _rope(theta: float, **scaling) -> dict:
+    return {"rope_parameters": {"rope_type": "default", "rope_theta": theta, **scaling}}
+
+
+_LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# (runtime architecture, transformers config class, the tiny family whose tokenizer it borrows,
+# config keywords beyond _DIMS)
+CASES = {
+    "llama": ("llama", "LlamaConfig", "llama3", {
+        "num_attention_heads": 5, "num_key_value_heads": 1, "tie_word_embeddings": True,
+        **_rope(20_000.0, **_LLAMA3_SCALING)}),
+    "llama-untied": ("llama", "LlamaConfig", "llama3", {
+        "num_attention_heads": 5, "num_key_value_heads": 5, "tie_word_embeddings": False,
+        **_rope(150_000.0)}),
+    "mistral": ("mistral", "MistralConfig", "mistral", {
+        "num_attention_heads": 5, "num_key_value_heads": 1, "sliding_window": 600,
+        **_rope(30_000.0)}),
+    "qwen2": ("qwen2", "Qwen2Config", "qwen2_5", {
+        "num_attention_heads": 5, "num_key_value_heads": 1, "tie_word_embeddings": True,
+        **_rope(40_000.0)}),
+    "gemma": ("gemma", "GemmaConfig", "gemma", {
+        "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 24, **_rope(20_000.0)}),
+    "gemma2": ("gemma2", "Gemma2Config", "gemma2", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+        "query_pre_attn_scalar": 24, "sliding_window": 24, "attn_logit_softcapping": 40.0,
+        "final_logit_softcapping": 20.0, **_rope(20_000.0)}),
+    "phi3": ("phi3", "Phi3Config", "phi3", {
+        "num_attention_heads": 5, "num_key_value_heads": 5, "sliding_window": 700,
+        **_rope(20_000.0)}),
+}  # fmt: skip
+
+
+def write_checkpoint(out: Path, case: str, seed: int = 0) -> Path:
+    """A random checkpoint of ``case`` as transformers saves one, with a tokenizer.json."""
+    import transformers
+
+    arch, config_class, tokenizer_family, extra = CASES[case]
+    tok_dir = tiny.write_tiny_model(
+        out.parent / f"{out.name}-tokenizer", catalog.TINY[tokenizer_family]
+    )
+    tok_config = json.loads((tok_dir / "config.json").read_text())
+    ids = {k: tok_config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    vocab = catalog.TINY[tokenizer_family].shape.vocab_size + 16  # more rows than tokens
+    config = getattr(transformers, config_class)(vocab_size=vocab, **_DIMS, **ids, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms away from neutral and biases away from zero, as in tiny/hf.py
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(out)
+    tok_json, added = tok_dir / "tokenizer.json", []
+    if tok_json.is_file() and "model" not in json.loads(tok_json.read_text()):
+        # Phi-3's lists only its chat tokens: convert tokenizer.model, then add them back.
+        added = sorted(json.loads(tok_json.read_text())["added_tokens"], key=lambda t: t["id"])
+        tok_json.unlink()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    new = [t for t in added if tokenizer.convert_tokens_to_ids(t["content"]) != t["id"]]
+    tokenizer.add_tokens([transformers.AddedToken(t["content"], special=True) for t in new],
+                         special_tokens=True)  # fmt: skip
+    assert all(tokenizer.convert_tokens_to_ids(t["content"]) == t["id"] for t in added)
+    tokenizer.save_pretrained(out)
+    assert (out / "tokenizer.json").is_file()
+    shutil.rmtree(tok_dir)
+    return out
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
+def checkpoint(request, tmp_path_factory):
+    """(case, entry, workspace model dir as the initializer delivered it, tokens, HF logits)."""
+    from transformers import AutoModelForCausalLM
+
+    case = request.param
+    root = tmp_path_factory.mktemp(f"custom-{case}")
+    source = write_checkpoint(root / "checkpoint", case)
+    entry = catalog.CUSTOM[custom.runtime_model_name(CASES[case][0])]
+    done = run_program(
+        "tunepack.initializers.model",
+        {"TUNEPACK_WORKSPACE": str(root / "ws"), "TUNEPACK_MODEL": entry.name,
+         "STORAGE_URI": f"file://{source}"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    model_dir = root / "ws" / "model"
+    manifest = json.loads((model_dir / "tunepack-manifest.json").read_text())
+    config = json.loads((source / "config.json").read_text())
+    assert manifest["shape"]["num_layers"] == config["num_hidden_layers"]
+    assert manifest["shape"]["num_heads"] == config["num_attention_heads"]
+    assert manifest["shape"]["vocab_size"] == config["vocab_size"]
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    resolved = custom.resolve(entry, model_dir)
+    assert hf_model.num_parameters() == resolved.parameter_count
+    tokens = torch.randint(
+        0, config["vocab_size"], (2, 80), generator=torch.Generator().manual_seed(1)
+    )
+    with torch.no_grad():
+        hf_logits = hf_model(tokens).logits
+    assert hf_logits.abs().max() > 1e-2
+    return case, entry, model_dir, tokens, hf_logits
+
+
+def _max_diff(model: torch.nn.Module, tokens: torch.Tensor, expected: torch.Tensor) -> float:
+    with torch.no_grad():
+        logits = model.eval()(tokens)
+    assert logits.shape == expected.shape
+    return float((logits - expected).abs().max())
+
+
+def test_lora_trains_the_checkpoints_model_and_peft_reproduces_it(
+    checkpoint, initialized_workspace, tmp_path
+):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    case, entry, model_dir, tokens, hf_logits = checkpoint
+    output = tmp_path / "output"
+    recipe = setup_recipe(
+        entry,
+        [f"max_steps={STEPS}", "warmup_steps=0", "batch_size=4", "lr=3e-3", "lora_rank=8"],
+        model_dir=model_dir,
+        dataset_dir=initialized_workspace / "dataset",
+        output=output,
+    )
+    # The trainer's model is the checkpoint's: LoRA's B matrices start at zero.
+    assert _max_diff(recipe.model, tokens, hf_logits) < 1e-4
+    # Its text goes through the checkpoint's own tokenizer.json.
+    assert type(recipe.tokenizer._base).__name__ == "CheckpointTokenizer"
+    recipe.train()
+    recipe.save()
+
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in lines]
+    assert len(losses) == STEPS and all(math.isfinite(loss) for loss in losses)
+    assert sum(losses[-3:]) < sum(losses[:3]), losses
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, output / "adapter").eval()(tokens).logits
+    assert (peft_logits - hf_logits).abs().max() > 1e-3  # the adapter changes the model
+    assert _max_diff(recipe.model, tokens, peft_logits) < 1e-4
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def _llama_config() -> dict:
+    return {
+        "model_type": "llama", "vocab_size": 400, "hidden_size": 80, "num_hidden_layers": 3,
+        "num_attention_heads": 5, "num_key_value_heads": 1, "intermediate_size": 176,
+        "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+        "rope_theta": 20_000.0, "rope_scaling": None, "tie_word_embeddings": False,
+    }  # fmt: skip
+
+
+def test_a_config_is_read_into_the_builders_shape():
+    built = custom.read_config("llama", _llama_config(), "here")
+    assert (built.shape.num_layers, built.shape.num_heads, built.shape.head_dim) == (3, 5, 16)
+    assert built.options == {"rope_base": 20_000.0, "norm_eps": 1e-5, "scale_factor": 1}
+
+
+@pytest.mark.parametrize(
+    ("arch", "change", "message"),
+    [
+        ("llama", {"model_type": "mistral"}, "model_type='mistral'"),
+        ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ("llama", {"attention_bias": True}, "attention_bias=True"),
+        ("llama", {"mlp_bias": True}, "mlp_bias=True"),
+        ("llama", {"head_dim": 32}, "head_dim=32"),
+        ("llama", {"num_key_value_heads": 2}, "num_key_value_heads=2"),
+        ("llama", {"hidden_size": 81}, "hidden_size=81"),
+        ("llama", {"vocab_size": 0}, "vocab_size=0"),
+        ("llama", {"num_hidden_layers": "3"}, "num_hidden_layers='3'"),
+        ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+         "rope_scaling.rope_type='yarn'"),
+        ("llama", {"rope_scaling": {**_LLAMA3_SCALING, "high_freq_factor": 8.0}},
+         "rope_scaling.high_freq_factor=8.0"),
+        ("llama", {"rope_theta": -1}, "rope_theta=-1"),
+        ("llama", {"rms_norm_eps": "small"}, "rms_norm_eps='small'"),
+        ("mistral", {"model_type": "mistral", "tie_word_embeddings": True},
+         "tie_word_embeddings=True"),
+        ("qwen2", {"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
+        ("gemma", {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh", "head_dim": 24,
+                   "tie_word_embeddings": False}, "tie_word_embeddings=False"),
+        ("gemma2", {"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+                    "head_dim": 24, "tie_word_embeddings": True,
+                    "query_pre_attn_scalar": 256}, "query_pre_attn_scalar=256"),
+        ("gemma2", {"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
+                    "head_dim": 24, "tie_word_embeddings": True,
+                    "attn_logit_softcapping": None},
+         "attn_logit_softcapping=None"),
+        ("phi3", {"model_type": "phi3", "rope_scaling": {"type": "longrope"}},
+         "rope_scaling.rope_type='longrope'"),
+        ("phi3", {"model_type": "phi3", "partial_rotary_factor": 0.5},
+         "partial_rotary_factor=0.5"),
+    ],
+)  # fmt: skip
+def test_what_the_builders_cannot_reproduce_is_refused_with_field_and_value(arch, change, message):
+    config = _llama_config() | change
+    with pytest.raises(BadInputError) as raised:
+        custom.read_config(arch, config, "model at 'x'")
+    text = str(raised.value)
+    assert message in text and "\n" not in text
+    assert text.startswith("model at 'x': config.json has ")
+
+
+def test_missing_field_is_named():
+    config = _llama_config()
+    del config["num_hidden_layers"]
+    with pytest.raises(BadInputError, match="config.json has no num_hidden_layers"):
+        custom.read_config("llama", config, "here")
+
+
+def _initialize(source: Path, root: Path, model: str = "llama-custom"):
+    return run_program(
+        "tunepack.initializers.model",
+        {"TUNEPACK_WORKSPACE": str(root), "TUNEPACK_MODEL": model,
+         "STORAGE_URI": f"file://{source}"},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("byo") / "checkpoint", "llama-untied")
+
+
+def _copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_initializer_refuses_an_unbuildable_config_before_copying(llama_checkpoint, tmp_path):
+    source = _copy(llama_checkpoint, tmp_path / "src")
+    config = json.loads((source / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
+    (source / "config.json").write_text(json.dumps(config))
+    done = _initialize(source, tmp_path / "ws")
+    assert done.returncode == 65, done.stderr
+    assert "rope_scaling.rope_type='yarn'" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "ws" / "model").exists()
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("no-tokenizer", "is missing tokenizer.json"),
+        ("bad-eos", "tokenizer_config.json eos_token='<|nowhere|>' is not a token"),
+        ("no-eos", "names no end-of-sequence token"),
+    ],
+)
+def test_initializer_refuses_a_tokenizer_that_cannot_work(
+    llama_checkpoint, tmp_path, damage, message
+):
+    source = _copy(llama_checkpoint, tmp_path / "src")
+    token_config = json.loads((source / "tokenizer_config.json").read_text())
+    config = json.loads((source / "config.json").read_text())
+    if damage == "no-tokenizer":
+        (source / "tokenizer.json").unlink()
+    elif damage == "bad-eos":
+        token_config["eos_token"] = "<|nowhere|>"
+    else:
+        token_config.pop("eos_token")
+        config["eos_token_id"] = None
+        (source / "generation_config.json").unlink(missing_ok=True)
+    (source / "tokenizer_config.json").write_text(json.dumps(token_config))
+    (source / "config.json").write_text(json.dumps(config))
+    done = _initialize(source, tmp_path / "ws")
+    assert done.returncode == 65, done.stderr
+    assert message in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "ws" / "model").exists()
+
+
+def test_train_local_with_a_custom_runtime(llama_checkpoint, tiny_dataset_file, tmp_path):
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "workspace"
+    done = subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", "train", "--local",
+         "--runtime", "tunepack-llama-custom", "--workspace", str(workspace),
+         "--dataset", f"file://{tiny_dataset_file}", "--model", f"file://{llama_checkpoint}",
+         "method=lora", "max_steps=12", "lr=3e-3", "batch_size=4", "warmup_steps=0"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    result = json.loads((workspace / "output" / "result.json").read_text())
+    assert result["final_loss"] < result["first_loss"]
+    config = (workspace / "output" / "config.yaml").read_text()
+    assert (
+        "num_layers: 3" in config and "embed_dim: 80" in config and "rope_base: 150000.0" in config
+    )
+    adapter = json.loads((workspace / "output" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 16  # the custom runtime's default rank
+
+
+def test_custom_runtimes_are_published():
+    names = {entry.runtime_name for entry in catalog.CATALOG.values()}
+    assert {f"tunepack-{arch}-custom" for arch in custom.ARCHITECTURES} <= names
+    assert copy.copy(custom.ARCHITECTURES["llama"]).family == "llama3_2"
