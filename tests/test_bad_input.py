@@ -483,7 +483,7 @@ OTHER_COMMANDS = [
     ("render-relative", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "data.jsonl", "--model", "/m"], ["dataset storage URI 'data.jsonl' is a relative path", "must be absolute"]),
     ("render-namespace", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "--namespace", "Team"], ["namespace 'Team' is not a valid DNS-1123 label"]),
     ("render-runtime", ["render", "trainjob", "--runtime", "gpt-5", "--dataset", "/d", "--model", "/m"], ["unknown runtime or model 'gpt-5'"]),
-    ("render-full-lora", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "method=full", "lora_rank=4"], ["lora_rank=4 sets LoRA adapters, but method='full'"]),
+    ("render-full-lora", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "method=full", "lora_rank=4"], ["lora_rank=4 sets LoRA adapters, but method=full trains every weight"]),
     ("render-args", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "epochs=0"], ["epochs='0' is not valid"]),
     ("status-unknown", ["status", "nope", "--local"], ["no local TrainJob 'nope' under", "tunepack jobs --local"]),
     ("status-path", ["status", "../etc", "--local"], ["no local TrainJob '../etc'"]),
