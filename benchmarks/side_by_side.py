@@ -155,9 +155,11 @@ def summarize(
     name: str, records: list[dict], settings: Settings, prefetch: int, usage: dict, loss
 ) -> dict:
     window = steady(records, settings.warmup, prefetch)
+    note = None
     if len(records) != settings.steps + prefetch:
         # An epoch ended inside the run: the loader's stamps no longer bracket single steps.
         window = {"steps": 0, "cpu_s": 0.0, "wall_s": 0.0, "real": 0}
+        note = f"{len(records)} batches for {settings.steps} steps: use more rows or fewer steps"
     real = sum(r["real"] for r in records)
     positions = sum(r["positions"] for r in records)
     return {
@@ -173,6 +175,7 @@ def summarize(
         "process_wall_s": usage["wall_s"],
         "peak_rss_gib": usage["rss_gib"],
         "loss": loss,
+        "note": note,
     }
 
 
@@ -349,6 +352,7 @@ def combine(rounds: list[dict[str, dict]], systems: list[str]) -> dict[str, dict
         ):
             row[key] = _median([run.get(key) for run in runs])
         row["per_round_tokens_per_cpu_s"] = [run.get("tokens_per_cpu_s") for run in runs]
+        row["notes"] = sorted({run["note"] for run in runs if run.get("note")})
         table[name] = row
     base = table.get(BASELINE, {})
     for row in table.values():
@@ -400,6 +404,7 @@ def render(report: dict) -> str:
             f"{f('ratio_cpu', '7.2f')}{f('fill', '7.2f')}{f('peak_rss_gib', '9.3f')}"
             f"{f('loss', '8.3f')}"
         )
+        lines += [f"{'':<18}{note}" for note in row["notes"]]
     for name, why in report["skipped"].items():
         lines.append(f"{name:<18}skipped: {why}")
     lines.append("ratio: real tokens per CPU second relative to tunepack default (above 1: faster)")
