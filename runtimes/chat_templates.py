@@ -13,15 +13,18 @@ format name, for three readers:
   default system prompt;
 - the docs.
 
-The templates are written from the published files named beside each one. The branches for tool
-calls (Llama 3.1+, Qwen 2.5, Qwen 3) are left out: tunepack trains on system/user/assistant
-conversations, and a conversation without tools renders the same through the full template.
+The templates are written from the published files named beside each one, and render
+conversations as those files do (docs/trainer.md, "Chat format", names the copies checked). The
+branches for tool calls (Llama 3.1+, Qwen 2.5, Qwen 3) are left out: tunepack trains on
+system/user/assistant conversations, and a conversation without tools renders the same through
+the full template.
 These strings are tunepack's, never taken from user input.
 """
 
 from __future__ import annotations
 
-# meta-llama/Llama-2-7b-chat-hf (and CodeLlama-*-Instruct-hf, which publish the same template).
+# meta-llama/Llama-2-7b-chat-hf (Code Llama 7B/13B Instruct prompt in the same [INST] layout;
+# the 70B publishes another template, see OWN_TEMPLATE_DIFFERS).
 LLAMA2 = (
     "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
     "{% set system_message = messages[0]['content'] %}{% else %}"
@@ -40,8 +43,8 @@ LLAMA2 = (
     "{% endif %}{% endfor %}"
 )
 
-# mistralai/Mistral-7B-Instruct-v0.1 (the template with an optional system message, as the
-# repository publishes it since 2024).
+# mistralai/Mistral-7B-Instruct-v0.1: the template with an optional system message that
+# Mistral-7B-Instruct-v0.2 publishes (Mistral's V1 layout: " [INST] ... [/INST] reply</s>").
 MISTRAL = (
     "{%- if messages[0]['role'] == 'system' %}\n"
     "    {%- set system_message = messages[0]['content'] %}\n"
@@ -274,6 +277,12 @@ FAMILY_FORMAT: dict[str, str] = {
     "qwen3": "qwen3",
 }
 
+# Catalog models whose published template is not their family's format. tunepack trains them in
+# the family's format, so a server must be given that format's template, never the model's own:
+# CodeLlama-70b-Instruct-hf publishes "<s>Source: user\n\n {text} <step> Source: assistant\n
+# Destination: user\n\n ", unlike the [INST] layout of the smaller Code Llama Instruct models.
+OWN_TEMPLATE_DIFFERS: frozenset[str] = frozenset({"meta-llama/CodeLlama-70b-Instruct-hf"})
+
 # Formats that share a family's special tokens, so a run may pick another one of its group with
 # chat_template= (a format's markers must be single tokens of the model's vocabulary).
 GROUPS: tuple[tuple[str, ...], ...] = (
@@ -293,11 +302,14 @@ def formats_for(family: str) -> tuple[str, ...]:
     return (own, *(name for name in group if name != own))
 
 
-def serving_template(fmt: str, family: str, system_prompt: str | None = None) -> str | None:
+def serving_template(
+    fmt: str, family: str, system_prompt: str | None = None, hub_id: str | None = None
+) -> str | None:
     """The Jinja a server must apply to prompt a model the way it was trained, or None where
     the model's own template (its tokenizer_config.json) already does.
 
-    - another format than the family's own: that format's template;
+    - another format than the family's own, or a model (``hub_id``) whose own template is not
+      its family's format: that format's template;
     - a default system prompt: set as the first message where a conversation has none;
     - Qwen 3: tunepack trains its replies after an empty thinking block, so thinking is off
       unless a request asks for it (``chat_template_kwargs: {"enable_thinking": true}``).
@@ -315,6 +327,6 @@ def serving_template(fmt: str, family: str, system_prompt: str | None = None) ->
             "{%- if not messages or messages[0]['role'] != 'system' %}"
             "{%- set messages = [" + message + "] + messages %}{%- endif %}\n"
         )
-    if not prefix and fmt == FAMILY_FORMAT[family]:
+    if not prefix and fmt == FAMILY_FORMAT[family] and hub_id not in OWN_TEMPLATE_DIFFERS:
         return None
     return prefix + TEMPLATES[fmt]

@@ -81,7 +81,7 @@ def served_result(runtime: str, args: list[str]) -> Served:
     entry = catalog.get(runtime)
     trained = parse_trainer_args(args, entry)
     template = serving_template(
-        trained.chat_template, entry.family.name, trained.system_prompt or None
+        trained.chat_template, entry.family.name, trained.system_prompt or None, entry.hub_id
     )
     if trained.method == "full":
         return Served("/workspace/output/model", chat_template=template)

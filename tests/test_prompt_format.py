@@ -21,7 +21,7 @@ from torchtune.data import Message
 from tunepack import tiny
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, TEMPLATES
+from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, QWEN2_5_SYSTEM, TEMPLATES
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import tokenizer_config
 from tunepack.trainers.prompt_format import FORMATS
@@ -145,6 +145,98 @@ def test_every_family_has_a_published_template_and_a_format():
     assert set(FAMILY_FORMAT) == set(catalog.FAMILIES)
     assert set(TEMPLATES) == set(FORMATS)
     assert sorted(n for group in GROUPS for n in group) == sorted(FORMATS)
+
+
+# A prompt (system, a turn with surrounding spaces and newlines, the next question) rendered with
+# add_generation_prompt=True by the published template each format was checked against, as
+# transformers renders it, with the family's BOS/EOS (docs/trainer.md, "Chat format"): Llama 2 by
+# meta-llama/Llama-2-13b-chat-hf's (as quoted in EricLBuehler/mistral.rs's template tests),
+# Mistral by Mistral-7B-Instruct-v0.2's optional-system template (v0.1's since 2024), Phi-4 by
+# microsoft/phi-4's (as quoted in ShishirPatil/gorilla), Qwen 2 by Qwen2-72B-Instruct's; the
+# others by the copies huggingface/trl 1.16.0 keeps of each model's template
+# (trl/chat_templates/*.jinja, checked weekly against the Hub): Meta-Llama-3-8B-Instruct,
+# Llama-3.1-8B-Instruct (Llama-3.3-70B-Instruct's is the same text), Llama-3.2-1B-Instruct,
+# gemma-7b-it / gemma-2-2b-it, Phi-3-mini-4k-instruct, Qwen2.5-32B-Instruct, Qwen3-8B.
+PUBLISHED_PROMPT = [
+    {"role": "system", "content": " Be brief.\n"},
+    {"role": "user", "content": "\nName a colour. "},
+    {"role": "assistant", "content": " Teal.\n"},
+    {"role": "user", "content": "Another?"},
+]
+PUBLISHED_RENDERS = {
+    "llama2": "<s>[INST] <<SYS>>\n Be brief.\n\n<</SYS>>\n\n\nName a colour. [/INST] Teal. </s>"
+    "<s>[INST] Another? [/INST]",
+    "mistral": "<s> [INST]  Be brief.\n\n\n\nName a colour.  [/INST]  Teal.\n</s> [INST] Another? "
+    "[/INST]",
+    "llama3": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nTeal.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nAnother?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "llama3.1": "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+    "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\nBe brief.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nName a colour.<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\nTeal.<|eot_id|>"
+    "<|start_header_id|>user<|end_header_id|>\n\nAnother?<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    # Gemma has no system role: the same prompt without its system message.
+    "gemma": "<bos><start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\nTeal."
+    "<end_of_turn>\n<start_of_turn>user\nAnother?<end_of_turn>\n<start_of_turn>model\n",
+    "phi3": "<|system|>\n Be brief.\n<|end|>\n<|user|>\n\nName a colour. <|end|>\n<|assistant|>\n"
+    " Teal.\n<|end|>\n<|user|>\nAnother?<|end|>\n<|assistant|>\n",
+    "phi4": "<|im_start|>system<|im_sep|> Be brief.\n<|im_end|><|im_start|>user<|im_sep|>\n"
+    "Name a colour. <|im_end|><|im_start|>assistant<|im_sep|> Teal.\n<|im_end|>"
+    "<|im_start|>user<|im_sep|>Another?<|im_end|><|im_start|>assistant<|im_sep|>",
+    "qwen2": "<|im_start|>system\n Be brief.\n<|im_end|>\n<|im_start|>user\n\nName a colour. "
+    "<|im_end|>\n<|im_start|>assistant\n Teal.\n<|im_end|>\n<|im_start|>user\nAnother?"
+    "<|im_end|>\n<|im_start|>assistant\n",
+    "qwen3": "<|im_start|>system\n Be brief.\n<|im_end|>\n<|im_start|>user\n\nName a colour. "
+    "<|im_end|>\n<|im_start|>assistant\n Teal.\n<|im_end|>\n<|im_start|>user\nAnother?"
+    "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+}
+PUBLISHED_RENDERS["llama3.2"] = PUBLISHED_RENDERS["llama3.1"]  # with the date it is given
+PUBLISHED_RENDERS["qwen2.5"] = PUBLISHED_RENDERS["qwen2"]  # the default system prompts differ
+BOS_EOS = {
+    "llama2": ("<s>", "</s>"), "mistral": ("<s>", "</s>"),
+    "llama3": ("<|begin_of_text|>", "<|eot_id|>"), "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama3.2": ("<|begin_of_text|>", "<|eot_id|>"), "gemma": ("<bos>", "<eos>"),
+    "phi3": ("<s>", "<|endoftext|>"), "phi4": ("<|endoftext|>", "<|im_end|>"),
+    "qwen2": (None, "<|im_end|>"), "qwen2.5": (None, "<|im_end|>"), "qwen3": (None, "<|im_end|>"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", sorted(PUBLISHED_RENDERS))
+def test_each_format_prompts_as_the_published_template_it_was_checked_against(fmt):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from tunepack.trainers import prompt_format
+
+    conversation = PUBLISHED_PROMPT[1:] if fmt == "gemma" else PUBLISHED_PROMPT
+    bos, eos = BOS_EOS[fmt]
+    rendered, _ = render_jinja_template(
+        [conversation], chat_template=TEMPLATES[fmt], add_generation_prompt=True,
+        bos_token=bos, eos_token=eos, **TEMPLATE_KWARGS,
+    )  # fmt: skip
+    assert rendered[0] == PUBLISHED_RENDERS[fmt]
+    # The trainer's twin of the template lays the prompt out the same way.
+    turns = [prompt_format.Turn(m["role"], m["content"]) for m in conversation]
+    pieces = prompt_format.render(fmt, turns, generation=True)
+    marker = {prompt_format.BOS: bos or "", prompt_format.EOS: eos}
+    text = "".join(marker.get(p.text, p.text) if p.special else p.text for p in pieces)
+    assert text == PUBLISHED_RENDERS[fmt]
+
+
+def test_a_qwen_prompt_without_a_system_message_gets_the_templates_default():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    for fmt, default in (("qwen2", "You are a helpful assistant."), ("qwen2.5", QWEN2_5_SYSTEM)):
+        rendered, _ = render_jinja_template(
+            [PUBLISHED_PROMPT[3:]], chat_template=TEMPLATES[fmt], add_generation_prompt=True
+        )
+        assert rendered[0] == (
+            f"<|im_start|>system\n{default}<|im_end|>\n<|im_start|>user\nAnother?<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
 
 
 def test_gemma_refuses_a_conversation_with_a_system_message(tmp_path):
@@ -324,6 +416,15 @@ def test_the_served_template_prompts_as_the_run_was_trained(capsys, tmp_path):
         assert ids == list(served)
         # The run's system prompt where the request has none, the request's own otherwise.
         assert (system.strip() in hf.decode(ids)) == (asked[0]["role"] != "system")
+
+
+def test_code_llama_70b_is_served_in_the_llama2_format_it_was_trained_in(capsys):
+    """CodeLlama-70b-Instruct-hf publishes its own template ("Source: user ... <step>"), not Llama
+    2's: a run trained in the family's format must hand vLLM that format, the 7B its own."""
+    _, template = _served(capsys, "tunepack-code-llama2-70b", "lora_rank=8")
+    assert template == TEMPLATES["llama2"]
+    _, template = _served(capsys, "tunepack-code-llama2-7b", "lora_rank=8")
+    assert template is None
 
 
 def test_qwen3_is_served_without_thinking_as_it_was_trained(capsys, tmp_path):
