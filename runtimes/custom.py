@@ -305,6 +305,13 @@ def resolve(entry, model_dir: Path, where: str | None = None):
     return with_config(entry, config, where)
 
 
+def is_placeholder(entry) -> bool:
+    """Whether ``entry`` is a custom runtime not yet resolved against a checkpoint."""
+    from tunepack.runtimes.catalog import CUSTOM
+
+    return bool(entry.custom) and entry.shape is CUSTOM[entry.name].shape
+
+
 def with_config(entry, config: dict, where: str):
     built = read_config(entry.custom, config, where)
     family = replace(

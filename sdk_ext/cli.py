@@ -637,6 +637,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         gpus_per_node=ns.gpus_per_node,
         activation_checkpointing=ns.activation_checkpointing,
         lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
+        model_dir=ns.model_dir,
     )
     print(estimate.summary())
     return 0 if estimate.fits else 1
@@ -862,6 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=1)
     p.add_argument("--lora-rank", type=int, help="LoRA rank (lora, qlora, dora; default 16)")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("install", help="server-side apply tunepack's runtimes to the cluster")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
@@ -157,9 +158,11 @@ def estimate(
     lora_rank: int = 16,
     lora_attn_modules: tuple[str, ...] = LORA_TARGETS_ALL,
     lora_mlp: bool = True,
+    model_dir: str | Path | None = None,
 ) -> Plan:
-    """The per-device estimate for one layout (no recommendation)."""
-    entry = model if isinstance(model, catalog.ModelEntry) else catalog.get(model)
+    """The per-device estimate for one layout (no recommendation). A bring-your-own runtime
+    (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json."""
+    entry = model_entry(model, model_dir)
     _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
     if method != "full" and (
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
@@ -214,6 +217,7 @@ def plan(
     given layout (default 1 x 1); ``recommended`` names the smallest layout that fits, trying
     activation checkpointing before more GPUs.
     """
+    model = model_entry(model, kwargs.pop("model_dir", None))  # config.json read once
     current = estimate(model, method, seq_len, batch_size, gpu, **kwargs)
     search = {k: v for k, v in kwargs.items() if k not in ("nodes", "gpus_per_node")}
     notes = []
@@ -250,6 +254,23 @@ def plan(
             "reference forward pass without gradients (compute, not memory)"
         )
     return Plan(**{**current.__dict__, "recommended": recommended, "notes": notes})
+
+
+def model_entry(model: str | catalog.ModelEntry, model_dir: str | Path | None = None):
+    """The catalog entry to size; a bring-your-own runtime's from its checkpoint's config.json
+    (``model_dir``), or ``BadInputError`` saying the planner needs it."""
+    from tunepack.runtimes import custom
+
+    entry = model if isinstance(model, catalog.ModelEntry) else catalog.get(model)
+    if model_dir is not None and entry.custom:
+        return custom.resolve(entry, Path(model_dir))
+    if custom.is_placeholder(entry):
+        raise BadInputError(
+            f"{entry.runtime_name} is sized from its checkpoint's config.json: give the "
+            "checkpoint's local directory (tunepack plan --model-dir DIR; "
+            "plan(..., model_dir=DIR)); without it the trainer checks the shape when it starts"
+        )
+    return entry
 
 
 def _dora_magnitudes(shape: Shape, attn_modules, mlp: bool) -> int:

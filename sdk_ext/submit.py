@@ -18,7 +18,7 @@ from kubeflow.trainer.types import types as kf
 
 from tunepack import planner
 from tunepack.errors import BadInputError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, custom
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainjob import (
     CLUSTER_RUNTIME_KIND,
@@ -100,13 +100,14 @@ def build(
     init = to_initializer(initializer)
     finetune = to_finetune(trainer)
     args = finetune.to_args()
+    entry = _custom_from_local(entry, storage_uri(init.model, "model"))
     resolved = parse_trainer_args(args, entry)  # method availability per model, seq_len limit
     resources = finetune.resources_per_node
     gpus = gpus_per_node(resource_requirements(resources) if resources else None, entry)
     num_proc = finetune.num_proc_per_node
     if num_proc is None and resources and gpus:
         num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
-    if gpus and memory_check != "off":
+    if gpus and memory_check != "off" and not custom.is_placeholder(entry):
         check_memory(entry, resolved, finetune.num_nodes or 1, num_proc or gpus, gpu, memory_check)
     return build_trainjob(
         name=job_name() if name is None else name,
@@ -131,6 +132,24 @@ def build(
         export_secret=finetune.export_secret,
         local=local,
     )
+
+
+def _custom_from_local(entry, model_uri: str | None):
+    """A bring-your-own runtime with a local checkpoint, resolved against its config.json so its
+    arguments and memory are checked now; with a remote one the trainer checks them at start."""
+    from tunepack.initializers import uri as storage
+
+    if not entry.custom or not model_uri:
+        return entry
+    parsed = storage.parse(model_uri)
+    if not parsed.is_local:
+        logger.info(
+            "%s: the model is remote, so its config.json sizes it when the trainer starts",
+            entry.runtime_name,
+        )
+        return entry
+    path = storage.resolve(parsed)
+    return custom.resolve(entry, path, f"model at {parsed.display!r}")
 
 
 def local_trainjob(

@@ -343,3 +343,54 @@ def test_custom_runtimes_are_published():
     names = {entry.runtime_name for entry in catalog.CATALOG.values()}
     assert {f"tunepack-{arch}-custom" for arch in custom.ARCHITECTURES} <= names
     assert copy.copy(custom.ARCHITECTURES["llama"]).family == "llama3_2"
+
+
+def test_planner_sizes_a_custom_runtime_from_the_checkpoints_config(llama_checkpoint):
+    from tunepack import planner
+
+    resolved = custom.resolve(catalog.CUSTOM["llama-custom"], llama_checkpoint)
+    sized = planner.plan("tunepack-llama-custom", "lora", 512, 2, model_dir=llama_checkpoint)
+    assert sized.parameters == resolved.parameter_count
+    # 3 layers of width 80 and a 400-token vocabulary, as config.json says.
+    assert sized.parameters == resolved.shape.parameter_count() and resolved.shape.num_layers == 3
+    with pytest.raises(BadInputError, match="tunepack-llama-custom is sized from its checkpoint"):
+        planner.plan("tunepack-llama-custom", "lora", 512, 2)
+
+
+def test_plan_command_reads_the_model_dir(llama_checkpoint):
+    import subprocess
+    import sys
+
+    def plan(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "tunepack.cli", "plan", "--model", "tunepack-llama-custom",
+             "--seq-len", "512", *extra],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    done = plan("--model-dir", str(llama_checkpoint))
+    assert done.returncode == 0, done.stderr
+    missing = plan()
+    assert missing.returncode == 65
+    assert "give the checkpoint's local directory" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
+def test_train_checks_arguments_against_a_local_checkpoints_config(
+    llama_checkpoint, tiny_dataset_file, tmp_path
+):
+    import subprocess
+    import sys
+
+    workspace = tmp_path / "workspace"
+    done = subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", "train", "--local",
+         "--runtime", "tunepack-llama-custom", "--workspace", str(workspace),
+         "--dataset", f"file://{tiny_dataset_file}", "--model", f"file://{llama_checkpoint}",
+         "max_seq_len=4096"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 65, done.stderr + done.stdout
+    assert "max_seq_len=4096" in done.stderr and "1024" in done.stderr  # config.json's context
+    assert "Traceback" not in done.stderr
+    assert not (workspace / "model").exists()
