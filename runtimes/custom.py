@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -302,7 +303,24 @@ def resolve(entry, model_dir: Path, where: str | None = None):
         return entry
     where = where or f"model at {str(model_dir)!r}"
     config = load_config(Path(model_dir) / "config.json", where)
-    return with_config(entry, config, where)
+    resolved = with_config(entry, config, where)
+    repo = _hub_repository(Path(model_dir))
+    return replace(resolved, hub_id=repo) if repo else resolved
+
+
+def _hub_repository(model_dir: Path) -> str | None:
+    """The Hub repository the model initializer fetched ``model_dir`` from (its manifest's
+    ``hf://`` source), for the adapter's ``base_model_name_or_path``; None for other sources."""
+    from tunepack.workspace import MANIFEST_FILE
+
+    try:
+        source = json.loads((model_dir / MANIFEST_FILE).read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(source, str) or not source.startswith("hf://"):
+        return None
+    repo = source.removeprefix("hf://").partition("?")[0].partition("@")[0].strip("/")
+    return repo if re.fullmatch(r"[\w.-]+/[\w.-]+", repo) else None
 
 
 def is_placeholder(entry) -> bool:

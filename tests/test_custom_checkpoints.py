@@ -394,3 +394,20 @@ def test_train_checks_arguments_against_a_local_checkpoints_config(
     assert "max_seq_len=4096" in done.stderr and "1024" in done.stderr  # config.json's context
     assert "Traceback" not in done.stderr
     assert not (workspace / "model").exists()
+
+
+@pytest.mark.parametrize(
+    ("source", "hub_id"),
+    [
+        ("hf://my-org/my-llama", "my-org/my-llama"),
+        ("hf://my-org/my-llama@v2", "my-org/my-llama"),
+        ("file:///data/my-llama", "<your llama checkpoint>"),
+        ("s3://bucket/my-llama", "<your llama checkpoint>"),
+    ],
+)
+def test_the_adapters_base_model_is_the_hub_repository_it_came_from(
+    llama_checkpoint, tmp_path, source, hub_id
+):
+    model_dir = _copy(llama_checkpoint, tmp_path / "model")
+    (model_dir / "tunepack-manifest.json").write_text(json.dumps({"source": source}))
+    assert custom.resolve(catalog.CUSTOM["llama-custom"], model_dir).hub_id == hub_id
