@@ -411,3 +411,39 @@ def test_the_adapters_base_model_is_the_hub_repository_it_came_from(
     model_dir = _copy(llama_checkpoint, tmp_path / "model")
     (model_dir / "tunepack-manifest.json").write_text(json.dumps({"source": source}))
     assert custom.resolve(catalog.CUSTOM["llama-custom"], model_dir).hub_id == hub_id
+
+
+def test_a_hub_checkpoint_is_read_from_its_config_before_the_weights_move(
+    llama_checkpoint, tmp_path
+):
+    from tests.fakehub import FakeHub, Repo
+
+    files = {p.name: p.read_bytes() for p in llama_checkpoint.iterdir() if p.is_file()}
+    bad_config = json.loads(files["config.json"]) | {"mlp_bias": True}
+    hub = FakeHub().start()
+    try:
+        hub.add(Repo("someone/my-llama", files))
+        hub.add(Repo("someone/biased", files | {"config.json": json.dumps(bad_config).encode()}))
+
+        def initialize(repo: str, root: Path):
+            return run_program(
+                "tunepack.initializers.model",
+                {"TUNEPACK_WORKSPACE": str(root), "TUNEPACK_MODEL": "llama-custom",
+                 "STORAGE_URI": f"hf://{repo}", "HF_ENDPOINT": hub.url},
+            )  # fmt: skip
+
+        refused = initialize("someone/biased", tmp_path / "refused")
+        assert refused.returncode == 65, refused.stderr
+        assert "mlp_bias=True" in refused.stderr and "Traceback" not in refused.stderr
+        assert hub.gets("model.safetensors") == []  # refused on config.json alone
+        assert not (tmp_path / "refused" / "model").exists()
+
+        done = initialize("someone/my-llama", tmp_path / "ok")
+        assert done.returncode == 0, done.stderr
+        assert hub.gets("model.safetensors")  # the weights move once config.json is accepted
+    finally:
+        hub.stop()
+    model_dir = tmp_path / "ok" / "model"
+    manifest = json.loads((model_dir / "tunepack-manifest.json").read_text())
+    assert manifest["shape"]["embed_dim"] == 80 and manifest["shape"]["num_layers"] == 3
+    assert custom.resolve(catalog.CUSTOM["llama-custom"], model_dir).hub_id == "someone/my-llama"
