@@ -185,6 +185,32 @@ def test_lora_trains_the_checkpoints_model_and_peft_reproduces_it(
     assert _max_diff(recipe.model, tokens, peft_logits) < 1e-4
 
 
+def test_full_fine_tune_saves_a_checkpoint_of_the_same_architecture(
+    checkpoint, initialized_workspace, tmp_path
+):
+    """The way back: the trained weights in the checkpoint's own HF format and config.json."""
+    from transformers import AutoModelForCausalLM
+
+    case, entry, model_dir, tokens, hf_logits = checkpoint
+    output = tmp_path / "output"
+    recipe = setup_recipe(
+        entry,
+        ["method=full", "max_steps=3", "lr=1e-3", "warmup_steps=0", "batch_size=4"],
+        model_dir=model_dir,
+        dataset_dir=initialized_workspace / "dataset",
+        output=output,
+    )
+    recipe.train()
+    recipe.save()
+    saved_config = json.loads((output / "model" / "config.json").read_text())
+    assert saved_config == json.loads((model_dir / "config.json").read_text())
+    saved = AutoModelForCausalLM.from_pretrained(output / "model", dtype=torch.float32)
+    with torch.no_grad():
+        saved_logits = saved.eval()(tokens).logits
+    assert (saved_logits - hf_logits).abs().max() > 1e-3  # training changed the model
+    assert _max_diff(recipe.model, tokens, saved_logits) < 1e-4
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 
