@@ -141,8 +141,8 @@ def _rope(config: dict) -> tuple[dict, dict | None]:
     if "rope_theta" in config:
         merged.setdefault("rope_theta", config["rope_theta"])
     rope_type = merged.get("rope_type", merged.get("type"))
-    if rope_type in (None, "default") and not isinstance(scaling, dict):
-        return merged, None
+    if rope_type == "default" or (rope_type is None and "factor" not in merged):
+        return merged, None  # plain RoPE (a scaling factor without a type is refused)
     return merged, {**merged, "rope_type": rope_type}
 
 

@@ -70,7 +70,7 @@ CASES = {
         "query_pre_attn_scalar": 24, "sliding_window": 24, "attn_logit_softcapping": 40.0,
         "final_logit_softcapping": 20.0, **_rope(20_000.0)}),
     "phi3": ("phi3", "Phi3Config", "phi3", {
-        "num_attention_heads": 5, "num_key_value_heads": 5, "sliding_window": 700,
+        "num_attention_heads": 5, "num_key_value_heads": 1, "sliding_window": 700,
         **_rope(20_000.0)}),
 }  # fmt: skip
 
@@ -246,6 +246,7 @@ def test_a_config_is_read_into_the_builders_shape():
         ("llama", {"rope_scaling": {**_LLAMA3_SCALING, "high_freq_factor": 8.0}},
          "rope_scaling.high_freq_factor=8.0"),
         ("llama", {"rope_theta": -1}, "rope_theta=-1"),
+        ("llama", {"rope_scaling": {"factor": 2.0}}, "rope_scaling.rope_type=None"),
         ("llama", {"rms_norm_eps": "small"}, "rms_norm_eps='small'"),
         ("mistral", {"model_type": "mistral", "tie_word_embeddings": True},
          "tie_word_embeddings=True"),
@@ -342,27 +343,45 @@ def test_initializer_refuses_a_tokenizer_that_cannot_work(
     assert not (tmp_path / "ws" / "model").exists()
 
 
-def test_train_local_with_a_custom_runtime(llama_checkpoint, tiny_dataset_file, tmp_path):
+def test_train_local_with_a_custom_runtime(checkpoint, tiny_dataset_file, tmp_path):
+    """`tunepack train --local` end to end: both initializers, the trainer (resolving the model
+    from config.json), a PEFT adapter that reproduces the merged model the trainer writes."""
     import subprocess
     import sys
 
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    case, entry, model_dir, tokens, hf_logits = checkpoint
+    source = model_dir.parent.parent / "checkpoint"  # what the fixture initialized from
     workspace = tmp_path / "workspace"
     done = subprocess.run(
         [sys.executable, "-m", "tunepack.cli", "train", "--local",
-         "--runtime", "tunepack-llama-custom", "--workspace", str(workspace),
-         "--dataset", f"file://{tiny_dataset_file}", "--model", f"file://{llama_checkpoint}",
-         "method=lora", "max_steps=12", "lr=3e-3", "batch_size=4", "warmup_steps=0"],
+         "--runtime", entry.runtime_name, "--workspace", str(workspace),
+         "--dataset", f"file://{tiny_dataset_file}", "--model", f"file://{source}",
+         "method=lora", "max_steps=10", "lr=3e-3", "batch_size=4", "warmup_steps=0",
+         "merge=true"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
     result = json.loads((workspace / "output" / "result.json").read_text())
     assert result["final_loss"] < result["first_loss"]
-    config = (workspace / "output" / "config.yaml").read_text()
-    assert (
-        "num_layers: 3" in config and "embed_dim: 80" in config and "rope_base: 150000.0" in config
+    config = json.loads((source / "config.json").read_text())
+    trained = (workspace / "output" / "config.yaml").read_text()
+    assert f"num_layers: {config['num_hidden_layers']}" in trained
+    assert f"embed_dim: {config['hidden_size']}" in trained
+    adapter = workspace / "output" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 16  # the default
+
+    base = AutoModelForCausalLM.from_pretrained(workspace / "model", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(
+        workspace / "output" / "merged", dtype=torch.float32
     )
-    adapter = json.loads((workspace / "output" / "adapter" / "adapter_config.json").read_text())
-    assert adapter["r"] == 16  # the custom runtime's default rank
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(base, adapter).eval()(tokens).logits
+        merged_logits = merged.eval()(tokens).logits
+    assert (peft_logits - hf_logits).abs().max() > 1e-3  # the adapter changes the model
+    assert float((peft_logits - merged_logits).abs().max()) < 1e-4
 
 
 def test_custom_runtimes_are_published():
