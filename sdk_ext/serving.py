@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tunepack.errors import BadInputError
 from tunepack.runtimes import catalog
-from tunepack.runtimes.chat_templates import serving_template
+from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
 from tunepack.runtimes.generate import to_yaml, workspace_pvc
 from tunepack.trainers.args import LORA_FAMILY, parse_trainer_args
 
@@ -83,6 +83,9 @@ def served_result(runtime: str, args: list[str]) -> Served:
     template = serving_template(
         trained.chat_template, entry.family.name, trained.system_prompt or None, entry.hub_id
     )
+    if template is None and entry.custom:
+        # A checkpoint of one's own may carry any template: serve the format it was trained in.
+        template = TEMPLATES[trained.chat_template]
     if trained.method == "full":
         return Served("/workspace/output/model", chat_template=template)
     if trained.merge:

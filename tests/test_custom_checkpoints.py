@@ -492,3 +492,13 @@ def test_a_hub_checkpoint_is_read_from_its_config_before_the_weights_move(
     manifest = json.loads((model_dir / "tunepack-manifest.json").read_text())
     assert manifest["shape"]["embed_dim"] == 80 and manifest["shape"]["num_layers"] == 3
     assert custom.resolve(catalog.CUSTOM["llama-custom"], model_dir).hub_id == "someone/my-llama"
+
+
+def test_serving_hands_vllm_the_format_a_custom_checkpoint_was_trained_in():
+    from tunepack.runtimes.chat_templates import TEMPLATES
+    from tunepack.serving import served_result
+
+    served = served_result("tunepack-llama-custom", ["method=lora"])
+    assert served.chat_template == TEMPLATES["llama3.2"]
+    # A catalog model's own template is its format: nothing to hand over.
+    assert served_result("tunepack-llama3.2-1b", ["method=lora"]).chat_template is None
