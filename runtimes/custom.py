@@ -87,6 +87,18 @@ ARCHITECTURES: dict[str, Architecture] = {
 }  # fmt: skip
 
 
+# The special tokens each custom runtime's default chat format writes (trainers/prompt_format.py;
+# a test keeps the two equal): "<bos>"/"<eos>" stand for the tokenizer's BOS/EOS, the others are
+# looked up by their text. The model initializer checks them, which cannot import the trainer.
+FORMAT_TOKENS: dict[str, tuple[str, ...]] = {
+    "llama3.2": ("<bos>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "mistral": ("<bos>", "<eos>"),
+    "qwen2.5": ("<|im_start|>", "<|im_end|>"),
+    "gemma": ("<bos>", "<start_of_turn>", "<end_of_turn>"),
+    "phi3": ("<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+}
+
+
 def runtime_model_name(arch: str) -> str:
     return arch + CUSTOM_SUFFIX
 
@@ -354,7 +366,9 @@ def with_config(entry, config: dict, where: str):
     return resolved
 
 
-def special_token_ids(model_dir: Path, vocab_size: int, where: str) -> dict[str, int | None]:
+def special_token_ids(
+    model_dir: Path, vocab_size: int, where: str, chat_format: str | None = None
+) -> dict[str, int | None]:
     """BOS, EOS and padding ids of the checkpoint's tokenizer, read from its JSON files alone
     (tokenizer_config.json's token strings, looked up in tokenizer.json; else config.json's and
     generation_config.json's ids). ``BadInputError`` when tokenizer.json is missing or unreadable,
@@ -424,4 +438,15 @@ def special_token_ids(model_dir: Path, vocab_size: int, where: str) -> dict[str,
             f"{where} names no end-of-sequence token: expected eos_token in "
             "tokenizer_config.json or eos_token_id in config.json"
         )
+    for name in FORMAT_TOKENS.get(chat_format or "", ()):
+        if name == "<bos>" and found["bos"] is None:
+            raise BadInputError(
+                f"{where} names no BOS token (tokenizer_config.json bos_token or config.json "
+                f"bos_token_id), which the {chat_format} chat format starts with"
+            )
+        if name not in ("<bos>", "<eos>") and name not in ids:
+            raise BadInputError(
+                f"{where}: its {TOKENIZER_JSON} has no {name} token, which the {chat_format} "
+                "chat format needs (the family's format is what a custom runtime trains in)"
+            )
     return found

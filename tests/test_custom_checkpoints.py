@@ -318,6 +318,8 @@ def test_initializer_refuses_an_unbuildable_config_before_copying(llama_checkpoi
         ("no-tokenizer", "is missing tokenizer.json"),
         ("bad-eos", "tokenizer_config.json eos_token='<|nowhere|>' is not a token"),
         ("no-eos", "names no end-of-sequence token"),
+        ("no-eot", "has no <|eot_id|> token, which the llama3.2 chat format needs"),
+        ("no-bos", "names no BOS token"),
     ],
 )
 def test_initializer_refuses_a_tokenizer_that_cannot_work(
@@ -330,6 +332,13 @@ def test_initializer_refuses_a_tokenizer_that_cannot_work(
         (source / "tokenizer.json").unlink()
     elif damage == "bad-eos":
         token_config["eos_token"] = "<|nowhere|>"
+    elif damage == "no-eot":
+        text = (source / "tokenizer.json").read_text()
+        (source / "tokenizer.json").write_text(text.replace('"<|eot_id|>"', '"<|eot|>"'))
+    elif damage == "no-bos":
+        token_config.pop("bos_token")
+        config["bos_token_id"] = None
+        (source / "generation_config.json").unlink(missing_ok=True)
     else:
         token_config.pop("eos_token")
         config["eos_token_id"] = None
@@ -502,3 +511,25 @@ def test_serving_hands_vllm_the_format_a_custom_checkpoint_was_trained_in():
     assert served.chat_template == TEMPLATES["llama3.2"]
     # A catalog model's own template is its format: nothing to hand over.
     assert served_result("tunepack-llama3.2-1b", ["method=lora"]).chat_template is None
+
+
+def test_the_initializers_format_tokens_are_the_formats():
+    """custom.FORMAT_TOKENS (the initializer cannot import the trainer) is what the trainer's
+    chat formats write, for each custom runtime's default format."""
+    from tunepack.runtimes.chat_templates import FAMILY_FORMAT
+    from tunepack.trainers.prompt_format import NO_SYSTEM, Turn, render
+
+    for entry in catalog.CUSTOM.values():
+        fmt = FAMILY_FORMAT[entry.family.name]
+        conversations = [[Turn("user", "u"), Turn("assistant", "a")]]
+        if fmt not in NO_SYSTEM:
+            conversations.append([Turn("system", "s"), *conversations[0]])
+        written = {
+            piece.text
+            for turns in conversations
+            for generation in (False, True)
+            # for generation: the conversation up to the assistant's opening
+            for piece in render(fmt, turns[:-1] if generation else turns, generation=generation)
+            if piece.special
+        }
+        assert written == set(custom.FORMAT_TOKENS[fmt]), fmt

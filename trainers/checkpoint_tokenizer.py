@@ -61,4 +61,5 @@ class CheckpointTokenizer:
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in token_ids]  # plain ints: a tensor's elements are not
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
