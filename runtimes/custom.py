@@ -42,6 +42,9 @@ class Architecture:
     family: str  # the catalog family: builders, checkpointer, chat format
     model_type: str  # config.json "model_type"
     activation: str  # the MLP activation the builders hard-code
+    # The config.json field transformers reads it from, and legacy values it takes for the same.
+    activation_field: str = "hidden_act"
+    activation_aliases: tuple[str, ...] = ()
     # "derived": the builders compute head_dim as hidden_size // heads; "free": config.json's.
     head_dim: str = "derived"
     # Tied input/output embeddings: "never", "always" or "either" (a builder keyword).
@@ -71,13 +74,16 @@ ARCHITECTURES: dict[str, Architecture] = {
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 32_768),
                                ("tie_word_embeddings", False))),
         Architecture("gemma", "gemma", "gemma", "gelu_pytorch_tanh", head_dim="free",
+                     activation_aliases=("gelu",),  # transformers: "gelu" means the tanh one
                      tied="always",
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 8192),
                                ("tie_word_embeddings", True), ("head_dim", 256))),
         Architecture("gemma2", "gemma2", "gemma2", "gelu_pytorch_tanh", head_dim="free",
+                     activation_field="hidden_activation",
                      tied="always", window="model", softcapping=True,
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 8192),
                                ("tie_word_embeddings", True), ("head_dim", 256),
+                               ("hidden_activation", "gelu_pytorch_tanh"),
                                ("sliding_window", 4096), ("attn_logit_softcapping", 50.0),
                                ("final_logit_softcapping", 30.0))),
         Architecture("phi3", "phi3", "phi3", "silu", window="limit",
@@ -206,9 +212,9 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
     if head_dim % 2:
         raise _fail(where, "head_dim", head_dim, "an even number (RoPE rotates pairs)")
 
-    activation_key = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
-    if config.get(activation_key) != arch.activation:
-        raise _fail(where, activation_key, config.get(activation_key), repr(arch.activation))
+    activation = config.get(arch.activation_field)
+    if activation != arch.activation and activation not in arch.activation_aliases:
+        raise _fail(where, arch.activation_field, activation, repr(arch.activation))
     for field in ("attention_bias", "mlp_bias"):  # Qwen 2's q/k/v biases are implied
         if config.get(field) not in (None, False):
             raise _fail(where, field, config[field], "false (the builders have no such bias)")

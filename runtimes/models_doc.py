@@ -60,7 +60,7 @@ def _custom_rows() -> str:
     for e in catalog.CUSTOM.values():
         arch = custom.ARCHITECTURES[e.custom]
         refused = [
-            f"hidden_act other than {arch.activation}",
+            f"{arch.activation_field} other than {arch.activation}",
             "MLP biases" if arch.qkv_bias else "attention/MLP biases",
         ]
         if arch.head_dim == "derived":

@@ -253,6 +253,10 @@ def test_a_config_is_read_into_the_builders_shape():
         ("qwen2", {"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
         ("gemma", {"model_type": "gemma", "hidden_act": "gelu_pytorch_tanh", "head_dim": 24,
                    "tie_word_embeddings": False}, "tie_word_embeddings=False"),
+        ("gemma", {"model_type": "gemma", "hidden_act": "relu", "head_dim": 24,
+                   "tie_word_embeddings": True}, "hidden_act='relu'"),
+        ("gemma2", {"model_type": "gemma2", "hidden_activation": "gelu", "head_dim": 24,
+                    "tie_word_embeddings": True}, "hidden_activation='gelu'"),
         ("gemma2", {"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh",
                     "head_dim": 24, "tie_word_embeddings": True,
                     "query_pre_attn_scalar": 256}, "query_pre_attn_scalar=256"),
@@ -533,3 +537,13 @@ def test_the_initializers_format_tokens_are_the_formats():
             if piece.special
         }
         assert written == set(custom.FORMAT_TOKENS[fmt]), fmt
+
+
+def test_gemmas_legacy_gelu_is_the_tanh_one():
+    """Gemma's published configs say hidden_act "gelu", which transformers runs as the tanh
+    approximation (what torchtune's Gemma builds); Gemma 2 reads hidden_activation instead."""
+    gemma = _llama_config() | {"model_type": "gemma", "hidden_act": "gelu", "head_dim": 24,
+                               "tie_word_embeddings": True}  # fmt: skip
+    assert custom.read_config("gemma", gemma, "here").shape.head_dim == 24
+    gemma2 = gemma | {"model_type": "gemma2", "hidden_act": "gelu"}  # hidden_activation: default
+    assert custom.read_config("gemma2", gemma2, "here").softcapping == (50.0, 30.0)
