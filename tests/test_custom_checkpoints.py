@@ -547,3 +547,31 @@ def test_gemmas_legacy_gelu_is_the_tanh_one():
     assert custom.read_config("gemma", gemma, "here").shape.head_dim == 24
     gemma2 = gemma | {"model_type": "gemma2", "hidden_act": "gelu"}  # hidden_activation: default
     assert custom.read_config("gemma2", gemma2, "here").softcapping == (50.0, 30.0)
+
+
+def test_transformers_4_configs_read_as_the_catalog_builds_them():
+    """Older config.json files keep rope_theta and rope_scaling at the top: Llama 3.2 1B's and
+    Mistral 7B v0.1's, read through the custom runtimes, are the catalog's shapes and options."""
+    llama = {
+        "model_type": "llama", "vocab_size": 128_256, "hidden_size": 2048,
+        "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 8192, "max_position_embeddings": 131_072, "rms_norm_eps": 1e-5,
+        "hidden_act": "silu", "rope_theta": 500_000.0, "tie_word_embeddings": True,
+        "attention_bias": False, "mlp_bias": False,
+        "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    }  # fmt: skip
+    built = custom.read_config("llama", llama, "here")
+    published = catalog.CATALOG["llama3.2-1b"]
+    assert built.shape == published.shape
+    assert built.options == dict(published.family.options)
+    mistral = {
+        "model_type": "mistral", "vocab_size": 32_000, "hidden_size": 4096,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14_336, "max_position_embeddings": 32_768, "rms_norm_eps": 1e-5,
+        "hidden_act": "silu", "rope_theta": 10_000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    resolved = custom.with_config(catalog.CUSTOM["mistral-custom"], mistral, "here")
+    assert resolved.shape == catalog.CATALOG["mistral-7b"].shape
+    assert resolved.window_limit == 4096 and resolved.defaults["max_seq_len"] == 2048
