@@ -35,9 +35,11 @@ quickstart: install
 		--model file://$(abspath $(QUICKSTART_DIR))/tiny-llama3 \
 		method=lora epochs=3
 
+# Test files run in parallel, one worker per CPU, each file's tests on one worker (their module
+# fixtures are built once). A single test: $(BIN)/pytest -q tests/test_x.py -k name
 test: dev
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadfile
 
 # The real control plane (etcd, Kubernetes 1.36, Kubeflow Trainer v2.3.0, JobSet, KWOK), built from
 # the Go module proxy with Go 1.26 and cached outside the checkout by version (tests/controlplane).

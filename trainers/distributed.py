@@ -54,7 +54,11 @@ def init(device_kind: str) -> tuple[Topology, torch.device]:
 
 
 def shutdown() -> None:
+    """Leave the process group together: a rank that tears gloo down while a peer is still in
+    its last collectives was seen to abort at exit ("terminate called without an active
+    exception"), turning a finished run into a failed one."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
