@@ -160,7 +160,24 @@ def _md5_b64(data: bytes) -> str:
     return base64.b64encode(hashlib.md5(data).digest()).decode()  # noqa: S324 - S3's ETag
 
 
-class S3Sink:
+class _RemoteCalls:
+    """One remote operation, retried while it may pass: a missing object is None when the caller
+    allows it, any other error is mapped by the sink's ``_problem`` (BadInputError or
+    Retryable)."""
+
+    def _call(self, what: str, operation, *args, missing_ok: bool = False, **kwargs):
+        def attempt():
+            try:
+                return operation(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 - mapped or re-raised below
+                if missing_ok and self._is_missing(error):
+                    return None
+                raise self._problem(error) from None
+
+        return retrying(what, attempt, self.log)
+
+
+class S3Sink(_RemoteCalls):
     """Objects under ``s3://bucket/prefix/``. Each PUT carries Content-MD5, so the store refuses
     a body damaged on the way; then a HEAD reads back the size and the ETag (the MD5, or for a
     multipart object the MD5 of the parts' MD5s) and compares them with the local file's."""
@@ -204,16 +221,9 @@ class S3Sink:
     # The operations below raise BadInputError or Retryable (mapped by _problem); the callers
     # wrap them in retrying().
 
-    def _call(self, what: str, operation, *args, missing_ok: bool = False, **kwargs):
-        def attempt():
-            try:
-                return operation(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - mapped or re-raised below
-                if missing_ok and _status(error) == 404:
-                    return None
-                raise self._problem(error) from None
-
-        return retrying(what, attempt, self.log)
+    @staticmethod
+    def _is_missing(error: Exception) -> bool:
+        return _status(error) == 404
 
     def _head(self, rel: str) -> dict | None:
         return self._call(
@@ -498,7 +508,7 @@ def git_blob_id(path: Path) -> str:
     return digest.hexdigest()
 
 
-class HubSink:
+class HubSink(_RemoteCalls):
     """A Hub model repository; every file and the manifest in one commit (atomic by nature).
     The repository is created private unless ``EXPORT_PRIVATE=false``; an existing one keeps its
     visibility. Files already uploaded by a killed run are not sent again: the Hub's LFS/Xet
@@ -522,19 +532,11 @@ class HubSink:
     def what(self) -> str:
         return f"hub model repository {self.repo_id!r}"
 
-    def _call(self, what: str, operation, *args, missing_ok: bool = False, **kwargs):
+    @staticmethod
+    def _is_missing(error: Exception) -> bool:
         from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError
 
-        def attempt():
-            try:
-                return operation(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - mapped or re-raised below
-                missing = isinstance(error, EntryNotFoundError | RepositoryNotFoundError)
-                if missing_ok and missing:
-                    return None
-                raise self._problem(error) from None
-
-        return retrying(what, attempt, self.log)
+        return isinstance(error, EntryNotFoundError | RepositoryNotFoundError)
 
     def read_manifest(self, revision: str | None = None) -> dict | None:
         from huggingface_hub import hf_hub_url
