@@ -50,29 +50,11 @@ EXPORTED = [
 def trained(tmp_path_factory, tiny_model_dir, tiny_dataset_file) -> Path:
     """The workspace of a real tiny LoRA run (read-only for the tests)."""
     ws = tmp_path_factory.mktemp("trained") / "ws"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tunepack.cli",
-            "train",
-            "--local",
-            "--runtime",
-            "tiny-llama3",
-            "--dataset",
-            str(tiny_dataset_file),
-            "--model",
-            str(tiny_model_dir),
-            "--workspace",
-            str(ws),
-            "--name",
-            "export-src",
-            f"lora_rank={RANK}",
-            "max_steps=6",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    done = _cli(
+        *_train_local(tiny_model_dir, tiny_dataset_file, ws, "export-src"),
+        f"lora_rank={RANK}",
+        "max_steps=6",
+        env={},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((ws / "output" / "result.json").read_text())
@@ -568,6 +550,12 @@ def test_hub_wrong_or_read_only_token_exit_65_in_one_line(hub, trained, tmp_path
 # --- through the local backend: the CLI and the SDK ----------------------------------------------
 
 
+def _train_local(model_dir: Path, dataset_file: Path, ws: Path, name: str) -> list[str]:
+    """`tunepack train --local` of the tiny model into ``ws`` as job ``name`` (add arguments)."""
+    return ["train", "--local", "--runtime", "tiny-llama3", "--dataset", str(dataset_file),
+            "--model", str(model_dir), "--workspace", str(ws), "--name", name]  # fmt: skip
+
+
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "tunepack.cli", *args],
@@ -590,18 +578,7 @@ def test_cli_local_run_exports_to_s3_wrong_credentials_first(
     s3, tiny_model_dir, tiny_dataset_file, tmp_path
 ):
     train = [
-        "train",
-        "--local",
-        "--runtime",
-        "tiny-llama3",
-        "--dataset",
-        str(tiny_dataset_file),
-        "--model",
-        str(tiny_model_dir),
-        "--workspace",
-        str(tmp_path / "ws"),
-        "--name",
-        "cli-export",
+        *_train_local(tiny_model_dir, tiny_dataset_file, tmp_path / "ws", "cli-export"),
         "--export",
         "s3://results/cli/run",
         "max_steps=4",
@@ -768,18 +745,7 @@ def test_hub_export_changed_since_is_committed_again(hub, trained, tmp_path):
 def test_a_merged_model_is_exported_with_the_adapter(tiny_model_dir, tiny_dataset_file, tmp_path):
     ws = tmp_path / "ws"
     done = _cli(
-        "train",
-        "--local",
-        "--runtime",
-        "tiny-llama3",
-        "--dataset",
-        str(tiny_dataset_file),
-        "--model",
-        str(tiny_model_dir),
-        "--workspace",
-        str(ws),
-        "--name",
-        "merged-export",
+        *_train_local(tiny_model_dir, tiny_dataset_file, ws, "merged-export"),
         "--export",
         str(tmp_path / "out"),
         "merge=true",
