@@ -8,8 +8,8 @@ import threading
 import traceback
 from collections.abc import Callable
 
-from tunepack import durable, lifetime
-from tunepack.errors import EXIT_OK, TransientError, TunepackError
+from tunepack.core import durable, lifetime
+from tunepack.core.errors import EXIT_OK, TransientError, TunepackError
 from tunepack.initializers.redaction import scrub
 
 EXIT_BUG = 1

@@ -14,7 +14,7 @@ import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 ZIP_SUFFIXES = (".zip",)

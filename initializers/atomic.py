@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tunepack import durable
-from tunepack.errors import BadInputError
-from tunepack.workspace import MANIFEST_FILE, WORKSPACE_ENV
+from tunepack.core import durable
+from tunepack.core.errors import BadInputError
+from tunepack.core.workspace import MANIFEST_FILE, WORKSPACE_ENV
 
 PARTIAL_MARK = ".partial-"
 

@@ -32,8 +32,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunepack import workspace
-from tunepack.errors import BadInputError
+from tunepack.core import workspace
+from tunepack.core.errors import BadInputError
 from tunepack.initializers import atomic
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.uri import redact

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 Row = tuple[int, object, str | None]
 FORMATS = {

@@ -22,8 +22,8 @@ import os
 import sys
 from pathlib import Path
 
-from tunepack import workspace
-from tunepack.errors import BadInputError
+from tunepack.core import workspace
+from tunepack.core.errors import BadInputError
 from tunepack.initializers import atomic, download, uri
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive

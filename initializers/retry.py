@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tunepack.errors import BadInputError, TransientError
+from tunepack.core.errors import BadInputError, TransientError
 
 T = TypeVar("T")
 

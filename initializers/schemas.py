@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.initializers.formats import json_type
 
 SCHEMA_ENV = "DATASET_SCHEMA"

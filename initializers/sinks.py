@@ -20,8 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import unquote
 
-from tunepack import durable
-from tunepack.errors import BadInputError, TransientError
+from tunepack.core import durable
+from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import atomic, uri
 from tunepack.initializers.export import (
     MANIFEST_KIND,
@@ -33,7 +34,6 @@ from tunepack.initializers.export import (
 )
 from tunepack.initializers.progress import human_bytes
 from tunepack.initializers.retry import Retryable, retrying
-from tunepack.workspace import MANIFEST_FILE
 
 Log = Callable[[str], None]
 PART_SIZE_ENV = "TUNEPACK_EXPORT_PART_SIZE_MB"

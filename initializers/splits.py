@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import PurePosixPath
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 SPLIT_ENV = "DATASET_SPLIT"
 DEFAULT_SPLIT = "train"

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from tunepack.errors import BadInputError
-from tunepack.workspace import STORAGE_URI_ENV
+from tunepack.core.errors import BadInputError
+from tunepack.core.workspace import STORAGE_URI_ENV
 
 # "scheme://..." per RFC 3986; anything else is a plain local path.
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")

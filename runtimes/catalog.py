@@ -232,7 +232,7 @@ class ModelEntry:
 
     def weight_files(self, model_dir: Path) -> tuple[str, ...]:
         """The weight files of the model in ``model_dir``, shards resolved through the index."""
-        from tunepack.errors import BadInputError
+        from tunepack.core.errors import BadInputError
 
         path = Path(model_dir) / SAFETENSORS_INDEX
         if self.custom and not path.is_file():  # a bring-your-own checkpoint: either layout
@@ -765,7 +765,7 @@ CATALOG: dict[str, ModelEntry] = {
 
 def get(name: str) -> ModelEntry:
     """Return the entry for a model name or runtime name (``tunepack-<model>``)."""
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     key = name.removeprefix(RUNTIME_PREFIX)
     try:

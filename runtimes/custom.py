@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 CUSTOM_SUFFIX = "-custom"
 TOKENIZER_JSON = "tokenizer.json"
@@ -329,7 +329,7 @@ def resolve(entry, model_dir: Path, where: str | None = None):
 def _hub_repository(model_dir: Path) -> str | None:
     """The Hub repository the model initializer fetched ``model_dir`` from (its manifest's
     ``hf://`` source), for the adapter's ``base_model_name_or_path``; None for other sources."""
-    from tunepack.workspace import MANIFEST_FILE
+    from tunepack.core.workspace import MANIFEST_FILE
 
     try:
         source = json.loads((model_dir / MANIFEST_FILE).read_text()).get("source")

@@ -37,11 +37,11 @@ from pathlib import Path
 import yaml
 
 from tunepack import __version__
-from tunepack.errors import EXIT_BAD_INPUT
+from tunepack.core.errors import EXIT_BAD_INPUT
+from tunepack.core.workspace import DEFAULT_WORKSPACE, MODEL_ENV, WORKSPACE_ENV
 from tunepack.runtimes import catalog
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.runtimes.validate import validate_runtime
-from tunepack.workspace import DEFAULT_WORKSPACE, MODEL_ENV, WORKSPACE_ENV
 
 API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -118,7 +118,7 @@ TRAINER_ENV = {
     "HF_HUB_OFFLINE": "1",
 }
 
-# Failure handling keyed on tunepack's exit codes (tunepack.errors): bad input fails the Job at
+# Failure handling keyed on tunepack's exit codes (tunepack.core.errors): bad input fails the Job at
 # once, and the JobSet rule below then fails the whole TrainJob; anything else (network,
 # preemption) restarts the JobSet, whose initializers skip verified files and whose trainer
 # resumes from its newest checkpoint.

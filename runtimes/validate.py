@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import kubeflow_trainer_api.models as api
 from pydantic import BaseModel, ValidationError
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 Model = TypeVar("Model", bound=BaseModel)
 

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from tunepack.cli_cluster import check_cluster, is_connection_error, kubeconfig_paths
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError, api_message
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError, api_message
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as for any command whose reader went away
@@ -102,7 +102,7 @@ def cmd_tiny_model(ns: argparse.Namespace) -> int:
 
 
 def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.tiny import write_tiny_dataset
     from tunepack.tiny.dataset import write_tiny_preference_dataset
 
@@ -129,7 +129,7 @@ class _writing:
         return self
 
     def __exit__(self, kind, err, tb):
-        from tunepack.errors import BadInputError
+        from tunepack.core.errors import BadInputError
 
         if isinstance(err, OSError) and not isinstance(err, BlockingIOError):
             reason = (err.strerror or str(err)).lower()
@@ -177,7 +177,7 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
 
 def cmd_render_serving(ns: argparse.Namespace) -> int:
     from tunepack import serving
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.trainjob import check_dns_label
 
     check_dns_label("TrainJob name (--name)", ns.name)
@@ -195,7 +195,7 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
     workspace, and resumes it; another dataset, model or argument value gets another job."""
     import hashlib
 
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.initializers import uri as storage_uri
     from tunepack.trainjob import max_name_length
 
@@ -262,7 +262,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         _console_logging(verbose=True)
     if not ns.local:
         return _train_on_cluster(ns)
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     if ns.queue is not None:
         raise BadInputError(
@@ -349,7 +349,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
 def _previous_job(backend, name: str) -> str | None:
     """The status of the local job ``name`` if it ran before (None: a new job)."""
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     try:
         return backend.get_job(name).status
@@ -368,7 +368,7 @@ def _record_failure(job_dir: Path, message: str) -> None:
 
 def _check_workspace(workspace: Path, given: str | None) -> None:
     """Refuse a workspace that cannot be one (a file, a read-only place) before any work."""
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     shown = given or str(workspace)
     if workspace.exists() and not workspace.is_dir():
@@ -457,7 +457,7 @@ def _local_backend(ns: argparse.Namespace):
     """The local backend ``TrainingClient(LocalBackendConfig(root_dir=..., gpu=...,
     memory_check=...))`` uses."""
     from tunepack.backend_local import LocalBackend, LocalBackendConfig
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     if ns.jobs_dir is not None and not ns.jobs_dir.strip():
         raise BadInputError(
@@ -506,7 +506,7 @@ def cmd_jobs(ns: argparse.Namespace) -> int:
 
 
 def cmd_result(ns: argparse.Namespace) -> int:
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.result import result_for
 
     backend = _backend(ns)
@@ -541,7 +541,7 @@ def cmd_download(ns: argparse.Namespace) -> int:
     if "://" in ns.name:
         fetch_export(ns.name, Path(ns.dir), log)
         return 0
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     backend = _backend(ns)
     job = backend.get_job(ns.name)
@@ -555,7 +555,7 @@ def cmd_download(ns: argparse.Namespace) -> int:
 
 
 def cmd_delete(ns: argparse.Namespace) -> int:
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.runtimes.generate import workspace_pvc
 
     if not ns.local:
@@ -600,7 +600,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 def cmd_logs(ns: argparse.Namespace) -> int:
     from kubeflow.trainer.constants import constants as kc
 
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     backend = _backend(ns)
     job = backend.get_job(ns.name)
@@ -619,7 +619,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.planner import plan
 
     if ns.method == "full" and ns.lora_rank is not None:
@@ -646,7 +646,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client, config
 
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
     from tunepack.install import describe, install, runtime_objects
     from tunepack.trainjob import check_dns_label
 
@@ -743,7 +743,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage mistake reported like any other bad input: one line, exit 65."""
 
     def error(self, message: str):
-        from tunepack.errors import BadInputError
+        from tunepack.core.errors import BadInputError
 
         raise BadInputError(f"{message} (see `{self.prog} --help`)")
 

@@ -1,8 +1,8 @@
 """The CLI's check that a cluster is configured and its API server answers, before any cluster
 command talks to it: one line that says what is wrong and what to do, never a traceback.
 
-Exit codes (``tunepack.errors``): no or broken Kubernetes configuration is a configuration error,
-65 (fix it, retrying cannot help); an API server that cannot be reached is transient, 75.
+Exit codes (``tunepack.core.errors``): no or broken Kubernetes configuration is a configuration
+error, 65 (fix it, retrying cannot help); an API server that cannot be reached is transient, 75.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from tunepack.errors import BadInputError, TransientError
+from tunepack.core.errors import BadInputError, TransientError
 
 DEFAULT_KUBECONFIG = "~/.kube/config"
 PROBE_TIMEOUT_S = 5.0

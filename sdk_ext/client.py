@@ -30,7 +30,7 @@ from kubeflow.trainer.constants import constants as kc
 
 from tunepack import progress as progress_ui
 from tunepack.backend_local import LocalBackend, LocalBackendConfig
-from tunepack.errors import NotAvailableError
+from tunepack.core.errors import NotAvailableError
 from tunepack.result import Result, result_for
 
 

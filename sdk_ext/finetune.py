@@ -11,8 +11,8 @@ fails in the notebook cell that wrote it, naming the field and the allowed range
     >>> FineTune(epochs=0)
     Traceback (most recent call last):
     ...
-    tunepack.errors.BadInputError: FineTune.epochs: epochs='0' is not valid: expected an integer
-    from 1 to 1000
+    tunepack.core.errors.BadInputError: FineTune.epochs: epochs='0' is not valid: expected an
+    integer from 1 to 1000
 
 Besides the trainer arguments, ``FineTune`` carries the trainer's placement, which is not part of
 the argument vocabulary but of the TrainJob: ``num_nodes``, ``num_proc_per_node``,
@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.trainers.args import VOCABULARY, Arg, split_pairs
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields).

@@ -20,7 +20,7 @@ import time
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tunepack.errors import TransientError, api_message
+from tunepack.core.errors import TransientError, api_message
 from tunepack.runtimes import catalog
 from tunepack.runtimes.generate import API_GROUP, load_runtime
 

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.catalog import Shape
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunepack.errors import NotAvailableError
+from tunepack.core.errors import NotAvailableError
 from tunepack.runtimes.generate import workspace_pvc
 
 
@@ -82,7 +82,7 @@ class Result:
         (``chat_template``, with its ``system_prompt``), up to the opening of the assistant's
         turn, as the model's Hugging Face chat template renders it with
         ``add_generation_prompt=True``. None for a text-completion run (the prompt is the text)."""
-        from tunepack.workspace import MANIFEST_FILE
+        from tunepack.core.workspace import MANIFEST_FILE
 
         workspace = self._workspace()
         schema = json.loads((workspace / "dataset" / MANIFEST_FILE).read_text())["schema"]

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
 from tunepack.runtimes.generate import to_yaml, workspace_pvc

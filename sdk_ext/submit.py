@@ -17,7 +17,7 @@ from typing import Literal
 from kubeflow.trainer.types import types as kf
 
 from tunepack import planner
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainjob import (

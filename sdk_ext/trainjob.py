@@ -24,7 +24,7 @@ import os
 import re
 from pathlib import PurePosixPath
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
 from tunepack.runtimes import catalog, generate
 from tunepack.runtimes.validate import validate_trainjob

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from kubeflow.trainer.constants import constants as kf_constants
 from kubeflow.trainer.types import types as kf
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.finetune import FineTune
 
 

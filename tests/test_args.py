@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import (
     VOCABULARY,

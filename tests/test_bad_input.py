@@ -34,7 +34,7 @@ from kubeflow.trainer.options import Name
 
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 from tunepack.cli import main
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 EXIT_BAD_INPUT = 65
 RUNTIME = "tunepack-tiny-llama3"

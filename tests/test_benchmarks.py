@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.tiny import tiny_corpus, train_bpe
 from tunepack.tiny.bpe import TiktokenFormat
 from tunepack.trainers.recipe import real_positions

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune import config
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.builders import Gemma2Layer, SoftCappedTiedLinear
 from tunepack.trainers.config import model_component

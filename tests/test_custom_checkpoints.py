@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers import run_program, setup_recipe
 from tunepack import tiny
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, custom
 
 STEPS = 10

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tunepack.errors import EXIT_BAD_INPUT
-from tunepack.workspace import MANIFEST_FILE
+from tunepack.core.errors import EXIT_BAD_INPUT
+from tunepack.core.workspace import MANIFEST_FILE
 
 CHAT = {
     "messages": [

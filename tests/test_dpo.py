@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import TINY, lines_held_back, run_program, setup_recipe
 from tests.test_dataset_schemas import jsonl, output, run_dataset
-from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.tiny.dataset import write_tiny_preference_dataset
 from tunepack.trainers.args import builder_for, parse_trainer_args

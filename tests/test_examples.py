@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tunepack import submit
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
 from tunepack.runtimes import catalog, generate
 from tunepack.runtimes.validate import validate_trainjob

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 from tests.fakehub import FakeHub
-from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers.sinks import fetch_export
-from tunepack.workspace import MANIFEST_FILE
 
 TOKEN = "hf_write_secret_0123456789"
 READ_TOKEN = "hf_read_only_secret_987654"

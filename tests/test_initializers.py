@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import uri
 from tunepack.runtimes import catalog
-from tunepack.workspace import MANIFEST_FILE
 
 ROWS = [
     {"instruction": "Add 2 and 3.", "output": "5"},

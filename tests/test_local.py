@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.local import order_steps, resolve_steps, run_trainjob
 from tunepack.runtimes.generate import load_runtime
 from tunepack.trainjob import build_trainjob

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.planner import estimate, plan
 
 # Llama 3.1 8B: d=4096, 32 layers, 32 heads (head_dim 128), 8 KV heads (kv=1024),

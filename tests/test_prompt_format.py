@@ -19,7 +19,7 @@ from torchtune import config as tt_config
 from torchtune.data import Message
 
 from tunepack import tiny
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, QWEN2_5_SYSTEM, TEMPLATES
 from tunepack.trainers.args import parse_trainer_args

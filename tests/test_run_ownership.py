@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tunepack.workspace import LOCK_FD_ENV, LOCK_FILE, WorkspaceBusyError, lock_workspace
+from tunepack.core.workspace import LOCK_FD_ENV, LOCK_FILE, WorkspaceBusyError, lock_workspace
 
 CLI = [sys.executable, "-m", "tunepack.cli"]
 
@@ -50,7 +50,7 @@ def test_the_lock_is_held_until_the_last_process_that_inherited_it_exits(tmp_pat
             "-c",
             "import os, subprocess, sys, time\n"
             "from pathlib import Path\n"
-            "from tunepack.workspace import lock_workspace\n"
+            "from tunepack.core.workspace import lock_workspace\n"
             f"lock = lock_workspace(Path({str(tmp_path)!r}), 'holder')\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
             "                         env={**os.environ, **lock.env()}, pass_fds=(lock.fd,))\n"

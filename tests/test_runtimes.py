@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tunepack import __version__
-from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog, generate
 from tunepack.runtimes.generate import build_runtime, list_runtimes, load_runtime
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob

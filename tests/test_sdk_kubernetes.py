@@ -11,7 +11,7 @@ from kubernetes import client
 
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
-from tunepack.errors import api_status
+from tunepack.core.errors import api_status
 from tunepack.install import apply, install, runtime_objects
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 
@@ -479,7 +479,7 @@ def test_sdk_options_set_the_trainjob_fields(server):
 def test_options_tunepack_cannot_honour_are_refused_by_name(server, options, message):
     import kubeflow.trainer.options as kf_options
 
-    from tunepack.errors import BadInputError
+    from tunepack.core.errors import BadInputError
 
     fake, url = server
     _install(fake, url)
@@ -638,7 +638,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
 
 def test_cluster_only_operations_say_where_the_files_are(server):
     """Per-step metrics and the result's files live on the job's volume on a cluster."""
-    from tunepack.errors import NotAvailableError
+    from tunepack.core.errors import NotAvailableError
     from tunepack.result import Result
 
     _, url = server
@@ -698,7 +698,7 @@ def test_install_reports_created_unchanged_configured_and_replaced(server):
 
 
 def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
-    from tunepack.errors import EXIT_TRANSIENT
+    from tunepack.core.errors import EXIT_TRANSIENT
     from tunepack.install import RuntimeInUseError
 
     fake, url = server

@@ -21,7 +21,7 @@ from kubeflow.trainer import (
 from kubeflow.trainer import Initializer as KfInitializer
 
 from tunepack import submit
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.finetune import FineTune
 from tunepack.runtimes.catalog import CATALOG
 from tunepack.runtimes.validate import validate_trainjob

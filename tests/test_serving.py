@@ -7,7 +7,7 @@ import yaml
 
 from tunepack import serving
 from tunepack.cli import main
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 RUNTIME = "tunepack-llama3.1-8b"
 

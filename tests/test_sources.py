@@ -24,9 +24,9 @@ from threading import Thread
 import pytest
 
 from tests.fakehub import FakeHub, Repo
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.runtimes import catalog
-from tunepack.workspace import MANIFEST_FILE
 
 TOKEN = "hf_fake_secret_0123456789"
 TINY = catalog.get("tiny-llama3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tunepack import tiny
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import CATALOG
 
 ENTRY = CATALOG["tiny-llama3"]

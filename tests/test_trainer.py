@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.helpers import run_program, setup_recipe
-from tunepack.errors import EXIT_BAD_INPUT
+from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.runtimes import catalog
 
 TINY = catalog.get("tiny-llama3")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import run_program, setup_recipe
 from tests.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
-from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
 

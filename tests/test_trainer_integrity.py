@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import run_program, setup_recipe
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.runtimes import catalog
 from tunepack.trainers.recipe import NonFiniteLoss
 

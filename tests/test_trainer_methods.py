@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe
-from tunepack.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.tiny import write_tiny_model
 from tunepack.trainers.args import parse_trainer_args
 

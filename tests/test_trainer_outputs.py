@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tunepack import durable
-from tunepack.errors import EXIT_TRANSIENT
+from tunepack.core import durable
+from tunepack.core.errors import EXIT_TRANSIENT
 
 LAUNCH = "tunepack.trainers.launch"
 # 4 steps, a checkpoint at step 2 (the finished run keeps it; none is written at the end).

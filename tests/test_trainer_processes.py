@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import lines_held_back
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.trainers.launch import _exit_code, layout_from_env
 from tunepack.trainers.recipe import ResumableSampler
 

@@ -10,7 +10,7 @@ import types
 import pytest
 import yaml
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainjob import build_trainjob, max_name_length, to_yaml
 

@@ -27,7 +27,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from tunepack.workspace import MANIFEST_FILE
+from tunepack.core.workspace import MANIFEST_FILE
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository's top-level directories and the import package each one is (setup.py maps them).

@@ -40,7 +40,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 # RoPE modules that are fully described by (dim, max_seq_len, base), so can be rebuilt from them.
 # Llama 3.1's scaled RoPE is not among them: its builders already take the right base.

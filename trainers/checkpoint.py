@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from tunepack import durable
+from tunepack.core import durable
 from tunepack.trainers import distributed
 from tunepack.trainers.distributed import Topology
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes import custom
 
 

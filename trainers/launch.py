@@ -21,9 +21,10 @@ static rendezvous (the Pods are gang-scheduled with fixed ranks; ``tune run`` wo
 session; SIGTERM, SIGINT and SIGHUP are forwarded to it (as SIGTERM), it stops its workers (which
 checkpoint first), and any worker still alive afterwards is killed, so nothing outlives the Pod's
 main process; if this process is killed outright, the kernel sends torchrun SIGTERM
-(``tunepack.lifetime``). Node 0 holds the workspace lock for the run (``tunepack.workspace``).
+(``tunepack.core.lifetime``). Node 0 holds the workspace lock for the run
+(``tunepack.core.workspace``).
 
-Exit codes (``tunepack.errors``): 0 done; 65 bad input or configuration (do not retry); 75
+Exit codes (``tunepack.core.errors``): 0 done; 65 bad input or configuration (do not retry); 75
 transient: stopped by SIGTERM after a checkpoint, a network failure or a full disk (a restart
 resumes); any other code is an unexpected failure (see the log; the JobSet restarts it a bounded
 number of times).
@@ -45,8 +46,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tunepack import durable, lifetime, workspace
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
+from tunepack.core import durable, lifetime, workspace
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers import noise
 from tunepack.trainers.args import parse_trainer_args
@@ -223,8 +224,8 @@ def run_torchrun(
     """Run torchrun over the recipe on this node; forward stop signals; leave no worker behind.
 
     torchrun runs in its own session (so a signal to this process group is not delivered to it
-    twice) and through ``tunepack.lifetime``'s shim: should this process be killed outright, the
-    kernel sends torchrun SIGTERM, and it stops its workers as it would on a forwarded one. It
+    twice) and through ``tunepack.core.lifetime``'s shim: should this process be killed outright,
+    the kernel sends torchrun SIGTERM, and it stops its workers as it would on a forwarded one. It
     inherits the workspace lock, so the workspace stays locked until torchrun has ended too.
     """
     scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))

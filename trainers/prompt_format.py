@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, QWEN2_5_SYSTEM, formats_for
 
 # Markers the tokenizer resolves to its own BOS / EOS ids.

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx2
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.initializers.retry import Retryable
 
 TIMEOUT_ENV = "TUNEPACK_HTTP_TIMEOUT_SECONDS"

@@ -37,7 +37,7 @@ from huggingface_hub.utils import (
     validate_repo_id,
 )
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
 from tunepack.initializers.uri import StorageUri, redact

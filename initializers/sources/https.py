@@ -19,7 +19,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import httpx2
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
 from tunepack.initializers.uri import StorageUri, redact

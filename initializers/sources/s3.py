@@ -35,7 +35,7 @@ from botocore.exceptions import (
 )
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from tunepack.errors import BadInputError, TransientError
+from tunepack.core.errors import BadInputError, TransientError
 from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource
 from tunepack.initializers.uri import StorageUri, redact

@@ -17,7 +17,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, TEMPLATES
 from tunepack.tiny.dataset import check_int, tiny_corpus

@@ -11,7 +11,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 
 _WORDS = (
     "apple", "river", "stone", "cloud", "green", "house", "light", "music", "paper", "table",

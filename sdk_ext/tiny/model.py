@@ -13,7 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import TINY_LLAMA3, ModelEntry
 from tunepack.tiny import hf
 from tunepack.tiny.bpe import GptBpeFormat, TiktokenFormat, TokenizerFiles, dump_json

@@ -11,7 +11,7 @@ import importlib
 import io
 from dataclasses import dataclass
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.tiny.bpe import TokenizerFiles, _added_tokens, chat_template, dump_json
 from tunepack.tiny.dataset import tiny_corpus

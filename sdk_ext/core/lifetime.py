@@ -7,7 +7,7 @@ workspace racing it). Two rules make that hold:
 
 - **die with the parent**: each child asks the kernel for SIGTERM when its parent dies
   (``PR_SET_PDEATHSIG``). A child we start but do not write (torchrun) gets it from the exec
-  shim ``python -m tunepack.lifetime --parent PID -- COMMAND...``, since the setting survives
+  shim ``python -m tunepack.core.lifetime --parent PID -- COMMAND...``, since the setting survives
   ``execve`` and setting it between ``fork`` and ``exec`` is unsafe in a threaded parent;
 - **one stop request per signal burst**: SIGTERM, SIGINT and SIGHUP all ask for a checkpoint and
   a stop. A signal sent to a whole process group reaches a process both directly and as the copy
@@ -51,7 +51,7 @@ def shim(command: list[str], parent: int | None = None) -> list[str]:
     """``command`` run through the exec shim, so it dies (SIGTERM) with ``parent`` (default:
     the calling process)."""
     parent = os.getpid() if parent is None else parent
-    return [sys.executable, "-m", "tunepack.lifetime", "--parent", str(parent), "--", *command]
+    return [sys.executable, "-m", "tunepack.core.lifetime", "--parent", str(parent), "--", *command]
 
 
 class StopRequests:
@@ -84,7 +84,7 @@ def signal_name(signum: int) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    usage = "usage: python -m tunepack.lifetime --parent PID -- COMMAND [ARG...]"
+    usage = "usage: python -m tunepack.core.lifetime --parent PID -- COMMAND [ARG...]"
     if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--" or not argv[1].isdigit():
         print(usage, file=sys.stderr)
         return 2
@@ -93,7 +93,7 @@ def _main(argv: list[str]) -> int:
     try:
         os.execvp(command[0], command)
     except OSError as err:
-        print(f"tunepack.lifetime: cannot run {command[0]!r}: {err.strerror}", file=sys.stderr)
+        print(f"tunepack.core.lifetime: cannot run {command[0]!r}: {err.strerror}", file=sys.stderr)
         return 127
 
 

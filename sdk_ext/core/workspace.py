@@ -15,7 +15,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tunepack.errors import EXIT_TRANSIENT, TunepackError
+from tunepack.core.errors import EXIT_TRANSIENT, TunepackError
 
 WORKSPACE_ENV = "TUNEPACK_WORKSPACE"
 DEFAULT_WORKSPACE = "/workspace"

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tunepack.errors import TransientError, TunepackError
+from tunepack.core.errors import TransientError, TunepackError
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
