@@ -46,8 +46,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from tunepack.core import durable, lifetime, workspace
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError, TunepackError
+from tunepack.core import durable, lifetime, program, workspace
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers import noise
 from tunepack.trainers.args import parse_trainer_args
@@ -59,7 +59,6 @@ from tunepack.trainers.config import (
 )
 
 PROGRAM = "trainer"
-EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"  # the recipe's name for it; kept here to avoid heavy imports
 WORKER_MODULE = "tunepack.trainers.worker"
 
 
@@ -234,7 +233,7 @@ def run_torchrun(
         config_path.write_text(config_text)
         exit_dir = scratch / "exit"
         exit_dir.mkdir()
-        env = {**os.environ, EXIT_DIR_ENV: str(exit_dir), **(lock.env() if lock else {})}
+        env = {**os.environ, program.EXIT_DIR_ENV: str(exit_dir), **(lock.env() if lock else {})}
         # torchrun sets 1 itself where unset, with a banner saying so.
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen(
@@ -325,21 +324,13 @@ def _kill(action) -> None:
 def main(argv: list[str] | None = None) -> int:
     noise.quiet()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return run(sys.argv[1:] if argv is None else argv)
-    except TunepackError as err:
-        print(f"{PROGRAM}: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except OSError as err:
-        if not durable.is_disk_full(err):
-            raise
-        where = err.filename or workspace.workspace_root()
-        print(
-            f"{PROGRAM}: error: no space left on the device (or quota) writing {where}: free "
-            "space or enlarge the volume, then run again",
-            file=sys.stderr,
-        )
-        return durable.DiskFullError.exit_code
+    # The recipe handles stop signals itself (checkpoint first), and so does run_torchrun.
+    return program.run(
+        PROGRAM,
+        lambda: run(sys.argv[1:] if argv is None else argv),
+        stop_signals=False,
+        disk_full_at=workspace.workspace_root,
+    )
 
 
 if __name__ == "__main__":

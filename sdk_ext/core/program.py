@@ -1,0 +1,136 @@
+"""The program entry/exit contract every tunepack program shares: the error line and exit code.
+
+A program (an initializer, the trainer, the ``tunepack`` command) that fails says why in one
+line on stderr, ``<program>: error: <message>``, possibly followed by indented lines that
+detail it (the first offending rows of a dataset), and exits with the code of its error
+(``tunepack.core.errors``: 65 bad input, 75 retriable). The local backend reads that line back
+from a step's log to say why the step failed: ``error_line`` writes it and ``last_error``
+finds it, here, so the two cannot drift apart.
+
+``run`` is the wrapper around a program's body: a ``TunepackError`` becomes its line and code,
+a full disk one line and 75, anything else is a bug (its traceback, code 1). Stop signals
+(SIGTERM from Kubernetes on preemption or drain, the local backend on Ctrl-C) become a
+``TransientError``, so the staging code removes what it had half-written on the way out.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from tunepack.core import durable, lifetime
+from tunepack.core.errors import EXIT_OK, TransientError, TunepackError
+
+EXIT_BUG = 1  # an unexpected failure: a bug, with its traceback in the log
+ERROR_MARK = ": error: "
+DETAIL_INDENT = "  "  # lines detailing an error line start with it
+# Where the trainer's launcher asks each torchrun worker to leave its exit code and pid (torchrun
+# itself reports only "failed"); the worker writes ``rank-<rank>`` and ``pid-<rank>`` there.
+EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"
+
+
+def error_line(program: str, message: object) -> str:
+    """The line a failing program prints: ``<program>: error: <message>``."""
+    return f"{program}{ERROR_MARK}{message}"
+
+
+def disk_full_message(where: object | None) -> str:
+    """The message of a write that failed for want of space, ``where`` its path if known."""
+    at = f" writing {where}" if where else ""
+    return (
+        f"no space left on the device (or quota){at}: free space or enlarge the volume, then "
+        "run again"
+    )
+
+
+def last_error(lines: Iterable[str], max_detail: int) -> list[str]:
+    """The last error line among a program's output ``lines``, with the (at most
+    ``max_detail``) indented lines after it that detail it; empty if there is none."""
+    lines = list(lines)
+    at = next((i for i in reversed(range(len(lines))) if ERROR_MARK in lines[i]), None)
+    if at is None:
+        return []
+    detail = []
+    for line in lines[at + 1 :]:
+        if not line.startswith(DETAIL_INDENT) or len(detail) == max_detail:
+            break
+        detail.append(line)
+    return [lines[at], *detail]
+
+
+def last_error_in(log: Path, max_detail: int) -> list[str]:
+    """``last_error`` of a log file; empty if it cannot be read."""
+    try:
+        return last_error(log.read_text(errors="replace").splitlines(), max_detail)
+    except OSError:
+        return []
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def run(
+    program: str,
+    body: Callable[[], int | None],
+    *,
+    scrub: Callable[[str], str] = _same,
+    stop_signals: bool = True,
+    disk_full_at: Callable[[], object] | None = None,
+) -> int:
+    """Run ``body`` and return the process exit code (``body``'s own, or 0 when it returns None).
+
+    A ``TunepackError`` becomes ``<program>: error: <message>`` on stderr and its exit code;
+    so does a full disk (75, naming the path: the error's file name, else ``disk_full_at()``).
+    Anything else is a bug: its traceback is printed and the code is 1. Everything printed
+    passes through ``scrub`` (the initializers' keeps credentials out of the log).
+    ``stop_signals``: turn SIGTERM, SIGINT and SIGHUP into a ``TransientError`` while ``body``
+    runs (in the main thread only); off for a body that handles them itself.
+    """
+
+    def say(line: str, end: str = "\n") -> None:
+        print(scrub(line), file=sys.stderr, end=end, flush=True)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if stop_signals and in_main_thread:
+        previous = {sig: signal.signal(sig, _on_stop) for sig in lifetime.STOP_SIGNALS}
+    try:
+        code = body()
+    except TunepackError as error:
+        say(error_line(program, error))
+        return error.exit_code
+    except OSError as error:
+        if not durable.is_disk_full(error):
+            return _bug(say)
+        where = error.filename or (disk_full_at() if disk_full_at else None)
+        say(error_line(program, disk_full_message(where)))
+        return durable.DiskFullError.exit_code
+    except Exception:
+        return _bug(say)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return EXIT_OK if code is None else code
+
+
+def _bug(say: Callable[..., None]) -> int:
+    # Printed here rather than by the interpreter, whose traceback could quote a token.
+    say(traceback.format_exc(), end="")
+    return EXIT_BUG
+
+
+def _on_stop(signum: int, frame: object) -> None:
+    # Kubernetes sends SIGTERM on preemption or node drain (the local backend on Ctrl-C or when
+    # the CLI dies). Raising lets the staging code remove its partial directory, and the
+    # retriable exit code lets the failure policy retry the step.
+    for sig in lifetime.STOP_SIGNALS:  # a second signal must not abort cleanup
+        signal.signal(sig, signal.SIG_IGN)
+    raise TransientError(
+        f"stopped by {lifetime.signal_name(signum)} (preemption or shutdown); nothing was "
+        "published, the step can be retried"
+    )
