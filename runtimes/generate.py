@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from tunepack import __version__
+from tunepack.core import __version__
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.core.workspace import DEFAULT_WORKSPACE, MODEL_ENV, WORKSPACE_ENV
 from tunepack.runtimes import catalog

@@ -7,7 +7,7 @@ initializer and backend types (the very same classes as ``kubeflow.trainer``'s):
 >>> from tunepack import BuiltinTrainer, TorchTuneConfig, LoraConfig, KubernetesBackendConfig
 """
 
-__version__ = "0.1.0"
+from tunepack.core import __version__
 
 _SDK = "kubeflow.trainer"
 _EXPORTS = {

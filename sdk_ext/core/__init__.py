@@ -13,3 +13,7 @@ the SDK agree on, written once.
 This package imports only the standard library: nothing of tunepack outside it, no torch, no
 Kubernetes client, no Kubeflow SDK (tests/test_architecture.py checks it).
 """
+
+# The version of tunepack's programs; the runtimes name the images tagged with it. ``tunepack``
+# re-exports it.
+__version__ = "0.1.0"
