@@ -15,7 +15,7 @@ _EXPORTS = {
     "FineTune": "tunepack.finetune",
     # tunepack's Initializer takes storage URIs or the SDK's initializer objects (below).
     "Initializer": "tunepack.translate",
-    "LocalBackendConfig": "tunepack.backend_local",
+    "LocalBackendConfig": "tunepack.backends.local",
     "plan": "tunepack.planner",
     # The Kubeflow SDK's types, re-exported unchanged.
     **dict.fromkeys(

@@ -269,15 +269,15 @@ def cmd_train(ns: argparse.Namespace) -> int:
             f"--queue {ns.queue} names a Kueue queue on a cluster; the local backend has none "
             "(leave out --queue, or --local)"
         )
-    from tunepack.backend_local import run_job
+    from tunepack.backends.local import run_job
+    from tunepack.backends.local_steps import describe_exit
     from tunepack.cli_interrupt import StopOnInterrupt
-    from tunepack.local import describe_exit
 
     if ns.workspace is not None and not ns.workspace.strip():
         raise BadInputError(
             "--workspace is empty; give a directory, or leave --workspace out to use the job's"
         )
-    backend = _local_backend(ns)
+    backend = _local_client(ns).backend  # the foreground run is the local backend's own
     trainjob = _local_trainjob(ns, backend)
     name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]
     previous = _previous_job(backend, name)
@@ -358,7 +358,7 @@ def _previous_job(backend, name: str) -> str | None:
 
 
 def _record_failure(job_dir: Path, message: str) -> None:
-    from tunepack.backend_local import update_state
+    from tunepack.backends.local import update_state
 
     try:
         update_state(job_dir, status="Failed", message=message)
@@ -446,17 +446,18 @@ def _backend_config(ns: argparse.Namespace):
     return KubernetesBackendConfig(namespace=namespace, context=context, config_file=kubeconfig)
 
 
-def _k8s_backend(ns: argparse.Namespace):
-    from tunepack.backend_k8s import KubernetesBackend
+def _cluster_client(ns: argparse.Namespace):
+    """``TrainingClient()`` on the cluster the kubeconfig names, once its API server answers."""
+    from tunepack.client import TrainingClient
 
     check_cluster(ns.context)
-    return KubernetesBackend(_backend_config(ns))
+    return TrainingClient(_backend_config(ns))
 
 
-def _local_backend(ns: argparse.Namespace):
-    """The local backend ``TrainingClient(LocalBackendConfig(root_dir=..., gpu=...,
-    memory_check=...))`` uses."""
-    from tunepack.backend_local import LocalBackend, LocalBackendConfig
+def _local_client(ns: argparse.Namespace):
+    """``TrainingClient(LocalBackendConfig(root_dir=..., gpu=..., memory_check=...))``."""
+    from tunepack.backends.local import LocalBackendConfig
+    from tunepack.client import TrainingClient
     from tunepack.core.errors import BadInputError
 
     if ns.jobs_dir is not None and not ns.jobs_dir.strip():
@@ -465,31 +466,27 @@ def _local_backend(ns: argparse.Namespace):
             "($TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
         )
     checks = {k: getattr(ns, k) for k in ("gpu", "memory_check") if hasattr(ns, k)}
-    backend = LocalBackend(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
-    if os.path.exists(backend.root) and not os.path.isdir(backend.root):  # False if unreadable
-        given = f"--jobs-dir {ns.jobs_dir}" if ns.jobs_dir else f"the jobs dir {backend.root}"
+    client = TrainingClient(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
+    root = client.backend.root
+    if os.path.exists(root) and not os.path.isdir(root):  # False if unreadable
+        given = f"--jobs-dir {ns.jobs_dir}" if ns.jobs_dir else f"the jobs dir {root}"
         raise BadInputError(
             f"{given} is a file, not a directory; give a directory for the local jobs (or set "
             "TUNEPACK_HOME)"
         )
-    return backend
+    return client
 
 
-def _backend(ns: argparse.Namespace):
-    return _local_backend(ns) if ns.local else _k8s_backend(ns)
-
-
-def _where(ns: argparse.Namespace, backend) -> str:
-    return f"under {backend.root}" if ns.local else f"in namespace {backend.namespace}"
+def _client(ns: argparse.Namespace):
+    """The ``TrainingClient`` a command works through: the local backend's or the cluster's."""
+    return _local_client(ns) if ns.local else _cluster_client(ns)
 
 
 def cmd_jobs(ns: argparse.Namespace) -> int:
-    from tunepack.runtimes.generate import workspace_pvc
-
-    backend = _backend(ns)
-    jobs = sorted(backend.list_jobs(), key=lambda j: j.creation_timestamp)
+    client = _client(ns)
+    jobs = sorted(client.list_jobs(), key=lambda j: j.creation_timestamp)
     if not jobs:
-        print(f"no {'local ' if ns.local else ''}TrainJobs {_where(ns, backend)}")
+        print(f"no {'local ' if ns.local else ''}TrainJobs {client.backend.location}")
         return 0
     rows = [
         [
@@ -497,7 +494,7 @@ def cmd_jobs(ns: argparse.Namespace) -> int:
             job.runtime.name if job.runtime else "",
             job.status,
             job.creation_timestamp.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
-            str(backend.workspace(job.name)) if ns.local else f"pvc/{workspace_pvc(job.name)}",
+            client.backend.workspace_of(job.name),
         ]
         for job in jobs
     ]
@@ -507,17 +504,16 @@ def cmd_jobs(ns: argparse.Namespace) -> int:
 
 def cmd_result(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
-    from tunepack.result import result_for
 
-    backend = _backend(ns)
-    job = backend.get_job(ns.name)
+    client = _client(ns)
+    job = client.get_job(ns.name)
     if job.status != "Complete":
         message = f": {job.message}" if getattr(job, "message", None) else ""
         raise BadInputError(
             f"TrainJob {ns.name} is {job.status}, not Complete{message}; it has no result"
             + (" yet (tunepack status)" if job.status != "Failed" else "")
         )
-    result = result_for(backend, ns.name)
+    result = client.result(ns.name)
     print(f"{ns.name}  {job.runtime.name}")
     print(f"  result      {result.path}")
     print(f"  base model  {result.base_model}")
@@ -533,7 +529,6 @@ def cmd_result(ns: argparse.Namespace) -> int:
 def cmd_download(ns: argparse.Namespace) -> int:
     """Fetch an exported result: of a finished TrainJob, or at an export URI."""
     from tunepack.initializers.sinks import fetch_export
-    from tunepack.result import result_for
 
     def log(line: str) -> None:
         print(f"tunepack: {line}", flush=True)
@@ -543,14 +538,14 @@ def cmd_download(ns: argparse.Namespace) -> int:
         return 0
     from tunepack.core.errors import BadInputError
 
-    backend = _backend(ns)
-    job = backend.get_job(ns.name)
+    client = _client(ns)
+    job = client.get_job(ns.name)
     if job.status != "Complete":
         raise BadInputError(
             f"TrainJob {ns.name} is {job.status}, not Complete; it has no exported result"
             + (" yet (tunepack status)" if job.status != "Failed" else "")
         )
-    result_for(backend, ns.name).download(ns.dir, log)
+    client.result(ns.name).download(ns.dir, log)
     return 0
 
 
@@ -564,14 +559,14 @@ def cmd_delete(ns: argparse.Namespace) -> int:
                 f"--workspace-too is for local jobs; on a cluster the workspace is the PVC "
                 f"{workspace_pvc(ns.name)}: kubectl delete pvc {workspace_pvc(ns.name)}"
             )
-        backend = _k8s_backend(ns)
-        backend.delete_job(ns.name)
+        client = _cluster_client(ns)
+        client.delete_job(ns.name)
         print(
-            f"tunepack: deleted TrainJob {backend.namespace}/{ns.name}; its workspace volume "
-            f"pvc/{workspace_pvc(ns.name)} is kept (kubectl delete pvc to remove it)"
+            f"tunepack: deleted TrainJob {client.backend.namespace}/{ns.name}; its workspace "
+            f"volume pvc/{workspace_pvc(ns.name)} is kept (kubectl delete pvc to remove it)"
         )
         return 0
-    kept = _local_backend(ns).delete_job(ns.name, keep_workspace=not ns.workspace_too)
+    kept = _local_client(ns).delete_job(ns.name, keep_workspace=not ns.workspace_too)
     if kept:
         print(
             f"tunepack: deleted local TrainJob {ns.name}; its workspace {kept} is kept "
@@ -583,7 +578,7 @@ def cmd_delete(ns: argparse.Namespace) -> int:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    job = _backend(ns).get_job(ns.name)
+    job = _client(ns).get_job(ns.name)
     print(f"{job.name}  {job.status}  runtime {job.runtime.name}")
     for step in job.steps:
         print(f"  {step.name:<22}{step.status}")
@@ -602,8 +597,8 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
     from tunepack.core.errors import BadInputError
 
-    backend = _backend(ns)
-    job = backend.get_job(ns.name)
+    client = _client(ns)
+    job = client.get_job(ns.name)
     # The runtime's steps, whether or not they started yet (on a cluster the node pods appear
     # only once the initializers are done): the initializers and node-0 .. node-<nodes - 1>.
     steps = [s.name for s in job.steps if not s.name.startswith(f"{kc.NODE}-")]
@@ -613,7 +608,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
         raise BadInputError(
             f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} (--step)"
         )
-    for line in backend.get_job_logs(ns.name, follow=ns.follow, step=ns.step):
+    for line in client.get_job_logs(ns.name, follow=ns.follow, step=ns.step):
         print(line)
     return 0
 

@@ -29,9 +29,10 @@ from kubeflow.trainer import TrainerClient
 from kubeflow.trainer.constants import constants as kc
 
 from tunepack import progress as progress_ui
-from tunepack.backend_local import LocalBackend, LocalBackendConfig
+from tunepack.backends.base import TunepackBackend
+from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import NotAvailableError
-from tunepack.result import Result, result_for
+from tunepack.result import Result
 
 
 class TrainingClient(TrainerClient):
@@ -50,7 +51,7 @@ class TrainingClient(TrainerClient):
         if isinstance(backend_config, LocalBackendConfig):
             self.backend = LocalBackend(backend_config)
         elif isinstance(backend_config, KubernetesBackendConfig):
-            from tunepack.backend_k8s import KubernetesBackend
+            from tunepack.backends.kubernetes import KubernetesBackend
 
             self.backend = KubernetesBackend(backend_config, gpu=gpu, memory_check=memory_check)
         else:
@@ -76,21 +77,26 @@ class TrainingClient(TrainerClient):
             if bar:
                 bar.close()
 
+    def delete_job(self, name: str, keep_workspace: bool | None = None):
+        """As the SDK's. On the local backend ``keep_workspace`` decides the job's workspace
+        (``LocalBackend.delete_job``; by default one under the job's directory goes with it),
+        and the workspace kept, if any, is returned."""
+        if keep_workspace is None:
+            return self.backend.delete_job(name)
+        return self.backend.delete_job(name, keep_workspace=keep_workspace)
+
     def plot_loss(self, name: str):
         """Plot the training loss per step (matplotlib; local jobs read ``metrics.jsonl``)."""
-        return progress_ui.plot_loss(self._metrics(name), title=name)
+        return progress_ui.plot_loss(self._tunepack_backend().metrics(name), title=name)
 
     def result(self, name: str) -> Result:
         """Where the job's adapter or model is, with a loader for a quick generation."""
-        return result_for(self.backend, name)
+        return self._tunepack_backend().result(name)
 
-    def _metrics(self, name: str) -> list[dict]:
-        if isinstance(self.backend, LocalBackend):
-            return progress_ui.read_metrics(
-                self.backend.workspace(name) / "output" / "metrics.jsonl"
+    def _tunepack_backend(self) -> TunepackBackend:
+        if not isinstance(self.backend, TunepackBackend):
+            raise NotAvailableError(
+                f"{type(self.backend).__name__} is the Kubeflow SDK's backend: results and "
+                "metrics are tunepack's, on TrainingClient(LocalBackendConfig()) or a cluster"
             )
-        raise NotAvailableError(
-            "per-step metrics live on the job's workspace volume on a cluster; the TrainJob's "
-            "trainerStatus carries only the latest values (get_job(name).progress). See "
-            "docs/cluster.md for reading the PVC."
-        )
+        return self.backend

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunepack.core.errors import NotAvailableError
-from tunepack.runtimes.generate import workspace_pvc
 
 
 @dataclass
@@ -131,54 +130,3 @@ class Result:
                 "(docs/cluster.md, 'Getting the result') and use it from there"
             )
         return Path(self.base_model).parent
-
-
-def result_for(backend, name: str) -> Result:
-    from tunepack.backend_local import LocalBackend
-
-    job = backend.get_job(name)
-    if job.status != "Complete":
-        raise ValueError(
-            f"TrainJob {name} is {job.status}, not Complete"
-            + (f": {job.message}" if getattr(job, "message", None) else "")
-            + "; wait_for_job_status(name) first"
-        )
-    if isinstance(backend, LocalBackend):
-        import yaml
-
-        from tunepack.backend_local import TRAINJOB_FILE
-        from tunepack.trainjob import export_of
-
-        trainjob = yaml.safe_load((backend.job_dir(name) / TRAINJOB_FILE).read_text())
-        workspace = backend.workspace(name)
-        info = json.loads((workspace / "output" / "result.json").read_text())
-        return Result(
-            job=name,
-            path=info["artifact"],
-            base_model=str(workspace / "model"),
-            method=info.get("method"),
-            final_loss=info.get("final_loss"),
-            export=export_of(trainjob),
-            chat_template=info.get("chat_template"),
-            system_prompt=info.get("system_prompt"),
-        )
-    pvc = workspace_pvc(name)
-    return Result(
-        job=name,
-        path=f"pvc/{pvc}:/workspace/output/adapter",
-        base_model=f"pvc/{pvc}:/workspace/model",
-        local=False,
-        export=_cluster_export(backend, name),
-    )
-
-
-def _cluster_export(backend, name: str) -> str | None:
-    """The export destination of TrainJob ``name`` on the cluster (its runtimePatches)."""
-    from kubeflow.trainer.constants import constants as kc
-
-    from tunepack.trainjob import export_of
-
-    raw = backend.custom_api.get_namespaced_custom_object(
-        kc.GROUP, kc.VERSION, backend.namespace, kc.TRAINJOB_PLURAL, name
-    )
-    return export_of(raw if isinstance(raw, dict) else raw.to_dict())

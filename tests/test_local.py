@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from tunepack.backends.local_steps import order_steps, resolve_steps, run_trainjob
 from tunepack.core.errors import BadInputError
-from tunepack.local import order_steps, resolve_steps, run_trainjob
 from tunepack.runtimes.generate import load_runtime
 from tunepack.trainjob import build_trainjob
 
@@ -114,16 +114,17 @@ def test_a_failing_step_stops_the_run_and_is_named(tmp_path):
 def test_a_step_killed_by_a_signal_reports_128_plus_the_signal(tmp_path):
     """A step the OOM killer or `kill -9` ends: 137 and "killed by SIGKILL", as a shell and the
     kubelet say it, not Python's -9 (which the CLI's exit status would turn into 247)."""
-    from tunepack.local import Step, describe_exit, run_step
+    from tunepack.backends.local_steps import StepProcess, describe_exit, run_step
 
-    step = Step("node", None, [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"], {})
+    kill = [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]
+    step = StepProcess("node", None, kill, {})
     outcome = run_step(step, tmp_path / "logs", echo=None)
     assert outcome.exit_code == 137
     assert describe_exit(outcome.exit_code).startswith("killed by SIGKILL")
 
 
 def test_the_console_shows_tunepack_lines_and_leaves_out_other_packages():
-    from tunepack.local import progress_line
+    from tunepack.backends.local_steps import progress_line
 
     own = [
         "trainer: done: 4 steps, loss 5.9 -> 5.1; result at /w/output/adapter",
@@ -145,7 +146,7 @@ def test_the_console_shows_tunepack_lines_and_leaves_out_other_packages():
 
 
 def test_step_and_eval_records_become_short_lines():
-    from tunepack.local import progress_line
+    from tunepack.backends.local_steps import progress_line
 
     def step(n: int) -> str:
         return json.dumps(
@@ -167,7 +168,7 @@ def test_step_and_eval_records_become_short_lines():
 
 
 def test_each_run_keeps_its_logs(tmp_path):
-    from tunepack.local import keep_previous_logs
+    from tunepack.backends.local_steps import keep_previous_logs
 
     logs = tmp_path / "logs"
     assert keep_previous_logs(logs) is None  # nothing yet
@@ -199,7 +200,7 @@ def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
 
 
 def test_local_progress_reads_the_last_step_and_the_last_evaluation(tmp_path):
-    from tunepack.backend_local import read_progress
+    from tunepack.backends.local import read_progress
 
     metrics = tmp_path / "metrics.jsonl"
     records = [

@@ -291,7 +291,7 @@ def test_processes_per_node_default_to_the_gpus_per_node():
 def test_the_local_backend_names_the_options_it_refuses(tmp_path):
     from kubeflow.trainer.options import Labels
 
-    from tunepack.backend_local import LocalBackend, LocalBackendConfig
+    from tunepack.backends.local import LocalBackend, LocalBackendConfig
 
     backend = LocalBackend(LocalBackendConfig(root_dir=str(tmp_path)))
     with pytest.raises(BadInputError) as caught:

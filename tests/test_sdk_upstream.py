@@ -7,7 +7,7 @@ import pytest
 
 upstream = pytest.importorskip("kubeflow.trainer.backends.kubernetes.backend_test")
 
-from tunepack.backend_k8s import KubernetesBackend as TunepackBackend  # noqa: E402
+from tunepack.backends.kubernetes import KubernetesBackend as TunepackBackend  # noqa: E402
 from tunepack.client import TrainingClient  # noqa: E402
 
 

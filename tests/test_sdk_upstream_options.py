@@ -10,7 +10,7 @@ import pytest
 upstream = pytest.importorskip("kubeflow.trainer.options.kubernetes_test")
 
 from tunepack import options as tunepack_options  # noqa: E402
-from tunepack.backend_k8s import KubernetesBackend  # noqa: E402
+from tunepack.backends.kubernetes import KubernetesBackend  # noqa: E402
 
 for _name in tunepack_options.__all__:
     if hasattr(upstream, _name):

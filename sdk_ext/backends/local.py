@@ -1,9 +1,9 @@
 """tunepack's local backend for ``TrainingClient``: TrainJobs as processes on this machine.
 
 ``train()`` writes the TrainJob under ``<root_dir>/<name>/`` and starts a detached runner process
-(``python -m tunepack.backend_local <job dir>``) that runs the runtime's steps with
-``tunepack.local``, recording each step's state in ``state.json``. Jobs therefore outlive the
-notebook kernel.
+(``python -m tunepack.backends.local <job dir>``) that runs the runtime's steps with
+``tunepack.backends.local_steps``, recording each step's state in ``state.json``. Jobs therefore
+outlive the notebook kernel.
 
 ``tunepack train --local`` creates its jobs here too (``register``), and runs them in the
 foreground through the same ``run_job``, in the workspace it was given (``state.json`` records
@@ -29,13 +29,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
-from kubeflow.trainer.backends.base import RuntimeBackend
 from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
-from tunepack import durable, submit
-from tunepack.errors import BadInputError, TunepackError
+from tunepack import submit
+from tunepack.backends.base import TunepackBackend
+from tunepack.core import durable
+from tunepack.core.errors import BadInputError, TunepackError
+from tunepack.core.workspace import lock_workspace
 from tunepack.runtimes import catalog
 from tunepack.runtimes.generate import EXPORT_STEP, load_runtime
 from tunepack.trainjob import export_of
@@ -46,7 +48,6 @@ from tunepack.types import (
     TunepackRuntime,
     builtin_torchtune_trainer,
 )
-from tunepack.workspace import lock_workspace
 
 HOME_ENV = "TUNEPACK_HOME"
 STATE_FILE = "state.json"
@@ -83,8 +84,8 @@ def _now() -> str:
 _write_json = durable.write_json  # readers (other processes) never see half a state file
 
 
-class LocalBackend(RuntimeBackend):
-    """Runs tunepack runtimes as local processes; implements the SDK's backend interface."""
+class LocalBackend(TunepackBackend):
+    """Runs tunepack runtimes as local processes (``tunepack.backends.base``'s interface)."""
 
     def __init__(self, cfg: LocalBackendConfig):
         self.cfg = cfg
@@ -166,7 +167,7 @@ class LocalBackend(RuntimeBackend):
         job_dir = self.register(trainjob)
         with (job_dir / "runner.log").open("w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "tunepack.backend_local", str(job_dir)],
+                [sys.executable, "-m", "tunepack.backends.local", str(job_dir)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # survives the kernel; killed as a group by delete_job
@@ -239,6 +240,36 @@ class LocalBackend(RuntimeBackend):
         state = json.loads((job_dir / STATE_FILE).read_text())
         return Path(state["workspace"]) if "workspace" in state else job_dir / WORKSPACE_DIR
 
+    def workspace_of(self, name: str) -> str:
+        return str(self.workspace(name))
+
+    @property
+    def location(self) -> str:
+        return f"under {self.root}"
+
+    def metrics(self, name: str) -> list[dict]:
+        """The records of the trainer's ``metrics.jsonl`` that carry a loss."""
+        from tunepack.progress import read_metrics
+
+        return read_metrics(self.workspace(name) / "output" / "metrics.jsonl")
+
+    def _result(self, name: str):
+        from tunepack.result import Result
+
+        trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
+        workspace = self.workspace(name)
+        info = json.loads((workspace / "output" / "result.json").read_text())
+        return Result(
+            job=name,
+            path=info["artifact"],
+            base_model=str(workspace / "model"),
+            method=info.get("method"),
+            final_loss=info.get("final_loss"),
+            export=export_of(trainjob),
+            chat_template=info.get("chat_template"),
+            system_prompt=info.get("system_prompt"),
+        )
+
     def get_job(self, name: str) -> TrainJob:
         job_dir = self.job_dir(name)
         state = json.loads((job_dir / STATE_FILE).read_text())
@@ -298,7 +329,7 @@ class LocalBackend(RuntimeBackend):
     def _step_names(self, name: str) -> list[str]:
         """The SDK names of the job's steps, whether or not they ran: the runtime's jobs in
         order, the node job as ``node-0`` .. ``node-<nodes - 1>``."""
-        from tunepack.local import order_steps
+        from tunepack.backends.local_steps import order_steps
 
         trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
         runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
@@ -412,7 +443,7 @@ def update_state(job_dir: Path, **fields) -> None:
 def _step_log(workspace: Path, step: str) -> Path:
     """The log of an SDK step name: ``node-0`` is the node job's first replica (``node.log``),
     ``node-1`` its second (``node-1.log``)."""
-    from tunepack.local import step_log
+    from tunepack.backends.local_steps import step_log
 
     head, _, index = step.rpartition("-")
     if head and index.isdigit():
@@ -474,8 +505,9 @@ def read_progress(metrics: Path) -> Progress | None:
 # --- the runner process ---------------------------------------------------------------------------
 
 
-def run(job_dir: Path) -> int:
-    """The detached runner's body: run the job, return the failed step's exit code or 0."""
+def runner_main(job_dir: Path) -> int:
+    """The detached runner's body (``python -m tunepack.backends.local <job dir>``): run the
+    job, return the failed step's exit code or 0."""
     try:
         failed = run_job(job_dir).failed
     except TunepackError as err:  # e.g. the workspace is in use: the job's state says so
@@ -489,10 +521,10 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
     """Run the job in ``job_dir`` step by step in its workspace, recording each step's state;
     stop at the first failing step. ``echo`` gets each step's command and output lines.
     ``cli=True``: run by ``tunepack train --local`` in its own process (recorded as the job's
-    runner). The workspace is locked for the whole run (``tunepack.workspace``): a second run
+    runner). The workspace is locked for the whole run (``tunepack.core.workspace``): a second run
     on it is refused with ``WorkspaceBusyError`` before anything is touched.
-    Returns ``tunepack.local.RunOutcome``."""
-    from tunepack.local import keep_previous_logs, resolve_steps
+    Returns ``tunepack.backends.local_steps.RunOutcome``."""
+    from tunepack.backends.local_steps import keep_previous_logs, resolve_steps
 
     state_path = job_dir / STATE_FILE
     state = json.loads(state_path.read_text())
@@ -511,7 +543,7 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
 
 
 def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
-    from tunepack.local import RunOutcome, describe_exit, run_step
+    from tunepack.backends.local_steps import RunOutcome, describe_exit, run_step
 
     state_path = job_dir / STATE_FILE
     names = {s.name: _sdk_names(s) for s in steps}
@@ -558,4 +590,4 @@ def _sdk_names(step) -> list[str]:
 
 
 if __name__ == "__main__":
-    sys.exit(run(Path(sys.argv[1])))
+    sys.exit(runner_main(Path(sys.argv[1])))

@@ -1,4 +1,4 @@
-"""tunepack's local backend: run a TrainJob on this machine, step by step, as processes.
+"""The local backend's executor: run a TrainJob on this machine, step by step, as processes.
 
 It plays the part of the Kubeflow Trainer controller and JobSet for one machine. From the
 runtime definition (the same ClusterTrainingRuntime a cluster uses) and a TrainJob it derives
@@ -24,8 +24,9 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunepack import lifetime
-from tunepack.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core import lifetime
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core.workspace import WorkspaceLock, lock_workspace
 from tunepack.initializers.export import EXPORT_URI_ENV
 from tunepack.runtimes.generate import (
     ANCESTOR_LABEL,
@@ -36,15 +37,16 @@ from tunepack.runtimes.generate import (
     WORKSPACE_VOLUME,
 )
 from tunepack.trainers import noise
-from tunepack.workspace import WorkspaceLock, lock_workspace
 
 # Which TrainJob initializer block feeds which step (by the step's ancestor label).
 INITIALIZER_SOURCES = {DATASET_STEP.ancestor: "dataset", MODEL_STEP.ancestor: "model"}
 
 
 @dataclass
-class Step:
-    """One replicated job of the runtime, resolved for this TrainJob."""
+class StepProcess:
+    """One replicated job of the runtime, resolved for this TrainJob: the command, environment
+    and replica count of the processes that run it here (the runtime's own step names are
+    ``tunepack.runtimes``')."""
 
     name: str
     ancestor: str | None
@@ -136,7 +138,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
+def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[StepProcess]:
     """Turn runtime + TrainJob into the commands and environments of each step."""
     spec = trainjob.get("spec", {})
     initializer = spec.get("initializer") or {}
@@ -185,7 +187,7 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[Step]:
         if command and command[0] in ("python", "python3"):
             command[0] = sys.executable
         deps = [d["name"] for d in job.get("dependsOn") or []]
-        steps.append(Step(job["name"], ancestor, command, env, replicas, deps))
+        steps.append(StepProcess(job["name"], ancestor, command, env, replicas, deps))
     return steps
 
 
@@ -312,15 +314,15 @@ def _echo(echo: Callable[[str], None], line: str) -> bool:
 
 
 def run_step(
-    step: Step,
+    step: StepProcess,
     log_dir: Path,
     echo: Callable[[str], None] | None = print,
     lock: WorkspaceLock | None = None,
 ) -> StepOutcome:
     """Run every replica of a step (the node step has one per node) and wait for all.
 
-    Each replica runs through ``tunepack.lifetime``'s shim: it gets SIGTERM from the kernel when
-    this process dies, so a killed CLI or runner never leaves a step running. ``lock``: the
+    Each replica runs through ``tunepack.core.lifetime``'s shim: it gets SIGTERM from the kernel
+    when this process dies, so a killed CLI or runner never leaves a step running. ``lock``: the
     workspace lock the run holds; each replica inherits it, so it outlives no process of the run.
     """
     log_dir.mkdir(parents=True, exist_ok=True)

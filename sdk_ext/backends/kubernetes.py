@@ -33,8 +33,11 @@ from kubeflow.trainer.types import types as kf
 from kubeflow_trainer_api import models
 
 from tunepack import submit
-from tunepack.errors import BadInputError, api_message, api_status
+from tunepack.backends.base import TunepackBackend
+from tunepack.core.errors import BadInputError, NotAvailableError, api_message, api_status
 from tunepack.runtimes import catalog
+from tunepack.runtimes.generate import workspace_pvc
+from tunepack.trainjob import export_of
 from tunepack.types import (
     Progress,
     RuntimeList,
@@ -60,7 +63,9 @@ _WHY_NOT = {
 }
 
 
-class KubernetesBackend(SdkBackend):
+class KubernetesBackend(SdkBackend, TunepackBackend):
+    """The SDK's Kubernetes backend with tunepack runtimes (``tunepack.backends.base``)."""
+
     def __init__(
         self,
         cfg: KubernetesBackendConfig,
@@ -204,6 +209,35 @@ class KubernetesBackend(SdkBackend):
             "active_deadline_seconds": spec.get("activeDeadlineSeconds"),
             "runtime_patches": spec.get("runtimePatches"),
         }
+
+    def workspace_of(self, name: str) -> str:
+        return f"pvc/{workspace_pvc(name)}"
+
+    @property
+    def location(self) -> str:
+        return f"in namespace {self.namespace}"
+
+    def metrics(self, name: str) -> list[dict]:
+        raise NotAvailableError(
+            "per-step metrics live on the job's workspace volume on a cluster; the TrainJob's "
+            "trainerStatus carries only the latest values (get_job(name).progress). See "
+            "docs/cluster.md for reading the PVC."
+        )
+
+    def _result(self, name: str):
+        from tunepack.result import Result
+
+        pvc = workspace_pvc(name)
+        raw = self.custom_api.get_namespaced_custom_object(
+            kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name
+        )
+        return Result(
+            job=name,
+            path=f"pvc/{pvc}:/workspace/output/adapter",
+            base_model=f"pvc/{pvc}:/workspace/model",
+            local=False,
+            export=export_of(_as_dict(raw)),
+        )
 
     def get_job(self, name: str) -> TrainJob:
         try:
