@@ -1,0 +1,238 @@
+"""The dependency direction between tunepack's packages, written once and checked on the source.
+
+    tunepack.core          the contract between the steps: imports only the standard library
+    tunepack.runtimes      the catalog and the runtimes: core
+    tunepack.initializers  the dataset/model initializer programs: core, runtimes
+    tunepack.trainers      the trainer program: core, runtimes
+    tunepack (the SDK)     everything else: the client, backends, job building, CLI, tools: all
+
+Every import in the source tree is read with ``ast`` (module level and inside functions, since
+a function-level import is still a dependency), resolved to the package it names, and checked
+against ``MAY_IMPORT``. On top of the table: the initializer programs import neither torch nor
+the Kubeflow SDK or the Kubernetes client (their images do not carry them), and neither do the
+runtimes; there are no cycles between packages (the table has none, and the graph actually found
+is checked too, so a loosened table cannot hide one).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from graphlib import CycleError, TopologicalSorter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# The repository's directories and the import package each one is (setup.py's package_dir).
+SOURCES = {
+    "sdk_ext": "tunepack",
+    "runtimes": "tunepack.runtimes",
+    "initializers": "tunepack.initializers",
+    "trainers": "tunepack.trainers",
+}
+CORE, RUNTIMES, INITIALIZERS, TRAINERS, SDK = (
+    "tunepack.core",
+    "tunepack.runtimes",
+    "tunepack.initializers",
+    "tunepack.trainers",
+    "tunepack",  # the SDK: every module of tunepack outside the four packages above
+)
+# package -> the tunepack packages it may import (besides its own modules)
+MAY_IMPORT = {
+    CORE: set(),
+    RUNTIMES: {CORE},
+    INITIALIZERS: {CORE, RUNTIMES},
+    TRAINERS: {CORE, RUNTIMES},
+    SDK: {CORE, RUNTIMES, INITIALIZERS, TRAINERS},
+}
+# Third-party top-level modules a package must not import. Core: anything outside the standard
+# library (checked separately).
+HEAVY = {"torch", "torchtune", "torchao", "peft", "transformers"}
+CLUSTER_CLIENTS = {"kubeflow", "kubernetes"}
+MUST_NOT_IMPORT = {
+    INITIALIZERS: HEAVY | CLUSTER_CLIENTS,
+    RUNTIMES: HEAVY | CLUSTER_CLIENTS,
+}
+# The programs an initializer image runs (its container commands).
+INITIALIZER_PROGRAMS = [
+    "tunepack.initializers.dataset",
+    "tunepack.initializers.model",
+    "tunepack.initializers.export",
+]
+
+
+def package_of(module: str) -> str | None:
+    """The package of the table that ``module`` belongs to; None outside tunepack."""
+    if module != SDK and not module.startswith(SDK + "."):
+        return None
+    for package in (CORE, RUNTIMES, INITIALIZERS, TRAINERS):
+        if module == package or module.startswith(package + "."):
+            return package
+    return SDK
+
+
+def source_modules(repo: Path = REPO) -> dict[str, Path]:
+    """Every module of the source tree by its import name (``__init__`` as the package)."""
+    modules = {}
+    for directory, package in SOURCES.items():
+        for path in sorted((repo / directory).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            parts = path.relative_to(repo / directory).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in ``path``, relative ones resolved; for
+    ``from package import name`` the submodule ``package.name`` where there is one."""
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.append((node.lineno, sub if sub in known else base))
+    return found
+
+
+def violations(repo: Path = REPO) -> list[str]:
+    """Every import that breaks a rule, as ``path:line: what``."""
+    modules = source_modules(repo)
+    known = set(modules)
+    problems = []
+    for module, path in modules.items():
+        package = package_of(module)
+        where = path.relative_to(repo)
+        for line, imported in imports_of(module, path, known):
+            target = package_of(imported)
+            top = imported.split(".")[0]
+            if target is not None:
+                if target != package and target not in MAY_IMPORT[package]:
+                    problems.append(f"{where}:{line}: {package} imports {imported} ({target})")
+            elif package == CORE and top not in sys.stdlib_module_names:
+                problems.append(f"{where}:{line}: {CORE} imports {imported} (not the stdlib)")
+            elif top in MUST_NOT_IMPORT.get(package, ()):
+                problems.append(f"{where}:{line}: {package} imports {imported}")
+    return problems
+
+
+def package_graph(repo: Path = REPO) -> dict[str, set[str]]:
+    """package -> the other packages its modules actually import."""
+    modules = source_modules(repo)
+    graph = {package: set() for package in MAY_IMPORT}
+    for module, path in modules.items():
+        package = package_of(module)
+        for _, imported in imports_of(module, path, set(modules)):
+            target = package_of(imported)
+            if target is not None and target != package:
+                graph[package].add(target)
+    return graph
+
+
+def test_every_package_imports_only_what_the_table_allows():
+    assert violations() == []
+
+
+def test_the_table_and_the_imports_found_have_no_cycle():
+    for graph in (MAY_IMPORT, package_graph()):
+        order = list(TopologicalSorter(graph).static_order())
+        assert order[0] == CORE and order[-1] == SDK, order
+
+
+def test_every_source_module_is_in_a_package_of_the_table():
+    modules = source_modules()
+    assert {package_of(m) for m in modules} == set(MAY_IMPORT)
+    assert f"{CORE}.errors" in modules and f"{CORE}.workspace" in modules
+
+
+def test_initializer_programs_load_without_torch_or_the_sdk():
+    # What the static check cannot see: what importing tunepack itself pulls in at run time.
+    code = (
+        "import sys\n"
+        f"for name in {INITIALIZER_PROGRAMS!r}: __import__(name)\n"
+        "heavy = {m.split('.')[0] for m in sys.modules}"
+        f" & {set(HEAVY | CLUSTER_CLIENTS)!r}\n"
+        "sdk = sorted(m for m in sys.modules if m.startswith('tunepack.') and not"
+        " m.startswith(('tunepack.core', 'tunepack.runtimes', 'tunepack.initializers')))\n"
+        "print(sorted(heavy), sdk)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True
+    )
+    assert done.stdout == "[] []\n", done.stdout
+
+
+# --- the rules fail when broken --------------------------------------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    for directory in SOURCES:
+        (tmp_path / directory).mkdir(exist_ok=True)
+        (tmp_path / directory / "__init__.py").touch()
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {
+                "sdk_ext/client.py": "",
+                "sdk_ext/core/errors.py": "def f():\n    from tunepack import client\n",
+            },
+            "sdk_ext/core/errors.py:2: tunepack.core imports tunepack.client (tunepack)",
+        ),
+        (
+            {"sdk_ext/core/durable.py": "import yaml\n"},
+            "sdk_ext/core/durable.py:1: tunepack.core imports yaml (not the stdlib)",
+        ),
+        (
+            {"initializers/model.py": "import torch\n"},
+            "initializers/model.py:1: tunepack.initializers imports torch",
+        ),
+        (
+            {"initializers/model.py": "from ..trainers import recipe\n"},
+            "initializers/model.py:1: tunepack.initializers imports tunepack.trainers "
+            "(tunepack.trainers)",
+        ),
+        (
+            {"runtimes/catalog.py": "from tunepack import __version__\n"},
+            "runtimes/catalog.py:1: tunepack.runtimes imports tunepack (tunepack)",
+        ),
+        (
+            {"trainers/x.py": "import tunepack.initializers.uri\n"},
+            "trainers/x.py:1: tunepack.trainers imports tunepack.initializers.uri "
+            "(tunepack.initializers)",
+        ),
+    ],
+)
+def test_a_broken_rule_is_reported(tmp_path, files, expected):
+    assert violations(_tree(tmp_path, files)) == [expected]
+
+
+def test_a_cycle_between_packages_is_found(tmp_path):
+    repo = _tree(
+        tmp_path,
+        {
+            "runtimes/a.py": "from tunepack.trainers import b\n",
+            "trainers/b.py": "from tunepack.runtimes import a\n",
+        },
+    )
+    with pytest.raises(CycleError):
+        list(TopologicalSorter(package_graph(repo)).static_order())
