@@ -22,12 +22,13 @@ from kubernetes.client.exceptions import ApiException
 
 from tunepack.core.errors import TransientError, api_message
 from tunepack.runtimes import catalog
-from tunepack.runtimes.generate import API_GROUP, load_runtime
+from tunepack.runtimes.contract import API_GROUP, KIND, NAMESPACED_KIND
+from tunepack.runtimes.store import load_runtime
 
 FIELD_MANAGER = "tunepack"
 PLURALS = {
-    "ClusterTrainingRuntime": "clustertrainingruntimes",
-    "TrainingRuntime": "trainingruntimes",
+    KIND: "clustertrainingruntimes",
+    NAMESPACED_KIND: "trainingruntimes",
 }
 CREATED, CONFIGURED, UNCHANGED, REPLACED = "created", "configured", "unchanged", "replaced"
 DELETE_TIMEOUT = 60.0  # seconds install waits for a replaced runtime's delete to finish
@@ -47,7 +48,7 @@ def runtime_objects(names: list[str] | None = None, namespace: str | None = None
     for entry in entries:
         obj = load_runtime(entry.runtime_name)
         if namespace:
-            obj["kind"] = "TrainingRuntime"
+            obj["kind"] = NAMESPACED_KIND
             obj["metadata"]["namespace"] = namespace
         objects.append(obj)
     return objects

@@ -27,8 +27,9 @@ from pathlib import Path
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
+from tunepack.runtimes.builder import to_yaml
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
-from tunepack.runtimes.generate import to_yaml, workspace_pvc
+from tunepack.runtimes.contract import workspace_pvc
 from tunepack.trainers.args import LORA_FAMILY, parse_trainer_args
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"

@@ -26,12 +26,12 @@ from pathlib import PurePosixPath
 
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
-from tunepack.runtimes import catalog, generate
+from tunepack.runtimes import builder, catalog, contract
 from tunepack.runtimes.validate import validate_trainjob
 
-TRAINJOB_KIND = "TrainJob"
-CLUSTER_RUNTIME_KIND = generate.KIND  # what `tunepack install` registers
-NAMESPACED_RUNTIME_KIND = "TrainingRuntime"
+TRAINJOB_KIND = contract.TRAINJOB_KIND
+CLUSTER_RUNTIME_KIND = contract.KIND  # what `tunepack install` registers
+NAMESPACED_RUNTIME_KIND = contract.NAMESPACED_KIND
 RUNTIME_KINDS = (CLUSTER_RUNTIME_KIND, NAMESPACED_RUNTIME_KIND)
 # Kueue's TrainJob integration admits a TrainJob into the LocalQueue this label names.
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
@@ -176,7 +176,7 @@ def build_trainjob(
     spec: dict = {
         "runtimeRef": {
             "name": entry.runtime_name,
-            "apiGroup": generate.API_GROUP,
+            "apiGroup": contract.API_GROUP,
             "kind": runtime_kind,
         },
         "initializer": {"dataset": dataset, "model": model},
@@ -187,7 +187,7 @@ def build_trainjob(
     if patches:
         spec["runtimePatches"] = patches
     trainjob = {
-        "apiVersion": generate.API_VERSION,
+        "apiVersion": contract.API_VERSION,
         "kind": TRAINJOB_KIND,
         "metadata": metadata,
         "spec": spec,
@@ -243,26 +243,19 @@ def export_patch(uri: str | None, secret: str | None, *, local: bool = False) ->
             }
             for key in EXPORT_SECRET_KEYS
         ]
-    container = {"name": generate.EXPORT_STEP.job, "env": env}
-    job = {
-        "name": generate.EXPORT_STEP.job,
-        "template": {"spec": {"template": {"spec": {"containers": [container]}}}},
-    }
-    return {
-        "manager": EXPORT_PATCH_MANAGER,
-        "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [job]}}},
-    }
+    container = {"name": contract.EXPORT_STEP.job, "env": env}
+    return contract.runtime_patch(
+        EXPORT_PATCH_MANAGER, [contract.job_patch(contract.EXPORT_STEP.job, container)]
+    )
 
 
 def export_of(trainjob: dict) -> str | None:
     """The export destination a TrainJob names (its exporter's ``EXPORT_URI``), if any."""
     from tunepack.initializers.export import EXPORT_URI_ENV
 
-    for patch in (trainjob.get("spec") or {}).get("runtimePatches") or []:
-        if patch.get("manager") != EXPORT_PATCH_MANAGER:
-            continue
-        for job in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
-            for container in job["template"]["spec"]["template"]["spec"]["containers"]:
+    for patch in contract.runtime_patches(trainjob, EXPORT_PATCH_MANAGER):
+        for job in contract.replicated_jobs(patch):
+            for container in contract.containers(job):
                 for var in container.get("env") or []:
                     if var["name"] == EXPORT_URI_ENV:
                         return var.get("value")
@@ -417,7 +410,7 @@ def resource_requirements(resources_per_node: dict) -> dict:
 
 def to_yaml(obj: dict) -> str:
     """YAML in the same style as the generated runtimes."""
-    return generate.to_yaml(obj)
+    return builder.to_yaml(obj)
 
 
 def max_name_length(num_nodes: int = 1) -> int:
@@ -428,8 +421,8 @@ def max_name_length(num_nodes: int = 1) -> int:
     longest job name, so it sets the limit (33 characters).
     """
     suffixes = [
-        f"-{step.job}-0-{num_nodes - 1 if step is generate.TRAINER_STEP else 0}{_POD_SUFFIX}"
-        for step in generate.STEPS
+        f"-{step.job}-0-{num_nodes - 1 if step is contract.TRAINER_STEP else 0}{_POD_SUFFIX}"
+        for step in contract.STEPS
     ]
     return _DNS_LABEL_MAX - max(len(suffix) for suffix in suffixes)
 
