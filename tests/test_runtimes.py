@@ -9,8 +9,10 @@ import yaml
 
 from tunepack import __version__
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
-from tunepack.runtimes import catalog, generate
-from tunepack.runtimes.generate import build_runtime, list_runtimes, load_runtime
+from tunepack.runtimes import builder, catalog, contract, generate
+from tunepack.runtimes.builder import build_runtime
+from tunepack.runtimes.contract import container, env, env_refs, pod_spec, replicated_jobs
+from tunepack.runtimes.store import list_runtimes, load_runtime
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 
 ENTRIES = list(catalog.CATALOG.values())
@@ -20,20 +22,13 @@ GPU = catalog.get("llama3.2-1b")
 
 
 def _jobs(runtime: dict) -> dict[str, dict]:
-    return {job["name"]: job for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
-
-
-def _pod(job: dict) -> dict:
-    return job["template"]["spec"]["template"]["spec"]
+    return {job["name"]: job for job in replicated_jobs(runtime)}
 
 
 def _container(job: dict) -> dict:
-    (container,) = _pod(job)["containers"]
-    return container
-
-
-def _env(container: dict) -> dict[str, str]:
-    return {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    (only,) = pod_spec(job)["containers"]
+    assert only is container(job)  # named after its job
+    return only
 
 
 # --- validity and freshness ---------------------------------------------------------------------
@@ -78,8 +73,8 @@ def test_check_reports_stale_missing_and_extra_files(tmp_path, monkeypatch, caps
 
 
 def test_generated_files_are_deterministic_with_header_and_kustomization():
-    files = generate.generated_files()
-    assert files == generate.generated_files()
+    files = builder.generated_files()
+    assert files == builder.generated_files()
     assert all(text.startswith("# Generated from runtimes/catalog.py") for text in files.values())
     assert all("do not edit" in text for text in files.values())
     kustomization = yaml.safe_load(files["kustomization.yaml"])
@@ -174,7 +169,7 @@ def test_trainer_waits_for_both_initializers():
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
 def test_shared_workspace(entry):
-    jobset = build_runtime(entry)["spec"]["template"]["spec"]
+    jobset = contract.jobset_spec(build_runtime(entry))
     (policy,) = jobset["volumeClaimPolicies"]
     (claim,) = policy["templates"]
     assert claim["metadata"]["name"] == "initializer"
@@ -188,7 +183,7 @@ def test_shared_workspace(entry):
         mounts = {m["name"]: m["mountPath"] for m in _container(job)["volumeMounts"]}
         assert mounts["initializer"] == "/workspace"
         # JobSet adds the claim itself and refuses a pod volume of the same name.
-        assert "initializer" not in {v["name"] for v in _pod(job).get("volumes", [])}
+        assert "initializer" not in {v["name"] for v in pod_spec(job).get("volumes", [])}
 
 
 def test_initializer_containers_pass_the_trainjob_webhook():
@@ -197,21 +192,21 @@ def test_initializer_containers_pass_the_trainjob_webhook():
     ``initializer`` (jobsetplgconsts.VolumeNameInitializer)."""
     jobs = _jobs(build_runtime(GPU))
     for name in ("dataset-initializer", "model-initializer"):
-        container = next(c for c in _pod(jobs[name])["containers"] if c["name"] == name)
-        assert "initializer" in {m["name"] for m in container["volumeMounts"]}
-    assert generate.INITIALIZER_VOLUME == "initializer"
-    assert generate.WORKSPACE_VOLUME == generate.INITIALIZER_VOLUME  # the name sdk_ext imports
+        mounts = container(jobs[name], name)["volumeMounts"]
+        assert "initializer" in {m["name"] for m in mounts}
+    assert contract.INITIALIZER_VOLUME == "initializer"
+    assert contract.WORKSPACE_VOLUME == contract.INITIALIZER_VOLUME  # the name sdk_ext imports
 
 
 def test_workspace_pvc_name_is_what_jobset_creates():
     # JobSet names the PVC <claim>-<jobset>; the JobSet is named after the TrainJob.
-    assert generate.workspace_pvc("my-job") == "initializer-my-job"
+    assert contract.workspace_pvc("my-job") == "initializer-my-job"
 
 
 def test_node_job_is_third():
     """manifests/components/gpu-nodes patches replicatedJobs/2 (and tests that it is `node`)."""
     for entry in ENTRIES:
-        jobs = build_runtime(entry)["spec"]["template"]["spec"]["replicatedJobs"]
+        jobs = replicated_jobs(build_runtime(entry))
         assert jobs[2]["name"] == "node"
 
 
@@ -219,14 +214,14 @@ def test_node_job_is_third():
 def test_environment(entry):
     jobs = _jobs(build_runtime(entry))
     for job in jobs.values():
-        env = _env(_container(job))
-        assert env["TUNEPACK_MODEL"] == entry.name
-        assert env["TUNEPACK_WORKSPACE"] == "/workspace"
+        values = env(_container(job))
+        assert values["TUNEPACK_MODEL"] == entry.name
+        assert values["TUNEPACK_WORKSPACE"] == "/workspace"
         # Injected by the Trainer controller from the TrainJob; a runtime value would be a trap.
-        assert "STORAGE_URI" not in env
-        assert not any(name.startswith("PET_") for name in env)
+        assert "STORAGE_URI" not in values
+        assert not any(name.startswith("PET_") for name in values)
     for job in ("dataset-initializer", "model-initializer"):
-        refs = {v["name"]: v["valueFrom"] for v in _container(jobs[job])["env"] if "valueFrom" in v}
+        refs = env_refs(_container(jobs[job]))
         # Credentials only by reference to optional Secrets, never as literal values.
         assert refs["HF_TOKEN"] == {
             "secretKeyRef": {"name": "tunepack-hub-token", "key": "token", "optional": True}
@@ -236,10 +231,10 @@ def test_environment(entry):
                 "secretKeyRef": {"name": "tunepack-s3-credentials", "key": name, "optional": True}
             }
         assert not {"HF_TOKEN", "ACCESS_TOKEN", "AWS_SECRET_ACCESS_KEY"} & set(
-            _env(_container(jobs[job]))
+            env(_container(jobs[job]))
         )
-    trainer_env = _env(_container(jobs["node"]))
-    refs = {v["name"]: v["valueFrom"] for v in _container(jobs["node"])["env"] if "valueFrom" in v}
+    trainer_env = env(_container(jobs["node"]))
+    refs = env_refs(_container(jobs["node"]))
     # The tracker's credentials, by reference to one optional Secret (a run without one works).
     assert refs == {
         name: {
@@ -266,7 +261,7 @@ def test_trainer_resources_and_shm():
     }
     assert "limits" not in _container(cpu_node)["resources"]  # the tiny model runs on CPU
     for node, size in ((gpu_node, "16Gi"), (cpu_node, "1Gi")):
-        (shm,) = _pod(node)["volumes"]
+        (shm,) = pod_spec(node)["volumes"]
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
         assert {"name": shm["name"], "mountPath": "/dev/shm"} in _container(node)["volumeMounts"]
     for name in ("dataset-initializer", "model-initializer"):
@@ -277,7 +272,7 @@ def test_trainer_resources_and_shm():
 @pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
 def test_security_context(entry):
     for job in _jobs(build_runtime(entry)).values():
-        assert _pod(job)["securityContext"] == {
+        assert pod_spec(job)["securityContext"] == {
             "runAsNonRoot": True,
             "runAsUser": 1000,
             "fsGroup": 1000,
@@ -290,16 +285,16 @@ def test_security_context(entry):
 
 
 def test_bad_input_exit_code_is_not_retried():
-    jobset = build_runtime(GPU)["spec"]["template"]["spec"]
+    jobset = contract.jobset_spec(build_runtime(GPU))
     (rule,) = jobset["failurePolicy"]["rules"]
     assert rule["action"] == "FailJobSet"
     assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
     for job in jobset["replicatedJobs"]:
-        fail_job = job["template"]["spec"]["podFailurePolicy"]["rules"][0]
+        fail_job = contract.job_spec(job)["podFailurePolicy"]["rules"][0]
         assert fail_job["action"] == "FailJob"
         assert fail_job["onExitCodes"]["values"] == [EXIT_BAD_INPUT]
         assert fail_job["onExitCodes"]["containerName"] == job["name"]
-        assert _pod(job)["restartPolicy"] == "Never"  # required by podFailurePolicy
+        assert pod_spec(job)["restartPolicy"] == "Never"  # required by podFailurePolicy
 
 
 # --- the catalog views --------------------------------------------------------------------------
@@ -388,7 +383,6 @@ def _failure(obj: dict) -> str:
 @pytest.mark.parametrize("entry", ENTRIES, ids=IDS)
 def test_trainer_pod_outlasts_torchruns_checkpoint_grace(entry):
     """SIGTERM -> checkpoint -> exit 75 needs torchrun's 30 s grace and then some."""
-    jobs = build_runtime(entry)["spec"]["template"]["spec"]["replicatedJobs"]
-    pods = {job["name"]: job["template"]["spec"]["template"]["spec"] for job in jobs}
+    pods = {job["name"]: pod_spec(job) for job in replicated_jobs(build_runtime(entry))}
     assert pods["node"]["terminationGracePeriodSeconds"] > 30
     assert "terminationGracePeriodSeconds" not in pods["dataset-initializer"]
