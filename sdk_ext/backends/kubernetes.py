@@ -36,7 +36,7 @@ from tunepack import submit
 from tunepack.backends.base import TunepackBackend
 from tunepack.core.errors import BadInputError, NotAvailableError, api_message, api_status
 from tunepack.runtimes import catalog
-from tunepack.runtimes.generate import workspace_pvc
+from tunepack.runtimes.contract import workspace_pvc
 from tunepack.trainjob import export_of
 from tunepack.types import (
     Progress,

@@ -38,8 +38,9 @@ from tunepack.backends.base import TunepackBackend
 from tunepack.core import durable
 from tunepack.core.errors import BadInputError, TunepackError
 from tunepack.core.workspace import lock_workspace
-from tunepack.runtimes import catalog
-from tunepack.runtimes.generate import EXPORT_STEP, load_runtime
+from tunepack.runtimes import catalog, contract
+from tunepack.runtimes.contract import EXPORT_STEP
+from tunepack.runtimes.store import load_runtime
 from tunepack.trainjob import export_of
 from tunepack.types import (
     Progress,
@@ -128,10 +129,8 @@ class LocalBackend(TunepackBackend):
             )
             raise BadInputError(f"{what}; {hint}")
         obj = load_runtime(name)
-        jobs = obj["spec"]["template"]["spec"]["replicatedJobs"]
-        node = next(j for j in jobs if j["name"] == kc.NODE)
-        image = node["template"]["spec"]["template"]["spec"]["containers"][0]["image"]
-        command = node["template"]["spec"]["template"]["spec"]["containers"][0]["command"]
+        node = contract.container(contract.replicated_job(obj, kc.NODE))
+        image, command = node["image"], node["command"]
         trainer = builtin_torchtune_trainer(
             kf.RuntimeTrainer(
                 trainer_type=kf.TrainerType.BUILTIN_TRAINER, framework=kf.TORCH_TUNE, image=image
@@ -337,7 +336,7 @@ class LocalBackend(TunepackBackend):
             "mlPolicy", {}
         ).get("numNodes", 1)
         names = []
-        for job in order_steps(runtime["spec"]["template"]["spec"]["replicatedJobs"]):
+        for job in order_steps(contract.replicated_jobs(runtime)):
             if job["name"] == EXPORT_STEP.job and export_of(trainjob) is None:
                 continue  # no export asked for: the local backend leaves the no-op step out
             if job["name"] == kc.NODE:

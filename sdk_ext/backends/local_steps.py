@@ -28,8 +28,8 @@ from tunepack.core import lifetime
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.core.workspace import WorkspaceLock, lock_workspace
 from tunepack.initializers.export import EXPORT_URI_ENV
-from tunepack.runtimes.generate import (
-    ANCESTOR_LABEL,
+from tunepack.runtimes import contract
+from tunepack.runtimes.contract import (
     DATASET_STEP,
     EXPORT_STEP,
     MODEL_STEP,
@@ -147,12 +147,10 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[StepPr
     master_port = _free_port()
 
     steps = []
-    for job in order_steps(runtime["spec"]["template"]["spec"]["replicatedJobs"]):
-        job_template = job["template"]
-        ancestor = job_template.get("metadata", {}).get("labels", {}).get(ANCESTOR_LABEL)
-        pod = job_template["spec"]["template"]["spec"]
-        container = next(c for c in pod["containers"] if c["name"] == job["name"])
-        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    for job in order_steps(contract.replicated_jobs(runtime)):
+        ancestor = contract.step_label(job)
+        container = contract.container(job)
+        env = contract.env(container)
         command = list(container.get("command", [])) + list(container.get("args", []))
         replicas = 1
 
@@ -195,17 +193,13 @@ def patched_env(trainjob: dict, job: str, container: str) -> dict[str, str]:
     """The plain-value environment the TrainJob's ``runtimePatches`` give ``container`` of
     replicated job ``job`` (later patches win, as the Trainer merges them)."""
     env: dict[str, str] = {}
-    for patch in (trainjob.get("spec") or {}).get("runtimePatches") or []:
-        spec = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec") or {}
-        for rjob in spec.get("replicatedJobs") or []:
+    for patch in contract.runtime_patches(trainjob):
+        for rjob in contract.replicated_jobs(patch, partial=True):
             if rjob.get("name") != job:
                 continue
-            pod = (((rjob.get("template") or {}).get("spec") or {}).get("template") or {}).get(
-                "spec"
-            ) or {}
-            for c in pod.get("containers") or []:
+            for c in contract.containers(rjob, partial=True):
                 if c.get("name") == container:
-                    env.update({e["name"]: e["value"] for e in c.get("env") or [] if "value" in e})
+                    env.update(contract.env(c))
     return env
 
 
