@@ -7,22 +7,33 @@ TORCH_SPEC ?= torch==2.13.0
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: venv install dev quickstart test test-cluster controlplane lint runtimes images push-images clean
+.PHONY: FORCE venv install dev quickstart test test-cluster controlplane lint runtimes images push-images clean
 
 venv: $(BIN)/python
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# Editable installs are strict: build/__editable__.* is a tree of links laid out as the import
+# package, which static tools (IDEs, type checkers) follow; setuptools' default import hook they
+# cannot. A module added later enters that tree at the next install: $(VENV)/.sources changes
+# with the set of source files, and the install reruns (tests/test_packaging.py).
+EDITABLE := --config-settings editable_mode=strict
+SOURCE_FILES := $(sort $(shell find sdk_ext runtimes initializers trainers -name '*.py' -o -name '*.yaml'))
+
+$(VENV)/.sources: FORCE | $(BIN)/python
+	@echo '$(SOURCE_FILES)' | cmp -s - $@ || echo '$(SOURCE_FILES)' > $@
+FORCE:
+
 install: $(VENV)/.installed
-$(VENV)/.installed: $(BIN)/python pyproject.toml
+$(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(VENV)/.sources
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e . $(EDITABLE)
 	touch $@
 
 dev: $(VENV)/.dev-installed
 $(VENV)/.dev-installed: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev]' $(EDITABLE)
 	touch $@
 
 # A real LoRA fine-tune on the local backend: dataset-initializer -> model-initializer -> trainer.

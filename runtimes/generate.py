@@ -47,7 +47,7 @@ API_GROUP = "trainer.kubeflow.org"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "ClusterTrainingRuntime"
 
-GENERATED_DIR = Path(__file__).parent / "generated"
+GENERATED_DIR = Path(__file__).resolve().parent / "generated"
 KUSTOMIZATION = "kustomization.yaml"
 HEADER = (
     "# Generated from runtimes/catalog.py by `make runtimes`; do not edit.\n"

@@ -16,7 +16,9 @@ import yaml
 from tunepack.runtimes import catalog
 
 GENERATED = "generated"  # the package directory holding one <runtime>.yaml per catalog entry
-GENERATED_DIR = Path(__file__).parent / GENERATED  # in a source checkout, where the command writes
+# In a source checkout, where the command writes (resolved: under a strict editable install this
+# module is a link in build/__editable__.*, and the files must land in runtimes/generated/).
+GENERATED_DIR = Path(__file__).resolve().parent / GENERATED
 
 
 def load_runtime(name: str) -> dict:

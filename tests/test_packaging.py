@@ -1,0 +1,98 @@
+"""The development install is one that static tools (jedi, pyright, mypy) can follow.
+
+``tunepack`` is mapped onto the repository's directories (sdk_ext/ is ``tunepack``, runtimes/ is
+``tunepack.runtimes``, ...; setup.py). setuptools' default ("lenient") editable install exposes
+such a mapping through an import hook that runs only inside a live interpreter, so an IDE or a
+type checker finds no ``tunepack`` at all. The Makefile installs with ``editable_mode=strict``
+instead: a tree of links under ``build/__editable__.*`` laid out as the import package, put on
+``sys.path`` by a plain ``.pth`` path entry, which every static tool reads (mypy and pyright do
+not run import hooks; jedi happens to know setuptools' hook too, so it finds both). The price:
+a module added later is not in the tree until the next install (``make dev`` re-installs when
+the set of source files changes).
+
+Here the strict install is made from a copy of the sources into a fresh venv, and jedi (a
+static analyser: it reads files, it imports nothing) is asked where ``tunepack.core.errors`` is.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCES = ["sdk_ext", "runtimes", "initializers", "trainers", "setup.py", "pyproject.toml"]
+# What jedi is asked: where the name an import statement binds is defined.
+QUERY = "import tunepack.core.errors\ntunepack.core.errors.BadInputError\n"
+JEDI = (
+    "import sys, jedi\n"
+    "code = sys.argv[1]\n"
+    "lines = code.splitlines()\n"
+    "found = jedi.Script(code, environment=jedi.InterpreterEnvironment()).goto(\n"
+    "    len(lines), len(lines[-1]) - 1, follow_imports=True)\n"
+    "print('\\n'.join(str(d.module_path) for d in found))\n"
+)
+
+
+def _editable_install(tmp: Path, mode: str) -> Path:
+    """A new venv with tunepack installed editable (``mode``) from a copy of the sources; the
+    dev venv's site-packages (jedi, setuptools) visible after its own."""
+    src = tmp / "src"
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, src / name)
+    (src / "README.md").write_text("tunepack\n")
+    # The editable wheel is built by the dev venv's setuptools (nothing from the network).
+    build = (
+        "import sys; from setuptools import build_meta\n"
+        "print(build_meta.build_editable(sys.argv[1], {'editable_mode': sys.argv[2]}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", build, str(tmp / "dist"), mode],
+        cwd=src, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    wheel = tmp / "dist" / done.stdout.strip().splitlines()[-1]
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps",
+         "--no-index", "--no-compile", "--disable-pip-version-check", str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    # Written after the install (pip would see the dev venv's tunepack as installed). site.py
+    # processes no .pth file of a directory a .pth file added: the dev venv's hook stays off.
+    Path(site, "dev-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def _jedi_finds(python: Path) -> list[str]:
+    done = subprocess.run(
+        [str(python), "-c", JEDI, QUERY], capture_output=True, text=True, timeout=120, cwd="/"
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_the_makefile_installs_strict_editable():
+    makefile = (REPO / "Makefile").read_text()
+    assert "EDITABLE := --config-settings editable_mode=strict\n" in makefile
+    installs = re.findall(r"pip install .*-e .*", makefile)
+    assert installs and all(line.endswith(" $(EDITABLE)") for line in installs), installs
+
+
+def test_a_static_tool_finds_tunepack_core_in_sdk_ext_core(tmp_path):
+    found = _jedi_finds(_editable_install(tmp_path, "strict"))
+    assert len(found) == 1, found
+    assert Path(found[0]).resolve() == tmp_path / "src" / "sdk_ext" / "core" / "errors.py"
