@@ -21,8 +21,9 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tunepack.runtimes import validate
-from tunepack.runtimes.generate import load_runtime, workspace_pvc
+from tunepack.runtimes import contract, validate
+from tunepack.runtimes.contract import jobset_spec, pod_spec, replicated_job, workspace_pvc
+from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_runtime, validate_strict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,14 +190,13 @@ def _check_concerns(runtime: dict, base: dict, concerns: set[str]) -> None:
         assert runtime["kind"] == "TrainingRuntime"
         assert runtime["metadata"].pop("namespace") == "ml-team"
         runtime["kind"] = "ClusterTrainingRuntime"
-    claim = runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]["templates"][0]
+    claim = jobset_spec(runtime)["volumeClaimPolicies"][0]["templates"][0]
     if "storage-rwx" in concerns:
         assert claim["metadata"]["name"] == "initializer"
         assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
         assert claim["spec"].pop("storageClassName") == "shared-rwx"
-        claim["spec"]["accessModes"] = base["spec"]["template"]["spec"]["volumeClaimPolicies"][0][
-            "templates"
-        ][0]["spec"]["accessModes"]
+        base_claim = jobset_spec(base)["volumeClaimPolicies"][0]["templates"][0]
+        claim["spec"]["accessModes"] = base_claim["spec"]["accessModes"]
     if "gpu-nodes" in concerns:
         node = _pod(runtime, "node")
         assert node.pop("nodeSelector") == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
@@ -205,7 +205,7 @@ def _check_concerns(runtime: dict, base: dict, concerns: set[str]) -> None:
         ]
     if "registry-mirror" in concerns:
         for job in ("dataset-initializer", "model-initializer", "node", "exporter"):
-            container = _pod(runtime, job)["containers"][0]
+            container = contract.container(replicated_job(runtime, job))
             image = container["image"]
             assert image.startswith("registry.example.internal/tunepack/"), image
             container["image"] = image.replace("registry.example.internal", "ghcr.io", 1)
@@ -216,7 +216,7 @@ def test_gpu_nodes_refuses_a_runtime_whose_third_job_is_not_node(tmp_path):
     """The component patches replicatedJobs/2 by position; its JSON-patch `test` operation makes
     kustomize fail, rather than pin an initializer, if that job is not `node`."""
     runtime = _runtimes("base")[0]
-    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    jobs = contract.replicated_jobs(runtime)
     jobs.insert(2, jobs.pop(0))  # node moves to index 1
     resources = tmp_path / "resources"
     resources.mkdir()
@@ -235,9 +235,7 @@ def test_gpu_nodes_refuses_a_runtime_whose_third_job_is_not_node(tmp_path):
 
 def test_storage_rwx_refuses_a_runtime_without_the_initializer_claim(tmp_path):
     runtime = _runtimes("base")[0]
-    runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]["templates"][0]["metadata"][
-        "name"
-    ] = "workspace"
+    jobset_spec(runtime)["volumeClaimPolicies"][0]["templates"][0]["metadata"]["name"] = "workspace"
     resources = tmp_path / "resources"
     resources.mkdir()
     (resources / "runtime.yaml").write_text(yaml.safe_dump(runtime))
@@ -257,8 +255,7 @@ def _rendered(name: str) -> list[dict]:
 
 
 def _pod(runtime: dict, job: str) -> dict:
-    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
-    return next(j for j in jobs if j["name"] == job)["template"]["spec"]["template"]["spec"]
+    return pod_spec(replicated_job(runtime, job))
 
 
 def test_base_has_every_catalog_runtime_hardened_and_no_gang_scheduler():
@@ -271,13 +268,13 @@ def test_base_has_every_catalog_runtime_hardened_and_no_gang_scheduler():
     for runtime in base:
         assert runtime == load_runtime(runtime["metadata"]["name"])  # the base changes nothing
         assert "podGroupPolicy" not in runtime["spec"]
-        policy = runtime["spec"]["template"]["spec"]["volumeClaimPolicies"][0]
+        policy = jobset_spec(runtime)["volumeClaimPolicies"][0]
         assert policy["retentionPolicy"] == {"whenDeleted": "Retain"}
         for job in ("dataset-initializer", "model-initializer", "node"):
             pod = _pod(runtime, job)
             assert pod["securityContext"]["runAsNonRoot"] is True
             assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-            container = pod["containers"][0]
+            container = contract.container(replicated_job(runtime, job))
             assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
             assert container["securityContext"]["allowPrivilegeEscalation"] is False
             assert {"name": "initializer", "mountPath": "/workspace"} in container["volumeMounts"]
