@@ -21,7 +21,8 @@ import yaml
 from tunepack import submit
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
-from tunepack.runtimes import catalog, generate
+from tunepack.runtimes import catalog, contract
+from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainjob import max_name_length
@@ -107,17 +108,17 @@ def test_the_examples_are_all_listed_and_indexed():
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_is_a_strictly_valid_trainjob(name):
     obj = _load(name)
-    assert obj["kind"] == "TrainJob" and obj["apiVersion"] == generate.API_VERSION
+    assert obj["kind"] == "TrainJob" and obj["apiVersion"] == contract.API_VERSION
     validate_trainjob(obj)  # BadInputError naming every field the API would drop
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_example_references_a_catalog_runtime(name):
     ref = _load(name)["spec"]["runtimeRef"]
-    assert (ref.get("apiGroup"), ref.get("kind")) == (generate.API_GROUP, generate.KIND)
+    assert (ref.get("apiGroup"), ref.get("kind")) == (contract.API_GROUP, contract.KIND)
     entry = catalog.get(ref["name"])
     assert ref["name"] == entry.runtime_name  # the runtime's name, not the model's
-    assert generate.load_runtime(ref["name"])["metadata"]["name"] == ref["name"]
+    assert load_runtime(ref["name"])["metadata"]["name"] == ref["name"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -170,7 +171,7 @@ def test_example_names_the_workspace_pvc_jobset_creates(name):
     assert "workspace-<" not in comments and "workspace-" + _load(name)["metadata"]["name"] not in (
         comments
     )
-    assert generate.workspace_pvc("<name>") in comments
+    assert contract.workspace_pvc("<name>") in comments
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -239,21 +240,21 @@ def test_example_comments_say_what_must_exist(name):
 def test_runtime_patches_target_what_the_runtime_has(name):
     """The API only patches existing jobs and containers; mounts must name declared volumes."""
     obj = _load(name)
-    runtime = generate.load_runtime(obj["spec"]["runtimeRef"]["name"])
-    jobs = {j["name"]: j for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]}
+    runtime = load_runtime(obj["spec"]["runtimeRef"]["name"])
+    jobs = {j["name"]: j for j in contract.replicated_jobs(runtime)}
     file_uris = {
         storage_uri.parse(r).location for r in _uris(name).values() if _scheme(r) == "file"
     }
     mounted = []
     for patch in obj["spec"]["runtimePatches"]:
         assert patch["manager"], "each runtime patch names its manager"
-        for job_patch in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+        for job_patch in contract.replicated_jobs(patch):
             assert job_patch["name"] in jobs, f"no job {job_patch['name']!r} in the runtime"
-            pod = jobs[job_patch["name"]]["template"]["spec"]["template"]["spec"]
-            pod_patch = job_patch["template"]["spec"]["template"]["spec"]
+            pod = contract.pod_spec(jobs[job_patch["name"]])
+            pod_patch = contract.pod_spec(job_patch)
             # The runtime's pod volumes, plus the workspace JobSet adds from its claim template.
             runtime_volumes = {v["name"] for v in pod.get("volumes", [])} | {
-                generate.INITIALIZER_VOLUME
+                contract.INITIALIZER_VOLUME
             }
             patch_volumes = {v["name"] for v in pod_patch.get("volumes", [])}
             assert not patch_volumes & runtime_volumes, "a patched volume shadows the runtime's"
