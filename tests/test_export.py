@@ -27,6 +27,7 @@ from tests.fakehub import FakeHub
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers.sinks import fetch_export
+from tunepack.runtimes.contract import containers, replicated_jobs
 
 TOKEN = "hf_write_secret_0123456789"
 READ_TOKEN = "hf_read_only_secret_987654"
@@ -682,8 +683,8 @@ def test_the_trainjob_carries_the_export_in_a_runtime_patch():
     )
     (patch,) = job["spec"]["runtimePatches"]
     assert patch["manager"] == "tunepack.dev/export"
-    (rjob,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
-    (c,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
+    (rjob,) = replicated_jobs(patch)
+    (c,) = containers(rjob)
     assert (rjob["name"], c["name"]) == ("exporter", "exporter")
     assert c["env"][0] == {"name": "EXPORT_URI", "value": "hf://acme/lora"}
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"][1:]}

@@ -13,6 +13,7 @@ import yaml
 
 from tests.test_manifests import MANIFESTS, ROOT, render, write_kustomization
 from tunepack import __version__
+from tunepack.runtimes.contract import containers, replicated_jobs
 
 REGISTRY = "registry.example.internal/ml"
 
@@ -20,8 +21,8 @@ REGISTRY = "registry.example.internal/ml"
 def _runtime_images(objects: list[dict]) -> set[str]:
     images = set()
     for obj in objects:
-        for job in obj["spec"]["template"]["spec"]["replicatedJobs"]:
-            for c in job["template"]["spec"]["template"]["spec"]["containers"]:
+        for job in replicated_jobs(obj):
+            for c in containers(job):
                 images.add(c["image"])
     return images
 
