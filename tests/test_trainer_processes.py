@@ -17,13 +17,20 @@ from safetensors.torch import load_file
 
 from tests.helpers import lines_held_back
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.trainers.batching import ShuffledSampler
 from tunepack.trainers.launch import _exit_code, layout_from_env
-from tunepack.trainers.recipe import ResumableSampler
 
 LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
 # 8 steps of 2 accumulated micro-batches; dropout makes the result depend on the restored random
 # state too. (Crossing an epoch boundary would double the runtime: the sampler test covers it.)
 RESUME_ARGS = ["max_steps=8", "batch_size=8", "grad_accum=2", "lora_dropout=0.1", "warmup_steps=2"]
+# Every batching mode (trainers/batching.py) resumes bit for bit; packs hold several examples, so
+# fewer of them make a step.
+BATCHING = {
+    "length-grouped": RESUME_ARGS,
+    "shuffled": [*RESUME_ARGS, "group_by_length=false"],
+    "packed": ["max_steps=8", "batch_size=2", "grad_accum=2", "lora_dropout=0.1", "packed=true"],
+}
 
 
 def _free_port() -> int:
@@ -101,12 +108,12 @@ def _alive(pid: int) -> bool:
 
 
 def test_sampler_started_mid_epoch_continues_the_same_order():
-    full = ResumableSampler(50, rank=1, world_size=2, seed=7)
+    full = ShuffledSampler(50, rank=1, world_size=2, seed=7)
     full.set_epoch(3)
-    resumed = ResumableSampler(50, rank=1, world_size=2, seed=7)
+    resumed = ShuffledSampler(50, rank=1, world_size=2, seed=7)
     resumed.set_epoch(3, start=2 * 4 * 2)  # 2 batches of 4 on each of 2 ranks consumed
     assert list(resumed) == list(full)[8:]
-    other = ResumableSampler(50, rank=0, world_size=2, seed=7)
+    other = ShuffledSampler(50, rank=0, world_size=2, seed=7)
     other.set_epoch(3)
     assert sorted([*full, *other]) == sorted({*full, *other})  # disjoint shares (no padding)
 
@@ -135,14 +142,17 @@ def test_layout_from_pet_variables(monkeypatch):
 # ------------------------------------------------------------------ single process
 
 
-def test_kill_9_then_restart_resumes_and_ends_bit_identical(initialized_workspace, tmp_path):
+@pytest.mark.parametrize("batching", BATCHING)
+def test_kill_9_then_restart_resumes_and_ends_bit_identical(
+    initialized_workspace, tmp_path, batching
+):
     reference = _workspace(initialized_workspace, tmp_path, "reference")
-    done = _launch(_env(reference), *RESUME_ARGS, "checkpoint_every_minutes=0")
+    done = _launch(_env(reference), *BATCHING[batching], "checkpoint_every_minutes=0")
     assert done.returncode == 0, done.stderr
     assert not (reference / "checkpoints").exists()  # checkpointing is off there
 
     interrupted = _workspace(initialized_workspace, tmp_path, "interrupted")
-    args = [*RESUME_ARGS, "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
+    args = [*BATCHING[batching], "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
     proc = _start_and_wait_for_step(_env(interrupted), args, step=5)
     proc.kill()  # SIGKILL: no handler runs, whatever was being written stays half-written
     proc.wait()

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.prompt_format import check_chat_template, check_system_prompt
 
@@ -186,6 +186,13 @@ VOCABULARY: tuple[Arg, ...] = (
     ),
     Arg("packed", _bool, "pack several examples into each max_seq_len sequence", False),
     Arg(
+        "group_by_length",
+        _bool,
+        "batch examples of similar length together, so batches hold less padding "
+        "(unpacked data; packs are full already)",
+        True,
+    ),
+    Arg(
         "checkpoint_every_steps",
         _int(0),
         "write a resumable checkpoint every N optimizer steps (0: only by time)",
@@ -284,6 +291,7 @@ class TrainArgs:
     activation_checkpointing: str | bool
     compile: bool
     packed: bool
+    group_by_length: bool
     checkpoint_every_steps: int
     checkpoint_every_minutes: float
     keep_checkpoints: int
@@ -374,6 +382,11 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         raise BadInputError(
             f"{', '.join(f'{k}={pairs[k]}' for k in dpo_only)}: only method=dpo uses "
             f"{' and '.join(dpo_only)}, but method={method}"
+        )
+    if resolved["packed"] and values.get("group_by_length"):
+        raise BadInputError(
+            "group_by_length=true applies to unpacked data, and packed=true packs examples into "
+            "full sequences already; set one of them"
         )
     if method == "dpo" and resolved["packed"]:
         raise BadInputError(

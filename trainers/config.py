@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from tunepack.errors import BadInputError
+from tunepack.core.errors import BadInputError
+from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.runtimes import custom
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.args import LORA_FAMILY, TrainArgs, builder_for
-from tunepack.workspace import MANIFEST_FILE
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {
@@ -324,6 +324,10 @@ def build_config(
             else args.activation_checkpointing
         ),
         "compile": args.compile,
+        # Which examples make each batch (trainers/batching.py): part of the run's identity.
+        "batching": (
+            "packed" if args.packed else "length_grouped" if args.group_by_length else "shuffled"
+        ),
         "epochs": args.epochs,
         "max_steps": args.max_steps,
         "batch_size": args.batch_size,

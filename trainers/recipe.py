@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     set_model_state_dict,
 )
-from torch.utils.data import DataLoader, Sampler, Subset
+from torch.utils.data import DataLoader, Subset
 from torchtune import config, modules, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_packed, padded_collate_sft
 from torchtune.modules.peft import (
@@ -53,9 +53,9 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
-from tunepack import durable, lifetime
-from tunepack.errors import BadInputError, TransientError, TunepackError
-from tunepack.trainers import checkpoint, distributed, dpo
+from tunepack.core import durable, lifetime
+from tunepack.core.errors import BadInputError, TransientError, TunepackError
+from tunepack.trainers import batching, checkpoint, distributed, dpo, vocab_loss
 from tunepack.trainers.args import LORA_FAMILY
 from tunepack.trainers.config import (
     identity_changes,
@@ -65,8 +65,8 @@ from tunepack.trainers.config import (
     run_identity,
 )
 from tunepack.trainers.peft_export import export_adapter
-from tunepack.trainers.progress import StatusReporter
 from tunepack.trainers.tracking import Tracker
+from tunepack.trainers.trainjob_status import StatusReporter
 
 log = logging.getLogger("tunepack.trainer")
 
@@ -90,34 +90,6 @@ class NonFiniteLoss(TransientError):
 
 class Stopped(TransientError):
     """The process was asked to stop (SIGTERM: pod eviction, preemption) and has checkpointed."""
-
-
-class ResumableSampler(Sampler[int]):
-    """Each epoch's shuffled order, split across ranks, able to start part-way through.
-
-    The order of epoch ``e`` is ``randperm(len, seed + e)`` (what DistributedSampler does), padded
-    to a multiple of the world size and dealt out round-robin. ``set_epoch(e, start)`` skips the
-    first ``start`` samples of the global order, which is exactly the batches every rank had
-    consumed when a checkpoint was written: no batch is loaded only to be thrown away.
-    """
-
-    def __init__(self, size: int, *, rank: int, world_size: int, seed: int) -> None:
-        self.size, self.rank, self.world_size, self.seed = size, rank, world_size, seed
-        self.epoch, self.start = 0, 0
-        self.total = math.ceil(size / world_size) * world_size
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = epoch, start
-
-    def __iter__(self):
-        order = torch.randperm(
-            self.size, generator=torch.Generator().manual_seed(self.seed + self.epoch)
-        )
-        order = torch.cat([order, order[: self.total - self.size]])  # equal shares per rank
-        return iter(order[self.start :][self.rank :: self.world_size].tolist())
-
-    def __len__(self) -> int:
-        return (self.total - self.start) // self.world_size
 
 
 class FineTuneRecipe:
@@ -164,7 +136,10 @@ class FineTuneRecipe:
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.model = self._setup_model(self._load_base_weights())
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
-        if cfg.compile:
+        # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
+        # allows it; DPO reads log-probabilities from the logits.
+        self.fused_loss = self.dpo is None and vocab_loss.supports(self.model)
+        if cfg.compile and not self.fused_loss:
             self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
         self.dataloader = self._setup_data()
 
@@ -303,33 +278,43 @@ class FineTuneRecipe:
                 module.initialize_dora_magnitude()
 
     def _setup_data(self) -> DataLoader:
-        cfg = self.cfg
-        dataset = config.instantiate(cfg.dataset, self.tokenizer)
+        cfg, topo = self.cfg, self.topo
+        # Unpacked here: packing (below) comes after the validation rows are set aside.
+        dataset = config.instantiate(cfg.dataset, self.tokenizer, packed=False)
         if len(dataset) == 0:
             raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
         self.val_dataset = dataset
         validation = cfg.get("validation")
         if validation and validation.get("data_files"):  # the dataset's own split
             node = OmegaConf.merge(cfg.dataset, {"data_files": list(validation.data_files)})
-            self.val_dataset = config.instantiate(node, self.tokenizer)
+            self.val_dataset = config.instantiate(node, self.tokenizer, packed=False)
             self.val_indices = list(range(len(self.val_dataset)))
         elif validation:
             dataset = self._hold_out(dataset, float(validation.fraction))
-        self.collate = None
-        self.sampler = ResumableSampler(
-            len(dataset), rank=self.topo.rank, world_size=self.topo.world_size, seed=cfg.seed
-        )
         if self.dpo is not None:
             collate = partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
-        elif cfg.dataset.packed:
-            collate = padded_collate_packed
         else:
             collate = partial(
                 padded_collate_sft,
                 padding_idx=self.tokenizer.pad_id,
                 ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
             )
-        self.collate = collate
+        self.collate = collate  # validation batches: the rows as they are, never packed
+        order = dict(rank=topo.rank, world_size=topo.world_size, seed=cfg.seed)
+        match cfg.batching:
+            case "packed":
+                dataset = batching.best_fit_packs(
+                    dataset, self.tokenizer.max_seq_len, self.tokenizer.pad_id
+                )
+                collate = padded_collate_packed
+                self.sampler = batching.ShuffledSampler(len(dataset), **order)
+            case "length_grouped":
+                lengths = batching.example_lengths(dataset, "example lengths")
+                self.sampler = batching.LengthGroupedSampler(
+                    lengths, batch_size=cfg.batch_size, **order
+                )
+            case _:
+                self.sampler = batching.ShuffledSampler(len(dataset), **order)
         # A generator of its own: a DataLoader otherwise draws a seed from the global RNG each
         # time it starts an epoch, so a resumed run would see different dropout masks.
         return DataLoader(
@@ -418,24 +403,31 @@ class FineTuneRecipe:
 
     # ---------------------------------------------------------------- train
     def _loss_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Summed next-token loss over the batch and the number of tokens it counts (DPO: the
-        summed loss of its pairs and their number)."""
+        """Summed next-token loss over the batch, on the device, and the number of tokens it
+        counts, counted on the host from the collated batch (DPO: the summed loss of its pairs
+        and their number). Nothing here waits for the device."""
+        self.batch_fill = (real_positions(batch["labels"]), batch["tokens"].numel())
         if self.dpo is not None:
-            self.batch_fill = (real_positions(batch["labels"]), batch["tokens"].numel())
             return self.dpo.forward(self.model, batch, self.device)
-        tokens = batch["tokens"].to(self.device)
-        labels = batch["labels"].to(self.device)
-        self.batch_fill = (real_positions(labels), tokens.numel())
         # Predict token t+1 from position t: shift labels left, ignore the last position.
+        labels = batch["labels"]
         ignore = torch.full_like(labels[:, :1], CROSS_ENTROPY_IGNORE_IDX)
-        labels = torch.cat([labels[:, 1:], ignore], dim=1)
+        labels = torch.cat([labels[:, 1:], ignore], dim=1).reshape(-1)
+        counted = labels != CROSS_ENTROPY_IGNORE_IDX
+        n_tokens = int(counted.sum())
+        tokens = batch["tokens"].to(self.device)
         extra = {}
         if "mask" in batch:  # packed: attend only within each example, positions restart
             extra = {"mask": batch["mask"].to(self.device), "input_pos": batch["input_pos"]}
             extra["input_pos"] = extra["input_pos"].to(self.device)
+        if self.fused_loss:  # the output projection on the counted positions only
+            rows = counted.nonzero().squeeze(1)
+            targets = labels[rows].to(self.device)
+            with vocab_loss.loss_instead_of_logits(self.model, rows.to(self.device), targets):
+                return self.model(tokens, **extra), n_tokens
         logits = self.model(tokens, **extra)
-        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)).float(), labels.reshape(-1))
-        return loss, int((labels != CROSS_ENTROPY_IGNORE_IDX).sum())
+        loss = self.loss_fn(logits.reshape(-1, logits.size(-1)).float(), labels.to(self.device))
+        return loss, n_tokens
 
     def train(self) -> None:
         cfg, topo = self.cfg, self.topo
@@ -462,7 +454,7 @@ class FineTuneRecipe:
                 for batch in self.dataloader:
                     loss, n_tokens = self._loss_and_tokens(batch)
                     loss.backward()
-                    step_loss += loss.item()
+                    step_loss += loss.detach().double()  # summed on the device, read once per step
                     step_tokens += n_tokens
                     step_fill = [a + b for a, b in zip(step_fill, self.batch_fill, strict=True)]
                     if self.dpo is not None:
@@ -482,7 +474,7 @@ class FineTuneRecipe:
                     total_loss, total_tokens, stops, due, real, computed, *stats = (
                         distributed.all_reduce_sum(
                             [
-                                step_loss,
+                                float(step_loss),
                                 step_tokens,
                                 float(self.stop_requested),
                                 float(time_due),
