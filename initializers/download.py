@@ -26,9 +26,9 @@ from pathlib import Path, PurePosixPath
 
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri
-from tunepack.initializers.progress import Progress
 from tunepack.initializers.retry import retrying
 from tunepack.initializers.sources import Listing, RemoteFile, RemoteSource
+from tunepack.initializers.transfer_progress import Progress
 
 CACHE_ROOT = ".tunepack-downloads"
 VERIFIED_FILE = ".tunepack-verified.json"

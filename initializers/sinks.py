@@ -32,8 +32,8 @@ from tunepack.initializers.export import (
     manifest_bytes,
     same_export,
 )
-from tunepack.initializers.progress import human_bytes
 from tunepack.initializers.retry import Retryable, retrying
+from tunepack.initializers.transfer_progress import human_bytes
 
 Log = Callable[[str], None]
 PART_SIZE_ENV = "TUNEPACK_EXPORT_PART_SIZE_MB"

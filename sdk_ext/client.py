@@ -28,7 +28,7 @@ from kubeflow.common.types import KubernetesBackendConfig
 from kubeflow.trainer import TrainerClient
 from kubeflow.trainer.constants import constants as kc
 
-from tunepack import progress as progress_ui
+from tunepack import notebook_progress
 from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import NotAvailableError
@@ -68,7 +68,7 @@ class TrainingClient(TrainerClient):
     ):
         """As the SDK's; ``progress=True`` also shows a progress bar (tqdm, Jupyter-aware)."""
         callbacks = list(callbacks or [])
-        bar = progress_ui.ProgressBar(name) if progress else None
+        bar = notebook_progress.ProgressBar(name) if progress else None
         if bar:
             callbacks.append(bar.update)
         try:
@@ -87,7 +87,7 @@ class TrainingClient(TrainerClient):
 
     def plot_loss(self, name: str):
         """Plot the training loss per step (matplotlib; local jobs read ``metrics.jsonl``)."""
-        return progress_ui.plot_loss(self._tunepack_backend().metrics(name), title=name)
+        return notebook_progress.plot_loss(self._tunepack_backend().metrics(name), title=name)
 
     def result(self, name: str) -> Result:
         """Where the job's adapter or model is, with a loader for a quick generation."""

@@ -81,7 +81,7 @@ def test_plot_loss_shows_validation_next_to_training(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from tunepack.progress import plot_loss, read_metrics
+    from tunepack.notebook_progress import plot_loss, read_metrics
 
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"event": "step", "step": s, "total_steps": 4, "loss": 6.0 - s / 2} for s in (1, 2)]

@@ -304,7 +304,8 @@ def _as_dict(obj) -> dict:
 
 def progress_from_status(trainer_status: dict | None) -> Progress | None:
     """Progress from ``TrainJob.status.trainerStatus`` (the TrainJobStatus feature); the trainer
-    posts its metrics as strings (trainers/progress.py), validation ones after an evaluation."""
+    posts its metrics as strings (trainers/trainjob_status.py), validation ones after an
+    evaluation."""
     if not trainer_status:
         return None
     metrics = {m.get("name"): m.get("value") for m in trainer_status.get("metrics") or []}

@@ -248,7 +248,7 @@ class LocalBackend(TunepackBackend):
 
     def metrics(self, name: str) -> list[dict]:
         """The records of the trainer's ``metrics.jsonl`` that carry a loss."""
-        from tunepack.progress import read_metrics
+        from tunepack.notebook_progress import read_metrics
 
         return read_metrics(self.workspace(name) / "output" / "metrics.jsonl")
 
