@@ -246,14 +246,5 @@ def _get_or_none(fn):
         raise
 
 
-def replicated_job(jobset: dict, name: str) -> dict:
-    return next(j for j in jobset["spec"]["replicatedJobs"] if j["name"] == name)
-
-
-def container(job: dict, name: str | None = None) -> dict:
-    containers = job["template"]["spec"]["template"]["spec"]["containers"]
-    return next(c for c in containers if name is None or c["name"] == name)
-
-
 def env_of(container_: dict) -> dict:
     return {e["name"]: e.get("value", e.get("valueFrom")) for e in container_.get("env") or []}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import kube
-from tests.cluster.kube import container, replicated_job
+from tunepack.runtimes.contract import container, replicated_job
 
 pytestmark = pytest.mark.controlplane
 

@@ -18,7 +18,8 @@ import yaml
 
 from tests.cluster import kube
 from tests.controlplane.cluster import module_dir
-from tunepack.runtimes.generate import load_runtime
+from tunepack.runtimes.contract import replicated_job
+from tunepack.runtimes.store import load_runtime
 
 pytestmark = pytest.mark.controlplane
 
@@ -82,7 +83,7 @@ def test_a_coscheduling_gang_counts_pods_that_cannot_exist_together(api, control
         # While the initializers run, neither the node Job nor the exporter's (which waits for
         # node) exists: 2 of the 5 pods can exist.
         js = api.wait_jobset(namespace, "gang")
-        node = kube.replicated_job(js, "node")
+        node = replicated_job(js, "node")
         assert {d["name"] for d in node["dependsOn"]} == {
             "dataset-initializer",
             "model-initializer",

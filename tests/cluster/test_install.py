@@ -11,7 +11,8 @@ import yaml
 
 from tests.cluster import kube
 from tunepack.runtimes import catalog
-from tunepack.runtimes.generate import load_runtime
+from tunepack.runtimes.contract import containers, jobset_spec, replicated_jobs
+from tunepack.runtimes.store import load_runtime
 
 pytestmark = pytest.mark.controlplane
 
@@ -113,7 +114,7 @@ def test_tunepack_install_upgrades_a_changed_runtime(api, controlplane, namespac
     assert "tunepack-tiny-llama3 replaced" in done.stdout
     served = api.runtime("tunepack-tiny-llama3")
     assert "podGroupPolicy" not in served["spec"]
-    claims = served["spec"]["template"]["spec"]["volumeClaimPolicies"][0]["templates"]
+    claims = jobset_spec(served)["volumeClaimPolicies"][0]["templates"]
     assert claims[0]["metadata"]["name"] == "initializer"
     _delete_all_runtimes(controlplane)
 
@@ -122,13 +123,13 @@ def _old_release(runtime: dict) -> dict:
     old = copy.deepcopy(runtime)
     spec = old["spec"]
     spec["podGroupPolicy"] = {"coscheduling": {"scheduleTimeoutSeconds": 300}}
-    js = spec["template"]["spec"]
+    js = jobset_spec(old)
     js["volumeClaimPolicies"] = [
         {"templates": copy.deepcopy(js["volumeClaimPolicies"][0]["templates"])}
     ]
     js["volumeClaimPolicies"][0]["templates"][0]["metadata"]["name"] = "workspace"
-    for job in js["replicatedJobs"]:
-        for c in job["template"]["spec"]["template"]["spec"]["containers"]:
+    for job in replicated_jobs(old):
+        for c in containers(job):
             for m in c.get("volumeMounts", []):
                 if m["name"] == "initializer":
                     m["name"] = "workspace"

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from tests.cluster import kube
-from tests.cluster.kube import container, env_of, replicated_job
+from tests.cluster.kube import env_of
+from tunepack.runtimes.contract import container, job_spec, replicated_job, replicated_jobs
 
 pytestmark = pytest.mark.controlplane
 
@@ -26,12 +27,12 @@ HUB_MODEL = "hf://meta-llama/Llama-3.2-1B-Instruct"
 def _check_rendered(api, namespace: str, name: str, *, nodes: int, procs: int, args: list[str]):
     """The JobSet the real Trainer rendered from a tunepack runtime and this TrainJob."""
     js = api.wait_jobset(namespace, name)
-    jobs = {j["name"]: j for j in js["spec"]["replicatedJobs"]}
+    jobs = {j["name"]: j for j in replicated_jobs(js)}
     assert set(jobs) == {"dataset-initializer", "model-initializer", "node", "exporter"}
     node = replicated_job(js, "node")
     assert node["replicas"] == 1
-    assert node["template"]["spec"]["parallelism"] == nodes
-    assert node["template"]["spec"]["completions"] == nodes
+    assert job_spec(node)["parallelism"] == nodes
+    assert job_spec(node)["completions"] == nodes
     assert {d["name"]: d["status"] for d in node["dependsOn"]} == {
         "dataset-initializer": "Complete",
         "model-initializer": "Complete",
