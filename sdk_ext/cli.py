@@ -193,8 +193,7 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
     trains (the runtime, the dataset and model as their canonical URIs, the trainer arguments in
     their canonical spelling and the placement). The same command gets the same job, hence its
     workspace, and resumes it; another dataset, model or argument value gets another job."""
-    import hashlib
-
+    from tunepack.core.digest import json_digest
     from tunepack.core.errors import BadInputError
     from tunepack.initializers import uri as storage_uri
     from tunepack.trainjob import max_name_length
@@ -216,7 +215,7 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
         "num_nodes": trainer.num_nodes or 1,
         "num_proc_per_node": trainer.num_proc_per_node,
     }
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:10]
+    digest = json_digest(identity)[:10]
     model_part = re.sub(r"[^a-z0-9-]", "-", runtime.removeprefix("tunepack-").lower()).strip("-")
     keep = max_name_length(trainer.num_nodes or 1) - len(digest) - 1
     return f"{model_part[:keep].rstrip('-') or 'job'}-{digest}"
