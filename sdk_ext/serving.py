@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunepack.core import program
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.builder import to_yaml
@@ -212,7 +213,11 @@ def manifest_text() -> str:
 
 def main() -> int:
     if not MANIFEST.parent.is_dir():
-        print(f"tunepack.serving: error: {MANIFEST.parent} is not here (run it in a checkout)")
+        print(
+            program.error_line(
+                "tunepack.serving", f"{MANIFEST.parent} is not here (run it in a checkout)"
+            )
+        )
         return 65
     MANIFEST.write_text(manifest_text())
     print(f"wrote {MANIFEST}")

@@ -35,7 +35,7 @@ from pydantic import BaseModel
 
 from tunepack import submit
 from tunepack.backends.base import TunepackBackend
-from tunepack.core import durable
+from tunepack.core import durable, program
 from tunepack.core.errors import BadInputError, TunepackError
 from tunepack.core.workspace import lock_workspace
 from tunepack.runtimes import catalog, contract
@@ -511,7 +511,7 @@ def runner_main(job_dir: Path) -> int:
         failed = run_job(job_dir).failed
     except TunepackError as err:  # e.g. the workspace is in use: the job's state says so
         update_state(job_dir, status=kc.TRAINJOB_FAILED, message=str(err))
-        print(f"tunepack: error: {err}", file=sys.stderr)
+        print(program.error_line("tunepack", err), file=sys.stderr)
         return err.exit_code
     return failed.exit_code if failed else 0
 

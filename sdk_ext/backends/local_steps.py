@@ -24,7 +24,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tunepack.core import lifetime
+from tunepack.core import lifetime, program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.core.workspace import WorkspaceLock, lock_workspace
 from tunepack.initializers.export import EXPORT_URI_ENV
@@ -69,19 +69,7 @@ class StepOutcome:
     def error_lines(self) -> list[str]:
         """The last ``<program>: error: ...`` line the step printed, with the indented lines
         after it that detail it (the first offending rows of a dataset); empty if none."""
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return []
-        at = next((i for i in reversed(range(len(lines))) if ": error: " in lines[i]), None)
-        if at is None:
-            return []
-        detail = []
-        for line in lines[at + 1 :]:
-            if not line.startswith("  ") or len(detail) == MAX_DETAIL_LINES:
-                break
-            detail.append(line)
-        return [lines[at], *detail]
+        return program.last_error_in(self.log, MAX_DETAIL_LINES)
 
     def error_line(self) -> str | None:
         """``error_lines()`` as one message (lines joined by newlines), or None."""
