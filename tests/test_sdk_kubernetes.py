@@ -13,6 +13,7 @@ from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.core.errors import api_status
 from tunepack.install import apply, install, runtime_objects
+from tunepack.runtimes.contract import pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 
 from .fake_apiserver import GROUP_PATH, FakeApiServer
@@ -441,8 +442,8 @@ def test_sdk_options_set_the_trainjob_fields(server):
     assert post.body["spec"]["activeDeadlineSeconds"] == 7200
     (patch,) = post.body["spec"]["runtimePatches"]
     assert patch["manager"] == "trainer.kubeflow.org/kubeflow-sdk"
-    job = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
-    assert job["template"]["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "a100"}
+    job = replicated_jobs(patch)[0]
+    assert pod_spec(job)["nodeSelector"] == {"pool": "a100"}
 
 
 @pytest.mark.parametrize(
