@@ -1,9 +1,9 @@
 """The model catalog: the one place where tunepack's knowledge of each model is written.
 
-Everything else is derived from it: the ClusterTrainingRuntime YAML (``runtimes/generate.py``),
-the trainer's torchtune configuration (``trainers/config.py``), the model initializer's file
-checks, the runtime list the CLI and SDK show, the tiny test models (``tunepack.tiny``) and the
-docs.
+Everything else is derived from it: the ClusterTrainingRuntime YAML (``runtimes/builder.py``,
+written by ``python -m tunepack.runtimes.generate``), the trainer's torchtune configuration
+(``trainers/config.py``), the model initializer's file checks, the runtime list the CLI and SDK
+show (``runtimes/store.py``), the tiny test models (``tunepack.tiny``) and the docs.
 
 It is organised in two layers:
 
