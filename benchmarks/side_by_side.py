@@ -6,8 +6,12 @@
 
 Trainers (each a fresh process, one CPU thread, the same model, rows and settings):
 
-- ``tunepack``: tunepack's launcher, default settings (each batch padded to its longest row);
-- ``tunepack-packed``: the same with ``packed=true``;
+- ``tunepack``: tunepack's launcher, default settings (examples of similar length batched
+  together, each batch padded to its longest row; the loss fused with the output projection);
+- ``tunepack-shuffled``: the same with ``group_by_length=false`` (batches in random order);
+- ``tunepack-packed``: the same with ``packed=true`` (best-fit-decreasing packs);
+- ``tunepack-compiled``: the default with ``compile=true`` (its compilation falls in the warm-up
+  steps, left out of the figures; the whole process's CPU time includes it);
 - ``torchtune-stock``: torchtune 0.6.1's stock ``lora_finetune_single_device`` recipe, with a
   config derived from the one tunepack wrote (``trainer_bench.stock_config``);
 - ``trl``: HF TRL's ``SFTTrainer`` + PEFT LoRA, no packing (``sbs_trl.py``), in a virtual
@@ -58,7 +62,22 @@ sys.path.insert(0, str(HERE))
 from sbs_workload import CACHE, ISSUE, SMOKE, Workload, _encoding, prepare  # noqa: E402
 from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
 
-SYSTEMS = ("tunepack", "tunepack-packed", "torchtune-stock", "trl", "trl-packed")
+SYSTEMS = (
+    "tunepack",
+    "tunepack-shuffled",
+    "tunepack-packed",
+    "tunepack-compiled",
+    "torchtune-stock",
+    "trl",
+    "trl-packed",
+)
+# tunepack's modes: the trainer arguments each adds to the default run's.
+TUNEPACK_MODES = {
+    "tunepack": (),
+    "tunepack-shuffled": ("group_by_length=false",),
+    "tunepack-packed": ("packed=true",),
+    "tunepack-compiled": ("compile=true",),
+}
 BASELINE = "tunepack"
 SIZES = {"issue": ISSUE, "smoke": SMOKE}
 TRL_VERSION = "1.16.0"
@@ -228,9 +247,11 @@ class Bench:
         return path
 
     def run(self, name: str) -> dict:
+        if name in TUNEPACK_MODES:
+            return self._tunepack(name, TUNEPACK_MODES[name])
         return getattr(self, "_" + name.replace("-", "_"))(name)
 
-    def _tunepack(self, name: str, packed: bool = False) -> dict:
+    def _tunepack(self, name: str, extra: tuple[str, ...] = ()) -> dict:
         s, run = self.settings, self._run_dir(name)
         ws = run / "ws"
         ws.mkdir()
@@ -247,12 +268,12 @@ class Bench:
             f"lora_alpha={s.lora_alpha}",
             f"lora_dropout={s.lora_dropout}",
             f"seed={s.seed}",
-            f"packed={str(packed).lower()}",
             "device=cpu",
             "dtype=fp32",
             "warmup_steps=0",
             "activation_checkpointing=false",
             "checkpoint_every_minutes=0",
+            *extra,
         ]
         probe = run / "probe.jsonl"
         env = {**self.env, "TUNEPACK_WORKSPACE": str(ws), "TUNEPACK_BENCH_PROBE": str(probe)}
@@ -264,7 +285,7 @@ class Bench:
             if line.strip()
         ]
         steps = [m for m in metrics if m.get("event", "step") == "step"]
-        if not packed and self.tunepack_cfg is None:
+        if not extra and self.tunepack_cfg is None:
             self.tunepack_cfg = yaml.safe_load((ws / "output" / "config.yaml").read_text())
         records = _probe_records(probe)
         result = summarize(name, records, s, 0, usage, steps[-1]["loss"])
@@ -272,9 +293,6 @@ class Bench:
         result["metrics_fill"] = [m.get("fill") for m in steps]
         result["probe_fill"] = [r["real"] / r["positions"] for r in records]
         return result
-
-    def _tunepack_packed(self, name: str) -> dict:
-        return self._tunepack(name, packed=True)
 
     def _torchtune_stock(self, name: str) -> dict:
         if self.tunepack_cfg is None:  # its config is derived from tunepack's

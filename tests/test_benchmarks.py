@@ -25,6 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import sbs_workload  # noqa: E402
 import side_by_side  # noqa: E402
 
+SMOKE_SYSTEMS = [s for s in side_by_side.SYSTEMS if s != "tunepack-compiled"]
+
 
 def test_incremental_bpe_learns_the_same_merges_as_train_bpe():
     text = tiny_corpus()
@@ -94,6 +96,9 @@ def test_side_by_side_smoke_report(tmp_path):
             "1",
             "--trl",
             "if-ready",
+            # Compiling takes minutes of CPU; the smoke run checks the harness, not compilation.
+            "--systems",
+            ",".join(SMOKE_SYSTEMS),
             "--json",
             str(out),
         ],
@@ -105,8 +110,8 @@ def test_side_by_side_smoke_report(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     ran, skipped = report["systems"], report["skipped"]
-    assert set(ran) | set(skipped) == set(side_by_side.SYSTEMS)
-    assert {"tunepack", "tunepack-packed", "torchtune-stock"} <= set(ran)
+    assert set(ran) | set(skipped) == set(SMOKE_SYSTEMS)
+    assert {"tunepack", "tunepack-shuffled", "tunepack-packed", "torchtune-stock"} <= set(ran)
     for name, why in skipped.items():
         assert name.startswith("trl") and "TRL" in why, (name, why)
         assert f"{name:<18}skipped: {why}" in done.stdout
@@ -119,13 +124,14 @@ def test_side_by_side_smoke_report(tmp_path):
         assert math.isfinite(row["loss"]) and row["steady_steps"] == 2, name
         assert row["system"] in done.stdout
     assert ran["tunepack"]["ratio_cpu"] == 1.0
-    # Rows of 20 to 100 tokens in batches of 4 leave padding; padding-free packing leaves none.
-    assert ran["tunepack"]["fill"] < 1
+    # Rows of 20 to 100 tokens in random batches of 4 leave padding, batches of similar length
+    # less; padding-free packing leaves none.
+    assert ran["tunepack-shuffled"]["fill"] < ran["tunepack"]["fill"]
     if "trl-packed" in ran:
         assert ran["trl-packed"]["fill"] == 1.0
         assert report["versions"]["trl_env"]["trl"] == side_by_side.TRL_VERSION
     # tunepack's own fill metric agrees with the probe's count, step by step.
-    for name in ("tunepack", "tunepack-packed"):
+    for name in ("tunepack", "tunepack-shuffled", "tunepack-packed"):
         run = report["runs"][0][name]
         assert run["metrics_fill"] == pytest.approx(run["probe_fill"], abs=1e-4), name
     for package in ("tunepack", "torch", "torchtune"):
