@@ -203,7 +203,7 @@ def test_cli_prefers_the_kubeconfig_as_kubectl_does(tmp_path, monkeypatch):
     config as soon as /var/run/secrets/kubernetes.io exists on the machine)."""
     from argparse import Namespace
 
-    from tunepack.cli import _backend_config
+    from tunepack.cli.commands import _backend_config
 
     kubeconfig = tmp_path / "config"
     _write_kubeconfig(kubeconfig, "team-a")

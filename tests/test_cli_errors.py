@@ -139,7 +139,7 @@ def test_connection_lost_after_the_check_is_transient_and_names_the_server():
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import MaxRetryError, NewConnectionError
 
-    from tunepack.cli_cluster import is_connection_error
+    from tunepack.cli.cluster import is_connection_error
 
     refused = NewConnectionError(None, "Failed to establish a new connection: refused")
     lost = RuntimeError("Failed to get TrainJob: default/j")

@@ -183,7 +183,7 @@ def test_each_run_keeps_its_logs(tmp_path):
 
 
 def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
-    from tunepack.cli import _print_summary
+    from tunepack.cli.commands import _print_summary
 
     output = tmp_path / "output"
     output.mkdir()

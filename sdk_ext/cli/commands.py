@@ -1,35 +1,8 @@
-"""The ``tunepack`` command line.
+"""The ``tunepack`` commands: one ``cmd_*`` function per subcommand, and the parser.
 
-tunepack runtimes                     # the runtimes tunepack ships
-tunepack args                         # the trainer argument vocabulary
-tunepack tiny-model DIR               # a tiny random Llama-3 model, offline
-tunepack tiny-dataset FILE            # a small instruction dataset, offline
-tunepack train --local --runtime R --dataset URI --model URI [--verbose] [key=value ...]
-                                      # the same command again resumes the same job
-tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
-tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
-tunepack render serving --runtime R --name TRAINJOB [key=value ...]   # vLLM for its result
-tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
-tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
-tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
-tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
-tunepack logs NAME [--step node-0] [--local]
-tunepack result NAME [--local]        # a finished job's adapter (or model) and final loss
-tunepack download NAME DIR [--local]  # fetch an exported result (train --export URI), verified;
-                                      # NAME may also be the export URI itself
-tunepack delete NAME [--local] [--workspace-too]   # the workspace is kept unless asked
-tunepack --version
-
-Exit codes: 0 done; 65 bad input or configuration (a usage mistake and a missing kubeconfig
-included: fix it, do not retry); 75 transient (an API server that cannot be reached; a step
-stopped by SIGTERM: retry);
-130 interrupted (Ctrl-C), 143 SIGTERM, 129 SIGHUP (every process of a local run is stopped
-first, the trainer after a checkpoint); 1 the cluster refused a request, or (status) the job
-failed; other codes: a local step's own exit code.
-
-Local jobs live in the local backend's jobs dir (``$TUNEPACK_HOME/jobs``, default
-``~/.tunepack/jobs``, or ``--jobs-dir``), the same place ``TrainingClient(LocalBackendConfig())``
-keeps them: a ``train --local`` run is a job there, and so is a job started from Python.
+The job commands work through ``TrainingClient`` (``tunepack.client``), as a notebook does: the
+local backend's (``--local``) or the cluster's. ``tunepack.cli`` is the entry point (exit codes,
+one-line errors).
 """
 
 from __future__ import annotations
@@ -45,11 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tunepack.cli_cluster import check_cluster, is_connection_error, kubeconfig_paths
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError, api_message
-
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
-EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as for any command whose reader went away
+from tunepack.cli.cluster import check_cluster, kubeconfig_paths
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -69,7 +38,7 @@ def _count(n: int) -> str:
 
 
 def cmd_runtimes(_: argparse.Namespace) -> int:
-    from tunepack.runtimes.generate import list_runtimes
+    from tunepack.runtimes.store import list_runtimes
 
     rows = [
         [
@@ -270,7 +239,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
         )
     from tunepack.backends.local import run_job
     from tunepack.backends.local_steps import describe_exit
-    from tunepack.cli_interrupt import StopOnInterrupt
+    from tunepack.cli.interrupt import StopOnInterrupt
 
     if ns.workspace is not None and not ns.workspace.strip():
         raise BadInputError(
@@ -550,7 +519,7 @@ def cmd_download(ns: argparse.Namespace) -> int:
 
 def cmd_delete(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
-    from tunepack.runtimes.generate import workspace_pvc
+    from tunepack.runtimes.contract import workspace_pvc
 
     if not ns.local:
         if ns.workspace_too:
@@ -762,9 +731,9 @@ def _console_logging(verbose: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tunepack import planner
+    from tunepack import cli, planner
 
-    parser = _Parser(prog="tunepack", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="tunepack", description=cli.__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -905,77 +874,3 @@ def _version() -> str:
         return version("tunepack")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        code = _main(argv)
-        sys.stdout.flush()  # here, where a closed pipe is handled, not at interpreter exit
-        return code
-    except KeyboardInterrupt:
-        print("tunepack: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # The reader went away (`tunepack runtimes | head -1`): stop quietly, as Unix tools do.
-        # stdout is pointed at /dev/null so that flushing it at exit cannot fail again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
-
-
-def _main(argv: list[str] | None = None) -> int:
-    _console_logging()
-    try:
-        ns = build_parser().parse_args(argv)
-        return ns.func(ns)
-    except TunepackError as err:
-        print(f"tunepack: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except (RuntimeError, TimeoutError) as err:
-        # The Kubeflow SDK wraps the cluster's API and connection errors (a missing TrainJob, a
-        # refused request, no API server) in RuntimeError (TimeoutError when the API does not
-        # answer in time): say those in one line with the server's reason. Any other
-        # RuntimeError is a bug and keeps its traceback.
-        if not _is_cluster_error(err.__cause__):
-            raise
-        if is_connection_error(err.__cause__):
-            from tunepack import cli_cluster
-
-            server = cli_cluster.last_server or "configured in your kubeconfig"
-            print(
-                f"tunepack: error: {err}: cannot reach the Kubernetes API server {server}; "
-                "check that the cluster is running, then run the command again",
-                file=sys.stderr,
-            )
-            return EXIT_TRANSIENT
-        cause = api_message(err.__cause__)
-        detail = f": {cause}" if cause and cause not in str(err) else ""
-        print(f"tunepack: error: {err}{detail}", file=sys.stderr)
-        return 1
-    except _config_exception() as err:
-        print(
-            f"tunepack: error: invalid Kubernetes configuration: {err}; fix your kubeconfig "
-            "(KUBECONFIG or ~/.kube/config)",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
-
-
-def _is_cluster_error(err: BaseException | None) -> bool:
-    import multiprocessing
-
-    from kubernetes.client.exceptions import ApiException
-    from urllib3.exceptions import HTTPError
-
-    return isinstance(err, ApiException | HTTPError | OSError | multiprocessing.TimeoutError)
-
-
-def _config_exception() -> type[Exception]:
-    """The kubernetes client's error for a missing or broken kubeconfig."""
-    from kubernetes.config.config_exception import ConfigException
-
-    return ConfigException
-
-
-if __name__ == "__main__":
-    sys.exit(main())

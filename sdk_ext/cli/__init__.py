@@ -1,0 +1,113 @@
+"""The ``tunepack`` command line.
+
+tunepack runtimes                     # the runtimes tunepack ships
+tunepack args                         # the trainer argument vocabulary
+tunepack tiny-model DIR               # a tiny random Llama-3 model, offline
+tunepack tiny-dataset FILE            # a small instruction dataset, offline
+tunepack train --local --runtime R --dataset URI --model URI [--verbose] [key=value ...]
+                                      # the same command again resumes the same job
+tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
+tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
+tunepack render serving --runtime R --name TRAINJOB [key=value ...]   # vLLM for its result
+tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
+tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
+tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
+tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
+tunepack logs NAME [--step node-0] [--local]
+tunepack result NAME [--local]        # a finished job's adapter (or model) and final loss
+tunepack download NAME DIR [--local]  # fetch an exported result (train --export URI), verified;
+                                      # NAME may also be the export URI itself
+tunepack delete NAME [--local] [--workspace-too]   # the workspace is kept unless asked
+tunepack --version
+
+Exit codes: 0 done; 65 bad input or configuration (a usage mistake and a missing kubeconfig
+included: fix it, do not retry); 75 transient (an API server that cannot be reached; a step
+stopped by SIGTERM: retry);
+130 interrupted (Ctrl-C), 143 SIGTERM, 129 SIGHUP (every process of a local run is stopped
+first, the trainer after a checkpoint); 1 the cluster refused a request, or (status) the job
+failed; other codes: a local step's own exit code.
+
+Local jobs live in the local backend's jobs dir (``$TUNEPACK_HOME/jobs``, default
+``~/.tunepack/jobs``, or ``--jobs-dir``), the same place ``TrainingClient(LocalBackendConfig())``
+keeps them: a ``train --local`` run is a job there, and so is a job started from Python.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tunepack.cli import cluster
+from tunepack.cli.commands import _console_logging, build_parser
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError, api_message
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as for any command whose reader went away
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, where a closed pipe is handled, not at interpreter exit
+        return code
+    except KeyboardInterrupt:
+        print("tunepack: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`tunepack runtimes | head -1`): stop quietly, as Unix tools do.
+        # stdout is pointed at /dev/null so that flushing it at exit cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None = None) -> int:
+    _console_logging()
+    try:
+        ns = build_parser().parse_args(argv)
+        return ns.func(ns)
+    except TunepackError as err:
+        print(f"tunepack: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except (RuntimeError, TimeoutError) as err:
+        # The Kubeflow SDK wraps the cluster's API and connection errors (a missing TrainJob, a
+        # refused request, no API server) in RuntimeError (TimeoutError when the API does not
+        # answer in time): say those in one line with the server's reason. Any other
+        # RuntimeError is a bug and keeps its traceback.
+        if not _is_cluster_error(err.__cause__):
+            raise
+        if cluster.is_connection_error(err.__cause__):
+            server = cluster.last_server or "configured in your kubeconfig"
+            print(
+                f"tunepack: error: {err}: cannot reach the Kubernetes API server {server}; "
+                "check that the cluster is running, then run the command again",
+                file=sys.stderr,
+            )
+            return EXIT_TRANSIENT
+        cause = api_message(err.__cause__)
+        detail = f": {cause}" if cause and cause not in str(err) else ""
+        print(f"tunepack: error: {err}{detail}", file=sys.stderr)
+        return 1
+    except _config_exception() as err:
+        print(
+            f"tunepack: error: invalid Kubernetes configuration: {err}; fix your kubeconfig "
+            "(KUBECONFIG or ~/.kube/config)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+
+
+def _is_cluster_error(err: BaseException | None) -> bool:
+    import multiprocessing
+
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    return isinstance(err, ApiException | HTTPError | OSError | multiprocessing.TimeoutError)
+
+
+def _config_exception() -> type[Exception]:
+    """The kubernetes client's error for a missing or broken kubeconfig."""
+    from kubernetes.config.config_exception import ConfigException
+
+    return ConfigException
