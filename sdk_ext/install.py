@@ -212,7 +212,7 @@ def _trainjobs_using(api_client, obj: dict) -> list[str]:
     for job in items:
         ref = (job.get("spec") or {}).get("runtimeRef") or {}
         # runtimeRef.kind defaults to ClusterTrainingRuntime in the API.
-        if ref.get("name") == name and ref.get("kind", "ClusterTrainingRuntime") == kind:
+        if ref.get("name") == name and ref.get("kind", KIND) == kind:
             meta = job.get("metadata") or {}
             out.append(f"{meta.get('namespace')}/{meta.get('name')}")
     return sorted(out)
