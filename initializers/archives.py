@@ -7,13 +7,13 @@ archive from the internet must not be able to write over the workspace or the im
 
 from __future__ import annotations
 
-import os
 import shutil
 import stat
 import tarfile
 import zipfile
 from pathlib import Path, PurePosixPath
 
+from tunepack.core import durable
 from tunepack.core.errors import BadInputError
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
@@ -39,7 +39,7 @@ def extract(archive: Path, dest: Path, display: str) -> Path:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    os.rename(partial, dest)
+    durable.rename_dir(partial, dest)
     return dest
 
 

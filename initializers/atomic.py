@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -100,7 +99,7 @@ def remove_stale_partials(dest: Path) -> list[Path]:
     """Remove ``<dest>.partial-*`` left by interrupted runs; return what was removed."""
     stale = sorted(Path(p) for p in glob.glob(glob.escape(str(dest)) + PARTIAL_MARK + "*"))
     for path in stale:
-        _remove(path)
+        durable.remove(path)
     return stale
 
 
@@ -126,7 +125,7 @@ def staged(dest: Path) -> Iterator[Path]:
             yield partial
             _publish(partial, dest)
     except BaseException:
-        _remove(partial)
+        durable.remove(partial)
         raise
 
 
@@ -148,20 +147,7 @@ def _check_replaceable(dest: Path) -> None:
 def _publish(partial: Path, dest: Path) -> None:
     if not (partial / MANIFEST_FILE).is_file():
         raise RuntimeError(f"refusing to publish {partial} without its {MANIFEST_FILE}")
-    old = None
-    if dest.exists() or dest.is_symlink():
-        # Moved aside under a partial name, so a crash right here leaves it for the next
-        # run's cleanup rather than a stray directory.
-        old = dest.with_name(dest.name + PARTIAL_MARK + "old-" + secrets.token_hex(4))
-        os.rename(dest, old)
-    os.rename(partial, dest)
-    durable.fsync_dir(dest.parent)
-    if old is not None:
-        _remove(old)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    # What was there is moved aside under a partial name, so a crash right then leaves it for
+    # the next run's cleanup rather than a stray directory.
+    aside = dest.with_name(dest.name + PARTIAL_MARK + "old-" + secrets.token_hex(4))
+    durable.rename_dir(partial, dest, aside=aside)

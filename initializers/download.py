@@ -24,6 +24,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from tunepack.core import durable
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri
 from tunepack.initializers.retry import retrying
@@ -319,7 +320,4 @@ def _load_records(directory: Path) -> dict:
 
 
 def _save_records(directory: Path, records: dict) -> None:
-    path = directory / VERIFIED_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(records, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    durable.write_text(directory / VERIFIED_FILE, json.dumps(records, indent=1, sort_keys=True))

@@ -196,12 +196,14 @@ def save(
     """
     name = f"{PREFIX}{manifest['step']:08d}"
     final, staging = root / name, root / f".{name}.partial"
+    aside = root / f".{name}.old"  # the same step saved before, while it is replaced
     model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     needed = nbytes(model_state) + nbytes(optim_state)
     try:
         with durable.disk_full_as_error(final, needed):
             if topo.is_main:
-                shutil.rmtree(staging, ignore_errors=True)  # left by a run killed while writing
+                for stale in (staging, aside):  # left by a run killed while writing
+                    shutil.rmtree(stale, ignore_errors=True)
                 staging.mkdir(parents=True)
             distributed.barrier()
             with _quiet_single_process():
@@ -213,10 +215,8 @@ def save(
                 torch.save({"lr_scheduler": lr_scheduler.state_dict()}, staging / TRAINER_STATE)
                 # Checksums of what every rank wrote (one shared directory), verified on resume.
                 durable.write_json(staging / MANIFEST, {**manifest, "files": file_sums(staging)})
-                if final.exists():  # the same step saved again (a stop request right after resume)
-                    shutil.rmtree(final)
-                staging.rename(final)
-                durable.fsync_dir(root)
+                # A step saved again (a stop request right after resume) replaces the first.
+                durable.rename_dir(staging, final, aside=aside)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -2,7 +2,10 @@
 
 A reader (or a restarted Pod) must find either the old content or the complete new one, never a
 half-written file: every write goes to a temporary name in the same directory, is flushed to
-disk, and is renamed into place; the directory entry is then flushed too.
+disk, and is renamed into place; the directory entry is then flushed too. This module is the one
+place that renames staged content into place: ``write_bytes`` (and ``write_text``,
+``write_json``) for a file, ``rename_dir`` for a directory built under a staging name (the
+initializers' outputs, the trainer's checkpoints and results, extracted archives).
 
 What is written is readable by every user (files 0644, directories 0755) whatever the umask: a
 result is read by a serving Pod that may run as another user. A failed write (a full disk
@@ -108,24 +111,29 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` atomically and durably.
+def write_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically and durably.
 
     The rename also means a hard-linked file (a model file linked into the workspace) is never
     written through.
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with disk_full_as_error(path, len(text.encode("utf-8"))):
-            with open(tmp, "w", encoding="utf-8") as f:
+        with disk_full_as_error(path, len(data)):
+            with open(tmp, "wb") as f:
                 os.fchmod(f.fileno(), FILE_MODE)
-                f.write(text)
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` (UTF-8) atomically and durably (``write_bytes``)."""
+    write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: Path, data: object) -> None:
@@ -163,15 +171,40 @@ def publish_dir(
         with disk_full_as_error(destination, needed):
             write(staging)
         make_readable(staging)
-        if destination.exists():
-            old = destination.with_name(f".{destination.name}.old-{os.getpid()}")
-            destination.rename(old)
-            staging.rename(destination)
-            shutil.rmtree(old)
-        else:
-            staging.rename(destination)
-        fsync_dir(destination.parent)
+        rename_dir(
+            staging,
+            destination,
+            aside=destination.with_name(f".{destination.name}.old-{os.getpid()}"),
+        )
     finally:
         if staging.exists():
             shutil.rmtree(staging)
     return destination
+
+
+def rename_dir(staging: Path, destination: Path, *, aside: Path | None = None) -> None:
+    """Put the complete directory ``staging`` in place as ``destination``, durably: the one
+    stage-then-rename of a directory.
+
+    With ``aside``, whatever is at ``destination`` is replaced: it is first renamed to ``aside``
+    (a name the caller's cleanup of interrupted runs recognises), then removed once the new one
+    is in place, so a reader finds the old or the new directory, and a crash leaves at worst the
+    old one under ``aside``. Without, the rename replaces only an empty directory and raises
+    ``OSError`` over a non-empty one (for callers that never replace another writer's result).
+    """
+    old = None
+    if aside is not None and (destination.exists() or destination.is_symlink()):
+        os.rename(destination, aside)
+        old = aside
+    os.rename(staging, destination)
+    fsync_dir(destination.parent)
+    if old is not None:
+        remove(old)
+
+
+def remove(path: Path) -> None:
+    """Remove a staged or set-aside file or directory (a link is removed, not followed)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

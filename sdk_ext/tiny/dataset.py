@@ -6,11 +6,10 @@ Its text is also what the tiny tokenizers learn their vocabularies from (``tiny_
 from __future__ import annotations
 
 import json
-import os
 import random
-import tempfile
 from pathlib import Path
 
+from tunepack.core import durable
 from tunepack.core.errors import BadInputError
 
 _WORDS = (
@@ -134,12 +133,4 @@ def write_tiny_preference_dataset(path: Path, rows: int = 64, seed: int = 0) -> 
 
 def _write_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; readers may run as another user
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    durable.write_bytes(path, data)  # world-readable: readers may run as another user

@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from tunepack.core import durable
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import TINY_LLAMA3, ModelEntry
 from tunepack.tiny import hf
@@ -199,7 +200,7 @@ def write_tiny_model(out_dir: Path, entry: ModelEntry | None = None, seed: int =
     try:
         _write_model_files(tmp, entry, fmt, seed)
         try:
-            os.rename(tmp, out_dir)  # replaces an empty directory, fails on a non-empty one
+            durable.rename_dir(tmp, out_dir)  # replaces an empty directory, not another
         except OSError:
             if not is_complete_model_dir(out_dir, entry):
                 raise
