@@ -24,7 +24,7 @@ setup(
         for package, root in ROOTS.items()
         for name in (package, *(f"{package}.{sub}" for sub in find_packages(root)))
     ],
-    # Read at run time: runtimes/generate.py's load_runtime (the CLI, the local backend, install).
+    # Read at run time: runtimes/store.py's load_runtime (the CLI, the local backend, install).
     # Only these: no other file of the source directories goes into the wheel.
     package_data={"tunepack.runtimes": ["generated/*.yaml"]},
     include_package_data=False,

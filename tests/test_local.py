@@ -10,8 +10,9 @@ import pytest
 
 from tunepack.backends.local_steps import order_steps, resolve_steps, run_trainjob
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes.generate import load_runtime
-from tunepack.trainjob import build_trainjob
+from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob
+from tunepack.runtimes.contract import container, replicated_jobs
+from tunepack.runtimes.store import load_runtime
 
 DATASET_URI = "file:///data/instructions.jsonl"
 MODEL_URI = "file:///models/tiny-llama3"
@@ -19,12 +20,14 @@ MODEL_URI = "file:///models/tiny-llama3"
 
 def _trainjob(**kwargs) -> dict:
     return build_trainjob(
-        name="local-test",
-        runtime="tunepack-tiny-llama3",
-        dataset_uri=DATASET_URI,
-        model_uri=MODEL_URI,
-        trainer_args=["lora_rank=4", "epochs=1"],
-        **kwargs,
+        TrainJobSpec(
+            name="local-test",
+            runtime="tunepack-tiny-llama3",
+            dataset_uri=DATASET_URI,
+            model_uri=MODEL_URI,
+            trainer_args=["lora_rank=4", "epochs=1"],
+            **kwargs,
+        )
     )
 
 
@@ -79,17 +82,16 @@ def test_num_nodes_becomes_node_replicas(tmp_path):
 def _recording_runtime(fail: str | None = None) -> dict:
     """The real tiny runtime with each step's program replaced by one that records its turn."""
     runtime = copy.deepcopy(load_runtime("tunepack-tiny-llama3"))
-    jobs = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    jobs = replicated_jobs(runtime)
     jobs.reverse()  # list the trainer first: order must come from dependsOn alone
     for job in jobs:
-        container = job["template"]["spec"]["template"]["spec"]["containers"][0]
         code = (
             "import os, sys; "
             "open(os.path.join(os.environ['TUNEPACK_WORKSPACE'], 'order'), 'a')"
             f".write('{job['name']}\\n'); print('hello from {job['name']}'); "
             f"sys.exit({65 if job['name'] == fail else 0})"
         )
-        container["command"] = ["python", "-c", code]
+        container(job)["command"] = ["python", "-c", code]
     return runtime
 
 

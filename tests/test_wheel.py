@@ -37,7 +37,7 @@ ROOTS = {
     "initializers": "tunepack/initializers",
     "trainers": "tunepack/trainers",
 }
-# Files other than modules that the code reads at run time (runtimes/generate.py: load_runtime).
+# Files other than modules that the code reads at run time (runtimes/store.py: load_runtime).
 DATA = ["runtimes/generated/*.yaml"]
 DOCKERFILES = [REPO / "initializers" / "Dockerfile", REPO / "trainers" / "Dockerfile"]
 TINY_RUNTIME = "tunepack-tiny-llama3"
@@ -292,7 +292,7 @@ def _installed_runtime(venv: Path, cwd: Path) -> dict:
     code = (
         "import json\n"
         "from importlib import resources\n"
-        "from tunepack.runtimes.generate import load_runtime\n"
+        "from tunepack.runtimes.store import load_runtime\n"
         "print(resources.files('tunepack.runtimes'))\n"
         f"print(json.dumps(load_runtime({TINY_RUNTIME!r})))\n"
     )
