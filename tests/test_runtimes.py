@@ -179,7 +179,7 @@ def test_shared_workspace(entry):
     mode = "ReadWriteMany" if entry.resources.nodes > 1 else "ReadWriteOnce"
     assert claim["spec"]["accessModes"] == [mode]
     assert claim["spec"]["resources"]["requests"]["storage"] == entry.resources.workspace_storage
-    for job in jobset["replicatedJobs"]:
+    for job in replicated_jobs(build_runtime(entry)):
         mounts = {m["name"]: m["mountPath"] for m in _container(job)["volumeMounts"]}
         assert mounts["initializer"] == "/workspace"
         # JobSet adds the claim itself and refuses a pod volume of the same name.
@@ -289,7 +289,7 @@ def test_bad_input_exit_code_is_not_retried():
     (rule,) = jobset["failurePolicy"]["rules"]
     assert rule["action"] == "FailJobSet"
     assert rule["onJobFailureReasons"] == ["PodFailurePolicy"]
-    for job in jobset["replicatedJobs"]:
+    for job in replicated_jobs(build_runtime(GPU)):
         fail_job = contract.job_spec(job)["podFailurePolicy"]["rules"][0]
         assert fail_job["action"] == "FailJob"
         assert fail_job["onExitCodes"]["values"] == [EXIT_BAD_INPUT]

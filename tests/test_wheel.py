@@ -28,6 +28,8 @@ import yaml
 from packaging.requirements import Requirement
 
 from tunepack.core.workspace import MANIFEST_FILE
+from tunepack.runtimes.contract import containers, replicated_jobs
+from tunepack.runtimes.contract import env as env_of
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository's top-level directories and the import package each one is (setup.py maps them).
@@ -248,9 +250,9 @@ def test_cli_and_runtime_steps_run_from_the_installed_wheel(
     runtime = _installed_runtime(venv, tmp_path)
     workspace = tmp_path / "workspace"
     steps = {}
-    for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
-        (container,) = job["template"]["spec"]["template"]["spec"]["containers"]
-        env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    for job in replicated_jobs(runtime):
+        (container,) = containers(job)
+        env = env_of(container)
         env["TUNEPACK_WORKSPACE"] = str(workspace)  # /workspace in a Pod
         python, *args = container["command"]
         assert python == "python"
