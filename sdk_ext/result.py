@@ -81,10 +81,10 @@ class Result:
         (``chat_template``, with its ``system_prompt``), up to the opening of the assistant's
         turn, as the model's Hugging Face chat template renders it with
         ``add_generation_prompt=True``. None for a text-completion run (the prompt is the text)."""
-        from tunepack.core.workspace import MANIFEST_FILE
+        from tunepack.core.workspace import DATASET_DIR, MANIFEST_FILE, MODEL_DIR, result_file
 
         workspace = self._workspace()
-        schema = json.loads((workspace / "dataset" / MANIFEST_FILE).read_text())["schema"]
+        schema = json.loads((workspace / DATASET_DIR / MANIFEST_FILE).read_text())["schema"]
         if schema == "text":
             return None
         from omegaconf import OmegaConf
@@ -94,8 +94,8 @@ class Result:
         from tunepack.runtimes import catalog
         from tunepack.trainers.config import tokenizer_config
 
-        info = json.loads((workspace / "output" / "result.json").read_text())
-        node = tokenizer_config(catalog.get(info["model"]), workspace / "model", None)
+        info = json.loads(result_file(workspace).read_text())
+        node = tokenizer_config(catalog.get(info["model"]), workspace / MODEL_DIR, None)
         # Results written before the format was recorded trained in the model's own format.
         node["chat_template"] = info.get("chat_template") or node["chat_template"]
         node["system_prompt"] = info.get("system_prompt")

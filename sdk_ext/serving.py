@@ -27,6 +27,15 @@ from pathlib import Path
 
 from tunepack.core import program
 from tunepack.core.errors import BadInputError
+from tunepack.core.workspace import (
+    ADAPTER_DIR,
+    DEFAULT_WORKSPACE,
+    FULL_MODEL_DIR,
+    MERGED_DIR,
+    MODEL_DIR,
+    OUTPUT_DIR,
+    in_pod,
+)
 from tunepack.runtimes import catalog
 from tunepack.runtimes.builder import to_yaml
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
@@ -89,9 +98,9 @@ def served_result(runtime: str, args: list[str]) -> Served:
         # A checkpoint of one's own may carry any template: serve the format it was trained in.
         template = TEMPLATES[trained.chat_template]
     if trained.method == "full":
-        return Served("/workspace/output/model", chat_template=template)
+        return Served(in_pod(OUTPUT_DIR, FULL_MODEL_DIR), chat_template=template)
     if trained.merge:
-        return Served("/workspace/output/merged", chat_template=template)
+        return Served(in_pod(OUTPUT_DIR, MERGED_DIR), chat_template=template)
     if trained.method == "dora":
         raise BadInputError(
             "method=dora: vLLM does not load DoRA adapters; train with merge=true as well and "
@@ -99,8 +108,8 @@ def served_result(runtime: str, args: list[str]) -> Served:
         )
     assert trained.method in LORA_FAMILY
     return Served(
-        "/workspace/model",
-        "/workspace/output/adapter",
+        in_pod(MODEL_DIR),
+        in_pod(OUTPUT_DIR, ADAPTER_DIR),
         max_lora_rank(trained.lora_rank),
         chat_template=template,
     )
@@ -135,7 +144,7 @@ def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
         },
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
         "volumeMounts": [
-            {"name": "workspace", "mountPath": "/workspace", "readOnly": True},
+            {"name": "workspace", "mountPath": DEFAULT_WORKSPACE, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "tmp", "mountPath": "/tmp"},
         ],
@@ -207,7 +216,7 @@ def render(objects: list[dict]) -> str:
 
 def manifest_text() -> str:
     """The content of ``manifests/serving/vllm.yaml``."""
-    served = Served("/workspace/model", "/workspace/output/adapter", DEFAULT_MAX_LORA_RANK)
+    served = Served(in_pod(MODEL_DIR), in_pod(OUTPUT_DIR, ADAPTER_DIR), DEFAULT_MAX_LORA_RANK)
     return HEADER + render(manifests(EXAMPLE_TRAINJOB, served))
 
 

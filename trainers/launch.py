@@ -160,12 +160,12 @@ def run(argv: list[str]) -> int:
         model_dir=workspace.model_dir(),
         dataset_dir=workspace.dataset_dir(),
         output_dir=output,
-        cache_dir=root / ".cache" / "datasets",
-        checkpoint_dir=root / "checkpoints",
+        cache_dir=root / workspace.CACHE_DIR / "datasets",
+        checkpoint_dir=root / workspace.CHECKPOINTS_DIR,
     )
     layout = layout_from_env(cfg.device)
     digest = result_digest(cfg)
-    result_path = output / "result.json"
+    result_path = output / workspace.RESULT_FILE
     if result_path.exists():
         try:
             previous = json.loads(result_path.read_text())
@@ -185,11 +185,11 @@ def run(argv: list[str]) -> int:
     output.mkdir(parents=True, exist_ok=True)
     config_text = OmegaConf.to_yaml(cfg)
     if layout.node_rank == 0:  # every node derives the same config; one records it
-        durable.write_text(output / "config.yaml", config_text)
+        durable.write_text(output / workspace.CONFIG_FILE, config_text)
     print(
         f"{PROGRAM}: {entry.runtime_name} method={args.method} device={cfg.device} "
         f"dtype={cfg.dtype} nodes={layout.nnodes} processes/node={layout.nproc_per_node}; "
-        f"config written to {output / 'config.yaml'}",
+        f"config written to {output / workspace.CONFIG_FILE}",
         flush=True,
     )
     # tiktoken caches even local tokenizer files, keyed by path: a new model at the same

@@ -35,6 +35,7 @@ from kubeflow_trainer_api import models
 from tunepack import submit
 from tunepack.backends.base import TunepackBackend
 from tunepack.core.errors import BadInputError, NotAvailableError, api_message, api_status
+from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import workspace_pvc
 from tunepack.trainjob import export_of
@@ -233,8 +234,8 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         )
         return Result(
             job=name,
-            path=f"pvc/{pvc}:/workspace/output/adapter",
-            base_model=f"pvc/{pvc}:/workspace/model",
+            path=f"pvc/{pvc}:{in_pod(OUTPUT_DIR, ADAPTER_DIR)}",
+            base_model=f"pvc/{pvc}:{in_pod(MODEL_DIR)}",
             local=False,
             export=export_of(_as_dict(raw)),
         )

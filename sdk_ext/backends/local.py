@@ -37,7 +37,7 @@ from tunepack import submit
 from tunepack.backends.base import TunepackBackend
 from tunepack.core import durable, program
 from tunepack.core.errors import BadInputError, TunepackError
-from tunepack.core.workspace import lock_workspace
+from tunepack.core.workspace import LOGS_DIR, MODEL_DIR, lock_workspace, metrics_file, result_file
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
@@ -250,18 +250,18 @@ class LocalBackend(TunepackBackend):
         """The records of the trainer's ``metrics.jsonl`` that carry a loss."""
         from tunepack.notebook_progress import read_metrics
 
-        return read_metrics(self.workspace(name) / "output" / "metrics.jsonl")
+        return read_metrics(metrics_file(self.workspace(name)))
 
     def _result(self, name: str):
         from tunepack.result import Result
 
         trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
         workspace = self.workspace(name)
-        info = json.loads((workspace / "output" / "result.json").read_text())
+        info = json.loads(result_file(workspace).read_text())
         return Result(
             job=name,
             path=info["artifact"],
-            base_model=str(workspace / "model"),
+            base_model=str(workspace / MODEL_DIR),
             method=info.get("method"),
             final_loss=info.get("final_loss"),
             export=export_of(trainjob),
@@ -283,7 +283,7 @@ class LocalBackend(TunepackBackend):
                 else "the local runner process ended unexpectedly; see runner.log"
             )
         steps = [
-            kf.Step(name=step, status=info["status"], pod_name=str(workspace / "logs"))
+            kf.Step(name=step, status=info["status"], pod_name=str(workspace / LOGS_DIR))
             for step, info in state["steps"].items()
         ]
         return TrainJob(
@@ -294,7 +294,7 @@ class LocalBackend(TunepackBackend):
             creation_timestamp=datetime.fromisoformat(state["created"]),
             status=status,
             message=state.get("message"),
-            progress=read_progress(workspace / "output" / "metrics.jsonl"),
+            progress=read_progress(metrics_file(workspace)),
         )
 
     def get_job_logs(
@@ -446,8 +446,8 @@ def _step_log(workspace: Path, step: str) -> Path:
 
     head, _, index = step.rpartition("-")
     if head and index.isdigit():
-        return step_log(workspace / "logs", head, int(index))
-    return step_log(workspace / "logs", step)
+        return step_log(workspace / LOGS_DIR, head, int(index))
+    return step_log(workspace / LOGS_DIR, step)
 
 
 def _pid(job_dir: Path) -> int | None:
@@ -536,7 +536,7 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
         state["runner"] = RUNNER_CLI
     name = trainjob["metadata"]["name"]
     with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
-        keep_previous_logs(workspace / "logs")
+        keep_previous_logs(workspace / LOGS_DIR)
         steps = resolve_steps(runtime, trainjob, workspace.resolve())
         return _run_steps(job_dir, state, steps, workspace, echo, lock)
 
@@ -557,7 +557,7 @@ def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
         _write_json(state_path, state)
         if echo:
             echo(f"==> {step.name}: {' '.join(step.command)}")
-        outcome = run_step(step, workspace / "logs", echo=echo, lock=lock)
+        outcome = run_step(step, workspace / LOGS_DIR, echo=echo, lock=lock)
         outcomes.append(outcome)
         phase = "Succeeded" if outcome.exit_code == 0 else "Failed"
         for n in names[step.name]:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tunepack.core import lifetime, program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
-from tunepack.core.workspace import WorkspaceLock, lock_workspace
+from tunepack.core.workspace import LOGS_DIR, WorkspaceLock, lock_workspace
 from tunepack.initializers.export import EXPORT_URI_ENV
 from tunepack.runtimes import contract
 from tunepack.runtimes.contract import (
@@ -354,12 +354,12 @@ def run_trainjob(
     workspace.mkdir(parents=True, exist_ok=True)
     name = trainjob.get("metadata", {}).get("name", "?")
     with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
-        keep_previous_logs(workspace / "logs")
+        keep_previous_logs(workspace / LOGS_DIR)
         outcomes = []
         for step in resolve_steps(runtime, trainjob, workspace.resolve()):
             if echo:
                 echo(f"==> {step.name}: {' '.join(step.command)}")
-            outcome = run_step(step, workspace / "logs", echo, lock)
+            outcome = run_step(step, workspace / LOGS_DIR, echo, lock)
             outcomes.append(outcome)
             if outcome.exit_code != 0:
                 break

@@ -636,7 +636,9 @@ def cmd_install(ns: argparse.Namespace) -> int:
 def _print_summary(
     name: str, runtime: str, workspace: Path, elapsed: float, export: str | None = None
 ) -> None:
-    result = json.loads((workspace / "output" / "result.json").read_text())
+    from tunepack.core.workspace import result_file
+
+    result = json.loads(result_file(workspace).read_text())
     print()
     print("tunepack: training finished")
     print(f"  job         {name}")

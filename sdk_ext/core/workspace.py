@@ -24,10 +24,22 @@ DEFAULT_WORKSPACE = "/workspace"
 STORAGE_URI_ENV = "STORAGE_URI"  # initializers: where to fetch from
 MODEL_ENV = "TUNEPACK_MODEL"  # every step: the catalog entry the runtime was generated for
 
-DATASET_DIR = "dataset"
-MODEL_DIR = "model"
-OUTPUT_DIR = "output"
-MANIFEST_FILE = "tunepack-manifest.json"
+# The workspace's layout: <workspace>/<name>.
+DATASET_DIR = "dataset"  # the dataset initializer's output
+MODEL_DIR = "model"  # the model initializer's output (the base model)
+OUTPUT_DIR = "output"  # the trainer's result
+CHECKPOINTS_DIR = "checkpoints"  # the trainer's resumable checkpoints
+CACHE_DIR = ".cache"  # the trainer's caches (tokenized datasets)
+LOGS_DIR = "logs"  # the local backend's step logs (a Pod's log is the container's)
+MANIFEST_FILE = "tunepack-manifest.json"  # in dataset/ and model/: what was written, and from what
+
+# The result: <workspace>/output/<name>.
+RESULT_FILE = "result.json"  # written last: the run is finished, and what it made
+METRICS_FILE = "metrics.jsonl"  # one JSON line per logging step and per evaluation
+CONFIG_FILE = "config.yaml"  # the torchtune config the trainer derived from its arguments
+ADAPTER_DIR = "adapter"  # the PEFT adapter (LoRA methods)
+FULL_MODEL_DIR = "model"  # the fine-tuned model (method=full)
+MERGED_DIR = "merged"  # the base with the adapter merged in (merge=true)
 
 
 def workspace_root() -> Path:
@@ -44,6 +56,22 @@ def model_dir() -> Path:
 
 def output_dir() -> Path:
     return workspace_root() / OUTPUT_DIR
+
+
+def result_file(root: Path) -> Path:
+    """``result.json`` of the workspace at ``root``."""
+    return Path(root) / OUTPUT_DIR / RESULT_FILE
+
+
+def metrics_file(root: Path) -> Path:
+    """``metrics.jsonl`` of the workspace at ``root``."""
+    return Path(root) / OUTPUT_DIR / METRICS_FILE
+
+
+def in_pod(*parts: str) -> str:
+    """A path in the workspace as a Pod mounts it: ``in_pod(OUTPUT_DIR, ADAPTER_DIR)`` is
+    ``/workspace/output/adapter``."""
+    return "/".join([DEFAULT_WORKSPACE, *parts])
 
 
 # --- the workspace lock --------------------------------------------------------------------------
