@@ -32,12 +32,14 @@ from tunepack.runtimes.contract import (
     DATASET_STEP,
     EXPORT_STEP,
     FRAMEWORK_LABEL,
+    HUB_TOKEN_ENV,
     HUB_TOKEN_SECRET,
     INITIALIZER_VOLUME,
     KIND,
     MODEL_LABEL,
     MODEL_STEP,
     PART_OF_LABEL,
+    S3_CREDENTIAL_ENV,
     S3_CREDENTIALS_SECRET,
     TRACKER_SECRET,
     TRAINER_STEP,
@@ -65,12 +67,8 @@ INITIALIZER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}}
 # TrainJob's namespace; optional, so public sources need no Secret at all. The hub token is
 # HF_TOKEN (ACCESS_TOKEN stays free for Kubeflow's per-job initializer secretRef, which wins).
 INITIALIZER_SECRET_ENV = (
-    ("HF_TOKEN", HUB_TOKEN_SECRET, "token"),
-    ("AWS_ACCESS_KEY_ID", S3_CREDENTIALS_SECRET, "AWS_ACCESS_KEY_ID"),
-    ("AWS_SECRET_ACCESS_KEY", S3_CREDENTIALS_SECRET, "AWS_SECRET_ACCESS_KEY"),
-    ("AWS_SESSION_TOKEN", S3_CREDENTIALS_SECRET, "AWS_SESSION_TOKEN"),
-    ("AWS_ENDPOINT_URL", S3_CREDENTIALS_SECRET, "AWS_ENDPOINT_URL"),
-    ("AWS_REGION", S3_CREDENTIALS_SECRET, "AWS_REGION"),
+    (HUB_TOKEN_ENV, HUB_TOKEN_SECRET, "token"),
+    *((name, S3_CREDENTIALS_SECRET, name) for name in S3_CREDENTIAL_ENV),
 )
 # The experiment tracker's credentials (trainers/tracking.py reads them from the environment),
 # by reference to one optional Secret with a key per variable; a run without a tracker, or

@@ -56,6 +56,16 @@ WORKSPACE_VOLUME = INITIALIZER_VOLUME  # the older name, still imported by the S
 HUB_TOKEN_SECRET = "tunepack-hub-token"
 S3_CREDENTIALS_SECRET = "tunepack-s3-credentials"
 TRACKER_SECRET = "tunepack-tracker-credentials"
+# The environment the programs take credentials from (huggingface_hub's and boto3's own names):
+# the initializers and the exporter get them from those Secrets or a TrainJob's export Secret.
+HUB_TOKEN_ENV = "HF_TOKEN"
+S3_CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_REGION",
+)
 
 
 @dataclass(frozen=True)
