@@ -172,7 +172,8 @@ def job_spec(job: Mapping) -> dict:
 
 def step_label(job: Mapping) -> str | None:
     """A replicatedJob's ANCESTOR_LABEL value (a step's ``ancestor``), None if it has none."""
-    return ((job.get("template") or {}).get("metadata") or {}).get("labels", {}).get(ANCESTOR_LABEL)
+    labels = ((job.get("template") or {}).get("metadata") or {}).get("labels") or {}
+    return labels.get(ANCESTOR_LABEL)
 
 
 def pod_spec(job: Mapping, *, partial: bool = False) -> dict:
