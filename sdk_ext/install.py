@@ -20,7 +20,8 @@ import time
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from tunepack.core.errors import TransientError, api_message
+from tunepack.backends.api_errors import api_message
+from tunepack.core.errors import TransientError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import API_GROUP, KIND, NAMESPACED_KIND
 from tunepack.runtimes.store import load_runtime

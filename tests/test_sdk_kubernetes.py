@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import yaml
 from kubernetes import client
-
 from tests.helpers import run_program
+
 from tunepack import FineTune, Initializer, TrainingClient
-from tunepack.core.errors import api_status
+from tunepack.backends.api_errors import api_status
 from tunepack.install import apply, install, runtime_objects
 from tunepack.runtimes.contract import pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob

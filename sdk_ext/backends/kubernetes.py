@@ -33,8 +33,9 @@ from kubeflow.trainer.types import types as kf
 from kubeflow_trainer_api import models
 
 from tunepack import submit
+from tunepack.backends.api_errors import api_message, api_status
 from tunepack.backends.base import TunepackBackend
-from tunepack.core.errors import BadInputError, NotAvailableError, api_message, api_status
+from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import workspace_pvc

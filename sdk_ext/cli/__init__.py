@@ -37,9 +37,10 @@ from __future__ import annotations
 import os
 import sys
 
+from tunepack.backends.api_errors import api_message
 from tunepack.cli import cluster
 from tunepack.cli.commands import _console_logging, build_parser
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError, api_message
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as for any command whose reader went away

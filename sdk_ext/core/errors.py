@@ -37,28 +37,3 @@ class TransientError(TunepackError):
     """A failure that may pass on its own (network, preemption); the step may be retried."""
 
     exit_code = EXIT_TRANSIENT
-
-
-def api_status(err: BaseException | None) -> int | None:
-    """The HTTP status of the Kubernetes API error ``err`` is or was caused by, if any."""
-    while err is not None:
-        status = getattr(err, "status", None)
-        if isinstance(status, int):
-            return status
-        err = err.__cause__
-    return None
-
-
-def api_message(err: BaseException | None) -> str | None:
-    """The ``message`` of the Kubernetes ``Status`` body that ``err`` (or its cause) carries."""
-    import json
-
-    while err is not None:
-        body = getattr(err, "body", None)
-        if body:
-            try:
-                return json.loads(body).get("message")
-            except (ValueError, AttributeError):
-                return None
-        err = err.__cause__
-    return None
