@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import yaml
 from kubernetes import client
-from tests.helpers import run_program
 
+from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
 from tunepack.install import apply, install, runtime_objects
