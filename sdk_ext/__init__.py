@@ -14,7 +14,7 @@ _EXPORTS = {
     "TrainingClient": "tunepack.client",
     "FineTune": "tunepack.finetune",
     # tunepack's Initializer takes storage URIs or the SDK's initializer objects (below).
-    "Initializer": "tunepack.translate",
+    "Initializer": "tunepack.jobs.translate",
     "LocalBackendConfig": "tunepack.backends.local",
     "plan": "tunepack.planner",
     # The Kubeflow SDK's types, re-exported unchanged.

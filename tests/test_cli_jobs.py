@@ -157,7 +157,7 @@ def test_the_default_name_follows_what_the_command_trains(tiny_model_dir, tiny_d
         name(["max_steps=2", "lr=1e-4"], dataset=f"file://{data}?split=test"),
     }
     assert same not in others and len(others) == 7
-    assert all(len(n) <= 33 for n in others)  # a valid TrainJob name (tunepack.trainjob)
+    assert all(len(n) <= 33 for n in others)  # a valid TrainJob name (tunepack.jobs.trainjob)
 
 
 def test_same_name_again_resumes_its_workspace(home, tmp_path, tiny_model_dir, tiny_dataset_file):

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunepack import submit
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
+from tunepack.jobs import submit
+from tunepack.jobs.trainjob import max_name_length
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainjob import max_name_length
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 

@@ -670,9 +670,12 @@ def test_download_of_a_job_without_export_says_where_its_result_is(trained, tmp_
 
 
 def test_the_trainjob_carries_the_export_in_a_runtime_patch():
-    from tunepack.trainjob import build_trainjob, export_of
+    from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob, export_of
 
-    job = build_trainjob(
+    def build(*args, **kwargs) -> dict:
+        return build_trainjob(TrainJobSpec(*args, **kwargs))
+
+    job = build(
         "exp-1",
         "tiny-llama3",
         "/data/train.jsonl",
@@ -691,18 +694,16 @@ def test_the_trainjob_carries_the_export_in_a_runtime_patch():
     assert refs["HF_TOKEN"] == {"name": "export-creds", "key": "HF_TOKEN", "optional": True}
     assert set(refs) >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}
     assert export_of(job) == "hf://acme/lora"
-    assert export_of(build_trainjob("exp-2", "tiny-llama3", "/d.jsonl", "/m", [])) is None
+    assert export_of(build("exp-2", "tiny-llama3", "/d.jsonl", "/m", [])) is None
 
     with pytest.raises(BadInputError) as err:
-        build_trainjob("exp-3", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run")
+        build("exp-3", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run")
     assert str(err.value) == (
         "export path 'out/run' is relative: on a cluster the exporter writes it inside its Pod, "
         "so give an absolute path on a volume mounted there, or s3://bucket/prefix or "
         "hf://org/name"
     )
-    local = build_trainjob(
-        "exp-4", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run", local=True
-    )
+    local = build("exp-4", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run", local=True)
     assert export_of(local) == str(Path("out/run").absolute())
 
 
@@ -727,7 +728,7 @@ def test_render_trainjob_with_export(tmp_path):
     assert done.returncode == 0, done.stderr
     import yaml
 
-    from tunepack.trainjob import export_of
+    from tunepack.jobs.trainjob import export_of
 
     assert export_of(yaml.safe_load(done.stdout)) == "s3://results/exp-yaml"
 

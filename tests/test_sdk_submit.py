@@ -20,13 +20,13 @@ from kubeflow.trainer import (
 )
 from kubeflow.trainer import Initializer as KfInitializer
 
-from tunepack import submit
 from tunepack.core.errors import BadInputError
 from tunepack.finetune import FineTune
+from tunepack.jobs import submit
+from tunepack.jobs.translate import Initializer, from_torchtune_config, storage_uri
 from tunepack.runtimes.catalog import CATALOG
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainers.args import VOCABULARY, parse_trainer_args
-from tunepack.translate import Initializer, from_torchtune_config, storage_uri
 
 INIT = Initializer(dataset="file:///data/train.jsonl", model="file:///models/llama")
 

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from tunepack.core.errors import BadInputError
+from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob, max_name_length, to_yaml
 from tunepack.runtimes.validate import validate_trainjob
-from tunepack.trainjob import build_trainjob, max_name_length, to_yaml
 
 ARGS_MODULE = "tunepack.trainers.args"
 
@@ -36,7 +36,7 @@ def _build(**overrides) -> dict:
         "model_uri": "file:///models/tiny-llama3",
         "trainer_args": ["method=lora", "epochs=2"],
     }
-    return build_trainjob(**(kwargs | overrides))
+    return build_trainjob(TrainJobSpec(**(kwargs | overrides)))
 
 
 def test_trainjob_has_the_api_fields():

@@ -4,7 +4,7 @@ It subclasses ``kubeflow.trainer.backends.kubernetes.backend.KubernetesBackend``
 in-cluster config, the CustomObjects API, pods found by the JobSet labels the platform sets) and
 changes only what tunepack needs:
 
-- ``train()`` on a tunepack runtime submits the TrainJob ``tunepack.submit`` builds (validated
+- ``train()`` on a tunepack runtime submits the TrainJob ``tunepack.jobs.submit`` builds (validated
   strictly, trainer args in tunepack's vocabulary, the memory planner's check); other runtimes go
   to the SDK unchanged. The TrainJob references the runtime ``get_runtime`` finds, as the SDK
   does: a ``TrainingRuntime`` of that name in the job's namespace (``tunepack install
@@ -32,14 +32,14 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from kubeflow_trainer_api import models
 
-from tunepack import submit
 from tunepack.backends.api_errors import api_message, api_status
 from tunepack.backends.base import TunepackBackend
 from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
+from tunepack.jobs import submit
+from tunepack.jobs.trainjob import export_of
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import workspace_pvc
-from tunepack.trainjob import export_of
 from tunepack.types import (
     Progress,
     RuntimeList,

@@ -33,15 +33,15 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
-from tunepack import submit
 from tunepack.backends.base import TunepackBackend
 from tunepack.core import durable, program
 from tunepack.core.errors import BadInputError, TunepackError
 from tunepack.core.workspace import LOGS_DIR, MODEL_DIR, lock_workspace, metrics_file, result_file
+from tunepack.jobs import submit
+from tunepack.jobs.trainjob import export_of
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
-from tunepack.trainjob import export_of
 from tunepack.types import (
     Progress,
     RuntimeList,

@@ -117,10 +117,15 @@ def _default_job_name(runtime: str) -> str:
 
 
 def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
-    from tunepack.trainjob import CLUSTER_RUNTIME_KIND, NAMESPACED_RUNTIME_KIND, build_trainjob
+    from tunepack.jobs.trainjob import (
+        CLUSTER_RUNTIME_KIND,
+        NAMESPACED_RUNTIME_KIND,
+        TrainJobSpec,
+        build_trainjob,
+    )
 
     namespaced = getattr(ns, "namespaced", False)
-    return build_trainjob(
+    spec = TrainJobSpec(
         name=ns.name if ns.name is not None else _default_job_name(ns.runtime),
         runtime=ns.runtime,
         dataset_uri=ns.dataset,
@@ -135,10 +140,11 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         export_secret=ns.export_secret,
         local=local,
     )
+    return build_trainjob(spec)
 
 
 def cmd_render_trainjob(ns: argparse.Namespace) -> int:
-    from tunepack.trainjob import to_yaml
+    from tunepack.jobs.trainjob import to_yaml
 
     sys.stdout.write(to_yaml(_trainjob(ns)))
     return 0
@@ -147,7 +153,7 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
 def cmd_render_serving(ns: argparse.Namespace) -> int:
     from tunepack import serving
     from tunepack.core.errors import BadInputError
-    from tunepack.trainjob import check_dns_label
+    from tunepack.jobs.trainjob import check_dns_label
 
     check_dns_label("TrainJob name (--name)", ns.name)
     if ns.gpus < 1:
@@ -165,7 +171,7 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
     from tunepack.core.digest import json_digest
     from tunepack.core.errors import BadInputError
     from tunepack.initializers import uri as storage_uri
-    from tunepack.trainjob import max_name_length
+    from tunepack.jobs.trainjob import max_name_length
 
     def canonical(uri: str) -> str:
         try:
@@ -195,8 +201,8 @@ def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
     LocalBackendConfig()).train`` applies (``submit.local_trainjob``): the runtime's name, the
     trainer arguments, the memory plan (``--gpu``, ``--memory-check``)."""
     from tunepack.finetune import FineTune
-    from tunepack.submit import local_trainjob
-    from tunepack.translate import Initializer
+    from tunepack.jobs.submit import local_trainjob
+    from tunepack.jobs.translate import Initializer
 
     trainer = FineTune.from_args(
         ns.trainer_args,
@@ -309,7 +315,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return failed.exit_code
-    from tunepack.trainjob import export_of
+    from tunepack.jobs.trainjob import export_of
 
     _print_summary(name, runtime, workspace, time.perf_counter() - started, export_of(trainjob))
     return 0
@@ -367,8 +373,8 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
 
     from tunepack.client import TrainingClient
     from tunepack.finetune import FineTune
-    from tunepack.trainjob import QUEUE_LABEL
-    from tunepack.translate import Initializer
+    from tunepack.jobs.trainjob import QUEUE_LABEL
+    from tunepack.jobs.translate import Initializer
 
     trainer = FineTune.from_args(
         ns.trainer_args,
@@ -611,7 +617,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
 
     from tunepack.core.errors import BadInputError
     from tunepack.install import describe, install, runtime_objects
-    from tunepack.trainjob import check_dns_label
+    from tunepack.jobs.trainjob import check_dns_label
 
     if ns.namespace is not None:
         check_dns_label("--namespace", ns.namespace)

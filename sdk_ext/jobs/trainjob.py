@@ -1,4 +1,4 @@
-"""Build TrainJob objects that reference a tunepack runtime.
+"""Build TrainJob objects that reference a tunepack runtime, from one typed ``TrainJobSpec``.
 
 The SDK and the CLI submit what this module builds, and ``tunepack render`` prints it for people
 who apply YAML themselves. Everything that can be checked without a cluster is checked here
@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from tunepack.core.errors import BadInputError
@@ -46,37 +47,19 @@ _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
-def build_trainjob(
-    name: str,
-    runtime: str,
-    dataset_uri: str,
-    model_uri: str,
-    trainer_args: list[str],
-    num_nodes: int | None = None,
-    namespace: str | None = None,
-    *,
-    num_proc_per_node: int | None = None,
-    resources_per_node: dict | None = None,
-    trainer_env: dict[str, str] | None = None,
-    initializer_env: dict[str, str] | None = None,
-    dataset_secret: str | None = None,
-    model_secret: str | None = None,
-    labels: dict[str, str] | None = None,
-    annotations: dict[str, str] | None = None,
-    queue: str | None = None,
-    runtime_kind: str = CLUSTER_RUNTIME_KIND,
-    active_deadline_seconds: int | None = None,
-    runtime_patches: list[dict] | None = None,
-    export_uri: str | None = None,
-    export_secret: str | None = None,
-    local: bool = False,
-) -> dict:
-    """A validated TrainJob for ``runtime`` (a runtime name or model name from the catalog).
+@dataclass(frozen=True)
+class TrainJobSpec:
+    """Everything a TrainJob of a tunepack runtime says, as one typed record.
 
-    ``trainer_args`` are tunepack's ``key=value`` arguments; ``dataset_uri`` and ``model_uri``
-    become the initializers' ``STORAGE_URI`` (an absolute path is written as ``file:///...``, a
-    relative one refused: see the module docstring). ``resources_per_node`` takes the Kubeflow
-    SDK's dict (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper).
+    The single source the TrainJob is built from (``build_trainjob``): ``tunepack render
+    trainjob`` fills it from its flags, ``submit.build`` from the SDK's inputs for both backends'
+    ``train()``. Nothing here is checked yet: ``build_trainjob`` checks every field.
+
+    ``runtime`` is a runtime name or model name from the catalog. ``trainer_args`` are
+    tunepack's ``key=value`` arguments; ``dataset_uri`` and ``model_uri`` become the
+    initializers' ``STORAGE_URI`` (an absolute path is written as ``file:///...``, a relative one
+    refused: see the module docstring). ``resources_per_node`` takes the Kubeflow SDK's dict
+    (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper).
     ``num_proc_per_node`` defaults to the GPUs per node (``resources_per_node``, else the
     runtime's default), or 1 where there is none. Credentials are passed only by reference:
     ``dataset_secret`` / ``model_secret`` name a Secret in the TrainJob's namespace (the
@@ -93,97 +76,130 @@ def build_trainjob(
     exporter through a ``runtimePatches`` entry (``export_patch``). ``local=True`` builds for
     tunepack's local backend: plain paths are kept (a relative export path made absolute) and
     ``numProcPerNode`` is only written when given.
+    """
+
+    name: str
+    runtime: str
+    dataset_uri: str
+    model_uri: str
+    trainer_args: list[str]
+    num_nodes: int | None = None
+    namespace: str | None = None
+    num_proc_per_node: int | None = None
+    resources_per_node: dict | None = None
+    trainer_env: dict[str, str] | None = None
+    initializer_env: dict[str, str] | None = None
+    dataset_secret: str | None = None
+    model_secret: str | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+    queue: str | None = None
+    runtime_kind: str = CLUSTER_RUNTIME_KIND
+    active_deadline_seconds: int | None = None
+    runtime_patches: list[dict] | None = None
+    export_uri: str | None = None
+    export_secret: str | None = None
+    local: bool = False
+
+
+def build_trainjob(job: TrainJobSpec) -> dict:
+    """The validated TrainJob (a dict) that ``job`` describes.
 
     Raises ``BadInputError`` with a hint on bad input.
     """
-    if num_nodes is not None and (
-        isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1
+    if job.num_nodes is not None and (
+        isinstance(job.num_nodes, bool) or not isinstance(job.num_nodes, int) or job.num_nodes < 1
     ):
-        raise BadInputError(f"num_nodes must be a positive integer, got {num_nodes!r}")
-    _check_name(name, num_nodes or 1)
-    if namespace is not None:
-        _check_dns_label("namespace", namespace)
-    if runtime_kind not in RUNTIME_KINDS:
+        raise BadInputError(f"num_nodes must be a positive integer, got {job.num_nodes!r}")
+    _check_name(job.name, job.num_nodes or 1)
+    if job.namespace is not None:
+        _check_dns_label("namespace", job.namespace)
+    if job.runtime_kind not in RUNTIME_KINDS:
         raise BadInputError(
-            f"runtime_kind {runtime_kind!r} is not a runtime kind: expected "
+            f"runtime_kind {job.runtime_kind!r} is not a runtime kind: expected "
             f"{CLUSTER_RUNTIME_KIND} (cluster-wide) or {NAMESPACED_RUNTIME_KIND} (in the "
             "TrainJob's namespace)"
         )
-    entry = catalog.get(runtime)  # BadInputError listing the runtimes when unknown
-    _check_trainer_args(trainer_args, entry)
+    entry = catalog.get(job.runtime)  # BadInputError listing the runtimes when unknown
+    _check_trainer_args(job.trainer_args, entry)
     uris = {}
-    for what, uri in (("dataset", dataset_uri), ("model", model_uri)):
+    for what, uri in (("dataset", job.dataset_uri), ("model", job.model_uri)):
         if not isinstance(uri, str) or not uri.strip():
             raise BadInputError(f"{what}_uri must be a non-empty storage URI, got {uri!r}")
         # The initializers' own parser: an unknown scheme fails here, before any step runs.
         # (Whether the data exists can only be known where the initializer runs.)
         storage_uri.parse(uri)
-        uris[what] = uri if local else cluster_storage_uri(uri, what)
+        uris[what] = uri if job.local else cluster_storage_uri(uri, what)
 
-    if num_proc_per_node is not None and (
-        isinstance(num_proc_per_node, bool)
-        or not isinstance(num_proc_per_node, int)
-        or num_proc_per_node < 1
+    if job.num_proc_per_node is not None and (
+        isinstance(job.num_proc_per_node, bool)
+        or not isinstance(job.num_proc_per_node, int)
+        or job.num_proc_per_node < 1
     ):
         raise BadInputError(
-            f"num_proc_per_node must be a positive integer, got {num_proc_per_node!r}"
+            f"num_proc_per_node must be a positive integer, got {job.num_proc_per_node!r}"
         )
-    if active_deadline_seconds is not None and (
-        isinstance(active_deadline_seconds, bool)
-        or not isinstance(active_deadline_seconds, int)
-        or active_deadline_seconds < 1
+    if job.active_deadline_seconds is not None and (
+        isinstance(job.active_deadline_seconds, bool)
+        or not isinstance(job.active_deadline_seconds, int)
+        or job.active_deadline_seconds < 1
     ):
         raise BadInputError(
-            f"active_deadline_seconds must be a positive integer, got {active_deadline_seconds!r}"
+            "active_deadline_seconds must be a positive integer, got "
+            f"{job.active_deadline_seconds!r}"
         )
-    patches = list(runtime_patches or [])
-    if export_uri is not None or export_secret is not None:
-        patches.append(export_patch(export_uri, export_secret, local=local))
-    for what, secret in (("dataset_secret", dataset_secret), ("model_secret", model_secret)):
+    patches = list(job.runtime_patches or [])
+    if job.export_uri is not None or job.export_secret is not None:
+        patches.append(export_patch(job.export_uri, job.export_secret, local=job.local))
+    for what, secret in (
+        ("dataset_secret", job.dataset_secret),
+        ("model_secret", job.model_secret),
+    ):
         if secret is not None:
             _check_dns_label(what, secret)
-    metadata_labels = _labels(labels, queue)
-    if annotations is not None:
-        _check_annotations(annotations)
+    metadata_labels = _labels(job.labels, job.queue)
+    if job.annotations is not None:
+        _check_annotations(job.annotations)
 
-    metadata: dict = {"name": name}
-    if namespace is not None:
-        metadata["namespace"] = namespace
+    metadata: dict = {"name": job.name}
+    if job.namespace is not None:
+        metadata["namespace"] = job.namespace
     if metadata_labels:
         metadata["labels"] = metadata_labels
-    if annotations:
-        metadata["annotations"] = dict(annotations)
-    resources = resource_requirements(resources_per_node) if resources_per_node else None
-    if num_proc_per_node is None and not local:
+    if job.annotations:
+        metadata["annotations"] = dict(job.annotations)
+    resources = resource_requirements(job.resources_per_node) if job.resources_per_node else None
+    num_proc_per_node = job.num_proc_per_node
+    if num_proc_per_node is None and not job.local:
         # Never the platform's "auto": on nodes without a GPU it means the CPU request.
         num_proc_per_node = gpus_per_node(resources, entry) or 1
-    trainer: dict = {"args": list(trainer_args)}
-    if num_nodes is not None:
-        trainer["numNodes"] = num_nodes
+    trainer: dict = {"args": list(job.trainer_args)}
+    if job.num_nodes is not None:
+        trainer["numNodes"] = job.num_nodes
     if num_proc_per_node is not None:
         trainer["numProcPerNode"] = num_proc_per_node
     if resources:
         trainer["resourcesPerNode"] = resources
-    if trainer_env:
-        trainer["env"] = _env(trainer_env)
+    if job.trainer_env:
+        trainer["env"] = _env(job.trainer_env)
     dataset: dict = {"storageUri": uris["dataset"]}
     model: dict = {"storageUri": uris["model"]}
-    for block, secret in ((dataset, dataset_secret), (model, model_secret)):
-        if initializer_env:
-            block["env"] = _env(initializer_env)
+    for block, secret in ((dataset, job.dataset_secret), (model, job.model_secret)):
+        if job.initializer_env:
+            block["env"] = _env(job.initializer_env)
         if secret:
             block["secretRef"] = {"name": secret}
     spec: dict = {
         "runtimeRef": {
             "name": entry.runtime_name,
             "apiGroup": contract.API_GROUP,
-            "kind": runtime_kind,
+            "kind": job.runtime_kind,
         },
         "initializer": {"dataset": dataset, "model": model},
         "trainer": trainer,
     }
-    if active_deadline_seconds is not None:
-        spec["activeDeadlineSeconds"] = active_deadline_seconds
+    if job.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = job.active_deadline_seconds
     if patches:
         spec["runtimePatches"] = patches
     trainjob = {
@@ -463,7 +479,7 @@ def _check_trainer_args(trainer_args: list[str], entry: catalog.ModelEntry) -> N
         raise BadInputError(
             f"trainer_args must be a list of 'key=value' strings, got {trainer_args!r}"
         )
-    # Imported here so that importing tunepack.trainjob does not need the trainer package.
+    # Imported here so that importing tunepack.jobs.trainjob does not need the trainer package.
     from tunepack.trainers.args import parse_trainer_args
 
     parse_trainer_args(trainer_args, entry)

@@ -18,15 +18,16 @@ from kubeflow.trainer.types import types as kf
 
 from tunepack import planner
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes import catalog, custom
-from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainjob import (
+from tunepack.jobs.trainjob import (
     CLUSTER_RUNTIME_KIND,
+    TrainJobSpec,
     build_trainjob,
     gpus_per_node,
     resource_requirements,
 )
-from tunepack.translate import storage_uri, to_finetune, to_initializer
+from tunepack.jobs.translate import storage_uri, to_finetune, to_initializer
+from tunepack.runtimes import catalog, custom
+from tunepack.trainers.args import parse_trainer_args
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,10 @@ def build(
     runtime_patches: list[dict] | None = None,
     local: bool = False,
 ) -> dict:
-    """The TrainJob (a dict) for a tunepack runtime. Raises ``BadInputError`` on bad input.
+    """The TrainJob (a dict) for a tunepack runtime, built from the ``TrainJobSpec`` these
+    inputs make. Raises ``BadInputError`` on bad input.
 
-    ``runtime_kind`` and the metadata/spec extras are ``build_trainjob``'s; ``local=True`` builds
+    ``runtime_kind`` and the metadata/spec extras are ``TrainJobSpec``'s; ``local=True`` builds
     for the local backend (plain paths kept, ``numProcPerNode`` left to the launcher unless the
     FineTune or its GPUs say).
     """
@@ -109,7 +111,7 @@ def build(
         num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
     if gpus and memory_check != "off" and not custom.is_placeholder(entry):
         check_memory(entry, resolved, finetune.num_nodes or 1, num_proc or gpus, gpu, memory_check)
-    return build_trainjob(
+    spec = TrainJobSpec(
         name=job_name() if name is None else name,
         runtime=entry.runtime_name,
         dataset_uri=storage_uri(init.dataset, "dataset"),
@@ -132,6 +134,7 @@ def build(
         export_secret=finetune.export_secret,
         local=local,
     )
+    return build_trainjob(spec)
 
 
 def _custom_from_local(entry, model_uri: str | None):

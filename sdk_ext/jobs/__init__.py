@@ -1,0 +1,10 @@
+"""Job building: from what a user asks for to a checked TrainJob, whichever the entry point.
+
+- ``trainjob``: ``TrainJobSpec``, the one typed record of everything a tunepack TrainJob says,
+  and ``build_trainjob``, which checks it and writes the TrainJob (``tunepack render trainjob``
+  fills the spec from its flags);
+- ``submit``: the SDK's inputs (runtime, ``Initializer``, ``FineTune`` or ``BuiltinTrainer``,
+  options) to a spec, with the trainer arguments and the memory plan checked; both backends'
+  ``train()`` call it;
+- ``translate``: the Kubeflow SDK's trainer and initializer types as tunepack's.
+"""
