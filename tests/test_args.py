@@ -57,7 +57,7 @@ def test_given_values_are_parsed_and_recorded():
         (["epochs"], "trainer argument 'epochs' is not of the form key=value"),
         (["epochs=1", "epochs=2"], "trainer argument 'epochs' is given twice"),
         (["method=ia3"], "method='ia3' is not valid: expected one of lora, qlora, dora, full"),
-        (["compile=maybe"], "compile='maybe' is not valid: expected true or false"),
+        (["compile=maybe"], "compile='maybe' is not valid: expected auto, true or false"),
         (["activation_checkpointing=on"], "activation_checkpointing='on' is not valid"),
         (["keep_checkpoints=0"], "keep_checkpoints='0' is not valid: expected an integer from 1"),
         (["checkpoint_every_minutes=-1"], "checkpoint_every_minutes='-1' is not valid"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import shutil
 import ssl
 import subprocess
 import threading
@@ -14,6 +15,7 @@ import torch
 from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.tiny import write_tiny_model
+from tunepack.trainers import compiling
 from tunepack.trainers.args import parse_trainer_args
 
 FAST = ["warmup_steps=0", "batch_size=8", "checkpoint_every_minutes=0"]
@@ -216,6 +218,52 @@ def test_compiled_training_matches_eager(initialized_workspace, tmp_path):
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert len(compiled) == 4 and compiled[-1] < compiled[0]
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-3, (eager, compiled)
+
+
+def test_compile_auto_leaves_a_short_run_eager_and_its_resume_keeps_the_recorded_choice(
+    initialized_workspace, tmp_path, caplog
+):
+    caplog.set_level("INFO", logger="tunepack.trainer")
+    args = ["max_steps=3", "checkpoint_every_steps=2", "compile=auto"]
+    recipe = train_in_process(initialized_workspace, tmp_path, args)
+    assert recipe.compiled is False
+    assert "compile=auto: about 0.0 min of training planned" in caplog.text
+    assert "not compiling" in caplog.text
+    step = tmp_path / "checkpoints" / "step-00000002"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["compiled"] is False
+
+    # A run whose checkpoint says it compiled goes on compiled, whatever the estimate says now.
+    manifest["compiled"] = True
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(tmp_path / "adapter")
+    (tmp_path / "result.json").unlink()
+    resumed = setup_recipe(
+        TINY,
+        [*FAST, *args],
+        model_dir=initialized_workspace / "model",
+        dataset_dir=initialized_workspace / "dataset",
+        output=tmp_path,
+    )
+    assert resumed.resumed_from == 2 and resumed.compiled is True
+
+
+def test_compile_auto_compiles_where_the_saving_pays_for_the_compilation():
+    cpu = torch.device("cpu")
+    # 10^6 positions of a 10^8-parameter LoRA model at 10^11 operations/s: 4,000 s of training.
+    lora = compiling.estimated_training_s(tokens=1e6, parameters=10**8, trains_all=False, rate=1e11)
+    assert lora == pytest.approx(4000.0)
+    full = compiling.estimated_training_s(tokens=1e6, parameters=10**8, trains_all=True, rate=1e11)
+    assert full == pytest.approx(6000.0)
+    # Ten hours of training pay for a minute of compiling on either device; two minutes do not.
+    for device in (cpu, torch.device("cuda")):
+        compiled, why = compiling.choose("auto", device=device, estimate_s=36000.0)
+        assert compiled and why.endswith(": compiling") and "600.0 min of training" in why
+        compiled, why = compiling.choose("auto", device=device, estimate_s=120.0)
+        assert not compiled and why.endswith("not compiling")
+    assert compiling.choose(True, device=cpu, estimate_s=None) == (True, "compile=true")
+    assert compiling.choose(False, device=cpu, estimate_s=1e9) == (False, "compile=false")
+    assert compiling.matmul_rate(cpu, torch.float32) > 1e8  # any CPU does 0.1 GFLOP/s
 
 
 def test_bf16_trains_in_bf16(initialized_workspace, tmp_path):

@@ -88,8 +88,13 @@ def _bool(key: str, raw: str) -> bool:
 
 
 def _auto_bool(key: str, raw: str) -> str | bool:
-    """``auto`` (decided per device when the config is built) or a boolean."""
-    return "auto" if raw.lower() == "auto" else _bool(key, raw)
+    """``auto`` (decided per device or per run) or a boolean."""
+    if raw.lower() == "auto":
+        return "auto"
+    try:
+        return _bool(key, raw)
+    except BadInputError:
+        raise BadInputError(f"{key}={raw!r} is not valid: expected auto, true or false") from None
 
 
 def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
@@ -180,9 +185,10 @@ VOCABULARY: tuple[Arg, ...] = (
     ),
     Arg(
         "compile",
-        _bool,
-        "torch.compile the model and loss (minutes of warm-up; worth it for long GPU runs)",
-        False,
+        _auto_bool,
+        "torch.compile the model's layers (a minute or more of warm-up, then faster steps); "
+        "auto = when the planned run is long enough to pay for it",
+        "auto",
     ),
     Arg("packed", _bool, "pack several examples into each max_seq_len sequence", False),
     Arg(
@@ -289,7 +295,7 @@ class TrainArgs:
     dtype: str
     device: str
     activation_checkpointing: str | bool
-    compile: bool
+    compile: str | bool
     packed: bool
     group_by_length: bool
     checkpoint_every_steps: int

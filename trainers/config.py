@@ -8,15 +8,15 @@ a run can be read and reproduced.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from tunepack.core.digest import json_digest as _sha256_json
 from tunepack.core.errors import BadInputError
-from tunepack.core.workspace import MANIFEST_FILE
+from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.args import LORA_FAMILY, TrainArgs, builder_for
@@ -138,10 +138,6 @@ IDENTITY_CHANGES = {
     "merge": "merge changed",
     "keep_best": "keep_best changed",
 }
-
-
-def _sha256_json(value) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def run_identity(cfg: DictConfig) -> dict[str, str]:
@@ -336,7 +332,7 @@ def build_config(
         "output_dir": str(output_dir),
         "merge": args.merge,
         "checkpointing": {
-            "dir": str(checkpoint_dir or output_dir / "checkpoints"),
+            "dir": str(checkpoint_dir or output_dir / CHECKPOINTS_DIR),
             "every_steps": args.checkpoint_every_steps,
             "every_minutes": args.checkpoint_every_minutes,
             "keep": args.keep_checkpoints,

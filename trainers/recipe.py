@@ -53,9 +53,11 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
-from tunepack.core import durable, lifetime
+from tunepack.core import durable, lifetime, program
 from tunepack.core.errors import BadInputError, TransientError, TunepackError
-from tunepack.trainers import batching, checkpoint, distributed, dpo, vocab_loss
+from tunepack.core.workspace import ADAPTER_DIR, MERGED_DIR, METRICS_FILE, RESULT_FILE
+from tunepack.core.workspace import FULL_MODEL_DIR as MODEL_DIR
+from tunepack.trainers import batching, checkpoint, compiling, distributed, dpo, vocab_loss
 from tunepack.trainers.args import LORA_FAMILY
 from tunepack.trainers.config import (
     identity_changes,
@@ -70,18 +72,11 @@ from tunepack.trainers.trainjob_status import StatusReporter
 
 log = logging.getLogger("tunepack.trainer")
 
-ADAPTER_DIR = "adapter"
-MODEL_DIR = "model"
-MERGED_DIR = "merged"
-METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "result.json"
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
 # The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
 # seed= says, on every rank and every restart.
 VALIDATION_SEED = 0x5EED
-# Where the launcher asks each worker to leave its exit code (torchrun reports only "failed").
-EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"
 
 
 class NonFiniteLoss(TransientError):
@@ -134,13 +129,6 @@ class FineTuneRecipe:
         cfg = self.cfg
         training.set_seed(seed=cfg.seed)  # seed + rank on each rank, as torchtune does
         self.tokenizer = config.instantiate(cfg.tokenizer)
-        self.model = self._setup_model(self._load_base_weights())
-        self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
-        # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
-        # allows it; DPO reads log-probabilities from the logits.
-        self.fused_loss = self.dpo is None and vocab_loss.supports(self.model)
-        if cfg.compile and not self.fused_loss:
-            self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
         self.dataloader = self._setup_data()
 
         # Micro-batches that make whole optimizer steps; a ragged remainder is left out.
@@ -156,12 +144,25 @@ class FineTuneRecipe:
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
 
+        # Known before the model is built: whether this is a resumed run, and so whether it
+        # compiles (a resumed run keeps the choice its checkpoints record).
+        found = self._find_checkpoint()
+        self.compiled = self._choose_compile(found)
+        self.model = self._setup_model(self._load_base_weights())
+        self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
+        # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
+        # allows it; DPO reads log-probabilities from the logits.
+        self.fused_loss = self.dpo is None and vocab_loss.supports(self.model)
+        if self.compiled and not self.fused_loss:
+            self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
+
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = config.instantiate(cfg.optimizer, trainable)
         self.lr_scheduler = config.instantiate(
             cfg.lr_scheduler, self.optimizer, num_training_steps=self.total_steps
         )
-        self._resume_or_start_fresh()
+        if found is not None:
+            self._resume(found)
         if self.topo.is_main:
             log.info(
                 "model %s (%s, %s, %d process%s): %d trainable parameters; %d examples, "
@@ -204,7 +205,7 @@ class FineTuneRecipe:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        if cfg.compile:
+        if self.compiled:
             training.compile_model(model, verbose=self.topo.is_main)
         return model
 
@@ -220,7 +221,7 @@ class FineTuneRecipe:
             training.set_activation_checkpointing(
                 model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
             )
-        if cfg.compile:
+        if self.compiled:
             training.compile_model(model, verbose=self.topo.is_main)
         # Each transformer layer is one unit of all-gather / reduce-scatter. LoRA's frozen base
         # and trainable adapters share units; only the adapters get gradients.
@@ -342,17 +343,46 @@ class FineTuneRecipe:
         self.val_indices = sorted(order[:n_val].tolist())
         return Subset(dataset, sorted(order[n_val:].tolist()))
 
-    def _resume_or_start_fresh(self) -> None:
+    def _find_checkpoint(self) -> Path | None:
+        """The checkpoint this run resumes from (the same on every rank), or None."""
         ckpt = self.cfg.checkpointing
-        root = Path(ckpt.dir)
         found = None
         if self.topo.is_main:  # verifies, sets damaged checkpoints aside; every rank follows
-            found = self._choose_checkpoint(root, resume=ckpt.resume)
+            found = self._choose_checkpoint(Path(ckpt.dir), resume=ckpt.resume)
         found = distributed.broadcast_from_main(None if found is None else str(found))
         if found is None:
             distributed.barrier()
-            return
-        found = Path(found)
+        return None if found is None else Path(found)
+
+    def _choose_compile(self, found: Path | None) -> bool:
+        """compile=true/false as given; compile=auto from the planned work (trainers/compiling.py),
+        or as the checkpoint resumed from records."""
+        cfg = self.cfg
+        if cfg.compile == "auto" and found is not None:
+            recorded = checkpoint.read_manifest(found).get("compiled")
+            if recorded is not None:
+                return bool(recorded)
+        estimate = None
+        if cfg.compile == "auto":
+            lengths = getattr(self.sampler, "lengths", None)
+            per_example = sum(lengths) / len(lengths) if lengths else self.tokenizer.max_seq_len
+            examples = cfg.batch_size * cfg.gradient_accumulation_steps * self.topo.world_size
+            with torch.random.fork_rng(devices=[]):  # the run's random numbers stay untouched
+                with torch.device("meta"):
+                    parameters = sum(p.numel() for p in config.instantiate(cfg.model).parameters())
+                rate = compiling.matmul_rate(self.device, self.dtype)
+            estimate = compiling.estimated_training_s(
+                tokens=self.total_steps * examples * per_example,
+                parameters=parameters,
+                trains_all=not self.is_lora,
+                rate=rate,
+            )
+        compiled, why = compiling.choose(cfg.compile, device=self.device, estimate_s=estimate)
+        if self.topo.is_main and cfg.compile == "auto":
+            log.info("%s", why)
+        return compiled
+
+    def _resume(self, found: Path) -> None:
         manifest = checkpoint.load(
             found,
             model=self.model,
@@ -754,6 +784,7 @@ class FineTuneRecipe:
             "best_step": self.best_step,
             "eval_time_s": round(self.eval_time, 3),
             "eval_count": self.eval_count,
+            "compiled": self.compiled,
             "world_size": self.topo.world_size,
             "method": self.method,
             "digest": self.digest,
@@ -1051,7 +1082,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     lifetime.die_with_parent()  # a killed torchrun agent must not leave workers training
-    exit_dir = os.environ.get(EXIT_DIR_ENV)
+    exit_dir = os.environ.get(program.EXIT_DIR_ENV)
     rank = os.environ.get("RANK", "0")
     if exit_dir:  # lets the launcher make sure no worker outlives it
         Path(exit_dir, f"pid-{rank}").write_text(str(os.getpid()))
@@ -1060,7 +1091,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = OmegaConf.load(args.config)
         run(cfg, extra={"config_digest": args.digest} if args.digest else None)
     except TunepackError as err:
-        print(f"trainer: error: {err}", file=sys.stderr, flush=True)
+        print(program.error_line("trainer", err), file=sys.stderr, flush=True)
         code = err.exit_code
     except BaseException as err:
         code = 1
@@ -1069,8 +1100,11 @@ def main(argv: list[str] | None = None) -> int:
         # The process that failed says why; this one only says that it followed. Its code (1)
         # does not hide the other's: the launcher prefers 65 and 75 over it.
         _say(
-            f"trainer: error: process {rank} stopped because another process of the run failed "
-            "first (its error is above)"
+            program.error_line(
+                "trainer",
+                f"process {rank} stopped because another process of the run failed first (its "
+                "error is above)",
+            )
         )
     finally:
         if exit_dir:
