@@ -214,14 +214,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
 
 # The runtimePatches entry that carries the export settings to the exporter container.
 EXPORT_PATCH_MANAGER = "tunepack.dev/export"
-EXPORT_SECRET_KEYS = (
-    "HF_TOKEN",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_ENDPOINT_URL",
-    "AWS_REGION",
-)
+EXPORT_SECRET_KEYS = (contract.HUB_TOKEN_ENV, *contract.S3_CREDENTIAL_ENV)
 
 
 def export_patch(uri: str | None, secret: str | None, *, local: bool = False) -> dict:
