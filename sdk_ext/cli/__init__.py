@@ -40,10 +40,13 @@ import sys
 from tunepack.backends.api_errors import api_message
 from tunepack.cli import cluster
 from tunepack.cli.commands import _console_logging, build_parser
+from tunepack.core import program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, as for any command whose reader went away
+
+PROGRAM = "tunepack"  # the name its error lines start with
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +71,7 @@ def _main(argv: list[str] | None = None) -> int:
         ns = build_parser().parse_args(argv)
         return ns.func(ns)
     except TunepackError as err:
-        print(f"tunepack: error: {err}", file=sys.stderr)
+        print(program.error_line(PROGRAM, err), file=sys.stderr)
         return err.exit_code
     except (RuntimeError, TimeoutError) as err:
         # The Kubeflow SDK wraps the cluster's API and connection errors (a missing TrainJob, a
@@ -80,19 +83,25 @@ def _main(argv: list[str] | None = None) -> int:
         if cluster.is_connection_error(err.__cause__):
             server = cluster.last_server or "configured in your kubeconfig"
             print(
-                f"tunepack: error: {err}: cannot reach the Kubernetes API server {server}; "
-                "check that the cluster is running, then run the command again",
+                program.error_line(
+                    PROGRAM,
+                    f"{err}: cannot reach the Kubernetes API server {server}; check that the "
+                    "cluster is running, then run the command again",
+                ),
                 file=sys.stderr,
             )
             return EXIT_TRANSIENT
         cause = api_message(err.__cause__)
         detail = f": {cause}" if cause and cause not in str(err) else ""
-        print(f"tunepack: error: {err}{detail}", file=sys.stderr)
+        print(program.error_line(PROGRAM, f"{err}{detail}"), file=sys.stderr)
         return 1
     except _config_exception() as err:
         print(
-            f"tunepack: error: invalid Kubernetes configuration: {err}; fix your kubeconfig "
-            "(KUBECONFIG or ~/.kube/config)",
+            program.error_line(
+                PROGRAM,
+                f"invalid Kubernetes configuration: {err}; fix your kubeconfig (KUBECONFIG or "
+                "~/.kube/config)",
+            ),
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
