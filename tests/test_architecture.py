@@ -25,13 +25,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# The repository's directories and the import package each one is (setup.py's package_dir).
-SOURCES = {
-    "sdk_ext": "tunepack",
-    "runtimes": "tunepack.runtimes",
-    "initializers": "tunepack.initializers",
-    "trainers": "tunepack.trainers",
-}
+
+
+def _package_dirs() -> dict[str, str]:
+    """setup.py's ``ROOTS`` (import package -> directory), read without running setup.py."""
+    for node in ast.parse((REPO / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["ROOTS"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py defines no ROOTS")
+
+
+# The repository's directories and the import package each one is.
+SOURCES = {directory: package for package, directory in _package_dirs().items()}
 CORE, RUNTIMES, INITIALIZERS, TRAINERS, SDK = (
     "tunepack.core",
     "tunepack.runtimes",
