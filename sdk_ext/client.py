@@ -32,7 +32,7 @@ from tunepack import notebook_progress
 from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import NotAvailableError
-from tunepack.result import Result
+from tunepack.notebook import Result
 
 
 class TrainingClient(TrainerClient):

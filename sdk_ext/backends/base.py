@@ -12,6 +12,7 @@ import abc
 
 from kubeflow.trainer.backends.base import RuntimeBackend
 from kubeflow.trainer.constants import constants as kc
+from kubeflow.trainer.types import types as kf
 
 
 class TunepackBackend(RuntimeBackend):
@@ -53,3 +54,27 @@ class TunepackBackend(RuntimeBackend):
     @abc.abstractmethod
     def _result(self, name: str):
         """``result`` for a job known to be Complete."""
+
+
+def builtin_torchtune_trainer(
+    trainer: kf.RuntimeTrainer, command: tuple[str, ...] | None = None
+) -> kf.RuntimeTrainer:
+    """How a tunepack runtime is really driven, in the SDK's terms: a ``BuiltinTrainer`` of the
+    ``torchtune`` framework, as the SDK reports its own torchtune runtimes.
+
+    The runtimes' framework label stays ``torch`` (the Trainer's torch plugin sets the ``PET_*``
+    variables the launcher reads; its torchtune plugin would not take tunepack's runtimes), so
+    the SDK, which derives the trainer type from that label, would report a ``CustomTrainer``
+    runtime, which tunepack runtimes refuse. ``command`` is the trainer container's command (the
+    launcher that runs), else the one ``trainer`` carries.
+    """
+    builtin = kf.RuntimeTrainer(
+        trainer_type=kf.TrainerType.BUILTIN_TRAINER,
+        framework=kf.TORCH_TUNE,
+        image=trainer.image,
+        num_nodes=trainer.num_nodes,
+        device=trainer.device,
+        device_count=trainer.device_count,
+    )
+    builtin.set_command(tuple(command) if command else trainer.command)
+    return builtin

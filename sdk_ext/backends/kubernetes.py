@@ -12,7 +12,7 @@ changes only what tunepack needs:
   fields tunepack writes as given (``Name``, ``Labels``, ``Annotations``,
   ``ActiveDeadlineSeconds``, ``RuntimePatch``) are honoured; others are refused by name;
 - ``list_runtimes()`` / ``get_runtime()`` report a tunepack runtime as what it takes, a
-  ``BuiltinTrainer`` of the ``torchtune`` framework (``types.builtin_torchtune_trainer``), and add
+  ``BuiltinTrainer`` of the ``torchtune`` framework (``base.builtin_torchtune_trainer``), and add
   the catalog's model, methods and default GPUs;
 - ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
   condition's message, read from the same GET (or LIST) the job's status comes from.
@@ -33,20 +33,14 @@ from kubeflow.trainer.types import types as kf
 from kubeflow_trainer_api import models
 
 from tunepack.backends.api_errors import api_message, api_status
-from tunepack.backends.base import TunepackBackend
+from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
 from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
 from tunepack.jobs import submit
 from tunepack.jobs.trainjob import export_of
+from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import workspace_pvc
-from tunepack.types import (
-    Progress,
-    RuntimeList,
-    TrainJob,
-    TunepackRuntime,
-    builtin_torchtune_trainer,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -227,8 +221,6 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         )
 
     def _result(self, name: str):
-        from tunepack.result import Result
-
         pvc = workspace_pvc(name)
         raw = self.custom_api.get_namespaced_custom_object(
             kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name

@@ -33,22 +33,16 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
-from tunepack.backends.base import TunepackBackend
+from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
 from tunepack.core import durable, program
 from tunepack.core.errors import BadInputError, TunepackError
 from tunepack.core.workspace import LOGS_DIR, MODEL_DIR, lock_workspace, metrics_file, result_file
 from tunepack.jobs import submit
 from tunepack.jobs.trainjob import export_of
+from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
-from tunepack.types import (
-    Progress,
-    RuntimeList,
-    TrainJob,
-    TunepackRuntime,
-    builtin_torchtune_trainer,
-)
 
 HOME_ENV = "TUNEPACK_HOME"
 STATE_FILE = "state.json"
@@ -253,8 +247,6 @@ class LocalBackend(TunepackBackend):
         return read_metrics(metrics_file(self.workspace(name)))
 
     def _result(self, name: str):
-        from tunepack.result import Result
-
         trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
         workspace = self.workspace(name)
         info = json.loads(result_file(workspace).read_text())
