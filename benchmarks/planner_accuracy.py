@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from tunepack.planner import estimate
 from tunepack.runtimes import catalog
+from tunepack.tools.planner import estimate
 from tunepack.trainers.config import model_component
 
 GPU_CONFIGS = [  # model, method, seq_len, batch size

@@ -41,7 +41,8 @@ class TrainingClient(TrainerClient):
     Args:
         backend_config: ``KubernetesBackendConfig`` (default: kubeconfig or in-cluster) or
             tunepack's ``LocalBackendConfig``. The SDK's other configs work as in the SDK.
-        gpu: GPU type the memory planner checks cluster jobs against (``tunepack.planner.GPUS``).
+        gpu: GPU type the memory planner checks cluster jobs against
+            (``tunepack.tools.planner.GPUS``).
         memory_check: ``refuse`` (default), ``warn`` or ``off`` when a job cannot fit.
     """
 

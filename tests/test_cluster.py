@@ -22,7 +22,7 @@ def test_install_train_wait_logs_delete_on_a_real_cluster():
     from kubernetes import client, config
 
     from tunepack import FineTune, Initializer, TrainingClient
-    from tunepack.install import apply, runtime_objects
+    from tunepack.tools.install import apply, runtime_objects
 
     config.load_kube_config()
     api = client.ApiClient()

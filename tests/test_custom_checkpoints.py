@@ -404,7 +404,7 @@ def test_custom_runtimes_are_published():
 
 
 def test_planner_sizes_a_custom_runtime_from_the_checkpoints_config(llama_checkpoint):
-    from tunepack import planner
+    from tunepack.tools import planner
 
     resolved = custom.resolve(catalog.CUSTOM["llama-custom"], llama_checkpoint)
     sized = planner.plan("tunepack-llama-custom", "lora", 512, 2, model_dir=llama_checkpoint)
@@ -509,7 +509,7 @@ def test_a_hub_checkpoint_is_read_from_its_config_before_the_weights_move(
 
 def test_serving_hands_vllm_the_format_a_custom_checkpoint_was_trained_in():
     from tunepack.runtimes.chat_templates import TEMPLATES
-    from tunepack.serving import served_result
+    from tunepack.tools.serving import served_result
 
     served = served_result("tunepack-llama-custom", ["method=lora"])
     assert served.chat_template == TEMPLATES["llama3.2"]

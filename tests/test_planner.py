@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from tunepack.core.errors import BadInputError
-from tunepack.planner import estimate, plan
+from tunepack.tools.planner import estimate, plan
 
 # Llama 3.1 8B: d=4096, 32 layers, 32 heads (head_dim 128), 8 KV heads (kv=1024),
 # i=14336, V=128256, untied embeddings.

@@ -12,9 +12,9 @@ from kubernetes import client
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
-from tunepack.install import apply, install, runtime_objects
 from tunepack.runtimes.contract import pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
+from tunepack.tools.install import apply, install, runtime_objects
 
 from .fake_apiserver import GROUP_PATH, FakeApiServer
 
@@ -700,7 +700,7 @@ def test_install_reports_created_unchanged_configured_and_replaced(server):
 
 def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
     from tunepack.core.errors import EXIT_TRANSIENT
-    from tunepack.install import RuntimeInUseError
+    from tunepack.tools.install import RuntimeInUseError
 
     fake, url = server
     api = _api_client(url)
@@ -745,7 +745,7 @@ def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
 
 
 def test_install_says_when_the_trainjobs_cannot_be_listed(server):
-    from tunepack.install import RuntimeInUseError
+    from tunepack.tools.install import RuntimeInUseError
 
     fake, url = server
     api = _api_client(url)

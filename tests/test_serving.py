@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tunepack import serving
 from tunepack.cli import main
 from tunepack.core.errors import BadInputError
+from tunepack.tools import serving
 
 RUNTIME = "tunepack-llama3.1-8b"
 
@@ -25,7 +25,7 @@ def _args(objects: list[dict]) -> list[str]:
 
 def test_the_kustomize_manifest_is_the_builders_output():
     assert serving.MANIFEST.read_text() == serving.manifest_text(), (
-        "manifests/serving/vllm.yaml is stale: run python -m tunepack.serving"
+        "manifests/serving/vllm.yaml is stale: run python -m tunepack.tools.serving"
     )
 
 

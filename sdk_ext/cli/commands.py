@@ -151,9 +151,9 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
 
 
 def cmd_render_serving(ns: argparse.Namespace) -> int:
-    from tunepack import serving
     from tunepack.core.errors import BadInputError
     from tunepack.jobs.trainjob import check_dns_label
+    from tunepack.tools import serving
 
     check_dns_label("TrainJob name (--name)", ns.name)
     if ns.gpus < 1:
@@ -589,7 +589,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
-    from tunepack.planner import plan
+    from tunepack.tools.planner import plan
 
     if ns.method == "full" and ns.lora_rank is not None:
         raise BadInputError(
@@ -616,8 +616,8 @@ def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client, config
 
     from tunepack.core.errors import BadInputError
-    from tunepack.install import describe, install, runtime_objects
     from tunepack.jobs.trainjob import check_dns_label
+    from tunepack.tools.install import describe, install, runtime_objects
 
     if ns.namespace is not None:
         check_dns_label("--namespace", ns.namespace)
@@ -739,7 +739,8 @@ def _console_logging(verbose: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tunepack import cli, planner
+    from tunepack import cli
+    from tunepack.tools import planner
 
     parser = _Parser(prog="tunepack", description=cli.__doc__.split("\n")[0])
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

@@ -16,7 +16,6 @@ from typing import Literal
 
 from kubeflow.trainer.types import types as kf
 
-from tunepack import planner
 from tunepack.core.errors import BadInputError
 from tunepack.jobs.trainjob import (
     CLUSTER_RUNTIME_KIND,
@@ -27,6 +26,7 @@ from tunepack.jobs.trainjob import (
 )
 from tunepack.jobs.translate import storage_uri, to_finetune, to_initializer
 from tunepack.runtimes import catalog, custom
+from tunepack.tools import planner
 from tunepack.trainers.args import parse_trainer_args
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ length and a per-device batch size, from the model's shape in the catalog (``Sha
 recommends the smallest nodes x GPUs layout that fits. The formulas are in ``docs/planner.md``;
 ``benchmarks/planner_accuracy.py`` measures the real peak on a GPU to check them.
 
-    >>> from tunepack.planner import plan
+    >>> from tunepack.tools.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)
     >>> p.fits, round(p.peak_gib, 1)            # one H100-80GB
     (True, 38.7)
