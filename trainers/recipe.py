@@ -5,8 +5,10 @@
 Read it top to bottom: ``setup`` builds the tokenizer, model, data, optimizer and schedule from
 the config (see ``trainers/config.py``) and resumes from the newest complete checkpoint;
 ``train`` runs the loop, logs one JSON line per logging step, checkpoints every N steps / T
-minutes and stops cleanly (checkpoint first) when the process is asked to; ``save`` writes the
-result. The launcher (``trainers/launch.py``) runs it in-process for one process, or as torchrun's
+minutes and stops cleanly (checkpoint first) when the process is asked to; ``evaluate`` computes
+the validation loss; ``save_checkpoint`` writes a resumable checkpoint (``trainers/checkpoint.py``);
+``save`` hands the weights and what the run did to ``trainers/artifacts.py``, which writes the
+result (adapter, models, ``result.json``). The launcher (``trainers/launch.py``) runs it in-process for one process, or as torchrun's
 worker for more; ``trainers/distributed.py`` hides the difference.
 
 Why not torchtune's stock recipes (0.6.1): the distributed ones hard-code NCCL and CUDA memory
@@ -23,7 +25,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -32,14 +33,8 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import DataLoader, Subset
 from torchtune import config, modules, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_packed, padded_collate_sft
@@ -47,33 +42,29 @@ from torchtune.modules.peft import (
     DoRALinear,
     LoRALinear,
     get_adapter_params,
-    get_adapter_state_dict,
-    get_merged_lora_ckpt,
     set_trainable_params,
     validate_missing_and_unexpected_for_lora,
 )
 
 from tunepack.core import durable, lifetime, program
 from tunepack.core.errors import BadInputError, TransientError, TunepackError
-from tunepack.core.workspace import ADAPTER_DIR, MERGED_DIR, METRICS_FILE, RESULT_FILE
-from tunepack.core.workspace import FULL_MODEL_DIR as MODEL_DIR
-from tunepack.trainers import batching, checkpoint, compiling, distributed, dpo, vocab_loss
-from tunepack.trainers.args import LORA_FAMILY
-from tunepack.trainers.config import (
-    identity_changes,
-    result_digest,
-    result_identity,
-    run_digest,
-    run_identity,
+from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
+from tunepack.trainers import (
+    artifacts,
+    batching,
+    checkpoint,
+    compiling,
+    distributed,
+    dpo,
+    vocab_loss,
 )
-from tunepack.trainers.peft_export import export_adapter
+from tunepack.trainers.args import LORA_FAMILY
+from tunepack.trainers.config import identity_changes, run_digest, run_identity
 from tunepack.trainers.tracking import Tracker
 from tunepack.trainers.trainjob_status import StatusReporter
 
 log = logging.getLogger("tunepack.trainer")
 
-BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
-BEST_WEIGHTS = "weights.safetensors"
 # The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
 # seed= says, on every rank and every restart.
 VALIDATION_SEED = 0x5EED
@@ -667,39 +658,18 @@ class FineTuneRecipe:
 
     def _save_best(self) -> None:
         """Keep the weights of the best step so far (collective), replacing the previous best."""
-        state = self._gather_state(trainable_only=self.is_lora)
+        state = artifacts.gather_state(
+            self.model, trainable_only=self.is_lora, sharded=self.topo.distributed
+        )
         if self.topo.is_main:
-
-            def write(directory: Path) -> None:
-                weights = {k: v.contiguous() for k, v in state.items()}
-                save_file(weights, directory / BEST_WEIGHTS)
-                (directory / "best.json").write_text(
-                    json.dumps(
-                        {
-                            "step": self.global_step,
-                            "val_loss": self.best_val_loss,
-                            "digest": self.digest,
-                        }
-                    )
-                )
-
-            durable.publish_dir(self.output_dir / BEST_DIR, write, needed=checkpoint.nbytes(state))
+            artifacts.write_best(
+                self.output_dir,
+                state,
+                step=self.global_step,
+                val_loss=self.best_val_loss,
+                digest=self.digest,
+            )
         distributed.barrier()
-
-    def _best_state(self) -> dict[str, torch.Tensor] | None:
-        """Rank 0: the kept best weights when they are of ``best_step``, else None."""
-        directory = self.output_dir / BEST_DIR
-        try:
-            kept = json.loads((directory / "best.json").read_text())
-        except (FileNotFoundError, ValueError):
-            return None
-        if kept.get("step") != self.best_step or kept.get("digest") != self.digest:
-            return None
-        state = {}
-        with safe_open(directory / BEST_WEIGHTS, "pt") as f:
-            for key in f.keys():
-                state[key] = f.get_tensor(key)
-        return state
 
     def _non_finite_loss(self, loss: float) -> None:
         """Stop before the optimizer step: nothing non-finite is applied, saved or published."""
@@ -808,149 +778,49 @@ class FineTuneRecipe:
 
     # ---------------------------------------------------------------- save
     def save(self, extra: dict | None = None) -> Path:
-        """Write the adapter (LoRA family) or HF model (full), then ``result.json`` (rank 0)."""
-        state = self._gather_state(trainable_only=self.is_lora)  # collective: every rank calls
-        artifact = self.output_dir / (ADAPTER_DIR if self.is_lora else MODEL_DIR)
+        """Publish the weights, then ``result.json`` (rank 0 writes; see trainers/artifacts.py)."""
+        # A collective: every rank calls it.
+        state = artifacts.gather_state(
+            self.model, trainable_only=self.is_lora, sharded=self.topo.distributed
+        )
+        artifact = artifacts.weights_dir(self.output_dir, self.method)
         published_step = self.global_step
         keep_best = bool(self.cfg.get("eval", {}).get("keep_best"))
         if self.topo.is_main and keep_best and self.best_step not in (None, self.global_step):
-            best = self._best_state()
+            best = artifacts.read_best(self.output_dir, step=self.best_step, digest=self.digest)
             if best is None:  # cannot happen unless the output was tampered with
                 raise RuntimeError(
                     f"keep_best: the weights of step {self.best_step} are missing from "
-                    f"{self.output_dir / BEST_DIR}"
+                    f"{self.output_dir / artifacts.BEST_DIR}"
                 )
             state, published_step = best, self.best_step
         if self.topo.is_main:
-            needed = checkpoint.nbytes(state)  # about what the weights take on disk
-            if self.is_lora:
-                durable.publish_dir(artifact, partial(self._write_adapter, state), needed=needed)
-                if self.cfg.merge:
-                    durable.publish_dir(
-                        self.output_dir / MERGED_DIR, partial(self._write_merged, state)
-                    )
-            else:
-                durable.publish_dir(artifact, partial(self._write_hf_model, state), needed=needed)
-            result = {
-                "model": self.cfg.model_name,
-                "base_model": self.cfg.hub_id,
-                "method": self.method,
-                "steps": self.global_step,
-                "epochs": self.cfg.epochs,
-                "first_loss": self.first_loss,
-                "final_loss": self.last_loss,
-                "tokens_seen": self.tokens_seen,
-                "wall_time_s": round(getattr(self, "wall_time", 0.0), 3),
-                "world_size": self.topo.world_size,
-                "device": self.device.type,
-                "dtype": self.cfg.dtype,
-                "peak_memory_gib": round(peak_memory_gib(self.device), 3),
-                "resumed_from_step": self.resumed_from,
-                "restarts": self.restarts,
-                "val_loss": self.val_loss,
-                "val_perplexity": None if self.val_loss is None else _perplexity(self.val_loss),
-                "best_val_loss": self.best_val_loss,
-                "best_step": self.best_step,
-                "val_rows": len(self.val_indices),
-                "keep_best": keep_best,
-                "published_step": published_step,
-                "eval_time_s": round(self.eval_time, 3),
-                "evaluations": self.eval_count,
-                "artifact": str(artifact),
-                "merged_model": str(self.output_dir / MERGED_DIR) if self.cfg.merge else None,
-                "trainer_args": OmegaConf.to_container(self.cfg.trainer_args),
-                # The chat format it was trained in (trainers/prompt_format.py): generate() and
-                # the vLLM manifest prompt the model the same way.
-                "chat_template": self.cfg.tokenizer.get("chat_template"),
-                "system_prompt": self.cfg.tokenizer.get("system_prompt"),
-                **(
-                    {"dpo": {**OmegaConf.to_container(self.cfg.dpo), **self.step_metrics}}
-                    if self.dpo
-                    else {}
-                ),
-                "config_digest": result_digest(self.cfg),
-                "identity": result_identity(self.cfg),
-                **(extra or {}),
-            }
-            durable.write_json(self.output_dir / RESULT_FILE, result)
+            artifacts.publish_weights(state, self.cfg, self.output_dir)
+            outcome = artifacts.Outcome(
+                steps=self.global_step,
+                first_loss=self.first_loss,
+                final_loss=self.last_loss,
+                tokens_seen=self.tokens_seen,
+                wall_time_s=getattr(self, "wall_time", 0.0),
+                world_size=self.topo.world_size,
+                device=self.device.type,
+                peak_memory_gib=peak_memory_gib(self.device),
+                resumed_from_step=self.resumed_from,
+                restarts=self.restarts,
+                val_loss=self.val_loss,
+                val_perplexity=None if self.val_loss is None else _perplexity(self.val_loss),
+                best_val_loss=self.best_val_loss,
+                best_step=self.best_step,
+                val_rows=len(self.val_indices),
+                keep_best=keep_best,
+                published_step=published_step,
+                eval_time_s=self.eval_time,
+                evaluations=self.eval_count,
+                dpo_metrics=self.step_metrics if self.dpo else {},
+            )
+            artifacts.write_result(self.output_dir, self.cfg, outcome, artifact, extra)
         distributed.barrier()  # no rank exits before the result is complete
         return artifact
-
-    def _gather_state(self, trainable_only: bool) -> dict[str, torch.Tensor]:
-        """Full (unsharded) CPU copies of the weights on rank 0; an empty dict on other ranks."""
-        if self.topo.distributed:
-            options = StateDictOptions(
-                full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
-            )
-            return get_model_state_dict(self.model, options=options)
-        state = self.model.state_dict()
-        if trainable_only:
-            state = get_adapter_state_dict(state)
-        # Copies: on CPU ``.to("cpu")`` would alias the live weights that training still owns.
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-    def _hf_config(self) -> dict:
-        return json.loads((Path(self.cfg.checkpointer.checkpoint_dir) / "config.json").read_text())
-
-    def _write_adapter(self, state: dict[str, torch.Tensor], directory: Path) -> None:
-        m = self.cfg.model
-        adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
-        # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
-        # magnitude unpermuted); export_adapter follows each family's HF layout.
-        weights, targets = export_adapter(
-            adapter,
-            model_type=self.cfg.checkpointer.model_type,
-            hf_config=self._hf_config(),
-            rank=m.lora_rank,
-            alpha=m.lora_alpha,
-        )
-        weights = {k: v.contiguous() for k, v in weights.items()}
-        save_file(weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-        # QLoRA's adapter is an ordinary LoRA adapter: it applies to the unquantized base too.
-        adapter_config = {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "base_model_name_or_path": self.cfg.hub_id,
-            "r": m.lora_rank,
-            "lora_alpha": m.lora_alpha,
-            "lora_dropout": m.lora_dropout,
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "inference_mode": True,
-            "use_dora": self.method == "dora",
-            "use_rslora": False,
-            "modules_to_save": None,
-            **targets,
-        }
-        (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-
-    def _write_merged(self, adapter_state: dict[str, torch.Tensor], directory: Path) -> None:
-        """Fold the adapter into a fresh copy of the base read from disk, never the live model."""
-        merged = config.instantiate(self.cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
-        merged.update(get_adapter_state_dict(adapter_state))
-        merged = get_merged_lora_ckpt(
-            merged, rank=self.cfg.model.lora_rank, alpha=self.cfg.model.lora_alpha
-        )
-        self._write_hf_model(merged, directory)
-
-    def _write_hf_model(self, state: dict[str, torch.Tensor], directory: Path) -> None:
-        ckpt = dict(self.cfg.checkpointer)
-        ckpt["output_dir"] = str(directory / ".staging")
-        checkpointer = config.instantiate(OmegaConf.create(ckpt))
-        # torchtune's HF checkpointer learns which shard file each weight belongs in while it
-        # loads; it never loaded here. Read the same map from the shards' headers rather than
-        # load a second full copy of the model.
-        weight_map = {}
-        for index, name in enumerate(self.cfg.checkpointer.checkpoint_files, start=1):
-            with safe_open(Path(self.cfg.checkpointer.checkpoint_dir) / name, "pt") as shard:
-                weight_map.update(dict.fromkeys(shard.keys(), f"{index:04}"))
-        checkpointer._weight_map = weight_map
-        checkpointer.save_checkpoint({training.MODEL_KEY: state}, epoch=0)
-        # torchtune writes weights plus the source's config/tokenizer files under epoch_0/.
-        staged = directory / ".staging" / "epoch_0"
-        for item in staged.iterdir():
-            shutil.move(str(item), directory / item.name)
-        shutil.rmtree(directory / ".staging")
 
 
 def _append_line(file, path: Path, line: str) -> None:
