@@ -1,7 +1,9 @@
 """``FineTune``: tunepack's trainer vocabulary as a typed dataclass for notebooks.
 
-The fields are generated from ``tunepack.trainers.args.VOCABULARY`` (the one source of truth for
-trainer arguments), so a key added there appears here without a second list to keep in sync.
+The field declarations (and the docstring that lists them) are generated from
+``tunepack.trainers.args.VOCABULARY`` (the one source of truth for trainer arguments) into this
+file by ``python -m tunepack.finetune --write``, so IDEs and type checkers see every field; a
+test fails while they are stale.
 Each value is checked with the vocabulary's own parser when the object is made, so a wrong value
 fails in the notebook cell that wrote it, naming the field and the allowed range:
 
@@ -28,15 +30,240 @@ TrainJob YAML use.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import sys
+import textwrap
 import typing
 
 from tunepack.core.errors import BadInputError
-from tunepack.trainers.args import VOCABULARY, Arg, split_pairs
+from tunepack.trainers.args import VOCABULARY, Arg, split_pairs, write_block
 
-# Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields).
-PLACEMENT_FIELDS = ("num_nodes", "num_proc_per_node", "resources_per_node", "env")
-# Where the result goes after training (the exporter step; docs/export.md).
-EXPORT_FIELDS = ("export", "export_secret")
+# Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields), then where
+# the result goes after training (the exporter step; docs/export.md). (name, type, meaning)
+PLACEMENT = (
+    ("num_nodes", "int", "trainer nodes (TrainJob spec.trainer.numNodes)"),
+    ("num_proc_per_node", "int", "processes per node (default: the GPUs per node, or 1)"),
+    ("resources_per_node", "dict", "e.g. {'gpu': 4, 'memory': '200Gi'}"),
+    ("env", "dict", "extra environment variables for the trainer container"),
+)
+EXPORT = (
+    ("export", "str", "where the result goes: s3://bucket/prefix, hf://org/name or a path"),
+    ("export_secret", "str", "a cluster Secret with the exporter's credentials"),
+)
+PLACEMENT_FIELDS = tuple(name for name, _, _ in PLACEMENT)
+EXPORT_FIELDS = tuple(name for name, _, _ in EXPORT)
+# What FineTune takes for a parsed type, where it takes more than the parser returns.
+_ACCEPTED = {"tuple[str, ...]": "tuple[str, ...] | list[str] | str"}
+COMMAND = "tunepack.finetune"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FineTune:
+    # generated from VOCABULARY by `python -m tunepack.finetune --write`: begin
+    """tunepack trainer arguments (``None`` = the runtime's default).
+
+    Args:
+        method (str): lora, qlora (NF4-quantized base), dora, full or dpo (preference tuning)
+        epochs (int): passes over the dataset
+        max_steps (int): stop after this many optimizer steps (default: no limit)
+        batch_size (int): examples per device per step (default: catalog)
+        grad_accum (int): micro-batches accumulated per optimizer step
+        lr (float): peak learning rate (default: by method)
+        weight_decay (float): AdamW weight decay
+        warmup_steps (int): linear warmup steps before cosine decay
+        max_seq_len (int): truncate examples to this many tokens (default: catalog)
+        lora_rank (int): LoRA rank r (default: catalog)
+        lora_alpha (float): LoRA alpha (default: catalog)
+        lora_dropout (float): dropout on the LoRA path
+        lora_attn_modules (tuple): attention projections that get LoRA
+        lora_mlp (bool): also apply LoRA to the MLP projections
+        train_on_input (bool): also compute the loss on the prompt tokens
+        seed (int): random seed (initialisation, shuffling)
+        log_every (int): write a metrics line every N optimizer steps
+        dtype (str): training precision; auto = bf16 on GPU, fp32 on CPU
+        device (str): auto = cuda when a GPU is visible, else cpu
+        activation_checkpointing (str | bool): recompute layer activations in backward to save
+            memory; auto = on for cuda, off for cpu
+        compile (str | bool): torch.compile the model's layers (a minute or more of warm-up, then
+            faster steps); auto = when the planned run is long enough to pay for it
+        packed (bool): pack several examples into each max_seq_len sequence
+        group_by_length (bool): batch examples of similar length together, so batches hold less
+            padding (unpacked data; packs are full already)
+        checkpoint_every_steps (int): write a resumable checkpoint every N optimizer steps (0: only
+            by time)
+        checkpoint_every_minutes (float): write a resumable checkpoint every T minutes of training
+            (0: only by steps)
+        keep_checkpoints (int): how many of the newest checkpoints to keep
+        resume (bool): resume from the newest complete checkpoint of the same run
+        merge (bool): LoRA methods: also write a merged HF model (the adapter folded into a copy of
+            the base)
+        val_fraction (float): hold out this fraction of the training rows for validation (the same
+            rows on every run; 0: none)
+        eval_every_steps (int): compute the validation loss every N optimizer steps (0: only at the
+            end)
+        keep_best (bool): publish the weights of the step with the lowest validation loss, not the
+            last step's
+        tracker (str): experiment tracker: none, tensorboard, mlflow or wandb
+        tracker_uri (str): MLflow tracking URI (http, https or file)
+        tracker_project (str): MLflow experiment / W&B project name (default: tunepack)
+        beta (float): method=dpo: how far from the reference (KL weight)
+        dpo_loss (str): method=dpo: the loss, sigmoid, ipo or hinge
+        chat_template (str): chat format of chat and instruction data: model (the base model's own
+            Hugging Face template) or another format with the same special tokens (docs/trainer.md)
+        system_prompt (str): system message for conversations that have none (default: the
+            template's own, if any)
+        num_nodes (int): trainer nodes (TrainJob spec.trainer.numNodes)
+        num_proc_per_node (int): processes per node (default: the GPUs per node, or 1)
+        resources_per_node (dict): e.g. {'gpu': 4, 'memory': '200Gi'}
+        env (dict): extra environment variables for the trainer container
+        export (str): where the result goes: s3://bucket/prefix, hf://org/name or a path
+        export_secret (str): a cluster Secret with the exporter's credentials
+
+    Example:
+        >>> FineTune(method='lora', lora_rank=16, epochs=3, num_nodes=2)
+    """
+
+    method: str | None = None
+    epochs: int | None = None
+    max_steps: int | None = None
+    batch_size: int | None = None
+    grad_accum: int | None = None
+    lr: float | None = None
+    weight_decay: float | None = None
+    warmup_steps: int | None = None
+    max_seq_len: int | None = None
+    lora_rank: int | None = None
+    lora_alpha: float | None = None
+    lora_dropout: float | None = None
+    lora_attn_modules: tuple[str, ...] | list[str] | str | None = None
+    lora_mlp: bool | None = None
+    train_on_input: bool | None = None
+    seed: int | None = None
+    log_every: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    activation_checkpointing: str | bool | None = None
+    compile: str | bool | None = None
+    packed: bool | None = None
+    group_by_length: bool | None = None
+    checkpoint_every_steps: int | None = None
+    checkpoint_every_minutes: float | None = None
+    keep_checkpoints: int | None = None
+    resume: bool | None = None
+    merge: bool | None = None
+    val_fraction: float | None = None
+    eval_every_steps: int | None = None
+    keep_best: bool | None = None
+    tracker: str | None = None
+    tracker_uri: str | None = None
+    tracker_project: str | None = None
+    beta: float | None = None
+    dpo_loss: str | None = None
+    chat_template: str | None = None
+    system_prompt: str | None = None
+    num_nodes: int | None = None
+    num_proc_per_node: int | None = None
+    resources_per_node: dict | None = None
+    env: dict | None = None
+    export: str | None = None
+    export_secret: str | None = None
+    # generated from VOCABULARY: end
+
+    def __post_init__(self) -> None:
+        for arg in VOCABULARY:
+            value = getattr(self, arg.name)
+            if value is not None:
+                _check_value(arg, value)
+        if self.method == "full":
+            lora = [
+                f"{a.name}={getattr(self, a.name)!r}" for a in VOCABULARY if _is_lora(a.name, self)
+            ]
+            if lora:
+                raise BadInputError(
+                    f"FineTune: {', '.join(lora)} set{'s' if len(lora) == 1 else ''} LoRA "
+                    "adapters, but method='full' trains every weight and has none; leave "
+                    f"{'it' if len(lora) == 1 else 'them'} out, or use method='lora'"
+                )
+        nodes, procs = self.num_nodes, self.num_proc_per_node
+        for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
+            bad_type = not isinstance(value, int) or isinstance(value, bool)
+            if value is not None and (bad_type or value < 1):
+                raise BadInputError(
+                    f"FineTune.{name}={value!r} is not valid: expected an integer >= 1"
+                )
+        if self.resources_per_node is not None and not isinstance(self.resources_per_node, dict):
+            raise BadInputError(
+                "FineTune.resources_per_node must be a dict such as {'gpu': 1, 'memory': '64Gi'}, "
+                f"got {self.resources_per_node!r}"
+            )
+        if self.env is not None and not (
+            isinstance(self.env, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
+        ):
+            raise BadInputError(f"FineTune.env must map names to string values, got {self.env!r}")
+        if self.export is not None:
+            from tunepack.initializers.export import export_uri_problem
+
+            problem = (
+                export_uri_problem(self.export)
+                if isinstance(self.export, str)
+                else f"expected a string such as 's3://bucket/prefix', got {self.export!r}"
+            )
+            if problem:
+                raise BadInputError(f"FineTune.export: {problem}")
+        if self.export_secret is not None and self.export is None:
+            raise BadInputError(
+                "FineTune.export_secret names the exporter's credentials, but export is not set; "
+                "give export='s3://bucket/prefix' (or hf://org/name) too"
+            )
+
+    def to_args(self) -> list[str]:
+        """The trainer's ``key=value`` arguments, in vocabulary order (unset fields omitted)."""
+        return [
+            f"{arg.name}={_raw(getattr(self, arg.name))}"
+            for arg in VOCABULARY
+            if getattr(self, arg.name) is not None
+        ]
+
+    @classmethod
+    def from_args(cls, args: list[str], **placement: typing.Any) -> FineTune:
+        """A ``FineTune`` from tunepack's ``key=value`` trainer arguments (as the CLI takes them).
+
+        Unknown, repeated or malformed keys and bad values raise ``BadInputError`` as the trainer
+        would; ``placement`` takes the non-argument fields (``num_nodes=2``, ...).
+        """
+        if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+            raise BadInputError(
+                f"trainer arguments must be a list of 'key=value' strings, got {args!r}"
+            )
+        by_name = {arg.name: arg for arg in VOCABULARY}
+        values = {key: by_name[key].parse(key, raw) for key, raw in split_pairs(args).items()}
+        return cls(**values, **placement)
+
+
+def _refuse_unknown_names(init: typing.Callable[..., None]) -> typing.Callable[..., None]:
+    """The dataclass's ``__init__`` (keyword arguments only, each a field, ``None``: the
+    runtime's default), refusing a name that is not a field with a ``BadInputError`` naming the
+    closest fields (``lora_r``: ``lora_rank``?) instead of Python's ``TypeError``."""
+
+    @functools.wraps(init)  # inspect.signature (help(), notebooks) still shows the fields
+    def __init__(self, *args: typing.Any, **values: typing.Any) -> None:
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = [key for key in values if key not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.6)
+            hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
+            raise BadInputError(
+                f"FineTune has no field {unknown[0]!r}: its fields are the trainer arguments of "
+                f"`tunepack args` and {', '.join(PLACEMENT_FIELDS + EXPORT_FIELDS)}; {hint}"
+            )
+        init(self, *args, **values)
+
+    return __init__
+
+
+FineTune.__init__ = _refuse_unknown_names(FineTune.__init__)  # type: ignore[method-assign]
 
 
 def _value_type(arg: Arg) -> type:
@@ -84,148 +311,51 @@ def _check_value(arg: Arg, value: object) -> None:
         raise BadInputError(f"FineTune.{arg.name}: {err}") from None
 
 
-def _init(self, **values) -> None:
-    """Keyword arguments only, each a field (``None``: the runtime's default); a name that is
-    not a field is refused naming the closest fields (``lora_r``: ``lora_rank``?)."""
-    names = [name for name, _, _ in _fields()]
-    unknown = [key for key in values if key not in names]
-    if unknown:
-        import difflib
-
-        close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.6)
-        hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
-        raise BadInputError(
-            f"FineTune has no field {unknown[0]!r}: its fields are the trainer arguments of "
-            f"`tunepack args` and {', '.join(PLACEMENT_FIELDS + EXPORT_FIELDS)}; {hint}"
-        )
-    for name in names:
-        object.__setattr__(self, name, values.get(name))
-    self.__post_init__()
-
-
-def _post_init(self) -> None:
-    for arg in VOCABULARY:
-        value = getattr(self, arg.name)
-        if value is not None:
-            _check_value(arg, value)
-    if self.method == "full":
-        lora = [f"{a.name}={getattr(self, a.name)!r}" for a in VOCABULARY if _is_lora(a.name, self)]
-        if lora:
-            raise BadInputError(
-                f"FineTune: {', '.join(lora)} set{'s' if len(lora) == 1 else ''} LoRA adapters, "
-                "but method='full' trains every weight and has none; leave "
-                f"{'it' if len(lora) == 1 else 'them'} out, or use method='lora'"
-            )
-    nodes, procs = self.num_nodes, self.num_proc_per_node
-    for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
-        bad_type = not isinstance(value, int) or isinstance(value, bool)
-        if value is not None and (bad_type or value < 1):
-            raise BadInputError(f"FineTune.{name}={value!r} is not valid: expected an integer >= 1")
-    if self.resources_per_node is not None and not isinstance(self.resources_per_node, dict):
-        raise BadInputError(
-            "FineTune.resources_per_node must be a dict such as {'gpu': 1, 'memory': '64Gi'}, "
-            f"got {self.resources_per_node!r}"
-        )
-    if self.env is not None and not (
-        isinstance(self.env, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
-    ):
-        raise BadInputError(f"FineTune.env must map names to string values, got {self.env!r}")
-    if self.export is not None:
-        from tunepack.initializers.export import export_uri_problem
-
-        problem = (
-            export_uri_problem(self.export)
-            if isinstance(self.export, str)
-            else f"expected a string such as 's3://bucket/prefix', got {self.export!r}"
-        )
-        if problem:
-            raise BadInputError(f"FineTune.export: {problem}")
-    if self.export_secret is not None and self.export is None:
-        raise BadInputError(
-            "FineTune.export_secret names the exporter's credentials, but export is not set; "
-            "give export='s3://bucket/prefix' (or hf://org/name) too"
-        )
-
-
-def _is_lora(name: str, obj) -> bool:
+def _is_lora(name: str, obj: FineTune) -> bool:
     """A LoRA setting given (``lora_rank``, ``lora_alpha``, ...)."""
     return name.startswith("lora_") and getattr(obj, name) is not None
 
 
-def _to_args(self) -> list[str]:
-    """The trainer's ``key=value`` arguments, in vocabulary order (unset fields omitted)."""
-    return [
-        f"{arg.name}={_raw(getattr(self, arg.name))}"
-        for arg in VOCABULARY
-        if getattr(self, arg.name) is not None
-    ]
+# ---------------------------------------------------------------- the generated block
+def _doc_type(arg: Arg) -> str:
+    """A field's type as the docstring names it: ``int``, ``tuple``, ``str | bool``."""
+    return arg.annotation if "|" in arg.annotation else _value_type(arg).__name__
 
 
-def _from_args(cls, args: list[str], **placement) -> FineTune:
-    """A ``FineTune`` from tunepack's ``key=value`` trainer arguments (as the CLI takes them).
-
-    Unknown, repeated or malformed keys and bad values raise ``BadInputError`` as the trainer
-    would; ``placement`` takes the non-argument fields (``num_nodes=2``, ...).
-    """
-    if isinstance(args, str) or not all(isinstance(a, str) for a in args):
-        raise BadInputError(
-            f"trainer arguments must be a list of 'key=value' strings, got {args!r}"
-        )
-    by_name = {arg.name: arg for arg in VOCABULARY}
-    values = {key: by_name[key].parse(key, raw) for key, raw in split_pairs(args).items()}
-    return cls(**values, **placement)
-
-
-def _doc() -> str:
-    lines = [
+def generated_lines() -> list[str]:
+    """FineTune's docstring and field declarations, from VOCABULARY and the placement fields."""
+    entries = [(arg.name, _doc_type(arg), arg.help) for arg in VOCABULARY]
+    doc = [
         "tunepack trainer arguments (``None`` = the runtime's default).",
         "",
         "Args:",
-    ]
-    for arg in VOCABULARY:
-        lines.append(f"    {arg.name} ({_value_type(arg).__name__}): {arg.help}")
-    lines += [
-        "    num_nodes (int): trainer nodes (TrainJob spec.trainer.numNodes)",
-        "    num_proc_per_node (int): processes per node (default: the GPUs per node, or 1)",
-        "    resources_per_node (dict): e.g. {'gpu': 4, 'memory': '200Gi'}",
-        "    env (dict): extra environment variables for the trainer container",
-        "    export (str): where the result goes: s3://bucket/prefix, hf://org/name or a path",
-        "    export_secret (str): a cluster Secret with the exporter's credentials",
+        *(
+            line
+            for name, kind, text in entries + list(PLACEMENT + EXPORT)
+            # The class body's 4 spaces come on top: lines within 100 characters.
+            for line in textwrap.wrap(
+                f"{name} ({kind}): {text}",
+                width=96,
+                initial_indent=" " * 4,
+                subsequent_indent=" " * 8,
+                break_on_hyphens=False,
+            )
+        ),
         "",
         "Example:",
         "    >>> FineTune(method='lora', lora_rank=16, epochs=3, num_nodes=2)",
     ]
-    return "\n".join(lines)
-
-
-def _fields() -> list[tuple]:
-    out = []
-    for arg in VOCABULARY:
-        out.append((arg.name, _value_type(arg) | None, dataclasses.field(default=None)))
-    out += [
-        ("num_nodes", int | None, dataclasses.field(default=None)),
-        ("num_proc_per_node", int | None, dataclasses.field(default=None)),
-        ("resources_per_node", dict | None, dataclasses.field(default=None)),
-        ("env", dict | None, dataclasses.field(default=None)),
-        ("export", str | None, dataclasses.field(default=None)),
-        ("export_secret", str | None, dataclasses.field(default=None)),
+    lines = ['"""' + doc[0], *doc[1:], '"""', ""]
+    lines += [
+        f"{arg.name}: {_ACCEPTED.get(arg.annotation, arg.annotation)} | None = None"
+        for arg in VOCABULARY
     ]
-    return out
+    lines += [f"{name}: {kind} | None = None" for name, kind, _ in PLACEMENT + EXPORT]
+    return lines
 
 
-FineTune = dataclasses.make_dataclass(
-    "FineTune",
-    _fields(),
-    namespace={
-        "__init__": _init,
-        "__post_init__": _post_init,
-        "to_args": _to_args,
-        "from_args": classmethod(_from_args),
-        "__doc__": _doc(),
-    },
-    kw_only=True,
-    frozen=True,
-    init=False,  # _init: the same keyword arguments, an unknown one refused with the fields
-)
-FineTune.__module__ = __name__
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit(f"usage: python -m {COMMAND} --write  (rewrites FineTune's generated fields)")
+    changed = write_block(__file__, COMMAND, generated_lines())
+    print(f"{__file__}: {'rewritten' if changed else 'up to date'}")

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
 
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
+from tunepack.trainers import args as args_module
 from tunepack.trainers.args import (
     VOCABULARY,
+    TrainArgs,
     available_methods,
     builder_for,
     markdown_table,
     parse_trainer_args,
+    replace_block,
+    train_args_fields,
 )
 
 TINY = catalog.get("tiny-llama3")
@@ -145,3 +150,37 @@ def test_docs_list_every_argument_in_the_generated_table():
     )
     for arg in VOCABULARY:
         assert f"| `{arg.name}` |" in block
+
+
+def test_train_args_fields_are_generated_from_the_vocabulary():
+    source = Path(args_module.__file__).read_text()
+    assert replace_block(source, "tunepack.trainers.args", train_args_fields()) == source, (
+        "trainers/args.py's TrainArgs fields are stale: "
+        "run python -m tunepack.trainers.args --write"
+    )
+    names = [f.name for f in dataclasses.fields(TrainArgs)]
+    assert names == [arg.name for arg in VOCABULARY] + ["given"]
+    hints = typing.get_type_hints(TrainArgs)
+    assert hints["lora_attn_modules"] == tuple[str, ...]
+    assert hints["max_steps"] == int | None and hints["compile"] == str | bool
+
+
+def test_a_stale_block_is_rewritten_and_a_missing_one_named():
+    source = (
+        "class A:\n"
+        "    # generated from VOCABULARY by `python -m x --write`: begin\n"
+        "    old: int\n"
+        "    # generated from VOCABULARY: end\n"
+        "    kept: str\n"
+    )
+    assert replace_block(source, "x", ["new: str", "", "more: int"]) == (
+        "class A:\n"
+        "    # generated from VOCABULARY by `python -m x --write`: begin\n"
+        "    new: str\n"
+        "\n"
+        "    more: int\n"
+        "    # generated from VOCABULARY: end\n"
+        "    kept: str\n"
+    )
+    with pytest.raises(ValueError, match="no block between '# generated from VOCABULARY by `py"):
+        replace_block(source, "y", [])

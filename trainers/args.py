@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import ModelEntry
@@ -45,6 +46,12 @@ class Arg:
     parse: Callable[[str, str], object]
     help: str
     default: object = None  # None: taken from the catalog entry or the method (see defaults())
+    optional: bool = False  # None is a value of its own (max_steps: no limit), never filled in
+
+    @property
+    def annotation(self) -> str:
+        """The type of a parsed value, as the parser's return annotation spells it."""
+        return self.parse.__annotations__["return"]
 
 
 def _int(lo: int, hi: int | None = None) -> Callable[[str, str], int]:
@@ -160,7 +167,12 @@ VOCABULARY: tuple[Arg, ...] = (
         "lora",
     ),
     Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
-    Arg("max_steps", _int(1), "stop after this many optimizer steps (default: no limit)"),
+    Arg(
+        "max_steps",
+        _int(1),
+        "stop after this many optimizer steps (default: no limit)",
+        optional=True,
+    ),
     Arg("batch_size", _int(1, 4096), "examples per device per step (default: catalog)"),
     Arg("grad_accum", _int(1, 1024), "micro-batches accumulated per optimizer step", 1),
     Arg("lr", _float(0.0, 1.0, lo_open=True), "peak learning rate (default: by method)"),
@@ -275,6 +287,9 @@ _DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5, "dpo": 5
 
 @dataclass(frozen=True)
 class TrainArgs:
+    """The trainer's arguments, every one resolved (the user's, the catalog's or the default)."""
+
+    # generated from VOCABULARY by `python -m tunepack.trainers.args --write`: begin
     method: str
     epochs: int
     max_steps: int | None
@@ -311,8 +326,9 @@ class TrainArgs:
     tracker_project: str
     beta: float
     dpo_loss: str
-    chat_template: str  # a format name of trainers/prompt_format.py
+    chat_template: str
     system_prompt: str
+    # generated from VOCABULARY: end
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
 
 
@@ -407,7 +423,7 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             f"tracker_uri is only used by tracker=mlflow, but tracker={resolved['tracker']!r}"
         )
     names = {f.name for f in fields(TrainArgs)} - {"given"}
-    missing = sorted(n for n in names if resolved.get(n) is None and n != "max_steps")
+    missing = sorted(n for n in names if resolved.get(n) is None and not _BY_NAME[n].optional)
     if missing:  # a catalog entry without a default for a required key is a tunepack bug
         raise RuntimeError(f"catalog entry {entry.name} has no default for {missing}")
     return TrainArgs(**{n: resolved[n] for n in names}, given=pairs)
@@ -452,7 +468,55 @@ def methods_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---------------------------------------------------------------- generated source
+# Typed classes of the vocabulary (TrainArgs here, the SDK's FineTune) declare their fields in
+# a block of their source file written from VOCABULARY; a test fails while a block is stale.
+_BLOCK_BEGIN = "# generated from VOCABULARY by `python -m {command} --write`: begin\n"
+_BLOCK_END = "# generated from VOCABULARY: end\n"
+
+
+def replace_block(source: str, command: str, lines: list[str]) -> str:
+    """``source`` with its generated block's body replaced by ``lines`` (indented as the
+    block's begin marker is)."""
+    begin = _BLOCK_BEGIN.format(command=command)
+    head, found, rest = source.partition(begin)
+    body, found_end, tail = rest.partition(_BLOCK_END)
+    if not found or not found_end:
+        raise ValueError(f"no block between {begin.strip()!r} and {_BLOCK_END.strip()!r}")
+    indent = head[head.rindex("\n") + 1 :]
+    text = "".join(f"{indent}{line}\n" if line else "\n" for line in lines)
+    return f"{head}{begin}{text}{indent}{_BLOCK_END}{tail}"
+
+
+def write_block(path: str | Path, command: str, lines: list[str]) -> bool:
+    """Rewrite the generated block of the file ``path``; whether it changed."""
+    path = Path(path)
+    source = path.read_text(encoding="utf-8")
+    updated = replace_block(source, command, lines)
+    if updated != source:
+        path.write_text(updated, encoding="utf-8")
+    return updated != source
+
+
+def train_args_fields() -> list[str]:
+    """TrainArgs' field declarations: every argument, with the type its parser returns."""
+    return [
+        f"{arg.name}: {arg.annotation}{' | None' if arg.optional else ''}" for arg in VOCABULARY
+    ]
+
+
+def main(argv: list[str]) -> int:
+    """Print the vocabulary table (docs/trainer.md) or, with ``methods``, the methods table
+    (README.md); with ``--write``, rewrite TrainArgs' generated fields in this file."""
+    if argv == ["--write"]:
+        changed = write_block(__file__, "tunepack.trainers.args", train_args_fields())
+        print(f"{__file__}: {'rewritten' if changed else 'up to date'}")
+        return 0
+    print(methods_table() if argv == ["methods"] else markdown_table(), end="")
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    print(methods_table() if sys.argv[1:] == ["methods"] else markdown_table(), end="")
+    sys.exit(main(sys.argv[1:]))
