@@ -43,8 +43,7 @@ EXPORT_URI_ENV = "EXPORT_URI"
 PRIVATE_ENV = "EXPORT_PRIVATE"
 MANIFEST_KIND = "export"
 # The run's records that travel with the artifact (when present).
-RECORDS = ("result.json", "config.yaml", "metrics.jsonl")
-RESULT_FILE = "result.json"
+RECORDS = (workspace.RESULT_FILE, workspace.CONFIG_FILE, workspace.METRICS_FILE)
 SCHEMES = "s3://bucket/prefix, hf://org/name, file:///absolute/path or a path"
 
 
@@ -81,7 +80,7 @@ def export() -> None:
 
 def collect(output: Path) -> tuple[list[LocalFile], dict]:
     """The files of a finished run under ``output`` (sorted), and its ``result.json``."""
-    result_path = output / RESULT_FILE
+    result_path = output / workspace.RESULT_FILE
     try:
         result = json.loads(result_path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -229,7 +229,8 @@ def run_torchrun(
     """
     scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))
     try:
-        config_path = scratch / "config.yaml"  # node-local: no race with other nodes' writes
+        # Node-local: no race with other nodes' writes.
+        config_path = scratch / workspace.CONFIG_FILE
         config_path.write_text(config_text)
         exit_dir = scratch / "exit"
         exit_dir.mkdir()
