@@ -8,8 +8,9 @@ the config (see ``trainers/config.py``) and resumes from the newest complete che
 minutes and stops cleanly (checkpoint first) when the process is asked to; ``evaluate`` computes
 the validation loss; ``save_checkpoint`` writes a resumable checkpoint (``trainers/checkpoint.py``);
 ``save`` hands the weights and what the run did to ``trainers/artifacts.py``, which writes the
-result (adapter, models, ``result.json``). The launcher (``trainers/launch.py``) runs it in-process for one process, or as torchrun's
-worker for more; ``trainers/distributed.py`` hides the difference.
+result (adapter, models, ``result.json``). The launcher (``trainers/launch.py``) runs it
+in-process for one process, or as torchrun's worker for more; ``trainers/distributed.py`` hides
+the difference.
 
 Why not torchtune's stock recipes (0.6.1): the distributed ones hard-code NCCL and CUDA memory
 calls, none checkpoints mid-epoch, the single-device one forgets the global step on resume, and
@@ -574,6 +575,73 @@ class FineTuneRecipe:
         settings["run_name"] = f"{self.cfg.model_name}-{self.method}"
         return settings
 
+    def _non_finite_loss(self, loss: float) -> None:
+        """Stop before the optimizer step: nothing non-finite is applied, saved or published."""
+        step = self.global_step + 1
+        if self.global_step == 0:  # before any update: the base model, the data or the settings
+            raise BadInputError(
+                f"the loss is {loss} at the first step, before any update: check the base model's "
+                "weights, the data and the arguments (dtype, max_seq_len); nothing was published"
+            )
+        raise NonFiniteLoss(
+            f"the loss became {loss} at step {step} (the step before: {self.last_loss}): "
+            f"training diverged; lower lr (now {self.cfg.optimizer.lr}) or raise warmup_steps; "
+            "nothing was published"
+        )
+
+    def _open_metrics(self):
+        path = self.output_dir / METRICS_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self.resumed_from is None:
+            durable.write_text(path, "")
+        else:
+            # A resumed run appends: the file keeps the whole history of the run, each step once.
+            # The steps after the checkpoint (trained before the interruption, trained again
+            # now) and a line cut short by the kill are dropped first, in one atomic rewrite.
+            durable.write_text(path, "".join(_metrics_up_to(path, self.resumed_from)))
+        return path.open("ab", buffering=0)  # unbuffered: a failed write is undone at once
+
+    def _report(self, metrics, reporter, step_tokens, step_s, started, steps_at_start) -> None:
+        """Rank 0: one JSON line per logging step, and the newest snapshot for the controller."""
+        lr = self.optimizer.param_groups[0]["lr"]
+        tokens_per_s = step_tokens / max(step_s, 1e-9)
+        done_here = self.global_step - steps_at_start
+        per_step = (time.monotonic() - started) / max(done_here, 1)
+        remaining = int(per_step * (self.total_steps - self.global_step))
+        if reporter is not None:
+            self._train_status = {
+                "loss": round(self.last_loss, 6),
+                "learning_rate": lr,
+                "tokens_per_second": round(tokens_per_s, 1),
+                "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+                "step": self.global_step,
+                **self.step_metrics,
+            }
+            reporter.update(
+                100 * self.global_step // self.total_steps,
+                remaining,
+                {**self._train_status, **self._status_metrics()},
+            )
+        if self.global_step % self.cfg.log_every_n_steps and self.global_step != self.total_steps:
+            return
+        record = {
+            "event": "step",
+            "step": self.global_step,
+            "total_steps": self.total_steps,
+            "epoch": self.epoch + 1 if self.batch_in_epoch else self.epoch,  # 1-based
+            "loss": round(self.last_loss, 6),
+            "lr": lr,
+            "tokens": int(step_tokens),
+            "tokens_per_second": round(tokens_per_s, 1),
+            "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+            "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
+            **self.step_metrics,
+        }
+        if self.last_fill is not None:
+            record["fill"] = round(self.last_fill, 4)
+        _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
+        print(json.dumps(record), flush=True)
+
     # ---------------------------------------------------------------- evaluate
     def evaluate(self) -> float:
         """The validation loss (mean per counted token, over every rank's share of the rows).
@@ -671,73 +739,7 @@ class FineTuneRecipe:
             )
         distributed.barrier()
 
-    def _non_finite_loss(self, loss: float) -> None:
-        """Stop before the optimizer step: nothing non-finite is applied, saved or published."""
-        step = self.global_step + 1
-        if self.global_step == 0:  # before any update: the base model, the data or the settings
-            raise BadInputError(
-                f"the loss is {loss} at the first step, before any update: check the base model's "
-                "weights, the data and the arguments (dtype, max_seq_len); nothing was published"
-            )
-        raise NonFiniteLoss(
-            f"the loss became {loss} at step {step} (the step before: {self.last_loss}): "
-            f"training diverged; lower lr (now {self.cfg.optimizer.lr}) or raise warmup_steps; "
-            "nothing was published"
-        )
-
-    def _open_metrics(self):
-        path = self.output_dir / METRICS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if self.resumed_from is None:
-            durable.write_text(path, "")
-        else:
-            # A resumed run appends: the file keeps the whole history of the run, each step once.
-            # The steps after the checkpoint (trained before the interruption, trained again
-            # now) and a line cut short by the kill are dropped first, in one atomic rewrite.
-            durable.write_text(path, "".join(_metrics_up_to(path, self.resumed_from)))
-        return path.open("ab", buffering=0)  # unbuffered: a failed write is undone at once
-
-    def _report(self, metrics, reporter, step_tokens, step_s, started, steps_at_start) -> None:
-        """Rank 0: one JSON line per logging step, and the newest snapshot for the controller."""
-        lr = self.optimizer.param_groups[0]["lr"]
-        tokens_per_s = step_tokens / max(step_s, 1e-9)
-        done_here = self.global_step - steps_at_start
-        per_step = (time.monotonic() - started) / max(done_here, 1)
-        remaining = int(per_step * (self.total_steps - self.global_step))
-        if reporter is not None:
-            self._train_status = {
-                "loss": round(self.last_loss, 6),
-                "learning_rate": lr,
-                "tokens_per_second": round(tokens_per_s, 1),
-                "peak_memory_gib": round(peak_memory_gib(self.device), 3),
-                "step": self.global_step,
-                **self.step_metrics,
-            }
-            reporter.update(
-                100 * self.global_step // self.total_steps,
-                remaining,
-                {**self._train_status, **self._status_metrics()},
-            )
-        if self.global_step % self.cfg.log_every_n_steps and self.global_step != self.total_steps:
-            return
-        record = {
-            "event": "step",
-            "step": self.global_step,
-            "total_steps": self.total_steps,
-            "epoch": self.epoch + 1 if self.batch_in_epoch else self.epoch,  # 1-based
-            "loss": round(self.last_loss, 6),
-            "lr": lr,
-            "tokens": int(step_tokens),
-            "tokens_per_second": round(tokens_per_s, 1),
-            "peak_memory_gib": round(peak_memory_gib(self.device), 3),
-            "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
-            **self.step_metrics,
-        }
-        if self.last_fill is not None:
-            record["fill"] = round(self.last_fill, 4)
-        _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
-
+    # ---------------------------------------------------------------- checkpoint
     def save_checkpoint(self, wall_time_s: float) -> Path:
         manifest = {
             "step": self.global_step,
