@@ -255,6 +255,8 @@ def build_config(
     cache_dir: Path,
     checkpoint_dir: Path | None = None,
 ) -> DictConfig:
+    """The run's config: the data and the arguments checked against each other first, then the
+    parts below, in the order config.yaml shows them."""
     entry = custom.resolve(entry, model_dir)  # a bring-your-own checkpoint's own shape
     device = resolve_device(args.device)
     manifest = read_dataset_manifest(dataset_dir)
@@ -268,23 +270,38 @@ def build_config(
         for name in (*data_files, *([str(dataset_dir / val_file)] if val_file else [])):
             check_conversations(Path(name), args.chat_template, args.system_prompt or None)
 
-    model = model_component(entry, args.method)
-    if args.method in LORA_FAMILY:
-        model.update(
-            lora_attn_modules=list(args.lora_attn_modules),
-            apply_lora_to_mlp=args.lora_mlp,
-            apply_lora_to_output=False,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            lora_dropout=args.lora_dropout,
-        )
-        if args.method == "qlora":
-            model["quantize_base"] = True
-        if args.method == "dora":
-            model["use_dora"] = True
-
+    model = _model(entry, args)
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len, args)
     _check_method_fits_data(args.method, manifest["schema"])
+    has_validation = _check_validation(args, own_validation)
+
+    cfg = {
+        **_run(entry, args, device, output_dir),
+        "checkpointing": _checkpointing(args, checkpoint_dir or output_dir / CHECKPOINTS_DIR),
+        # Ties checkpoints and results to the data and base model they were trained on, not just
+        # their paths: another revision at the same URI is another run.
+        "dataset_sha256": {n: info.get("sha256") for n, info in sorted(manifest["files"].items())},
+        "model_sha256": read_model_hashes(model_dir),
+        "model": model,
+        "tokenizer": tokenizer,
+        "checkpointer": _checkpointer(entry, model_dir, output_dir),
+        "dataset": _dataset(args, manifest["schema"], data_files, cache_dir),
+        **_optimizer_and_schedule(args),
+        **_bookkeeping(args, output_dir),
+    }
+    if args.method == "dpo":  # only here: other methods' run identities stay as they were
+        cfg["dpo"] = {"beta": args.beta, "loss": args.dpo_loss}
+    # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
+    # content is in dataset_sha256 already).
+    if own_validation:
+        cfg["validation"] = {"data_files": [str(dataset_dir / val_file)]}
+    elif has_validation:
+        cfg["validation"] = {"fraction": args.val_fraction}
+    return OmegaConf.create(cfg)
+
+
+def _check_validation(args: TrainArgs, own_validation: dict | None) -> bool:
+    """Whether the run evaluates on held-out rows; refuses settings that contradict the data."""
     if own_validation and args.val_fraction > 0:
         raise BadInputError(
             f"val_fraction={args.val_fraction} would hold out training rows, but the dataset has "
@@ -304,8 +321,12 @@ def build_config(
             "has none: set val_fraction (for example val_fraction=0.05) or give a dataset with a "
             "validation split"
         )
+    return has_validation
 
-    cfg = {
+
+def _run(entry: ModelEntry, args: TrainArgs, device: str, output_dir: Path) -> dict:
+    """What the run is and how it runs: model, method, device and precision, batches, length."""
+    return {
         "model_name": entry.name,
         "hub_id": entry.hub_id,
         "method": args.method,
@@ -331,39 +352,70 @@ def build_config(
         "log_every_n_steps": args.log_every,
         "output_dir": str(output_dir),
         "merge": args.merge,
-        "checkpointing": {
-            "dir": str(checkpoint_dir or output_dir / CHECKPOINTS_DIR),
-            "every_steps": args.checkpoint_every_steps,
-            "every_minutes": args.checkpoint_every_minutes,
-            "keep": args.keep_checkpoints,
-            "resume": args.resume,
+    }
+
+
+def _checkpointing(args: TrainArgs, directory: Path) -> dict:
+    """Where and how often resumable checkpoints are written (trainers/checkpoint.py)."""
+    return {
+        "dir": str(directory),
+        "every_steps": args.checkpoint_every_steps,
+        "every_minutes": args.checkpoint_every_minutes,
+        "keep": args.keep_checkpoints,
+        "resume": args.resume,
+    }
+
+
+def _model(entry: ModelEntry, args: TrainArgs) -> dict:
+    """The model's node: the catalog's builder, with the LoRA family's adapter settings."""
+    model = model_component(entry, args.method)
+    if args.method in LORA_FAMILY:
+        model.update(
+            lora_attn_modules=list(args.lora_attn_modules),
+            apply_lora_to_mlp=args.lora_mlp,
+            apply_lora_to_output=False,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            lora_dropout=args.lora_dropout,
+        )
+        if args.method == "qlora":
+            model["quantize_base"] = True
+        if args.method == "dora":
+            model["use_dora"] = True
+    return model
+
+
+def _checkpointer(entry: ModelEntry, model_dir: Path, output_dir: Path) -> dict:
+    """How the base weights are read (and a full model written): the catalog's checkpointer."""
+    return {
+        # torchtune's HF checkpointer, or the family's own where torchtune cannot convert it.
+        "_component_": entry.family.checkpointer,
+        "checkpoint_dir": str(model_dir),
+        "checkpoint_files": list(entry.weight_files(model_dir)),
+        "model_type": entry.checkpoint_model_type,
+        "output_dir": str(output_dir / ".torchtune"),
+    }
+
+
+def _dataset(args: TrainArgs, schema: str, data_files: list[str], cache_dir: Path) -> dict:
+    """The training rows: the schema's torchtune builder over the initializer's files."""
+    return {
+        "_component_": DATASET_BUILDERS[schema],
+        **{
+            key: args.train_on_input if key == "train_on_input" else value
+            for key, value in DATASET_OPTIONS[schema].items()
         },
-        # Ties checkpoints and results to the data and base model they were trained on, not just
-        # their paths: another revision at the same URI is another run.
-        "dataset_sha256": {n: info.get("sha256") for n, info in sorted(manifest["files"].items())},
-        "model_sha256": read_model_hashes(model_dir),
-        "model": model,
-        "tokenizer": tokenizer,
-        "checkpointer": {
-            # torchtune's HF checkpointer, or the family's own where torchtune cannot convert it.
-            "_component_": entry.family.checkpointer,
-            "checkpoint_dir": str(model_dir),
-            "checkpoint_files": list(entry.weight_files(model_dir)),
-            "model_type": entry.checkpoint_model_type,
-            "output_dir": str(output_dir / ".torchtune"),
-        },
-        "dataset": {
-            "_component_": DATASET_BUILDERS[manifest["schema"]],
-            **{
-                key: args.train_on_input if key == "train_on_input" else value
-                for key, value in DATASET_OPTIONS[manifest["schema"]].items()
-            },
-            "source": "json",
-            "data_files": data_files,
-            "split": "train",
-            "packed": args.packed,
-            "cache_dir": str(cache_dir),
-        },
+        "source": "json",
+        "data_files": data_files,
+        "split": "train",
+        "packed": args.packed,
+        "cache_dir": str(cache_dir),
+    }
+
+
+def _optimizer_and_schedule(args: TrainArgs) -> dict:
+    """AdamW and a cosine schedule with linear warmup."""
+    return {
         "optimizer": {
             "_component_": "torch.optim.AdamW",
             "lr": args.lr,
@@ -373,6 +425,12 @@ def build_config(
             "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
             "num_warmup_steps": args.warmup_steps,
         },
+    }
+
+
+def _bookkeeping(args: TrainArgs, output_dir: Path) -> dict:
+    """What the run records: the arguments as given, evaluation, the experiment tracker."""
+    return {
         "trainer_args": dict(args.given),
         "eval": {"every_steps": args.eval_every_steps, "keep_best": args.keep_best},
         "tracker": {
@@ -382,12 +440,3 @@ def build_config(
             "log_dir": str(output_dir / "tracker"),
         },
     }
-    if args.method == "dpo":  # only here: other methods' run identities stay as they were
-        cfg["dpo"] = {"beta": args.beta, "loss": args.dpo_loss}
-    # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
-    # content is in dataset_sha256 already).
-    if own_validation:
-        cfg["validation"] = {"data_files": [str(dataset_dir / val_file)]}
-    elif has_validation:
-        cfg["validation"] = {"fraction": args.val_fraction}
-    return OmegaConf.create(cfg)
