@@ -4,6 +4,7 @@ The field declarations (and the docstring that lists them) are generated from
 ``tunepack.trainers.args.VOCABULARY`` (the one source of truth for trainer arguments) into this
 file by ``python -m tunepack.finetune --write``, so IDEs and type checkers see every field; a
 test fails while they are stale.
+
 Each value is checked with the vocabulary's own parser when the object is made, so a wrong value
 fails in the notebook cell that wrote it, naming the field and the allowed range:
 
@@ -356,6 +357,7 @@ def generated_lines() -> list[str]:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit(f"usage: python -m {COMMAND} --write  (rewrites FineTune's generated fields)")
+        print(f"usage: python -m {COMMAND} --write  (rewrites FineTune's fields)", file=sys.stderr)
+        sys.exit(64)  # EX_USAGE
     changed = write_block(__file__, COMMAND, generated_lines())
     print(f"{__file__}: {'rewritten' if changed else 'up to date'}")
