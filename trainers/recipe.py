@@ -92,6 +92,7 @@ class FineTuneRecipe:
         self.dpo = dpo.DPO(cfg.dpo.beta, cfg.dpo.loss) if cfg.method == "dpo" else None
         self.step_metrics: dict[str, float] = {}  # DPO's rewards of the last step
         self.stop_requested = False  # set by the SIGTERM handler; honoured after each step
+        self.compiled = False  # compile=auto decides in setup, once the planned work is known
         # Training progress, all of it saved in checkpoints.
         self.global_step = 0
         self.epoch = 0
