@@ -200,18 +200,10 @@ def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
     """The TrainJob of ``train --local``, through the checks ``TrainingClient(
     LocalBackendConfig()).train`` applies (``submit.local_trainjob``): the runtime's name, the
     trainer arguments, the memory plan (``--gpu``, ``--memory-check``)."""
-    from tunepack.finetune import FineTune
     from tunepack.jobs.submit import local_trainjob
     from tunepack.jobs.translate import Initializer
 
-    trainer = FineTune.from_args(
-        ns.trainer_args,
-        num_nodes=ns.num_nodes,
-        num_proc_per_node=ns.num_proc_per_node,
-        env=_verbose_env(ns),
-        export=ns.export,
-        export_secret=ns.export_secret,
-    )
+    trainer = _finetune(ns)
     runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
     initializer = Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {})
     name = (
@@ -220,6 +212,21 @@ def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
         else stable_job_name(runtime.name, ns.dataset, ns.model, trainer)
     )
     return local_trainjob(backend, runtime.name, initializer, trainer, name=name)
+
+
+def _finetune(ns: argparse.Namespace):
+    """The trainer of ``train`` (local or cluster): its ``key=value`` arguments checked as
+    ``FineTune`` checks a notebook's, with the placement and export flags."""
+    from tunepack.finetune import FineTune
+
+    return FineTune.from_args(
+        ns.trainer_args,
+        num_nodes=ns.num_nodes,
+        num_proc_per_node=ns.num_proc_per_node,
+        env=_verbose_env(ns),
+        export=ns.export,
+        export_secret=ns.export_secret,
+    )
 
 
 def _verbose_env(ns: argparse.Namespace) -> dict[str, str] | None:
@@ -372,18 +379,10 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     from kubeflow.trainer.options import Labels, Name
 
     from tunepack.client import TrainingClient
-    from tunepack.finetune import FineTune
     from tunepack.jobs.trainjob import QUEUE_LABEL
     from tunepack.jobs.translate import Initializer
 
-    trainer = FineTune.from_args(
-        ns.trainer_args,
-        num_nodes=ns.num_nodes,
-        num_proc_per_node=ns.num_proc_per_node,
-        env=_verbose_env(ns),
-        export=ns.export,
-        export_secret=ns.export_secret,
-    )
+    trainer = _finetune(ns)
     options = [Name(ns.name if ns.name is not None else _default_job_name(ns.runtime))]
     if ns.queue is not None:
         options.append(Labels({QUEUE_LABEL: ns.queue}))
