@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,29 @@ def _start_and_wait_for_step(env: dict, args: list[str], step: int) -> subproces
         if line.startswith(b"{") and json.loads(line).get("step", 0) >= step:
             return proc
     raise AssertionError(f"the trainer ended (rc {proc.wait()}) before step {step}")
+
+
+def _run_nodes(commands: list[tuple[list[str], dict]], tmp_path: Path, timeout: float = 300):
+    """Start one process per node, each writing to a file of its own (a node blocked on a full
+    pipe that nobody reads would hold the other nodes in their collectives), and wait for all;
+    nodes still running after ``timeout`` seconds are killed. The exit codes and outputs."""
+    logs = [tmp_path / f"node-{rank}.log" for rank in range(len(commands))]
+    nodes = []
+    for (argv, env), log in zip(commands, logs, strict=True):
+        with log.open("wb") as out:
+            nodes.append(subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        try:
+            node.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            for other in nodes:
+                if other.poll() is None:
+                    other.kill()
+                    other.wait()
+            break
+    outputs = [log.read_text(errors="replace") for log in logs]
+    return [node.returncode for node in nodes], outputs
 
 
 def _adapter(workspace: Path) -> dict[str, torch.Tensor]:
@@ -231,25 +255,24 @@ def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspac
 def test_two_nodes_of_one_process_train_lora_from_pet_variables(initialized_workspace, tmp_path):
     ws = _workspace(initialized_workspace, tmp_path)
     port = _free_port()
-    nodes = [
-        subprocess.Popen(
-            [*LAUNCH, "max_steps=4", "warmup_steps=0"],
-            env=_env(
-                ws,
-                nnodes=2,
-                nproc_per_node=1,
-                node_rank=rank,
-                master_addr="127.0.0.1",
-                master_port=port,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], outputs
+    codes, outputs = _run_nodes(
+        [
+            (
+                [*LAUNCH, "max_steps=4", "warmup_steps=0"],
+                _env(
+                    ws,
+                    nnodes=2,
+                    nproc_per_node=1,
+                    node_rank=rank,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                ),
+            )
+            for rank in (0, 1)
+        ],
+        tmp_path,
+    )
+    assert codes == [0, 0], outputs
     result = _result(ws)
     assert (result["world_size"], result["method"], result["steps"]) == (2, "lora", 4)
     assert (ws / "output" / "adapter" / "adapter_config.json").is_file()
@@ -297,18 +320,26 @@ def test_lora_variants_train_sharded(initialized_workspace, tmp_path, method, dt
     config = tmp_path / "config.yaml"
     config.write_text(OmegaConf.to_yaml(cfg))
     port = str(_free_port())
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-c", _NODE, str(config), str(nnodes), str(nproc), str(rank), port],
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(nnodes)
-    ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
-    assert [node.returncode for node in nodes] == [0] * nnodes, outputs
+    codes, outputs = _run_nodes(
+        [
+            (
+                [
+                    sys.executable,
+                    "-c",
+                    _NODE,
+                    str(config),
+                    str(nnodes),
+                    str(nproc),
+                    str(rank),
+                    port,
+                ],
+                {**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+            for rank in range(nnodes)
+        ],
+        tmp_path,
+    )
+    assert codes == [0] * nnodes, outputs
 
     result = json.loads((tmp_path / "output" / "result.json").read_text())
     assert (result["world_size"], result["method"], result["dtype"]) == (2, method, dtype)
