@@ -145,12 +145,23 @@ def test_chunked_linear_cross_entropy_equals_the_plain_loss_and_its_gradients(
         torch.testing.assert_close(weight.grad, expected[1])
 
 
+def _decoder(build, num_layers: int):
+    """A small torchtune Llama 3 decoder (97-id vocabulary, width 32)."""
+    return build(
+        vocab_size=97,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=32,
+        max_seq_len=64,
+        intermediate_dim=64,
+    )
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_decoder_returns_the_loss_of_the_counted_positions_with_the_same_gradients(tied):
     torch.manual_seed(0)
-    shape = dict(vocab_size=97, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32)
-    build = llama3_2 if tied else llama3
-    model = build(**shape, max_seq_len=64, intermediate_dim=64)
+    model = _decoder(llama3_2 if tied else llama3, num_layers=2)
     assert vocab_loss.supports(model)
     tokens = torch.randint(0, 97, (2, 12))
     labels = tokens.clone()
@@ -173,14 +184,6 @@ def test_a_decoder_returns_the_loss_of_the_counted_positions_with_the_same_gradi
 
 
 def test_lora_on_the_output_projection_keeps_the_plain_loss():
-    model = llama3(
-        vocab_size=97,
-        num_layers=1,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=32,
-        max_seq_len=64,
-        intermediate_dim=64,
-    )
+    model = _decoder(llama3, num_layers=1)
     model.output = LoRALinear(32, 97, rank=4, alpha=8)
     assert not vocab_loss.supports(model)
