@@ -18,6 +18,7 @@ SECRET_ENV = (
     "AWS_SECRET_ACCESS_KEY",
     "AWS_SESSION_TOKEN",
     "AWS_ACCESS_KEY_ID",
+    "HTTPS_PASSWORD",
 )
 HIDDEN = "***"
 # Shorter values would also match ordinary words ("a", "ab"); real credentials are long.

@@ -80,6 +80,47 @@ def redact(uri: str) -> str:
         return head + sep + rest.partition("?")[0] + ("?" + _HIDDEN if "?" in rest else "")
 
 
+# Where an https:// source takes a user name and password from, instead of the URL: the
+# environment (on a cluster, a Secret the initializer gets by reference).
+HTTPS_USERNAME_ENV = "HTTPS_USERNAME"
+HTTPS_PASSWORD_ENV = "HTTPS_PASSWORD"
+
+
+def credentials_in(uri: str) -> str | None:
+    """What in ``uri`` may be a credential, said without its value: its userinfo
+    (``user:password@``) or a query parameter ``redact`` hides (a presigned URL's signature, a
+    token). None when it holds none."""
+    try:
+        parts = urlsplit(uri)
+        keys = [k for k, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    except ValueError:
+        return "a part that cannot be parsed"  # redact hides it whole: so may it be a secret
+    if "@" in parts.netloc:
+        return "a user name or password (user:password@)"
+    hidden = [k for k in keys if k.lower() not in _PUBLIC_QUERY_KEYS]
+    if hidden or (parts.query and not keys):
+        named = f"query parameter {hidden[0]!r}" if hidden else f"a query ({_HIDDEN})"
+        return f"{named} (a presigned URL's signature or a token, maybe)"
+    return None
+
+
+def refuse_credentials(uri: str, what: str, secret_by: str) -> None:
+    """Refuse a storage URI ``uri`` of ``what`` (dataset, model, export) with credentials in it
+    (``credentials_in``): a TrainJob, a job record or a manifest would keep them in clear, for
+    anyone who can read it. The message names the part, never its value, and the Secret-based
+    way (``secret_by``: how a Secret is named for it). Raises ``BadInputError``."""
+    found = credentials_in(uri)
+    if found is None:
+        return
+    raise BadInputError(
+        f"{what} storage URI {redact(uri)!r} carries {found}: tunepack never writes a credential "
+        f"into a TrainJob or a job record; give the URI without it and the credential in the "
+        f"environment ({HTTPS_USERNAME_ENV} and {HTTPS_PASSWORD_ENV} for https://, the AWS_* keys "
+        f"for s3://, HF_TOKEN for hf://), on a cluster from a Secret ({secret_by}); see "
+        "docs/initializers.md, 'Credentials'"
+    )
+
+
 def parse(raw: str | None) -> StorageUri:
     """Parse and validate a storage URI; raise BadInputError naming it when it is unusable."""
     raw = (raw or "").strip()

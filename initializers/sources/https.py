@@ -2,8 +2,10 @@
 
 The expected checksum and size may ride in the fragment, which is never sent to the server:
 ``https://host/data.jsonl#sha256=<hex>&size=<bytes>``; ``STORAGE_SHA256`` works as well. Basic
-auth may be given as ``https://user:password@host/...`` and presigned URLs work as they are; both
-are redacted in every message. Plain ``http://`` is accepted only for loopback hosts (local test
+auth comes from ``HTTPS_USERNAME`` and ``HTTPS_PASSWORD`` in the environment (on a cluster, a
+Secret); ``https://user:password@host/...`` and presigned URLs still work when a TrainJob written
+by hand carries them (tunepack's own writers refuse them: ``uri.refuse_credentials``), and are
+redacted in every message. Plain ``http://`` is accepted only for loopback hosts (local test
 servers): anything that crosses a network must be encrypted.
 """
 
@@ -22,7 +24,12 @@ import httpx2
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
-from tunepack.initializers.uri import StorageUri, redact
+from tunepack.initializers.uri import (
+    HTTPS_PASSWORD_ENV,
+    HTTPS_USERNAME_ENV,
+    StorageUri,
+    redact,
+)
 
 SHA256_ENV = "STORAGE_SHA256"
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -84,6 +91,8 @@ class Source(RemoteSource):
         self.name = name if name not in ("", ".", "..") else "download"
         self.sha256 = uri.options.get("sha256", "").lower() or None
         self.size = int(uri.options["size"]) if "size" in uri.options else None
+        user = os.environ.get(HTTPS_USERNAME_ENV, "")
+        self.auth = (user, os.environ.get(HTTPS_PASSWORD_ENV, "")) if user else None
 
     def list(self) -> Listing:
         # A one-byte ranged GET rather than HEAD: presigned URLs are often signed for GET only.
@@ -93,6 +102,7 @@ class Source(RemoteSource):
                 "GET",
                 self.url,
                 headers=_http.range_headers(0) | {"Range": "bytes=0-0"},
+                auth=self.auth,
                 timeout=_http.timeout(),
                 follow_redirects=True,
             ) as response:
@@ -124,7 +134,12 @@ class Source(RemoteSource):
             headers["If-Range"] = file.version  # a changed file comes back whole (200)
         try:
             with httpx2.stream(
-                "GET", self.url, headers=headers, timeout=_http.timeout(), follow_redirects=True
+                "GET",
+                self.url,
+                headers=headers,
+                auth=self.auth,
+                timeout=_http.timeout(),
+                follow_redirects=True,
             ) as response:
                 self._check(response)
                 yield Body(
@@ -143,7 +158,8 @@ class Source(RemoteSource):
         if status in (401, 403):
             raise BadInputError(
                 f"{shown!r} answered {status} ({response.reason_phrase}): access denied; check "
-                f"the credentials in the URL, or whether a presigned URL has expired"
+                f"{HTTPS_USERNAME_ENV} and {HTTPS_PASSWORD_ENV} (or the credentials in the URL), "
+                "or whether a presigned URL has expired"
             )
         if status in (404, 410):
             raise BadInputError(f"{shown!r} answered {status}: no such file; check the URL")

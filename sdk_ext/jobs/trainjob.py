@@ -129,6 +129,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         # The initializers' own parser: an unknown scheme fails here, before any step runs.
         # (Whether the data exists can only be known where the initializer runs.)
         storage_uri.parse(uri)
+        storage_uri.refuse_credentials(uri, what, f"--{what}-secret, Initializer({what}_secret=)")
         uris[what] = uri if job.local else cluster_storage_uri(uri, what)
 
     if job.num_proc_per_node is not None and (
@@ -231,6 +232,7 @@ def export_patch(uri: str | None, secret: str | None, *, local: bool = False) ->
     problem = export_uri_problem(uri)
     if problem:
         raise BadInputError(problem)
+    storage_uri.refuse_credentials(uri, "export", "--export-secret, FineTune(export_secret=)")
     if not _STORAGE_URI.match(uri):
         if local:
             uri = os.path.abspath(os.path.expanduser(uri.removeprefix("file:")))
