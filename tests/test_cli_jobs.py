@@ -230,3 +230,90 @@ def test_jobs_dir_that_cannot_be_written_is_one_line(tmp_path, tiny_model_dir, t
         "not a directory; set TUNEPACK_HOME (or --jobs-dir) to a directory you can write to\n"
     )
     assert done.stdout == ""
+
+
+def test_a_refused_run_touches_no_other_jobs_record_and_workspaces_are_jobs(
+    home, tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """Issue 28, items 2 and 3. The same command in two workspaces is two jobs (the default
+    name says where), so neither is refused as "still running" (65) nor greeted as resumed; a
+    run refused because its workspace is busy (75) records nothing, and the job that trained
+    in the other workspace keeps its record and result."""
+    import os
+    import signal
+    import sys
+    import time
+
+    w1, w2 = tmp_path / "w1", tmp_path / "w2"
+    first = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(w1), "lr=0.001"
+    )
+    assert first.returncode == 0, first.stderr
+    name = first.stdout.split()[2].rstrip(":")
+    assert first.stdout.splitlines()[1].startswith("tunepack: a new job")
+
+    busy = subprocess.Popen(
+        [
+            sys.executable, "-m", "tunepack.cli", "train", "--local",
+            "--runtime", RUNTIME, "--dataset", f"file://{tiny_dataset_file}",
+            "--model", f"file://{tiny_model_dir}", "--workspace", str(w2),
+            "method=lora", "max_steps=400", "epochs=100",
+        ],
+        cwd=tmp_path, env={**os.environ, "TUNEPACK_HOME": str(home)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (w2 / "logs" / "node.log").exists() and time.monotonic() < deadline:
+            assert busy.poll() is None
+            time.sleep(0.2)
+        refused = _train(
+            home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(w2), "lr=0.001"
+        )
+    finally:
+        os.killpg(busy.pid, signal.SIGTERM)
+        busy.wait(timeout=120)
+    assert refused.returncode == 75, refused.stderr
+    assert refused.stdout == ""
+    assert refused.stderr.startswith(f"tunepack: error: workspace {w2} is in use by local ")
+    assert refused.stderr.count("\n") == 1
+
+    listed = {
+        row.split()[0]: row.split() for row in tunepack(home, "jobs", "--local").stdout.splitlines()
+    }
+    assert listed[name][2] == "Complete" and listed[name][-1] == str(w1)
+    # The refused run recorded nothing: the only job at w2 is the one that held it.
+    assert [row[0] for row in listed.values() if row[-1] == str(w2)] != [name]
+    assert sum(row[-1] == str(w2) for row in listed.values()) == 1
+    shown = tunepack(home, "result", name, "--local")
+    assert shown.returncode == 0, shown.stderr
+    assert f"  result      {w1 / 'output' / 'adapter'}" in shown.stdout
+
+    # The same command in a fresh workspace: another job, new, not "still running", not resumed.
+    w3 = tmp_path / "w3"
+    fresh = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(w3), "lr=0.001"
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    other = fresh.stdout.split()[2].rstrip(":")
+    assert other != name
+    assert fresh.stdout.splitlines()[1].startswith("tunepack: a new job")
+    assert "ran before" not in fresh.stdout
+
+
+def test_a_named_job_in_a_fresh_workspace_is_not_resumed(
+    home, tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """--name given twice, the second time with an empty workspace: a new run, not 'resuming'."""
+    first = _train(home, tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "moved")
+    assert first.returncode == 0, first.stderr
+    fresh = tmp_path / "fresh"
+    again = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "moved",
+        "--workspace", str(fresh),
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:2] == [
+        f"tunepack: job moved: local run of {RUNTIME} in {fresh}",
+        "tunepack: a new job",
+    ]

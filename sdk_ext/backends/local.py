@@ -35,8 +35,15 @@ from pydantic import BaseModel
 
 from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
 from tunepack.core import durable, program
-from tunepack.core.errors import BadInputError, TunepackError
-from tunepack.core.workspace import LOGS_DIR, MODEL_DIR, lock_workspace, metrics_file, result_file
+from tunepack.core.errors import BadInputError, TransientError, TunepackError
+from tunepack.core.workspace import (
+    LOGS_DIR,
+    MODEL_DIR,
+    WorkspaceLock,
+    lock_workspace,
+    metrics_file,
+    result_file,
+)
 from tunepack.jobs import submit
 from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
@@ -182,9 +189,9 @@ class LocalBackend(TunepackBackend):
             if not replace:
                 raise BadInputError(f"a local TrainJob {name!r} already exists under {self.root}")
             if self.get_job(name).status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING):
-                raise BadInputError(
-                    f"local TrainJob {name!r} is still running (pid {_pid(job_dir)}); wait for "
-                    f"it, or give another --name"
+                raise TransientError(  # busy, not bad input: it can run once that one ends
+                    f"local TrainJob {name!r} is still running (pid {_pid(job_dir)}, in "
+                    f"{self.workspace(name)}); wait for it to end, or give another --name"
                 )
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
@@ -508,12 +515,23 @@ def runner_main(job_dir: Path) -> int:
     return failed.exit_code if failed else 0
 
 
-def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bool = False):
+_TAKE_LOCK = object()
+
+
+def run_job(
+    job_dir: Path,
+    echo: Callable[[str], None] | None = None,
+    *,
+    cli: bool = False,
+    lock: WorkspaceLock | None | object = _TAKE_LOCK,
+):
     """Run the job in ``job_dir`` step by step in its workspace, recording each step's state;
     stop at the first failing step. ``echo`` gets each step's command and output lines.
     ``cli=True``: run by ``tunepack train --local`` in its own process (recorded as the job's
     runner). The workspace is locked for the whole run (``tunepack.core.workspace``): a second run
-    on it is refused with ``WorkspaceBusyError`` before anything is touched.
+    on it is refused with ``WorkspaceBusyError`` before anything is touched. ``lock``: the lock
+    the caller took before recording the job (None: the file system cannot lock), which it
+    releases; by default the lock is taken here.
     Returns ``tunepack.backends.local_steps.RunOutcome``."""
     from tunepack.backends.local_steps import keep_previous_logs, resolve_steps
 
@@ -527,7 +545,12 @@ def run_job(job_dir: Path, echo: Callable[[str], None] | None = None, *, cli: bo
         (job_dir / "pid").write_text(str(os.getpid()))
         state["runner"] = RUNNER_CLI
     name = trainjob["metadata"]["name"]
-    with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
+    held = (
+        nullcontext(lock)
+        if lock is not _TAKE_LOCK
+        else lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext()
+    )
+    with held as lock:
         keep_previous_logs(workspace / LOGS_DIR)
         steps = resolve_steps(runtime, trainjob, workspace.resolve())
         return _run_steps(job_dir, state, steps, workspace, echo, lock)

@@ -16,6 +16,7 @@ import re
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from tunepack.cli.cluster import check_cluster, kubeconfig_paths
@@ -138,6 +139,8 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         runtime_kind=NAMESPACED_RUNTIME_KIND if namespaced else CLUSTER_RUNTIME_KIND,
         export_uri=ns.export,
         export_secret=ns.export_secret,
+        dataset_secret=ns.dataset_secret,
+        model_secret=ns.model_secret,
         local=local,
     )
     return build_trainjob(spec)
@@ -163,11 +166,14 @@ def cmd_render_serving(ns: argparse.Namespace) -> int:
     return 0
 
 
-def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
+def stable_job_name(
+    runtime: str, dataset: str, model: str, trainer, workspace: Path | None = None
+) -> str:
     """The default name of a local job: ``<model>-<digest>``, the digest of what the command
     trains (the runtime, the dataset and model as their canonical URIs, the trainer arguments in
-    their canonical spelling and the placement). The same command gets the same job, hence its
-    workspace, and resumes it; another dataset, model or argument value gets another job."""
+    their canonical spelling and the placement) and where (``workspace``, the absolute
+    ``--workspace`` when one is given). The same command gets the same job, hence its workspace,
+    and resumes it; another dataset, model, argument value or workspace gets another job."""
     from tunepack.core.digest import json_digest
     from tunepack.core.errors import BadInputError
     from tunepack.initializers import uri as storage_uri
@@ -190,26 +196,35 @@ def stable_job_name(runtime: str, dataset: str, model: str, trainer) -> str:
         "num_nodes": trainer.num_nodes or 1,
         "num_proc_per_node": trainer.num_proc_per_node,
     }
+    if workspace is not None:  # two workspaces are two jobs (each with its own lock)
+        identity["workspace"] = str(workspace)
     digest = json_digest(identity)[:10]
     model_part = re.sub(r"[^a-z0-9-]", "-", runtime.removeprefix("tunepack-").lower()).strip("-")
     keep = max_name_length(trainer.num_nodes or 1) - len(digest) - 1
     return f"{model_part[:keep].rstrip('-') or 'job'}-{digest}"
 
 
-def _local_trainjob(ns: argparse.Namespace, backend) -> dict:
+def _local_trainjob(ns: argparse.Namespace, backend, workspace: Path | None) -> dict:
     """The TrainJob of ``train --local``, through the checks ``TrainingClient(
     LocalBackendConfig()).train`` applies (``submit.local_trainjob``): the runtime's name, the
-    trainer arguments, the memory plan (``--gpu``, ``--memory-check``)."""
+    trainer arguments, the memory plan (``--gpu``, ``--memory-check``). ``workspace``: the
+    ``--workspace`` given (absolute), part of the default name."""
     from tunepack.jobs.submit import local_trainjob
     from tunepack.jobs.translate import Initializer
 
     trainer = _finetune(ns)
     runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
-    initializer = Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {})
+    initializer = Initializer(
+        dataset=ns.dataset,
+        model=ns.model,
+        env=_verbose_env(ns) or {},
+        dataset_secret=ns.dataset_secret,
+        model_secret=ns.model_secret,
+    )
     name = (
         ns.name
         if ns.name is not None
-        else stable_job_name(runtime.name, ns.dataset, ns.model, trainer)
+        else stable_job_name(runtime.name, ns.dataset, ns.model, trainer, workspace)
     )
     return local_trainjob(backend, runtime.name, initializer, trainer, name=name)
 
@@ -250,35 +265,49 @@ def cmd_train(ns: argparse.Namespace) -> int:
             f"--queue {ns.queue} names a Kueue queue on a cluster; the local backend has none "
             "(leave out --queue, or --local)"
         )
-    from tunepack.backends.local import run_job
-    from tunepack.backends.local_steps import describe_exit
-    from tunepack.cli.interrupt import StopOnInterrupt
+    from tunepack.core.workspace import lock_workspace
 
     if ns.workspace is not None and not ns.workspace.strip():
         raise BadInputError(
             "--workspace is empty; give a directory, or leave --workspace out to use the job's"
         )
     backend = _local_client(ns).backend  # the foreground run is the local backend's own
-    trainjob = _local_trainjob(ns, backend)
-    name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]
-    previous = _previous_job(backend, name)
-    if ns.workspace is None and previous is not None:
-        workspace = backend.workspace(name)  # the same job again: resume its workspace
+    given = Path(ns.workspace).resolve() if ns.workspace is not None else None
+    trainjob = _local_trainjob(ns, backend, given)
+    name = trainjob["metadata"]["name"]
+    previous, previous_workspace = _previous_job(backend, name)
+    if given is None and previous_workspace is not None:
+        workspace = previous_workspace  # the same job again: resume its workspace
     else:
-        workspace = Path(ns.workspace or Path(".tunepack/runs") / name).resolve()
+        workspace = given or (Path(".tunepack/runs") / name).resolve()
     _check_workspace(workspace, given=ns.workspace)
-    job_dir = backend.register(trainjob, workspace, replace=True)
+    # Resumed: the same job, in the workspace it ran in, which holds what it made.
+    resumed = previous if workspace == previous_workspace and _has_work(workspace) else None
+    # The workspace first: a run refused because another holds it touches no job's record.
+    with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
+        job_dir = backend.register(trainjob, workspace, replace=True)
+        return _run_local(ns, trainjob, job_dir, workspace, resumed, lock)
+
+
+def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
+    """``train --local`` once its job is recorded and its workspace locked (``lock``);
+    ``resumed``: the status the job had where this run resumes it."""
+    from tunepack.backends.local import run_job
+    from tunepack.backends.local_steps import describe_exit
+    from tunepack.cli.interrupt import StopOnInterrupt
+
+    name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]
     shown = runtime if ns.runtime == runtime else f"{runtime} (for {ns.runtime!r})"
     print(f"tunepack: job {name}: local run of {shown} in {workspace}", flush=True)
-    if previous is None:
-        again = "" if ns.name else " (named after this command: the same command resumes it)"
-        print(f"tunepack: a new job{again}", flush=True)
-    else:
+    if resumed is not None:
         print(
-            f"tunepack: job {name} ran before ({previous}): resuming it (what is complete is "
+            f"tunepack: job {name} ran before ({resumed}): resuming it (what is complete is "
             "kept; the trainer continues from its last checkpoint)",
             flush=True,
         )
+    else:
+        again = "" if ns.name else " (named after this command: the same command resumes it)"
+        print(f"tunepack: a new job{again}", flush=True)
     started = time.perf_counter()
     stop = StopOnInterrupt(
         f"tunepack: interrupted ({{cause}}): stopping run {name!r} (the trainer saves a "
@@ -291,7 +320,7 @@ def cmd_train(ns: argparse.Namespace) -> int:
 
     try:
         with stop:
-            outcome = run_job(job_dir, echo=None if ns.quiet else echo, cli=True)
+            outcome = run_job(job_dir, echo=None if ns.quiet else echo, cli=True, lock=lock)
     except BaseException as err:
         _record_failure(job_dir, f"tunepack train --local stopped: {type(err).__name__}: {err}")
         raise
@@ -328,14 +357,22 @@ def cmd_train(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _previous_job(backend, name: str) -> str | None:
-    """The status of the local job ``name`` if it ran before (None: a new job)."""
+def _previous_job(backend, name: str) -> tuple[str | None, Path | None]:
+    """The status and workspace of the local job ``name`` if it ran before (None: a new job)."""
     from tunepack.core.errors import BadInputError
 
     try:
-        return backend.get_job(name).status
-    except (BadInputError, OSError, ValueError):
-        return None  # none (or a record too damaged to read: it is replaced)
+        return backend.get_job(name).status, backend.workspace(name).resolve()
+    except (BadInputError, OSError, ValueError, KeyError):
+        return None, None  # none (or a record too damaged to read: it is replaced)
+
+
+def _has_work(workspace: Path) -> bool:
+    """Whether ``workspace`` holds anything a run made (a fresh one is not resumed)."""
+    from tunepack.core import workspace as layout
+
+    made = (layout.DATASET_DIR, layout.MODEL_DIR, layout.CHECKPOINTS_DIR, layout.OUTPUT_DIR)
+    return any((workspace / part).exists() for part in made)
 
 
 def _record_failure(job_dir: Path, message: str) -> None:
@@ -390,7 +427,13 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     client = TrainingClient(_backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
     name = client.train(
         runtime=ns.runtime,
-        initializer=Initializer(dataset=ns.dataset, model=ns.model, env=_verbose_env(ns) or {}),
+        initializer=Initializer(
+            dataset=ns.dataset,
+            model=ns.model,
+            env=_verbose_env(ns) or {},
+            dataset_secret=ns.dataset_secret,
+            model_secret=ns.model_secret,
+        ),
         trainer=trainer,
         options=options,
     )
@@ -616,7 +659,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
 
     from tunepack.core.errors import BadInputError
     from tunepack.jobs.trainjob import check_dns_label
-    from tunepack.tools.install import describe, install, runtime_objects
+    from tunepack.tools.install import admission_objects, describe, install, runtime_objects
 
     if ns.namespace is not None:
         check_dns_label("--namespace", ns.namespace)
@@ -625,6 +668,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
             f"--delete-timeout {ns.delete_timeout:g} is not valid: expected a number of seconds > 0"
         )
     objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
+    objects += admission_objects(ns.namespace)
     check_cluster(ns.context, local_option=False)
     _, kubeconfigs = kubeconfig_paths()
     if kubeconfigs:
@@ -693,6 +737,13 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--queue", help="Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name)"
     )
+    for what in ("dataset", "model"):
+        parser.add_argument(
+            f"--{what}-secret",
+            metavar="SECRET",
+            help=f"cluster: a Secret whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, HTTPS_USERNAME, ...) "
+            f"the {what} initializer gets",
+        )
     parser.add_argument(
         "--export",
         metavar="URI",
