@@ -31,7 +31,7 @@ from kubeflow.trainer.constants import constants as kc
 from tunepack import notebook_progress
 from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
-from tunepack.core.errors import NotAvailableError
+from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.notebook import Result
 
 
@@ -52,9 +52,17 @@ class TrainingClient(TrainerClient):
         if isinstance(backend_config, LocalBackendConfig):
             self.backend = LocalBackend(backend_config)
         elif isinstance(backend_config, KubernetesBackendConfig):
+            from kubernetes.config.config_exception import ConfigException
+
             from tunepack.backends.kubernetes import KubernetesBackend
 
-            self.backend = KubernetesBackend(backend_config, gpu=gpu, memory_check=memory_check)
+            try:
+                self.backend = KubernetesBackend(backend_config, gpu=gpu, memory_check=memory_check)
+            except ConfigException as err:  # the kubernetes library's wording: tunepack's line
+                from tunepack.cli.cluster import configuration_problem
+
+                local = ", or pass LocalBackendConfig() to use the local backend"
+                raise BadInputError(configuration_problem(err, local)) from None
         else:
             super().__init__(backend_config)
 

@@ -78,6 +78,33 @@ def test_no_kubeconfig_and_no_kubeconfig_variable_names_the_default_file(tmp_pat
     )
 
 
+def test_training_client_without_a_kubeconfig_raises_tunepacks_line(tmp_path):
+    """``TrainingClient()`` (a notebook, no cluster configured): tunepack's one line, a
+    ``ValueError`` as the SDK raises for bad input, not the kubernetes library's wording
+    (issue 28, item 5)."""
+    code = (
+        "from tunepack import TrainingClient\n"
+        "try:\n"
+        "    TrainingClient()\n"
+        "except ValueError as err:\n"
+        "    print(type(err).__name__, err)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (
+        f"BadInputError no Kubernetes configuration: ~/.kube/config ({tmp_path}/.kube/config) "
+        "does not exist, KUBECONFIG is not set, and this is not a Pod in a cluster; set "
+        "KUBECONFIG to your cluster's kubeconfig, or pass LocalBackendConfig() to use the local "
+        "backend\n"
+    )
+
+
 def _kubeconfig(path: Path, server: str) -> Path:
     path.write_text(
         yaml.safe_dump(

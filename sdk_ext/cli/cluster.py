@@ -40,6 +40,29 @@ def kubeconfig_paths() -> tuple[str, list[str]]:
     return missing, [p for p in paths if Path(p).expanduser().is_file()]
 
 
+def no_configuration_message(alternative: str, missing: str | None = None) -> str:
+    """The one line for no Kubernetes configuration at all; ``alternative`` ends it (how to
+    use the local backend instead)."""
+    missing = missing or kubeconfig_paths()[0]
+    return (
+        f"no Kubernetes configuration: {missing}, and this is not a Pod in a cluster; set "
+        f"KUBECONFIG to your cluster's kubeconfig{alternative}"
+    )
+
+
+def configuration_problem(err: Exception, alternative: str) -> str:
+    """The one line for the Kubernetes client's own configuration error ``err``."""
+    missing, existing = kubeconfig_paths()
+    if not existing and not _in_cluster():
+        return no_configuration_message(alternative, missing)
+    where = os.pathsep.join(existing) if existing else "the Pod's service account"
+    reason = str(err).rstrip(".")
+    return (
+        f"invalid Kubernetes configuration in {where}: {reason}; fix it, or choose a context "
+        f"that exists{alternative}"
+    )
+
+
 def _in_cluster() -> bool:
     from kubernetes.config.incluster_config import SERVICE_HOST_ENV_NAME, SERVICE_TOKEN_FILENAME
 
@@ -80,10 +103,7 @@ def check_cluster(context: str | None = None, *, local_option: bool = True) -> s
         except ConfigException as err:
             raise BadInputError(f"invalid in-cluster Kubernetes configuration: {err}") from None
     else:
-        raise BadInputError(
-            f"no Kubernetes configuration: {missing}, and this is not a Pod in a cluster; "
-            f"set KUBECONFIG to your cluster's kubeconfig{alternative}"
-        )
+        raise BadInputError(no_configuration_message(alternative))
     server = configuration.host
     last_server = server
     if not configuration.proxy:
