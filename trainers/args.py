@@ -49,26 +49,59 @@ class Arg:
     optional: bool = False  # None is a value of its own (max_steps: no limit), never filled in
 
     @property
+    def rule(self) -> Rule:
+        """What the parser accepts (``Rule``), for checks written elsewhere (admission)."""
+        return self.parse.rule
+
+    @property
     def annotation(self) -> str:
         """The type of a parsed value, as the parser's return annotation spells it."""
         return self.parse.__annotations__["return"]
 
 
+@dataclass(frozen=True)
+class Rule:
+    """What a parser accepts, as data. The parser's message ends in ``expected``; the admission
+    policy (``tunepack.tools.admission``) writes its CEL checks and messages from the rest."""
+
+    kind: str  # int, float, bool, auto_bool, choice, subset, uri, name, or model (see parse_...)
+    expected: str = ""  # "<key>=<value> is not valid: expected <this>"
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is refused (floats)
+    choices: tuple[str, ...] = ()  # choice, subset; the accepted spellings for bool, auto_bool
+
+
+def _ruled(parse: Callable, rule: Rule) -> Callable:
+    parse.rule = rule
+    return parse
+
+
+def invalid_value_message(key: str, raw: str, expected: str) -> str:
+    return f"{key}={raw!r} is not valid: expected {expected}"
+
+
 def _int(lo: int, hi: int | None = None) -> Callable[[str, str], int]:
+    bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
+    rule = Rule("int", f"an integer {bound}", lo, hi)
+
     def parse(key: str, raw: str) -> int:
         try:
             value = int(raw)
         except ValueError:
             value = None
         if value is None or value < lo or (hi is not None and value > hi):
-            bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
-            raise BadInputError(f"{key}={raw!r} is not valid: expected an integer {bound}")
+            raise BadInputError(invalid_value_message(key, raw, rule.expected))
         return value
 
-    return parse
+    return _ruled(parse, rule)
 
 
 def _float(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Callable:
+    low = f"> {lo}" if lo_open else f">= {lo}"
+    bound = f"{low} and < {hi}" if hi is not None else low
+    rule = Rule("float", f"a number {bound}", lo, hi, lo_open)
+
     def parse(key: str, raw: str) -> float:
         try:
             value = float(raw)
@@ -77,21 +110,25 @@ def _float(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Call
         too_low = value is not None and (value <= lo if lo_open else value < lo)
         too_high = value is not None and hi is not None and value >= hi
         if value is None or value != value or too_low or too_high:
-            low = f"> {lo}" if lo_open else f">= {lo}"
-            bound = f"{low} and < {hi}" if hi is not None else low
-            raise BadInputError(f"{key}={raw!r} is not valid: expected a number {bound}")
+            raise BadInputError(invalid_value_message(key, raw, rule.expected))
         return value
 
-    return parse
+    return _ruled(parse, rule)
+
+
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")  # any case
 
 
 def _bool(key: str, raw: str) -> bool:
     lowered = raw.lower()
-    if lowered in ("true", "1", "yes"):
+    if lowered in _TRUE:
         return True
-    if lowered in ("false", "0", "no"):
+    if lowered in _FALSE:
         return False
-    raise BadInputError(f"{key}={raw!r} is not valid: expected true or false")
+    raise BadInputError(invalid_value_message(key, raw, _bool.rule.expected))
+
+
+_ruled(_bool, Rule("bool", "true or false", choices=_TRUE + _FALSE))
 
 
 def _auto_bool(key: str, raw: str) -> str | bool:
@@ -101,29 +138,47 @@ def _auto_bool(key: str, raw: str) -> str | bool:
     try:
         return _bool(key, raw)
     except BadInputError:
-        raise BadInputError(f"{key}={raw!r} is not valid: expected auto, true or false") from None
+        raise BadInputError(invalid_value_message(key, raw, _auto_bool.rule.expected)) from None
+
+
+_ruled(_auto_bool, Rule("auto_bool", "auto, true or false", choices=("auto", *_TRUE, *_FALSE)))
 
 
 def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
     allowed = tuple(choices)
+    rule = Rule("choice", f"one of {', '.join(allowed)}", choices=allowed)
 
     def parse(key: str, raw: str) -> str:
         if raw not in allowed:
-            raise BadInputError(f"{key}={raw!r} is not valid: expected one of {', '.join(allowed)}")
+            raise BadInputError(invalid_value_message(key, raw, rule.expected))
         return raw
 
-    return parse
+    return _ruled(parse, rule)
 
 
 def _modules(key: str, raw: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in raw.split(",") if part.strip())
     bad = [n for n in names if n not in LORA_ATTN_MODULES]
     if not names or bad:
-        raise BadInputError(
-            f"{key}={raw!r} is not valid: expected a comma-separated subset of "
-            f"{','.join(LORA_ATTN_MODULES)}"
-        )
+        raise BadInputError(invalid_value_message(key, raw, _modules.rule.expected))
     return names
+
+
+_ruled(
+    _modules,
+    Rule(
+        "subset",
+        f"a comma-separated subset of {','.join(LORA_ATTN_MODULES)}",
+        choices=LORA_ATTN_MODULES,
+    ),
+)
+
+
+def credentials_in_uri_message(key: str) -> str:
+    return (
+        f"{key} must not carry credentials in the URI: give them through the environment "
+        "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN)"
+    )
 
 
 def _tracker_uri(key: str, raw: str) -> str:
@@ -134,16 +189,20 @@ def _tracker_uri(key: str, raw: str) -> str:
         or not rest
         or any(c.isspace() for c in raw)
     ):
-        raise BadInputError(
-            f"{key}={raw!r} is not valid: expected a URI starting with "
-            f"{', '.join(s + '://' for s in TRACKER_URI_SCHEMES)}"
-        )
+        raise BadInputError(invalid_value_message(key, raw, _tracker_uri.rule.expected))
     if "@" in rest.split("/", 1)[0]:
-        raise BadInputError(
-            f"{key} must not carry credentials in the URI: give them through the environment "
-            "(MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN)"
-        )
+        raise BadInputError(credentials_in_uri_message(key))
     return raw
+
+
+_ruled(
+    _tracker_uri,
+    Rule(
+        "uri",
+        f"a URI starting with {', '.join(s + '://' for s in TRACKER_URI_SCHEMES)}",
+        choices=TRACKER_URI_SCHEMES,
+    ),
+)
 
 
 def _as_given(key: str, raw: str) -> str:
@@ -151,12 +210,17 @@ def _as_given(key: str, raw: str) -> str:
     return raw
 
 
+_ruled(_as_given, Rule("model"))
+NAME_MAX = 128
+
+
 def _name(key: str, raw: str) -> str:
-    if not raw or len(raw) > 128 or not all(c.isalnum() or c in "-_." for c in raw):
-        raise BadInputError(
-            f"{key}={raw!r} is not valid: expected 1 to 128 letters, digits, '-', '_' or '.'"
-        )
+    if not raw or len(raw) > NAME_MAX or not all(c.isalnum() or c in "-_." for c in raw):
+        raise BadInputError(invalid_value_message(key, raw, _name.rule.expected))
     return raw
+
+
+_ruled(_name, Rule("name", f"1 to {NAME_MAX} letters, digits, '-', '_' or '.'", 1, NAME_MAX))
 
 
 VOCABULARY: tuple[Arg, ...] = (
@@ -281,6 +345,7 @@ VOCABULARY: tuple[Arg, ...] = (
     ),
 )
 DPO_ONLY = ("beta", "dpo_loss")
+LORA_KEYS = tuple(arg.name for arg in VOCABULARY if arg.name.startswith("lora_"))  # not for full
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
 _DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5, "dpo": 5e-5}
 
@@ -339,24 +404,100 @@ def split_pairs(args: Iterable[str]) -> dict[str, str]:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise BadInputError(f"trainer argument {item!r} is not of the form key=value")
+            raise BadInputError(malformed_message(item))
         if key not in _BY_NAME:
             raise BadInputError(_unknown_key_message(key))
         if key in pairs:
-            raise BadInputError(f"trainer argument {key!r} is given twice")
+            raise BadInputError(given_twice_message(key))
         pairs[key] = raw.strip()
     return pairs
 
 
-def _unknown_key_message(key: str) -> str:
-    if "_component_" in key or "." in key:
-        return (
-            f"trainer argument {key!r} is not part of tunepack's vocabulary: tunepack does not "
-            f"take torchtune config overrides; use the documented keys ({', '.join(_BY_NAME)})"
-        )
-    close = difflib.get_close_matches(key, _BY_NAME, n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+# The messages below are functions of the values they name, so that the admission policy
+# (tunepack.tools.admission) says the same words: it calls them with its CEL expressions' places.
+def malformed_message(item: str) -> str:
+    return f"trainer argument {item!r} is not of the form key=value"
+
+
+def given_twice_message(key: str) -> str:
+    return f"trainer argument {key!r} is given twice"
+
+
+CONFIG_OVERRIDE_MARKERS = ("_component_", ".")  # in keys such as model._component_, optimizer.lr
+
+
+def is_config_override(key: str) -> bool:
+    """A torchtune config path or component, not a tunepack argument."""
+    return any(marker in key for marker in CONFIG_OVERRIDE_MARKERS)
+
+
+def config_override_message(key: str) -> str:
+    return (
+        f"trainer argument {key!r} is not part of tunepack's vocabulary: tunepack does not "
+        f"take torchtune config overrides; use the documented keys ({', '.join(_BY_NAME)})"
+    )
+
+
+def unknown_key_message(key: str, hint: str = "") -> str:
     return f"unknown trainer argument {key!r}{hint} Known arguments: {', '.join(_BY_NAME)}"
+
+
+def _unknown_key_message(key: str) -> str:
+    if is_config_override(key):
+        return config_override_message(key)
+    close = difflib.get_close_matches(key, _BY_NAME, n=1)
+    return unknown_key_message(key, f"; did you mean {close[0]!r}?" if close else "")
+
+
+def unavailable_method_message(entry: ModelEntry, method: str) -> str:
+    return entry.why_not(method) or (
+        f"method={method!r} is not available for {entry.name}: "
+        f"expected one of {', '.join(available_methods(entry))}"
+    )
+
+
+def lora_with_full_message(given: str, count: int) -> str:
+    """``given``: the ``lora_*=value`` pairs, ``count`` of them."""
+    return (
+        f"{given} set{'s' if count == 1 else ''} LoRA adapters, but method=full trains "
+        f"every weight and has none; leave {'it' if count == 1 else 'them'} out, or use "
+        "method=lora"
+    )
+
+
+def context_window_message(value: object, model: str, tokens: object) -> str:
+    return f"max_seq_len={value} is larger than {model}'s context window of {tokens} tokens"
+
+
+def sliding_window_message(value: object, model: str, window: object, family: str) -> str:
+    return (
+        f"max_seq_len={value} is longer than {model}'s sliding attention window of {window} "
+        f"tokens, which torchtune's {family} does not implement, so longer sequences would "
+        f"train a different model than the checkpoint; use max_seq_len<={window}"
+    )
+
+
+def no_packing_message(model: str, reason: str) -> str:
+    return f"packed=true is not available for {model}: {reason}; set packed=false"
+
+
+def dpo_only_message(given: str, keys: str, method: str) -> str:
+    """``given``: the DPO-only ``key=value`` pairs; ``keys``: their keys joined by ' and '."""
+    return f"{given}: only method=dpo uses {keys}, but method={method}"
+
+
+PACKED_WITH_GROUP_BY_LENGTH = (
+    "group_by_length=true applies to unpacked data, and packed=true packs examples into "
+    "full sequences already; set one of them"
+)
+PACKED_WITH_DPO = (
+    "packed=true is not available with method=dpo: each preference pair is its own "
+    "sequence; set packed=false"
+)
+
+
+def unused_tracker_uri_message(tracker: str) -> str:
+    return f"tracker_uri is only used by tracker=mlflow, but tracker={tracker!r}"
 
 
 def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
@@ -366,18 +507,10 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     method = values.get("method", "lora")
     available = available_methods(entry)
     if method not in available:
-        raise BadInputError(
-            entry.why_not(method)
-            or f"method={method!r} is not available for {entry.name}: "
-            f"expected one of {', '.join(available)}"
-        )
-    if method == "full" and (lora := [k for k in values if k.startswith("lora_")]):
+        raise BadInputError(unavailable_method_message(entry, method))
+    if method == "full" and (lora := [k for k in values if k in LORA_KEYS]):
         given = ", ".join(f"{k}={pairs[k]}" for k in lora)
-        raise BadInputError(
-            f"{given} set{'s' if len(lora) == 1 else ''} LoRA adapters, but method=full trains "
-            f"every weight and has none; leave {'it' if len(lora) == 1 else 'them'} out, or use "
-            "method=lora"
-        )
+        raise BadInputError(lora_with_full_message(given, len(lora)))
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
     resolved["lr"] = _DEFAULT_LR[method]
@@ -385,43 +518,26 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     resolved.update(values)
     if resolved["max_seq_len"] > entry.shape.max_seq_len:
         raise BadInputError(
-            f"max_seq_len={resolved['max_seq_len']} is larger than {entry.name}'s context "
-            f"window of {entry.shape.max_seq_len} tokens"
+            context_window_message(resolved["max_seq_len"], entry.name, entry.shape.max_seq_len)
         )
     if (window := entry.window_limit) and resolved["max_seq_len"] > window:
         raise BadInputError(
-            f"max_seq_len={resolved['max_seq_len']} is longer than {entry.name}'s sliding "
-            f"attention window of {window} tokens, which torchtune's {entry.family.title} does "
-            f"not implement, so longer sequences would train a different model than the "
-            f"checkpoint; use max_seq_len<={window}"
+            sliding_window_message(resolved["max_seq_len"], entry.name, window, entry.family.title)
         )
     if resolved["packed"] and entry.family.no_packing:
-        raise BadInputError(
-            f"packed=true is not available for {entry.name}: {entry.family.no_packing}; "
-            "set packed=false"
-        )
+        raise BadInputError(no_packing_message(entry.name, entry.family.no_packing))
     if method != "dpo" and (dpo_only := [k for k in DPO_ONLY if k in values]):
-        raise BadInputError(
-            f"{', '.join(f'{k}={pairs[k]}' for k in dpo_only)}: only method=dpo uses "
-            f"{' and '.join(dpo_only)}, but method={method}"
-        )
+        given = ", ".join(f"{k}={pairs[k]}" for k in dpo_only)
+        raise BadInputError(dpo_only_message(given, " and ".join(dpo_only), method))
     if resolved["packed"] and values.get("group_by_length"):
-        raise BadInputError(
-            "group_by_length=true applies to unpacked data, and packed=true packs examples into "
-            "full sequences already; set one of them"
-        )
+        raise BadInputError(PACKED_WITH_GROUP_BY_LENGTH)
     if method == "dpo" and resolved["packed"]:
-        raise BadInputError(
-            "packed=true is not available with method=dpo: each preference pair is its own "
-            "sequence; set packed=false"
-        )
+        raise BadInputError(PACKED_WITH_DPO)
     resolved["chat_template"] = check_chat_template(entry.family.name, resolved["chat_template"])
     if "system_prompt" in pairs:
         check_system_prompt(resolved["system_prompt"], resolved["chat_template"])
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
-        raise BadInputError(
-            f"tracker_uri is only used by tracker=mlflow, but tracker={resolved['tracker']!r}"
-        )
+        raise BadInputError(unused_tracker_uri_message(resolved["tracker"]))
     names = {f.name for f in fields(TrainArgs)} - {"given"}
     missing = sorted(n for n in names if resolved.get(n) is None and not _BY_NAME[n].optional)
     if missing:  # a catalog entry without a default for a required key is a tunepack bug

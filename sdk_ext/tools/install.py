@@ -1,5 +1,8 @@
 """Install tunepack's runtimes: server-side apply, as ``kubectl apply --server-side`` does it.
 
+Cluster-wide installs also apply the admission policy and its binding (``admission_objects``,
+``tunepack.tools.admission``), so that the API server refuses TrainJobs that could not run.
+
 Each object is sent as ``PATCH`` with ``Content-Type: application/apply-patch+yaml``,
 ``fieldManager=tunepack`` and ``force=true`` (tunepack owns these objects' fields), through the
 ``kubernetes`` client, so it works from a notebook or CI without kubectl.
@@ -25,12 +28,16 @@ from tunepack.core.errors import TransientError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import API_GROUP, KIND, NAMESPACED_KIND
 from tunepack.runtimes.store import load_runtime
+from tunepack.tools import admission
 
 FIELD_MANAGER = "tunepack"
 PLURALS = {
     KIND: "clustertrainingruntimes",
     NAMESPACED_KIND: "trainingruntimes",
+    admission.POLICY_KIND: "validatingadmissionpolicies",
+    admission.BINDING_KIND: "validatingadmissionpolicybindings",
 }
+_GROUPS = (API_GROUP, admission.API_VERSION.split("/")[0])  # what apply() sends
 CREATED, CONFIGURED, UNCHANGED, REPLACED = "created", "configured", "unchanged", "replaced"
 DELETE_TIMEOUT = 60.0  # seconds install waits for a replaced runtime's delete to finish
 _REQUEST_TIMEOUT = 30  # seconds per API request
@@ -55,9 +62,16 @@ def runtime_objects(names: list[str] | None = None, namespace: str | None = None
     return objects
 
 
+def admission_objects(namespace: str | None = None) -> list[dict]:
+    """The admission policy and its binding, for a cluster-wide install (none for a namespace:
+    they are cluster-scoped, and a team that installs into its namespace may not create them)."""
+    return [] if namespace else admission.policy_objects()
+
+
 def describe(obj: dict) -> str:
     """How kubectl names an object in its output: ``clustertrainingruntime.<group>/<name>``."""
-    return f"{obj['kind'].lower()}.{API_GROUP}/{obj['metadata']['name']}"
+    group = obj["apiVersion"].split("/")[0]
+    return f"{obj['kind'].lower()}.{group}/{obj['metadata']['name']}"
 
 
 def install(
@@ -101,10 +115,12 @@ def install(
 
 
 def apply(api_client: client.ApiClient, obj: dict) -> dict:
-    """Server-side apply one trainer.kubeflow.org object; returns the server's answer."""
+    """Server-side apply one runtime or admission object; returns the server's answer."""
     group, version = obj["apiVersion"].split("/")
-    if group != API_GROUP:
-        raise ValueError(f"apply() handles {API_GROUP} objects, got {obj['apiVersion']}")
+    if group not in _GROUPS:
+        raise ValueError(
+            f"apply() handles {' and '.join(_GROUPS)} objects, got {obj['apiVersion']}"
+        )
     return api_client.call_api(
         _path(obj),
         "PATCH",
