@@ -20,8 +20,8 @@ static rendezvous (the Pods are gang-scheduled with fixed ranks; ``tune run`` wo
 ``--standalone`` and two nodes would wait for each other forever). torchrun runs in its own
 session; SIGTERM, SIGINT and SIGHUP are forwarded to it (as SIGTERM), it stops its workers (which
 checkpoint first), and any worker still alive afterwards is killed, so nothing outlives the Pod's
-main process; if this process is killed outright, the kernel sends torchrun SIGTERM
-(``tunepack.core.lifetime``). Node 0 holds the workspace lock for the run
+main process; if this process is killed outright (a group kill), the kernel kills torchrun and
+its workers at once (``tunepack.core.lifetime``). Node 0 holds the workspace lock for the run
 (``tunepack.core.workspace``).
 
 Exit codes (``tunepack.core.errors``): 0 done; 65 bad input or configuration (do not retry); 75
@@ -223,9 +223,11 @@ def run_torchrun(
     """Run torchrun over the recipe on this node; forward stop signals; leave no worker behind.
 
     torchrun runs in its own session (so a signal to this process group is not delivered to it
-    twice) and through ``tunepack.core.lifetime``'s shim: should this process be killed outright,
-    the kernel sends torchrun SIGTERM, and it stops its workers as it would on a forwarded one. It
-    inherits the workspace lock, so the workspace stays locked until torchrun has ended too.
+    twice: this process forwards every stop request, and torchrun stops its workers, checkpoint
+    first) and through ``tunepack.core.lifetime``'s shim with SIGKILL: this process dies only when
+    killed outright (with its process group: ``kill -9 -- -PGID``, ``timeout -s KILL``), and then
+    torchrun and its workers die at once too, writing nothing more. It inherits the workspace
+    lock, so the workspace stays locked until torchrun has ended too.
     """
     scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))
     try:
@@ -238,7 +240,7 @@ def run_torchrun(
         # torchrun sets 1 itself where unset, with a banner saying so.
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen(
-            lifetime.shim(torchrun_command(layout, config_path, digest)),
+            lifetime.shim(torchrun_command(layout, config_path, digest), sig=signal.SIGKILL),
             env=env,
             start_new_session=True,
             pass_fds=(lock.fd,) if lock else (),

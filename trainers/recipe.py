@@ -954,7 +954,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digest", default=None, help="recorded as config_digest in result.json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    lifetime.die_with_parent()  # a killed torchrun agent must not leave workers training
     exit_dir = os.environ.get(program.EXIT_DIR_ENV)
     rank = os.environ.get("RANK", "0")
     if exit_dir:  # lets the launcher make sure no worker outlives it

@@ -5,10 +5,16 @@ torchrun in its own session; torchrun starts the workers. Killing the top with S
 SIGHUP when the terminal closes, must not leave the rest training (and a later run on the same
 workspace racing it). Two rules make that hold:
 
-- **die with the parent**: each child asks the kernel for SIGTERM when its parent dies
+- **die with the parent**: each child asks the kernel for a signal when its parent dies
   (``PR_SET_PDEATHSIG``). A child we start but do not write (torchrun) gets it from the exec
-  shim ``python -m tunepack.core.lifetime --parent PID -- COMMAND...``, since the setting survives
-  ``execve`` and setting it between ``fork`` and ``exec`` is unsafe in a threaded parent;
+  shim ``python -m tunepack.core.lifetime --parent PID [--signal KILL] -- COMMAND...``, since the
+  setting survives ``execve`` and setting it between ``fork`` and ``exec`` is unsafe in a
+  threaded parent. A step gets SIGTERM: its parent (the CLI, the runner) killed alone, the step
+  stops as it would on a stop request, checkpoint first. Below the step it is SIGKILL: torchrun
+  dies with the trainer's launcher, and each worker with torchrun. The launcher forwards every
+  stop request itself, so it dies only when killed outright, and then with the rest of the group
+  (``kill -9 -- -PGID``, ``timeout -s KILL``): a group kill stops every process of the run at
+  once, and none of them writes anything after it;
 - **one stop request per signal burst**: SIGTERM, SIGINT and SIGHUP all ask for a checkpoint and
   a stop. A signal sent to a whole process group reaches a process both directly and as the copy
   its parent forwards; a repeat within ``REPEAT_WINDOW_S`` is the same request, not the second
@@ -25,6 +31,9 @@ import time
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 REPEAT_WINDOW_S = 2.0
 _PR_SET_PDEATHSIG = 1
+# Set by the shim to its own pid, which the command it executes keeps: that command's children
+# (torchrun's workers) check with it that their parent is still the one that started them.
+SHIM_PID_ENV = "TUNEPACK_SHIM_PID"
 
 
 def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
@@ -47,11 +56,22 @@ def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> boo
     return True
 
 
-def shim(command: list[str], parent: int | None = None) -> list[str]:
-    """``command`` run through the exec shim, so it dies (SIGTERM) with ``parent`` (default:
-    the calling process)."""
+def die_with_shimmed_parent(sig: int = signal.SIGKILL) -> bool:
+    """``die_with_parent`` for a child of a command the shim started (a torchrun worker): the
+    parent it must have is the shim's pid (``SHIM_PID_ENV``), so a worker whose torchrun died
+    before this request took effect dies now rather than train on alone."""
+    raw = os.environ.get(SHIM_PID_ENV, "")
+    return die_with_parent(sig, int(raw) if raw.isdigit() else None)
+
+
+def shim(command: list[str], parent: int | None = None, sig: int = signal.SIGTERM) -> list[str]:
+    """``command`` run through the exec shim, so it gets ``sig`` (SIGTERM: stop cleanly;
+    SIGKILL: die now) when ``parent`` (default: the calling process) dies."""
     parent = os.getpid() if parent is None else parent
-    return [sys.executable, "-m", "tunepack.core.lifetime", "--parent", str(parent), "--", *command]
+    return [
+        sys.executable, "-m", "tunepack.core.lifetime", "--parent", str(parent),
+        "--signal", signal.Signals(sig).name.removeprefix("SIG"), "--", *command,
+    ]  # fmt: skip
 
 
 class StopRequests:
@@ -84,11 +104,19 @@ def signal_name(signum: int) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    usage = "usage: python -m tunepack.core.lifetime --parent PID -- COMMAND [ARG...]"
+    usage = (
+        "usage: python -m tunepack.core.lifetime --parent PID [--signal TERM|KILL] -- COMMAND "
+        "[ARG...]"
+    )
+    sig = signal.SIGTERM
+    if argv[2:3] == ["--signal"] and len(argv) > 4 and argv[3] in ("TERM", "KILL"):
+        sig = signal.Signals["SIG" + argv[3]]
+        argv = argv[:2] + argv[4:]
     if len(argv) < 4 or argv[0] != "--parent" or argv[2] != "--" or not argv[1].isdigit():
         print(usage, file=sys.stderr)
         return 2
-    die_with_parent(signal.SIGTERM, int(argv[1]))
+    die_with_parent(sig, int(argv[1]))
+    os.environ[SHIM_PID_ENV] = str(os.getpid())  # execvp keeps the pid: the command's own
     command = argv[3:]
     try:
         os.execvp(command[0], command)
