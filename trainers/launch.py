@@ -182,6 +182,9 @@ def run(argv: list[str]) -> int:
     lock = None
     if layout.node_rank == 0:
         lock = workspace.lock_workspace(root, f"trainer of {entry.runtime_name}")
+        # A run killed while publishing left its staging directory: the lock says it is gone.
+        for left in durable.remove_staging_leftovers(output):
+            print(f"{PROGRAM}: removed {left}, left by an interrupted run", flush=True)
     output.mkdir(parents=True, exist_ok=True)
     config_text = OmegaConf.to_yaml(cfg)
     if layout.node_rank == 0:  # every node derives the same config; one records it

@@ -182,6 +182,22 @@ def publish_dir(
     return destination
 
 
+def remove_staging_leftovers(directory: Path) -> list[Path]:
+    """Remove what ``publish_dir`` stages or sets aside in ``directory``
+    (``.<name>.partial-*``, ``.<name>.old-*``) and a killed run left behind; return it. Only
+    for a caller that holds the directory alone (the trainer under the workspace lock)."""
+    if not directory.is_dir():
+        return []
+    left = sorted(
+        p
+        for p in directory.iterdir()
+        if p.name.startswith(".") and (".partial-" in p.name or ".old-" in p.name)
+    )
+    for path in left:
+        remove(path)
+    return left
+
+
 def rename_dir(staging: Path, destination: Path, *, aside: Path | None = None) -> None:
     """Put the complete directory ``staging`` in place as ``destination``, durably: the one
     stage-then-rename of a directory.
