@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import atomic, download, formats, schemas, splits, uri
+from tunepack.initializers import atomic, download, formats, schemas, splits, trainer_args, uri
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
 from tunepack.initializers.retry import retrying
@@ -40,6 +40,8 @@ def _log(message: str) -> None:
 
 
 def initialize() -> None:
+    if (checked := trainer_args.check_from_env()) is not None:
+        _log(f"the trainer's {checked} arguments are valid")
     source_uri = uri.from_env()
     options = {
         "split": splits.requested(source_uri.options.get("split")),

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import atomic, download, uri
+from tunepack.initializers import atomic, download, trainer_args, uri
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
 from tunepack.initializers.retry import retrying
@@ -63,6 +63,8 @@ def _log(message: str) -> None:
 
 def initialize() -> None:
     entry = _catalog_entry()
+    if (checked := trainer_args.check_from_env()) is not None:
+        _log(f"the trainer's {checked} arguments are valid")
     source_uri = uri.from_env()
     dest = workspace.model_dir()
     if source_uri.is_local:

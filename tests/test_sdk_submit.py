@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -21,6 +22,7 @@ from kubeflow.trainer import (
 from kubeflow.trainer import Initializer as KfInitializer
 
 from tunepack.core.errors import BadInputError
+from tunepack.core.workspace import TRAINER_ARGS_ENV
 from tunepack.finetune import FineTune
 from tunepack.jobs import submit
 from tunepack.jobs.translate import Initializer, from_torchtune_config, storage_uri
@@ -94,9 +96,15 @@ def test_finetune_trainjob_field_by_field():
         "apiGroup": "trainer.kubeflow.org",
         "kind": "ClusterTrainingRuntime",
     }
+    # The trainer's arguments, for the initializers to check first (initializers/trainer_args.py).
+    env = [{"name": TRAINER_ARGS_ENV, "value": json.dumps(spec["trainer"]["args"])}]
     assert spec["initializer"] == {
-        "dataset": {"storageUri": "file:///data/train.jsonl"},
-        "model": {"storageUri": "file:///models/llama", "secretRef": {"name": "hf-token"}},
+        "dataset": {"storageUri": "file:///data/train.jsonl", "env": env},
+        "model": {
+            "storageUri": "file:///models/llama",
+            "secretRef": {"name": "hf-token"},
+            "env": env,
+        },
     }
     trainer = spec["trainer"]
     assert trainer["numNodes"] == 2
@@ -152,7 +160,8 @@ def test_translated_torchtune_config_field_by_field():
     ]
     parse_trainer_args(trainer["args"], CATALOG["llama3.1-8b"])
     # An upstream HF initializer keeps a file:// URI as given; a bare hub id gains hf://.
-    assert job["spec"]["initializer"]["model"] == {"storageUri": "file:///models/llama"}
+    env = [{"name": TRAINER_ARGS_ENV, "value": json.dumps(trainer["args"])}]
+    assert job["spec"]["initializer"]["model"] == {"storageUri": "file:///models/llama", "env": env}
     assert storage_uri(HuggingFaceModelInitializer("meta-llama/X"), "model") == "hf://meta-llama/X"
     assert storage_uri(S3ModelInitializer("s3://b/m"), "model") == "s3://b/m"
 

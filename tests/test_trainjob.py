@@ -39,6 +39,9 @@ def _build(**overrides) -> dict:
     return build_trainjob(TrainJobSpec(**(kwargs | overrides)))
 
 
+ARGS_ENV = {"name": "TUNEPACK_TRAINER_ARGS", "value": '["method=lora", "epochs=2"]'}
+
+
 def test_trainjob_has_the_api_fields():
     job = _build(num_nodes=2, namespace="team-a")
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
@@ -50,9 +53,11 @@ def test_trainjob_has_the_api_fields():
             "apiGroup": "trainer.kubeflow.org",
             "kind": "ClusterTrainingRuntime",
         },
+        # The initializers cannot see spec.trainer.args: they get them to check before any
+        # download (initializers/trainer_args.py).
         "initializer": {
-            "dataset": {"storageUri": "file:///data/alpaca.jsonl"},
-            "model": {"storageUri": "file:///models/tiny-llama3"},
+            "dataset": {"storageUri": "file:///data/alpaca.jsonl", "env": [ARGS_ENV]},
+            "model": {"storageUri": "file:///models/tiny-llama3", "env": [ARGS_ENV]},
         },
         # Always set: left out, the platform's "auto" would mean the CPU request on this
         # CPU-only runtime.

@@ -23,6 +23,9 @@ DEFAULT_WORKSPACE = "/workspace"
 # Environment the platform (Kubeflow Trainer) gives each step.
 STORAGE_URI_ENV = "STORAGE_URI"  # initializers: where to fetch from
 MODEL_ENV = "TUNEPACK_MODEL"  # every step: the catalog entry the runtime was generated for
+# Initializers: the trainer's arguments (a JSON list of key=value strings), which tunepack's
+# TrainJobs give them so that bad ones fail before any download (initializers/trainer_args.py).
+TRAINER_ARGS_ENV = "TUNEPACK_TRAINER_ARGS"
 
 # The workspace's layout: <workspace>/<name>.
 DATASET_DIR = "dataset"  # the dataset initializer's output

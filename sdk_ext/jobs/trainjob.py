@@ -19,12 +19,14 @@ machine, and leave ``numProcPerNode`` to the launcher's ``auto`` unless it is gi
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
 from tunepack.runtimes import builder, catalog, contract
@@ -185,9 +187,10 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         trainer["env"] = _env(job.trainer_env)
     dataset: dict = {"storageUri": uris["dataset"]}
     model: dict = {"storageUri": uris["model"]}
+    initializer_env = _initializer_env(job.initializer_env, job.trainer_args)
     for block, secret in ((dataset, job.dataset_secret), (model, job.model_secret)):
-        if job.initializer_env:
-            block["env"] = _env(job.initializer_env)
+        if initializer_env:
+            block["env"] = [dict(var) for var in initializer_env]
         if secret:
             block["secretRef"] = {"name": secret}
     spec: dict = {
@@ -381,6 +384,21 @@ def _check_key(what: str, key: object) -> None:
 
 
 _SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|ACCESS_KEY)", re.IGNORECASE)
+
+
+def _initializer_env(env: dict[str, str] | None, trainer_args: list[str]) -> list[dict]:
+    """The initializers' env: ``env``, and the trainer's arguments as ``TUNEPACK_TRAINER_ARGS``
+    (the initializers cannot see ``spec.trainer.args``; they check these before downloading:
+    initializers/trainer_args.py)."""
+    out = _env(env) if env else []
+    if any(var["name"] == workspace.TRAINER_ARGS_ENV for var in out):
+        raise BadInputError(
+            f"initializer_env must not set {workspace.TRAINER_ARGS_ENV}: tunepack sets it to the "
+            "trainer arguments, which the initializers check before they download anything"
+        )
+    if trainer_args:
+        out.append({"name": workspace.TRAINER_ARGS_ENV, "value": json.dumps(list(trainer_args))})
+    return out
 
 
 def _env(env: dict[str, str]) -> list[dict]:
