@@ -39,6 +39,9 @@ PLURALS = {
 }
 _GROUPS = (API_GROUP, admission.API_VERSION.split("/")[0])  # what apply() sends
 CREATED, CONFIGURED, UNCHANGED, REPLACED = "created", "configured", "unchanged", "replaced"
+# The API server does not serve ValidatingAdmissionPolicy (before Kubernetes 1.30): the runtimes
+# are installed all the same, and the initializers check tunepack's TrainJobs (docs/cluster.md).
+SKIPPED = "skipped: this cluster does not serve admissionregistration.k8s.io/v1 (Kubernetes 1.30+)"
 DELETE_TIMEOUT = 60.0  # seconds install waits for a replaced runtime's delete to finish
 _REQUEST_TIMEOUT = 30  # seconds per API request
 _MAX_JOBS_NAMED = 10
@@ -84,9 +87,10 @@ def install(
     """Apply ``obj``, re-creating it when an immutable field changed.
 
     Returns what happened, in kubectl's words: ``created``, ``configured``, ``unchanged`` or
-    ``replaced``. Raises ``RuntimeInUseError`` when a runtime to re-create is not deleted within
-    ``delete_timeout`` seconds, and ``RuntimeError`` (caused by the API error) when the server
-    refuses anything else.
+    ``replaced`` (``SKIPPED``: an admission object on a cluster without its API). Raises
+    ``RuntimeInUseError`` when a runtime to re-create is not deleted within ``delete_timeout``
+    seconds, and ``RuntimeError`` (caused by the API error) when the server refuses anything
+    else.
     """
     current = _get(api_client, obj)
     if current is not None and current["metadata"].get("deletionTimestamp"):
@@ -97,6 +101,8 @@ def install(
         answer = apply(api_client, obj)
     except ApiException as err:
         message = api_message(err) or ""
+        if err.status == 404 and obj["kind"] in (admission.POLICY_KIND, admission.BINDING_KIND):
+            return SKIPPED
         if current is None or err.status != 422 or "immutable" not in message.lower():
             raise _failed("apply", obj, err) from err
         _delete(api_client, obj, current["metadata"].get("uid"))
