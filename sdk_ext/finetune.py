@@ -38,7 +38,13 @@ import textwrap
 import typing
 
 from tunepack.core.errors import BadInputError
-from tunepack.trainers.args import VOCABULARY, Arg, split_pairs, write_block
+from tunepack.trainers.args import (
+    VOCABULARY,
+    Arg,
+    merge_with_full_message,
+    split_pairs,
+    write_block,
+)
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields), then where
 # the result goes after training (the exporter step; docs/export.md). (name, type, meaning)
@@ -186,6 +192,8 @@ class FineTune:
                     "adapters, but method='full' trains every weight and has none; leave "
                     f"{'it' if len(lora) == 1 else 'them'} out, or use method='lora'"
                 )
+            if self.merge:
+                raise BadInputError(f"FineTune: {merge_with_full_message('merge=True')}")
         nodes, procs = self.num_nodes, self.num_proc_per_node
         for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
             bad_type = not isinstance(value, int) or isinstance(value, bool)

@@ -134,6 +134,7 @@ def _concat(expression: str) -> str:
         (vocab.unknown_key_message, ["unknown_key"]),
         (lambda given: vocab.lora_with_full_message(given, 1), ["lora_rank=8"]),
         (lambda given: vocab.lora_with_full_message(given, 2), ["lora_rank=8, lora_alpha=16"]),
+        (vocab.merge_with_full_message, ["merge=true"]),
         (vocab.context_window_message, ["100000", "tiny-llama3", "512"]),
         (vocab.sliding_window_message, ["8192", "mistral-7b", "4096", "Mistral"]),
         (vocab.no_packing_message, ["gemma2-2b", "it's 'quoted'"]),

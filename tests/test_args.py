@@ -74,6 +74,12 @@ def test_given_values_are_parsed_and_recorded():
             "lora_rank=8, lora_mlp=false set LoRA adapters, but method=full trains every weight "
             "and has none; leave them out, or use method=lora",
         ),
+        (
+            ["method=full", "merge=Yes"],
+            "merge=Yes merges a LoRA adapter into the base, but method=full trains every weight "
+            "and has none (output/model/ is the whole model already); leave it out, or use "
+            "method=lora",
+        ),
     ],
 )
 def test_bad_arguments_name_the_value_and_the_expectation(argv, message):

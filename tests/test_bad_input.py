@@ -106,6 +106,7 @@ TRAIN_ARGS = [
     ("qlora-on-tiny", ["method=qlora"], ["method=qlora cannot quantize tiny-llama3"]),
     ("full-with-lora-rank", ["method=full", "lora_rank=8"], ["lora_rank=8 sets LoRA adapters", "method='full'"]),
     ("full-with-lora-keys", ["method=full", "lora_alpha=16", "lora_mlp=false"], ["lora_alpha=16.0, lora_mlp=False set LoRA", "leave them out"]),
+    ("full-with-merge", ["method=full", "merge=true"], ["merge=True merges a LoRA adapter into the base, but method=full trains every weight", "or use method=lora"]),
 ]  # fmt: skip
 
 
@@ -484,6 +485,7 @@ OTHER_COMMANDS = [
     ("render-namespace", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "--namespace", "Team"], ["namespace 'Team' is not a valid DNS-1123 label"]),
     ("render-runtime", ["render", "trainjob", "--runtime", "gpt-5", "--dataset", "/d", "--model", "/m"], ["unknown runtime or model 'gpt-5'"]),
     ("render-full-lora", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "method=full", "lora_rank=4"], ["lora_rank=4 sets LoRA adapters, but method=full trains every weight"]),
+    ("render-full-merge", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "method=full", "merge=1"], ["merge=1 merges a LoRA adapter into the base, but method=full"]),
     ("render-args", ["render", "trainjob", "--runtime", RUNTIME, "--dataset", "/d", "--model", "/m", "epochs=0"], ["epochs='0' is not valid"]),
     ("status-unknown", ["status", "nope", "--local"], ["no local TrainJob 'nope' under", "tunepack jobs --local"]),
     ("status-path", ["status", "../etc", "--local"], ["no local TrainJob '../etc'"]),
@@ -589,6 +591,7 @@ FINETUNE = [
     ("method-case", {"method": "LoRA"}, "method='LoRA' is not valid", "lora, qlora, dora, full"),
     ("modules-unknown", {"lora_attn_modules": ["q_proj", "qkv"]}, "lora_attn_modules", "q_proj,k_proj,v_proj,output_proj"),
     ("full-lora", {"method": "full", "lora_rank": 8}, "lora_rank=8 sets LoRA adapters", "method='full'"),
+    ("full-merge", {"method": "full", "merge": True}, "FineTune: merge=True merges a LoRA adapter", "method=full trains every weight"),
     ("nodes-0", {"num_nodes": 0}, "FineTune.num_nodes=0 is not valid", ">= 1"),
     ("nodes-str", {"num_nodes": "2"}, "FineTune.num_nodes='2' is not valid", ">= 1"),
     ("nproc-bool", {"num_proc_per_node": True}, "num_proc_per_node=True is not valid", ">= 1"),

@@ -465,6 +465,14 @@ def lora_with_full_message(given: str, count: int) -> str:
     )
 
 
+def merge_with_full_message(given: str) -> str:
+    """``given``: the ``merge=value`` pair (a true value)."""
+    return (
+        f"{given} merges a LoRA adapter into the base, but method=full trains every weight and "
+        "has none (output/model/ is the whole model already); leave it out, or use method=lora"
+    )
+
+
 def context_window_message(value: object, model: str, tokens: object) -> str:
     return f"max_seq_len={value} is larger than {model}'s context window of {tokens} tokens"
 
@@ -511,6 +519,8 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     if method == "full" and (lora := [k for k in values if k in LORA_KEYS]):
         given = ", ".join(f"{k}={pairs[k]}" for k in lora)
         raise BadInputError(lora_with_full_message(given, len(lora)))
+    if method == "full" and values.get("merge"):
+        raise BadInputError(merge_with_full_message(f"merge={pairs['merge']}"))
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
     resolved["lr"] = _DEFAULT_LR[method]

@@ -13,10 +13,10 @@ includes the component. The policy refuses, with the SDK's and the launcher's wo
 ``spec.initializer.dataset/model.storageUri``, a malformed, unknown, repeated or torchtune-override
 key in ``spec.trainer.args``, a value its key's rule refuses, a method the model does not offer,
 ``max_seq_len`` beyond the model's context or sliding window, and the argument conflicts
-(LoRA keys with ``method=full``, DPO keys without ``method=dpo``, ``packed`` with
-``group_by_length`` or ``method=dpo`` or a family that cannot pack, ``tracker_uri`` without
-``tracker=mlflow``). Not here: the chat template and system prompt, which depend on the model's
-tokenizer (the SDK and the trainer check them).
+(LoRA keys or ``merge=true`` with ``method=full``, DPO keys without ``method=dpo``, ``packed``
+with ``group_by_length`` or ``method=dpo`` or a family that cannot pack, ``tracker_uri``
+without ``tracker=mlflow``). Not here: the chat template and system prompt, which depend on the
+model's tokenizer (the SDK and the trainer check them).
 
 Which TrainJobs: CEL in a policy sees the object under admission only. The runtime a TrainJob
 names is another object, and ``paramKind`` binds a policy to parameters chosen by its binding,
@@ -297,6 +297,18 @@ def _validations() -> list[dict]:
             f"variables.kv.filter(p, {lora}).size() == 1 ? "
             f"{cel_message(lambda given: vocab.lora_with_full_message(given, 1), lora_given)} : "
             f"{cel_message(lambda given: vocab.lora_with_full_message(given, 2), lora_given)}",
+        )
+    )
+    merge_rule = next(a.rule for a in vocab.VOCABULARY if a.name == "merge")
+    merge_true = cel_list(merge_rule.choices[: len(vocab._TRUE)])
+    merge = f"p[0] == 'merge' && p[1].lowerAscii() in {merge_true}"
+    out.append(
+        _check(
+            f"variables.method != 'full' || !variables.kv.exists(p, {merge})",
+            cel_message(
+                vocab.merge_with_full_message,
+                f"variables.kv.filter(p, {merge}).map(p, p[0] + '=' + p[1])[0]",
+            ),
         )
     )
     out.append(
