@@ -191,9 +191,10 @@ def _remote_files(
     if source_uri.scheme in ("https", "http"):
         (file,) = listing.files
         if is_archive(file.path):
-            download.fetch(source, [file], cache, _log)
-            root = extract(cache / file.path, cache / "extracted", source_uri.display)
-            files = _local_files(source_uri, root, split)
+            with download.removed_if_refused(cache):
+                download.fetch(source, [file], cache, _log)
+                root = extract(cache / file.path, cache / "extracted", source_uri.display)
+                files = _local_files(source_uri, root, split)
             return files, listing.facts, _local_validation_files(root, split)
         if formats.format_of(file.path) is None:
             raise BadInputError(

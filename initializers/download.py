@@ -20,7 +20,9 @@ import json
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -82,6 +84,19 @@ def remove_cache(directory: Path) -> None:
         directory.parent.rmdir()  # only when no other cache is left
     except OSError:
         pass
+
+
+@contextmanager
+def removed_if_refused(directory: Path) -> Iterator[None]:
+    """Remove the download cache ``directory`` (and ``.tunepack-downloads/`` when it is left
+    empty) if what it holds is refused (``BadInputError``: an archive with a member outside its
+    directory, a link, a bad format): a refused source leaves nothing behind. Any other failure
+    (network, SIGTERM, a full disk) keeps it, so the next run resumes the download."""
+    try:
+        yield
+    except BadInputError:
+        remove_cache(directory)
+        raise
 
 
 def safe_relpath(path: str, source_display: str) -> str:

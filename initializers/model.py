@@ -169,9 +169,10 @@ def _fetch_remote(
                 f"directory; give a .tar, .tar.gz or .zip archive of it, an hf:// repository "
                 f"or an s3:// prefix"
             )
-        download.fetch(source, [archive], cache, _log)
-        extracted = extract(cache / archive.path, cache / "extracted", source_uri.display)
-        root = _checked_local(entry, source_uri, extracted)
+        with download.removed_if_refused(cache):
+            download.fetch(source, [archive], cache, _log)
+            extracted = extract(cache / archive.path, cache / "extracted", source_uri.display)
+            root = _checked_local(entry, source_uri, extracted)
         return _source_files(root), {}, listing.facts
 
     by_path = {f.path: f for f in listing.files}

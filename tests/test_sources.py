@@ -585,7 +585,8 @@ def test_https_archive_path_traversal_is_refused(tmp_path, files_server, member,
     assert result.returncode == EXIT_BAD_INPUT
     assert error_of(result, "dataset") == f"archive '{url}/evil.zip' {problem}"
     assert not (tmp_path / "evil.jsonl").exists()
-    assert not (tmp_path / "ws" / "dataset").exists()
+    # A refused archive leaves nothing behind: no dataset, no download cache.
+    assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
 
 
 def test_https_tar_symlink_is_refused(tmp_path, files_server):
@@ -595,10 +596,27 @@ def test_https_tar_symlink_is_refused(tmp_path, files_server):
         info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(info)
     result = run_init("dataset", tmp_path, f"{url}/link.tar")
+    assert result.returncode == EXIT_BAD_INPUT
     assert error_of(result, "dataset") == (
         f"archive '{url}/link.tar' contains a link 'train.jsonl'; tunepack extracts only regular "
         f"files and directories. Repack the archive without it"
     )
+    assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
+
+
+def test_https_refused_model_archive_leaves_no_download_cache(tmp_path, files_server):
+    root, url = files_server
+    with tarfile.open(root / "model.tar", "w") as tf:
+        info = tarfile.TarInfo("config.json")
+        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tf.addfile(info)
+    result = run_init("model", tmp_path, f"{url}/model.tar")
+    assert result.returncode == EXIT_BAD_INPUT
+    assert error_of(result) == (
+        f"archive '{url}/model.tar' contains a link 'config.json'; tunepack extracts only regular "
+        f"files and directories. Repack the archive without it"
+    )
+    assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
 
 
 def test_https_not_found_and_single_file_model(tmp_path, files_server):
