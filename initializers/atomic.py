@@ -95,6 +95,11 @@ def why_incomplete(
     return None
 
 
+def files_size(files: dict[str, Path]) -> int:
+    """The bytes of ``files`` together: what copying them into a staged directory needs."""
+    return sum(path.stat().st_size for path in files.values())
+
+
 def remove_stale_partials(dest: Path) -> list[Path]:
     """Remove ``<dest>.partial-*`` left by interrupted runs; return what was removed."""
     stale = sorted(Path(p) for p in glob.glob(glob.escape(str(dest)) + PARTIAL_MARK + "*"))
@@ -104,12 +109,13 @@ def remove_stale_partials(dest: Path) -> list[Path]:
 
 
 @contextmanager
-def staged(dest: Path) -> Iterator[Path]:
+def staged(dest: Path, needed: int | None = None) -> Iterator[Path]:
     """Yield an empty partial directory beside ``dest``; publish it as ``dest`` on success.
 
     The caller fills the directory and writes the manifest last. On any exception (including the
     SIGTERM the entry point turns into one) the partial directory is removed and ``dest`` is left
-    exactly as it was.
+    exactly as it was. A full disk is one line naming ``dest`` and the space the content needs
+    (``needed`` bytes: what the caller knows or estimates of it).
     """
     _check_replaceable(dest)
     partial = dest.with_name(dest.name + PARTIAL_MARK + secrets.token_hex(4))
@@ -121,7 +127,7 @@ def staged(dest: Path) -> Iterator[Path]:
             f"writable directory"
         ) from None
     try:
-        with durable.disk_full_as_error(dest):  # one line naming dest, exit 75
+        with durable.disk_full_as_error(dest, needed):  # one line naming dest, exit 75
             yield partial
             _publish(partial, dest)
     except BaseException:

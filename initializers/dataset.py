@@ -74,7 +74,8 @@ def initialize() -> None:
         cache = download.cache_dir(workspace.workspace_root(), "dataset", source_uri.canonical)
         files, facts, val_files = _remote_files(source_uri, options["split"], cache)
 
-    with atomic.staged(dest) as partial:
+    # The normalized rows take about what the source's do (an estimate: Parquet compresses).
+    with atomic.staged(dest, atomic.files_size({**files, **val_files})) as partial:
         result = _write_dataset(source_uri, files, partial / OUTPUT_FILE, options)
         written = {OUTPUT_FILE: {"size": result["size"], "sha256": result["sha256"]}}
         validation = None

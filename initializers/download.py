@@ -157,6 +157,12 @@ def fetch(
         wait(futures)
         for future in futures:
             future.result()
+    except (OSError, durable.DiskFullError) as error:
+        if not isinstance(error, durable.DiskFullError) and not durable.is_disk_full(error):
+            raise
+        # Whichever write found the disk full, what the download needs is its whole size; the
+        # bytes received stay in .incomplete/ for the next run.
+        raise durable.DiskFullError(durable.disk_full_message(directory, total)) from None
     finally:
         # On failure or SIGTERM: stop the other transfers at their next chunk; their bytes stay
         # in .incomplete/ for the next run.

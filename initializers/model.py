@@ -100,7 +100,7 @@ def initialize() -> None:
         cache = download.cache_dir(workspace.workspace_root(), "model", source_uri.canonical)
         files, known, facts = _fetch_remote(entry, source_uri, patterns, cache)
 
-    with atomic.staged(dest) as partial:
+    with atomic.staged(dest, atomic.files_size(files)) as partial:  # copied, if not linked
         records, linked = {}, 0
         for rel, src in files.items():
             size, sha256, how = _place(src, partial / rel, known.get(rel))

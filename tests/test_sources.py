@@ -24,6 +24,7 @@ from threading import Thread
 import pytest
 
 from tests.fakehub import FakeHub, Repo
+from tunepack.core import durable
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.runtimes import catalog
@@ -617,6 +618,29 @@ def test_https_refused_model_archive_leaves_no_download_cache(tmp_path, files_se
         f"files and directories. Repack the archive without it"
     )
     assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
+
+
+def test_a_full_disk_while_downloading_says_the_downloads_size(tmp_path, files_server, monkeypatch):
+    from tunepack.initializers import download, uri
+
+    root, url = files_server
+    (root / "d.jsonl").write_bytes(b"x" * 5000)
+    source = uri.remote_source(uri.parse(f"{url}/d.jsonl"), "dataset")
+    files = source.list().files
+    assert [f.size for f in files] == [5000]
+
+    def full(*_args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)  # the first write to reach the disk finds it full
+    cache = tmp_path / "ws" / download.CACHE_ROOT / "dataset-x"
+    with pytest.raises(durable.DiskFullError) as err:
+        download.fetch(source, files, cache, lambda _line: None)
+    assert err.value.exit_code == EXIT_TRANSIENT
+    assert str(err.value).startswith(
+        f"no space left on the device (or quota) writing {cache} (4.9 KiB needed, "
+    )
+    assert str(err.value).endswith(" free): free space or enlarge the volume, then run again")
 
 
 def test_https_not_found_and_single_file_model(tmp_path, files_server):

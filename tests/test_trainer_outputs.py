@@ -223,6 +223,35 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
     assert "result.json" not in left
 
 
+def test_full_disk_while_merging_says_the_merged_models_size(initialized_workspace, tmp_path):
+    """Room for the adapter, none for the merged model: the line says what the merged model
+    needs, about the base's weight files."""
+    workspace, output = _workspace_with_mount_point(initialized_workspace, tmp_path, "output")
+    args = " ".join(a for a in ARGS if not a.startswith("checkpoint_every_steps"))
+    done, left = _run_with_tiny_tmpfs(
+        output,
+        "512k",
+        f"-m {LAUNCH} {args} checkpoint_every_steps=0 merge=true",
+        {
+            "TUNEPACK_WORKSPACE": str(workspace),
+            "TUNEPACK_MODEL": "tiny-llama3",
+            "OMP_NUM_THREADS": "1",
+        },
+    )
+    assert done.returncode == EXIT_TRANSIENT, done.stderr
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("trainer: error:")]
+    weights = sum(p.stat().st_size for p in (workspace / "model").glob("*.safetensors"))
+    assert errors == [
+        f"trainer: error: no space left on the device (or quota) writing {output / 'merged'} "
+        f"({durable.size_text(weights)} needed, {errors[0].split(' needed, ')[1]}"
+    ], done.stderr
+    assert errors[0].endswith(
+        " free): free space or enlarge the volume, then run again; nothing partial was kept"
+    )
+    assert "adapter" in left and not [name for name in left if "merged" in name], left
+
+
 @pytest.mark.parametrize("program", ["model", "dataset"])
 def test_full_disk_in_an_initializer_is_one_line_exit_75_nothing_partial(
     program, tmp_path, tiny_model_dir, tiny_dataset_file
@@ -249,9 +278,13 @@ def test_full_disk_in_an_initializer_is_one_line_exit_75_nothing_partial(
     assert "Traceback" not in done.stderr
     errors = done.stderr.strip().splitlines()
     assert len(errors) == 1, done.stderr
+    # The space needed: the model's files (copied when they cannot be linked), the dataset's
+    # source rows (what the normalized rows take, about).
+    files = tiny_model_dir.rglob("*") if program == "model" else [tiny_dataset_file]
+    needed = durable.size_text(sum(p.stat().st_size for p in files if p.is_file()))
     assert errors[0].startswith(
         f"{program}-initializer: error: no space left on the device (or quota) writing "
-        f"{workspace}/{program}"
+        f"{workspace}/{program} ({needed} needed, "
     )
     assert errors[0].endswith("then run again; nothing partial was kept")
     assert not [name for name in left if name.startswith(program)], left

@@ -78,10 +78,18 @@ def publish_weights(state: State, cfg: DictConfig, output_dir: Path) -> Path:
     if cfg.method in LORA_FAMILY:
         durable.publish_dir(artifact, partial(write_adapter, state, cfg), needed=needed)
         if cfg.merge:
-            durable.publish_dir(output_dir / MERGED_DIR, partial(write_merged, state, cfg))
+            merged = partial(write_merged, state, cfg)
+            durable.publish_dir(output_dir / MERGED_DIR, merged, needed=base_nbytes(cfg))
     else:
         durable.publish_dir(artifact, partial(write_hf_model, state, cfg), needed=needed)
     return artifact
+
+
+def base_nbytes(cfg: DictConfig) -> int:
+    """About what a whole model takes on disk: the base checkpoint's weight files (a merged
+    model is written in the base's shards and dtype)."""
+    directory = Path(cfg.checkpointer.checkpoint_dir)
+    return sum((directory / name).stat().st_size for name in cfg.checkpointer.checkpoint_files)
 
 
 def hf_config(cfg: DictConfig) -> dict:

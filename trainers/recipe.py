@@ -930,10 +930,7 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
         if not isinstance(err, torch.OutOfMemoryError) and durable.is_disk_full(err):
             # A write no narrower guard covers: name what the error names, or the output.
             where = getattr(err, "filename", None) or recipe.output_dir
-            raise durable.DiskFullError(
-                f"no space left on the device (or quota) writing {where}: free space or "
-                "enlarge the volume, then run again"
-            ) from None
+            raise durable.DiskFullError(durable.disk_full_message(where)) from None
         if not isinstance(err, torch.OutOfMemoryError):
             raise
         raise BadInputError(

@@ -68,7 +68,8 @@ def free_bytes(path: Path) -> int | None:
     return None
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
+    """``n`` bytes as people read it: "512 bytes", "1.5 MiB"."""
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
@@ -76,9 +77,30 @@ def _size(n: int) -> str:
     return f"{n} bytes"  # pragma: no cover
 
 
+def disk_full_message(
+    path: object | None, needed: int | None = None, *, nothing_kept: bool = False
+) -> str:
+    """The one line of a write that failed for want of space: the path written (when known),
+    the space the write needed (when known) and the space free there now; ``nothing_kept``:
+    the caller removed what it had written."""
+    at = f" writing {path}" if path else ""
+    sizes = [f"{size_text(needed)} needed"] if needed else []
+    if path:
+        free = free_bytes(Path(str(path)))
+        sizes.append(f"{size_text(free)} free" if free is not None else "free space unknown")
+    detail = f" ({', '.join(sizes)})" if sizes else ""
+    kept = "; nothing partial was kept" if nothing_kept else ""
+    return (
+        f"no space left on the device (or quota){at}{detail}: free space or enlarge the volume, "
+        f"then run again{kept}"
+    )
+
+
 @contextmanager
 def disk_full_as_error(path: Path, needed: int | None = None) -> Iterator[None]:
-    """Turn a disk-full failure while writing ``path`` into one ``DiskFullError`` line.
+    """Turn a disk-full failure while writing ``path`` into one ``DiskFullError`` line, which
+    says the space the write needed when the caller knows it (``needed`` bytes: a download's
+    size, a checkpoint's or a model's estimate).
 
     Also catches writers that hide the cause (torch.save reports only "iostream error"): a
     failure that is no ``OSError`` counts as disk-full when the filesystem is (nearly) out of
@@ -94,12 +116,7 @@ def disk_full_as_error(path: Path, needed: int | None = None) -> Iterator[None]:
         opaque = not isinstance(err, OSError) and free is not None
         if not is_disk_full(err) and not (opaque and free < max(needed or 0, _NEARLY_FULL)):
             raise
-        needs = f"{_size(needed)} needed, " if needed else ""
-        left = f"{_size(free)} free" if free is not None else "free space unknown"
-        raise DiskFullError(
-            f"no space left on the device (or quota) writing {path} ({needs}{left}): free "
-            "space or enlarge the volume, then run again; nothing partial was kept"
-        ) from None
+        raise DiskFullError(disk_full_message(path, needed, nothing_kept=True)) from None
 
 
 def fsync_dir(directory: Path) -> None:
