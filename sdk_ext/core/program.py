@@ -11,6 +11,8 @@ finds it, here, so the two cannot drift apart.
 a full disk one line and 75, anything else is a bug (its traceback, code 1). Stop signals
 (SIGTERM from Kubernetes on preemption or drain, the local backend on Ctrl-C) become a
 ``TransientError``, so the staging code removes what it had half-written on the way out.
+Where a gang-scheduled runtime starts every step at once, ``run`` first waits for the steps this
+one needs and, once it ended well, marks it done for the others (``tunepack.core.handoff``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from tunepack.core import durable, lifetime
+from tunepack.core import durable, handoff, lifetime
 from tunepack.core.errors import EXIT_OK, TransientError, TunepackError
 
 EXIT_BUG = 1  # an unexpected failure: a bug, with its traceback in the log
@@ -100,7 +102,10 @@ def run(
     if stop_signals and in_main_thread:
         previous = {sig: signal.signal(sig, _on_stop) for sig in lifetime.STOP_SIGNALS}
     try:
+        handoff.wait_for_steps(program)  # a gang-scheduled runtime's steps start together
         code = body()
+        if code in (None, EXIT_OK):
+            handoff.mark_done(program)
     except TunepackError as error:
         say(error_line(program, error))
         return error.exit_code

@@ -130,18 +130,39 @@ build_kubernetes() {
   rm -rf "$dir"
 }
 
+# scheduler-plugins pins its own Kubernetes (k8s.io/kubernetes and the staging modules it replaces
+# with published versions): in a scratch module its replace directives do not apply, so copy them.
+# Two binaries: the scheduler (kube-scheduler with the coscheduling plugin registered) and the
+# controller that keeps PodGroup status (phase, scheduled and running counts).
+build_scheduler_plugins() {
+  local dir; dir=$(scratch)
+  (
+    cd "$dir"
+    local gomod; gomod=$(go mod download -json "sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION" \
+      | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+    sed -n 's#^[[:space:]]*\(replace[[:space:]]\{1,\}\)\{0,1\}\([a-z0-9./-]*\) => \([a-z0-9./-]*\) \(v[^[:space:]]*\)$#replace \2 => \3 \4#p' \
+      "$gomod" >> go.mod
+    go get "sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION"
+    go build -o "$out/kube-scheduler" -ldflags "$ldflags_base" sigs.k8s.io/scheduler-plugins/cmd/scheduler
+    go build -o "$out/controller" -ldflags "$ldflags_base" sigs.k8s.io/scheduler-plugins/cmd/controller
+  )
+  rm -rf "$dir"
+}
+
 command -v go >/dev/null || { echo "build.sh: go is not on PATH (the cluster tier needs Go 1.26)" >&2; exit 2; }
 # A bound on the cold build, so CI on a fresh machine ends in time even with a slow proxy: about
 # 8 minutes on 2 cores when measured, 35 allowed. Go's caches keep what a stopped build did.
 budget=${TUNEPACK_CONTROLPLANE_BUILD_SECONDS:-2100}
 deadline=$((SECONDS + budget))
 export ldflags_base cache
-export -f scratch build_module build_trainer build_jobset build_kwok build_etcd build_kubernetes
+export -f scratch build_module build_trainer build_jobset build_kwok build_etcd build_kubernetes \
+  build_scheduler_plugins
 total=$SECONDS
 done_or_build kubernetes "$KUBERNETES_VERSION" build_kubernetes
 done_or_build etcd "$ETCD_VERSION" build_etcd
 done_or_build trainer "$TRAINER_VERSION" build_trainer
 done_or_build jobset "$JOBSET_VERSION" build_jobset
 done_or_build kwok "$KWOK_VERSION" build_kwok
+done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plugins
 log "all components ready in $((SECONDS - total)) s"
 echo "$cache"

@@ -66,6 +66,16 @@ CONTROLLERS = (
     "persistentvolume-protection-controller",
 )
 READY_TIMEOUT = 90.0
+# The gang scheduler: scheduler-plugins' kube-scheduler with only the Coscheduling profile, as a
+# second scheduler (pods opt in with spec.schedulerName), plus its PodGroup status controller.
+GANG_SCHEDULER = "scheduler-plugins-scheduler"
+# How long a pod of a partly placed gang waits at Permit when its PodGroup sets no
+# scheduleTimeoutSeconds, and how long a rejected group backs off before it is tried again.
+GANG_PERMIT_WAIT_SECONDS = 60
+GANG_BACKOFF_SECONDS = 5
+# KWOK completes a Job's pod as soon as it runs; this pod annotation (KWOK's own name for it)
+# keeps it Running for a while first, e.g. "20s": the gang tests need jobs that hold their nodes.
+KWOK_COMPLETE_DELAY = "pod-complete.stage.kwok.x-k8s.io/delay"
 
 
 class ControlPlaneError(RuntimeError):
@@ -153,6 +163,7 @@ class ControlPlane:
             "trainer": v["TRAINER_VERSION"],
             "jobset": v["JOBSET_VERSION"],
             "kwok": v["KWOK_VERSION"],
+            "scheduler-plugins": v["SCHEDULER_PLUGINS_VERSION"],
         }[component]
         path = self.bin_dir / f"{component}@{version}" / name
         if not path.is_file():
@@ -173,6 +184,9 @@ class ControlPlane:
             "apiserver",
             "controller_manager",
             "scheduler",
+            "gang_scheduler",
+            "gang_controller",
+            "gang_controller_metrics",
             "jobset_webhook",
             "jobset_health",
             "trainer_webhook",
@@ -188,6 +202,7 @@ class ControlPlane:
             self._apiserver()
             self._controllers()
             self._crds()
+            self._gang_scheduler()
             self._jobset()
             self._trainer()
             self._kwok()
@@ -290,7 +305,7 @@ class ControlPlane:
             ),
             "scheduler": ca.issue("scheduler", common_name="system:kube-scheduler", client=True),
         }
-        for name in ("jobset", "trainer", "kwok", "executor"):
+        for name in ("jobset", "trainer", "kwok", "executor", "gang-scheduler", "gang-controller"):
             self.identities[name] = ca.issue(
                 f"{name}-client",
                 common_name=f"tunepack-cp-{name}",
@@ -462,9 +477,81 @@ class ControlPlane:
             (self.trainer_src / "manifests/base/crds").glob("trainer.kubeflow.org_*.yaml")
         )
         files += sorted((self.jobset_src / "config/components/crd/bases").glob("*.yaml"))
+        self.scheduler_plugins_src = module_dir(
+            "sigs.k8s.io/scheduler-plugins", v["SCHEDULER_PLUGINS_VERSION"]
+        )
+        # PodGroups, and ElasticQuotas, which the PodGroup controller's manager also watches.
+        files += sorted((self.scheduler_plugins_src / "config/crd/bases").glob("*.yaml"))
         for f in files:
             self.kubectl("apply", "--server-side", "-f", str(f))
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+
+    def _gang_scheduler(self) -> None:
+        """scheduler-plugins' scheduler (one profile: Coscheduling, under GANG_SCHEDULER) and its
+        PodGroup controller, beside the default scheduler, as its install docs run them."""
+        kubeconfig = self.kubeconfig_for("gang-scheduler")
+        config = self.root / "gang-scheduler.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kubescheduler.config.k8s.io/v1",
+                    "kind": "KubeSchedulerConfiguration",
+                    "leaderElection": {"leaderElect": False},
+                    "clientConnection": {"kubeconfig": str(kubeconfig)},
+                    "profiles": [
+                        {
+                            "schedulerName": GANG_SCHEDULER,
+                            "plugins": {
+                                "multiPoint": {"enabled": [{"name": "Coscheduling"}]},
+                                "queueSort": {
+                                    "enabled": [{"name": "Coscheduling"}],
+                                    "disabled": [{"name": "*"}],
+                                },
+                            },
+                            "pluginConfig": [
+                                {
+                                    "name": "Coscheduling",
+                                    "args": {
+                                        "permitWaitingTimeSeconds": GANG_PERMIT_WAIT_SECONDS,
+                                        "podGroupBackoffSeconds": GANG_BACKOFF_SECONDS,
+                                    },
+                                }
+                            ],
+                        }
+                    ],
+                }
+            )
+        )
+        sched = self._spawn(
+            "gang-scheduler",
+            [
+                self.binary("scheduler-plugins", "kube-scheduler"),
+                f"--config={config}",
+                f"--authentication-kubeconfig={kubeconfig}",
+                f"--authorization-kubeconfig={kubeconfig}",
+                "--bind-address=127.0.0.1",
+                f"--secure-port={self.ports['gang_scheduler']}",
+                "--v=2",
+            ],
+        )
+        controller = self._spawn(
+            "gang-controller",
+            [
+                self.binary("scheduler-plugins", "controller"),
+                f"--kubeconfig={self.kubeconfig_for('gang-controller')}",
+                f"--metricsAddr=127.0.0.1:{self.ports['gang_controller_metrics']}",
+                f"--probeAddr=127.0.0.1:{self.ports['gang_controller']}",
+            ],
+        )
+        insecure = ssl.create_default_context()
+        insecure.check_hostname = False
+        insecure.verify_mode = ssl.CERT_NONE  # its self-signed serving cert; loopback only
+        port = self.ports["gang_scheduler"]
+        self._wait(
+            sched, lambda: _http_ok(f"https://127.0.0.1:{port}/healthz", insecure), "/healthz"
+        )
+        health = f"http://127.0.0.1:{self.ports['gang_controller']}/readyz"
+        self._wait(controller, lambda: _http_ok(health), "readyz")
 
     def _register_webhooks(self, prefix: str, rendered: str, port: int) -> None:
         """Upstream webhook configurations, pointed at https://127.0.0.1:<port> with our CA.
@@ -600,7 +687,9 @@ class ControlPlane:
         stages = []
         for kind in ("node", "pod"):
             for f in sorted((self.kwok_src / "kustomize/stage" / kind / "fast").glob("*.yaml")):
-                if f.name != "kustomization.yaml":
+                if f.name == "pod-complete.yaml":
+                    stages.append(_with_complete_delay(f.read_text()))
+                elif f.name != "kustomization.yaml":
                     stages.append(f.read_text())
         config = self.root / "kwok-stages.yaml"
         config.write_text("\n---\n".join(stages))
@@ -746,6 +835,17 @@ class Provisioner:
         except ApiException as err:
             if err.status != 409:
                 raise
+
+
+def _with_complete_delay(stage_text: str) -> str:
+    """KWOK's fast pod-complete stage, delayed by the pod's KWOK_COMPLETE_DELAY annotation (no
+    delay without it, as before)."""
+    stage = yaml.safe_load(stage_text)
+    stage["spec"]["delay"] = {
+        "durationMilliseconds": 0,
+        "durationFrom": {"expressionFrom": f'.metadata.annotations["{KWOK_COMPLETE_DELAY}"]'},
+    }
+    return yaml.safe_dump(stage)
 
 
 def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
