@@ -230,6 +230,7 @@ def _write_dataset(
     """Check every row and write the normalized JSONL; return what the manifest records."""
     mapping = options["column_map"]
     schema = schemas.SCHEMAS.get(options["requested_schema"])
+    max_row = schemas.max_row_bytes()
     problems: list[str] = []
     bad_rows = rows = size = 0
     digest = hashlib.sha256()
@@ -249,6 +250,7 @@ def _write_dataset(
                         problem = f"expected a JSON object, got {formats.json_type(row)}"
                     else:
                         line, problem = _encode(schema, row, text_cells)
+                        problem = problem or schemas.row_size_problem(len(line), max_row)
                     if problem and mapping:
                         problem = _mention_mapping(problem, mapping)
                 if problem is not None:

@@ -23,8 +23,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tunepack.core import workspace
+from tunepack.core.durable import size_text
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.formats import json_type
+from tunepack.runtimes import catalog
 
 SCHEMA_ENV = "DATASET_SCHEMA"
 COLUMN_MAP_ENV = "COLUMN_MAP"
@@ -38,6 +41,28 @@ SHAREGPT_ROLES = {
 }
 
 Normalized = tuple[dict | None, str | None]  # (the row to write, or the problem)
+# The largest row (its normalized JSON line): 1 MiB, or 8 bytes per token of the model's context
+# window where that is more. Tokens average about 4 bytes of text, so a larger row is longer
+# than any max_seq_len the model takes, and the trainer would train on its beginning only.
+MAX_ROW_BYTES = 1 << 20
+ROW_BYTES_PER_TOKEN = 8
+
+
+def max_row_bytes() -> int:
+    """The row size limit for the model ``TUNEPACK_MODEL`` names (1 MiB when none is named)."""
+    model = os.environ.get(workspace.MODEL_ENV, "").strip().removeprefix(catalog.RUNTIME_PREFIX)
+    entry = catalog.CATALOG.get(model)  # an unknown model is the model initializer's to refuse
+    return max(MAX_ROW_BYTES, ROW_BYTES_PER_TOKEN * (entry.shape.max_seq_len if entry else 0))
+
+
+def row_size_problem(size: int, limit: int) -> str | None:
+    """The problem with a row of ``size`` bytes (normalized), or None."""
+    if size <= limit:
+        return None
+    return (
+        f"the row is {size_text(size)}, more than the {size_text(limit)} a row may hold (the "
+        "trainer reads at most max_seq_len tokens of it); split it into shorter rows or remove it"
+    )
 
 
 @dataclass(frozen=True)

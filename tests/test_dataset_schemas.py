@@ -365,3 +365,33 @@ def test_bad_input_corpus(tmp_path, files, storage_uri, env, message):
     assert result.returncode == EXIT_BAD_INPUT, result.stderr
     assert result.stderr == f"dataset-initializer: error: {message}\n"
     assert not (tmp_path / "ws" / "dataset").exists()
+
+
+def test_a_row_larger_than_the_limit_is_refused_with_its_row_number(tmp_path):
+    from tunepack.initializers import schemas
+
+    small = {"instruction": "say hi", "output": "hi"}
+    huge = {"instruction": "recite", "output": "lorem ipsum " * (1 << 18)}  # 3 MiB
+    jsonl(tmp_path / "d.jsonl", [small, small, huge, small])
+    result = run_dataset(tmp_path, "d.jsonl", TUNEPACK_MODEL="tiny-llama3")
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert result.stderr == (
+        f"dataset-initializer: error: dataset 'd.jsonl' has 1 invalid row; "
+        f"{schemas.SCHEMAS['instruction'].hint}:\n"
+        "  d.jsonl row 3: the row is 3.0 MiB, more than the 1.0 MiB a row may hold (the trainer "
+        "reads at most max_seq_len tokens of it); split it into shorter rows or remove it\n"
+    )
+    assert not (tmp_path / "ws" / "dataset").exists()
+
+
+def test_the_row_limit_grows_with_the_models_context_window(tmp_path, monkeypatch):
+    from tunepack.initializers import schemas
+    from tunepack.runtimes import catalog
+
+    longest = max(catalog.CATALOG.values(), key=lambda e: e.shape.max_seq_len)
+    monkeypatch.setenv("TUNEPACK_MODEL", longest.runtime_name)
+    assert schemas.max_row_bytes() == 8 * longest.shape.max_seq_len > 1 << 20
+    monkeypatch.setenv("TUNEPACK_MODEL", "tiny-llama3")
+    assert schemas.max_row_bytes() == 1 << 20
+    monkeypatch.delenv("TUNEPACK_MODEL")
+    assert schemas.max_row_bytes() == 1 << 20

@@ -102,13 +102,17 @@ class LengthGroupedSampler(ShuffledSampler):
         return [i for b in [b for b in batches if len(b) == self.global_batch] + ragged for i in b]
 
 
+def example_length(sample: dict) -> int:
+    """An example's length in tokens (the longest sequence of a preference pair)."""
+    return max(len(v) for v in sample.values() if isinstance(v, list | torch.Tensor))
+
+
 def example_lengths(dataset: Dataset, what: str) -> list[int]:
     """Each example's length in tokens (the longest sequence of a preference pair), by
     tokenizing the dataset once, before training; progress is logged for large datasets."""
     lengths, began, said = [], time.monotonic(), time.monotonic()
     for index in range(len(dataset)):
-        sample = dataset[index]
-        lengths.append(max(len(v) for v in sample.values() if isinstance(v, list | torch.Tensor)))
+        lengths.append(example_length(dataset[index]))
         if time.monotonic() - said > 30:
             log.info("measuring %s: %d of %d examples", what, index + 1, len(dataset))
             said = time.monotonic()

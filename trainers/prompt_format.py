@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -424,6 +425,17 @@ class FormattedTokenizer:
         if max_len and len(tokens) > max_len:
             tokens, mask = tokens[:max_len], mask[:max_len]
         return tokens, mask
+
+    @contextmanager
+    def untruncated(self) -> Iterator[None]:
+        """Within it, sequences keep their full length (to measure what ``max_seq_len`` cuts):
+        this class's conversations and torchtune's text rows both read the limit from here."""
+        limit = self._base.max_seq_len
+        self._base.max_seq_len = None
+        try:
+            yield
+        finally:
+            self._base.max_seq_len = limit
 
     def __call__(self, sample: Mapping[str, Any], inference: bool = False) -> Mapping[str, Any]:
         messages = sample.pop("messages")

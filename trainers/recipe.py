@@ -60,11 +60,17 @@ from tunepack.trainers import (
     vocab_loss,
 )
 from tunepack.trainers.args import LORA_FAMILY
-from tunepack.trainers.config import identity_changes, run_digest, run_identity
+from tunepack.trainers.config import (
+    DATASET_BUILDERS,
+    identity_changes,
+    run_digest,
+    run_identity,
+)
 from tunepack.trainers.tracking import Tracker
 from tunepack.trainers.trainjob_status import StatusReporter
 
 log = logging.getLogger("tunepack.trainer")
+TEXT_BUILDER = DATASET_BUILDERS["text"]  # torchtune keeps max_seq_len - 1 tokens of a text row
 
 # The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
 # seed= says, on every rank and every restart.
@@ -277,6 +283,12 @@ class FineTuneRecipe:
         dataset = config.instantiate(cfg.dataset, self.tokenizer, packed=False)
         if len(dataset) == 0:
             raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
+        # Each row's length before max_seq_len cuts it: said once, and the sampler's lengths.
+        with self.tokenizer.untruncated():
+            full = batching.example_lengths(dataset, "example lengths")
+        kept = self.tokenizer.max_seq_len - (1 if cfg.dataset._component_ == TEXT_BUILDER else 0)
+        if topo.is_main and (line := cut_rows_line(full, kept, self.tokenizer.max_seq_len)):
+            log.warning("%s", line)
         self.val_dataset = dataset
         validation = cfg.get("validation")
         if validation and validation.get("data_files"):  # the dataset's own split
@@ -303,7 +315,8 @@ class FineTuneRecipe:
                 collate = padded_collate_packed
                 self.sampler = batching.ShuffledSampler(len(dataset), **order)
             case "length_grouped":
-                lengths = batching.example_lengths(dataset, "example lengths")
+                rows = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
+                lengths = [min(full[i], kept) for i in rows]  # as the dataset cuts them
                 self.sampler = batching.LengthGroupedSampler(
                     lengths, batch_size=cfg.batch_size, **order
                 )
@@ -824,6 +837,19 @@ class FineTuneRecipe:
             artifacts.write_result(self.output_dir, self.cfg, outcome, artifact, extra)
         distributed.barrier()  # no rank exits before the result is complete
         return artifact
+
+
+def cut_rows_line(lengths: list[int], kept: int, max_seq_len: int) -> str | None:
+    """The line that says how many rows (of ``lengths``, each in tokens before any cut) are
+    longer than the ``kept`` tokens a row keeps under ``max_seq_len``; None when none is."""
+    cut = [n for n in lengths if n > kept]
+    if not cut:
+        return None
+    return (
+        f"{len(cut)} of {len(lengths)} rows are longer than max_seq_len={max_seq_len} tokens and "
+        f"were cut to it (longest {max(cut):,} tokens, {sum(cut) - kept * len(cut):,} tokens "
+        "not trained on); raise max_seq_len or split those rows to train on all of them"
+    )
 
 
 def _append_line(file, path: Path, line: str) -> None:
