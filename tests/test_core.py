@@ -68,14 +68,15 @@ def test_run_scrubs_what_it_prints_and_prints_a_bug_with_its_traceback(capsys):
     assert "123456" not in err and "token-***" in err
 
 
-def test_run_says_a_full_disk_in_one_line_naming_the_path(capsys, tmp_path):
+def test_run_says_a_full_disk_in_one_line_naming_the_path(capsys, tmp_path, monkeypatch):
     def full():
         raise OSError(28, "No space left on device", str(tmp_path / "x"))
 
+    monkeypatch.setattr(durable, "free_bytes", lambda _path: 3 << 10)
     assert program.run("trainer", full, disk_full_at=lambda: tmp_path) == EXIT_TRANSIENT
     assert capsys.readouterr().err == (
-        f"trainer: error: no space left on the device (or quota) writing {tmp_path / 'x'}: "
-        "free space or enlarge the volume, then run again\n"
+        f"trainer: error: no space left on the device (or quota) writing {tmp_path / 'x'} "
+        "(3.0 KiB free): free space or enlarge the volume, then run again\n"
     )
 
 

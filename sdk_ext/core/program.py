@@ -40,15 +40,6 @@ def error_line(program: str, message: object) -> str:
     return f"{program}{ERROR_MARK}{message}"
 
 
-def disk_full_message(where: object | None) -> str:
-    """The message of a write that failed for want of space, ``where`` its path if known."""
-    at = f" writing {where}" if where else ""
-    return (
-        f"no space left on the device (or quota){at}: free space or enlarge the volume, then "
-        "run again"
-    )
-
-
 def last_error(lines: Iterable[str], max_detail: int) -> list[str]:
     """The last error line among a program's output ``lines``, with the (at most
     ``max_detail``) indented lines after it that detail it; empty if there is none."""
@@ -113,7 +104,7 @@ def run(
         if not durable.is_disk_full(error):
             return _bug(say)
         where = error.filename or (disk_full_at() if disk_full_at else None)
-        say(error_line(program, disk_full_message(where)))
+        say(error_line(program, durable.disk_full_message(where)))
         return durable.DiskFullError.exit_code
     except Exception:
         return _bug(say)
