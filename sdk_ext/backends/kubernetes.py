@@ -15,11 +15,15 @@ changes only what tunepack needs:
   ``BuiltinTrainer`` of the ``torchtune`` framework (``base.builtin_torchtune_trainer``), and add
   the catalog's model, methods and default GPUs;
 - ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
-  condition's message, read from the same GET (or LIST) the job's status comes from.
+  condition's message, read from the same GET (or LIST) the job's status comes from; a job not
+  finished whose pods the scheduler refuses gets the scheduler's reason as its message
+  (``get_job`` only: one more LIST of its pods), and ``wait_for_job_status`` stops waiting, with
+  that reason, once a gang has waited longer than its PodGroup allows (``scheduling``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 
@@ -32,6 +36,7 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from kubeflow_trainer_api import models
 
+from tunepack.backends import scheduling
 from tunepack.backends.api_errors import api_message, api_status
 from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
 from tunepack.core.errors import BadInputError, NotAvailableError
@@ -72,6 +77,8 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         super().__init__(cfg)
         self.gpu = gpu
         self.memory_check = memory_check
+        # What get_job last found of each job's unscheduled pods, for wait_for_job_status.
+        self._unscheduled: dict[str, scheduling.Unscheduled | None] = {}
 
     # The SDK's private converter from a runtime object (name-mangled in its KubernetesBackend),
     # which list_runtimes and get_runtime call: tunepack runtimes report a BuiltinTrainer.
@@ -243,7 +250,34 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             raise TimeoutError(f"Timeout to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
         except Exception as e:
             raise RuntimeError(f"Failed to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
-        return self._from_object(raw)
+        job = self._from_object(raw)
+        waiting = None
+        if job.status not in (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED) and not job.message:
+            waiting = scheduling.unscheduled(self.core_api, self.custom_api, self.namespace, name)
+        self._unscheduled[name] = waiting
+        return dataclasses.replace(job, message=waiting.message()) if waiting else job
+
+    def wait_for_job_status(
+        self,
+        name: str,
+        status: set[str] = {kc.TRAINJOB_COMPLETE},  # noqa: B006 (the SDK's signature)
+        timeout: int = 600,
+        polling_interval: int = 2,
+        callbacks=None,
+    ):
+        """As the SDK's, but a gang that the scheduler could not place whole within its
+        PodGroup's scheduleTimeoutSeconds ends the wait with the scheduler's reason
+        (``scheduling.GangNotPlaced``, a TimeoutError) instead of the wait's own timeout."""
+
+        def gang_overdue(job) -> None:
+            waiting = self._unscheduled.get(name)
+            if waiting is not None and waiting.overdue:
+                raise scheduling.GangNotPlaced(name, waiting)
+
+        self._unscheduled.pop(name, None)
+        return super().wait_for_job_status(
+            name, status, timeout, polling_interval, [*(callbacks or []), gang_overdue]
+        )
 
     def list_jobs(self, runtime=None) -> list[TrainJob]:
         """The TrainJobs in the namespace, each as the LIST returned it (no GET per job, so a

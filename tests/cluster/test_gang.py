@@ -13,6 +13,8 @@ scheduler admits a pod only when ``minMember`` pods of its group exist.
   both initializers is placed whole and completes, for real, on the executor's node.
 - Two such jobs competing for 3 GPU nodes never hold part of their nodes each: one runs whole,
   the other waits whole (not one of its pods bound) and runs once the first has finished.
+- A gang that can never fit is not waited on forever: ``tunepack status`` shows the scheduler's
+  reason, and ``wait_for_job_status`` ends with it once the PodGroup's schedule timeout passed.
 
 Each test installs the gang runtime as a namespaced TrainingRuntime of the usual name, the way
 ``kubectl apply -k manifests/overlays/gang-coscheduling`` renders it; a TrainingRuntime in the
@@ -326,3 +328,41 @@ def test_competing_gangs_never_hold_part_of_their_nodes(api, controlplane, names
     for name in (winner, loser):
         assert _podgroup(api, namespace, name)["spec"]["minMember"] == 5
     assert all(p.spec.node_name in GANG_NODES for p in _job_pods(api, namespace, loser))
+
+
+def test_a_gang_that_cannot_fit_is_reported_not_waited_on_forever(
+    api, controlplane, namespace, gang_nodes
+):
+    """Two trainer pods of 2 GPUs each on 1-GPU nodes: the gang scheduler never places it. The
+    user sees why (``tunepack status``), and the notebook's wait ends with that reason once the
+    PodGroup's scheduleTimeoutSeconds (20 s here) has passed, not at the wait's own timeout."""
+    from tunepack.backends.scheduling import GangNotPlaced
+
+    gang = _as_namespaced(_kustomized_gang_runtime(controlplane, TINY), namespace)
+    gang["spec"]["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] = 20
+    _apply(controlplane, gang)
+    two_gpus = {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "1", "memory": "1Gi"}}
+    kube.wait_for(
+        lambda: _create(api, _trainjob("toobig", TINY, resources=two_gpus), namespace),
+        30,
+        "the TrainJob to be admitted",
+    )
+    client = _client(namespace)
+    started = time.monotonic()
+    with pytest.raises(GangNotPlaced) as caught:
+        client.wait_for_job_status("toobig", timeout=600)
+    waited = time.monotonic() - started
+    message = str(caught.value)
+    assert message.startswith("TrainJob toobig could not be placed whole within its gang's 20 s")
+    assert "nvidia.com/gpu" in message, message
+    assert "delete it" in message
+    assert waited < 300, waited  # the gang's deadline ended it, not the wait's 600 s
+
+    status = kube.tunepack(
+        "status", "toobig", "--namespace", namespace, kubeconfig=controlplane.kubeconfig
+    )
+    assert status.returncode == 0, status.stderr
+    assert "message: not scheduled (for " in status.stdout, status.stdout
+    assert "its gang may wait 20 s to be placed whole" in status.stdout
+    assert "nvidia.com/gpu" in status.stdout
+    assert not _bound(_job_pods(api, namespace, "toobig"))

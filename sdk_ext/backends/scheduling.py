@@ -1,0 +1,111 @@
+"""Why a TrainJob's pods are not running yet: the scheduler's own reason, and a gang's deadline.
+
+A TrainJob whose pods cannot be placed stays Pending without a word in its status: the
+scheduler writes its reason on each pod (condition ``PodScheduled=False``, reason
+``Unschedulable``). ``unscheduled`` reads it back for ``get_job().message`` and ``tunepack
+status``. For a gang (the Trainer's PodGroup, ``manifests/components/gang-coscheduling``) the
+PodGroup's ``scheduleTimeoutSeconds`` says how long a group may wait to be placed whole:
+``Unscheduled.overdue`` turns true after it, and ``wait_for_job_status`` then stops waiting with
+that reason instead of waiting until its own timeout. Nothing fails the TrainJob itself (the
+platform has no deadline for an unplaced gang; Kueue's ``waitForPodsReady`` is one): it stays
+queued until nodes free up or it is deleted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+PODGROUP_API = ("scheduling.x-k8s.io", "v1alpha1", "podgroups")
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # the TrainJob's JobSet has its name
+
+
+@dataclass(frozen=True)
+class Unscheduled:
+    pod: str
+    reason: str  # the scheduler's message, as it wrote it
+    seconds: float  # how long the pod has been refused
+    gang_timeout: int | None  # the PodGroup's scheduleTimeoutSeconds, if it is a gang
+
+    @property
+    def overdue(self) -> bool:
+        return self.gang_timeout is not None and self.seconds > self.gang_timeout
+
+    def message(self) -> str:
+        waited = f"for {self.seconds:.0f} s"
+        if self.gang_timeout is not None:
+            waited += f"; its gang may wait {self.gang_timeout} s to be placed whole"
+        return f"not scheduled ({waited}): pod {self.pod}: {self.reason}"
+
+
+class GangNotPlaced(TimeoutError):
+    """``wait_for_job_status`` gave up on a gang that could not be placed whole in time."""
+
+    def __init__(self, name: str, waiting: Unscheduled) -> None:
+        super().__init__(
+            f"TrainJob {name} could not be placed whole within its gang's "
+            f"{waiting.gang_timeout} s (pod {waiting.pod}: {waiting.reason}); it stays queued "
+            "until the nodes it needs are free: free them, ask for fewer nodes or GPUs, or "
+            "delete it"
+        )
+        self.waiting = waiting
+
+
+def unscheduled(core_api, custom_api, namespace: str, name: str) -> Unscheduled | None:
+    """The first pod of TrainJob ``name`` that the scheduler refused, or None if none is."""
+    pods = core_api.list_namespaced_pod(namespace, label_selector=f"{JOBSET_NAME_LABEL}={name}")
+    refused = []
+    for pod in pods.items:
+        if pod.spec.node_name or (pod.status.phase or "Pending") != "Pending":
+            continue
+        cond = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
+        if cond is not None and cond.status == "False" and cond.reason == "Unschedulable":
+            refused.append((pod, cond))
+    if not refused:
+        return None
+    now = datetime.now(UTC)
+    since = min(c.last_transition_time or now for _, c in refused)
+    pod, cond = min(refused, key=lambda pc: pc[0].metadata.name)
+    # A pod's condition keeps only the scheduler's last word, and in a gang that is mostly "a
+    # sibling did not fit" (or "failed recently" while the group backs off). The pod that did not
+    # fit said why in a FailedScheduling event: the newest such reason is the one to show.
+    names = {p.metadata.name for p, _ in refused}
+    events = core_api.list_namespaced_event(namespace, field_selector="reason=FailedScheduling")
+    reasons = [
+        e for e in events.items if e.involved_object.name in names and not _sibling_only(e.message)
+    ]
+    if reasons:
+        event = max(
+            reasons, key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp
+        )
+        pod_name, reason = event.involved_object.name, event.message
+    else:
+        pod_name, reason = pod.metadata.name, cond.message
+    return Unscheduled(
+        pod=pod_name,
+        reason=(reason or "no reason given").strip(),
+        seconds=max(0.0, (now - since).total_seconds()),
+        gang_timeout=_gang_timeout(custom_api, namespace, pod),
+    )
+
+
+# scheduler-plugins' words for a pod refused only because a sibling of its gang did not fit.
+_SIBLING_REJECTIONS = ("rejection in PostFilter", "rejected due to timeout", "failed recently")
+
+
+def _sibling_only(message: str | None) -> bool:
+    return any(words in (message or "") for words in _SIBLING_REJECTIONS)
+
+
+def _gang_timeout(custom_api, namespace: str, pod) -> int | None:
+    group = (pod.metadata.labels or {}).get("scheduling.x-k8s.io/pod-group")
+    if not group:
+        return None
+    try:
+        obj = custom_api.get_namespaced_custom_object(
+            *PODGROUP_API[:2], namespace, PODGROUP_API[2], group
+        )
+    except Exception:  # no PodGroup CRD, or no access: a gang of unknown deadline
+        return None
+    timeout = (obj.get("spec") or {}).get("scheduleTimeoutSeconds")
+    return int(timeout) if timeout else None
