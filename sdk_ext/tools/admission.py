@@ -94,7 +94,13 @@ def _first(where: str, of: str = "variables.kv", pick: str = "p[1]") -> str:
 
 
 def value_check(rule: vocab.Rule, v: str) -> str | None:
-    """CEL: whether the string ``v`` is a value ``rule`` accepts (None: not checked here)."""
+    """CEL, in parentheses: whether the string ``v`` is a value ``rule`` accepts (None: not
+    checked here)."""
+    check = _value_check(rule, v)
+    return None if check is None else f"({check})"
+
+
+def _value_check(rule: vocab.Rule, v: str) -> str | None:
     if rule.kind == "int":
         digits = f"{v}.replace('_', '')"
         checks = [f"{v}.matches({q(_INT_RE)})", f"{digits}.size() <= {_MAX_INT_DIGITS}"]
@@ -385,15 +391,22 @@ def policy_objects() -> list[dict]:
         "metadata": {"name": POLICY_NAME, "labels": dict(_LABELS)},
         "spec": {
             "failurePolicy": "Fail",
+            # With the API server's defaults written out: matchConstraints is one atomic value,
+            # so `kubectl apply --server-side` over `tunepack install` (another field manager)
+            # would conflict with the defaulted copy if the two were not the same.
             "matchConstraints": {
+                "matchPolicy": "Equivalent",
+                "namespaceSelector": {},
+                "objectSelector": {},
                 "resourceRules": [
                     {
                         "apiGroups": ["trainer.kubeflow.org"],
                         "apiVersions": ["v1alpha1"],
                         "operations": ["CREATE", "UPDATE"],
                         "resources": ["trainjobs"],
+                        "scope": "*",
                     }
-                ]
+                ],
             },
             "matchConditions": [
                 {

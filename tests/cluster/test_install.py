@@ -13,6 +13,7 @@ from tests.cluster import kube
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import containers, jobset_spec, replicated_jobs
 from tunepack.runtimes.store import load_runtime
+from tunepack.tools import admission, install
 
 pytestmark = pytest.mark.controlplane
 
@@ -37,7 +38,10 @@ def test_tunepack_install_registers_every_runtime(api, controlplane, installed_r
         served = api.runtime(entry.runtime_name)
         assert _contains(served["spec"], load_runtime(entry.runtime_name)["spec"])
     lines = installed_runtimes.stdout.strip().splitlines()
-    assert len(lines) == len(catalog.CATALOG)
+    # and the admission policy with its binding (tests/cluster/test_admission.py)
+    assert len(lines) == len(catalog.CATALOG) + len(admission.policy_objects())
+    for obj in admission.policy_objects():
+        assert _contains(_served(api, obj)["spec"], obj["spec"]), obj["kind"]
     # A second install changes nothing and says so.
     again = kube.tunepack("install", kubeconfig=controlplane.kubeconfig)
     assert again.returncode == 0, again.stderr
@@ -66,7 +70,7 @@ def test_every_overlay_applies_with_kubectl(api, controlplane, overlay):
     )
     assert done.returncode == 0, done.stderr
     for obj in objects:
-        served = api.runtime(obj["metadata"]["name"], obj["metadata"].get("namespace"))
+        served = _served(api, obj)
         # The server kept what the overlay asked for (nothing pruned or defaulted away).
         assert _contains(served["spec"], obj["spec"]), obj["metadata"]["name"]
     _delete_all_runtimes(controlplane)
@@ -117,6 +121,15 @@ def test_tunepack_install_upgrades_a_changed_runtime(api, controlplane, namespac
     claims = jobset_spec(served)["volumeClaimPolicies"][0]["templates"]
     assert claims[0]["metadata"]["name"] == "initializer"
     _delete_all_runtimes(controlplane)
+
+
+def _served(api, obj: dict) -> dict:
+    """The server's copy of a runtime, or of the admission policy or binding."""
+    if obj["apiVersion"] == admission.API_VERSION:
+        plural = install.PLURALS[obj["kind"]]
+        group, version = obj["apiVersion"].split("/")
+        return api.custom.get_cluster_custom_object(group, version, plural, obj["metadata"]["name"])
+    return api.runtime(obj["metadata"]["name"], obj["metadata"].get("namespace"))
 
 
 def _old_release(runtime: dict) -> dict:
