@@ -441,18 +441,17 @@ class ControlPlane:
                 "--v=1",
             ],
         )
+        self._wait_healthz(cm, self.ports["controller_manager"])
+        self._wait_healthz(sched, self.ports["scheduler"])
+
+    def _wait_healthz(self, proc: Process, port: int) -> None:
+        """Wait for a kube-* binary's /healthz on its self-signed serving cert (loopback)."""
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
-        insecure.verify_mode = ssl.CERT_NONE  # their self-signed serving certs; loopback only
-        for proc, port in (
-            (cm, self.ports["controller_manager"]),
-            (sched, self.ports["scheduler"]),
-        ):
-            self._wait(
-                proc,
-                lambda p=port: _http_ok(f"https://127.0.0.1:{p}/healthz", insecure),
-                "/healthz",
-            )
+        insecure.verify_mode = ssl.CERT_NONE
+        self._wait(
+            proc, lambda: _http_ok(f"https://127.0.0.1:{port}/healthz", insecure), "/healthz"
+        )
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True):
         kubectl = shutil.which("kubectl", path=os.path.dirname(sys.executable)) or shutil.which(
@@ -543,13 +542,7 @@ class ControlPlane:
                 f"--probeAddr=127.0.0.1:{self.ports['gang_controller']}",
             ],
         )
-        insecure = ssl.create_default_context()
-        insecure.check_hostname = False
-        insecure.verify_mode = ssl.CERT_NONE  # its self-signed serving cert; loopback only
-        port = self.ports["gang_scheduler"]
-        self._wait(
-            sched, lambda: _http_ok(f"https://127.0.0.1:{port}/healthz", insecure), "/healthz"
-        )
+        self._wait_healthz(sched, self.ports["gang_scheduler"])
         health = f"http://127.0.0.1:{self.ports['gang_controller']}/readyz"
         self._wait(controller, lambda: _http_ok(health), "readyz")
 
