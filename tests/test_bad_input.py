@@ -295,9 +295,9 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
     assert err == f"tunepack: error: {refused.value}\n"  # the very same message
     assert not jobs.exists()
 
-    # On a smaller GPU type both refuse too, and say which.
-    assert_error(capsys, [*argv, "--gpu", "L4-24GB"], "1 node(s) x 1 L4-24GB")
-    small = TrainingClient(LocalBackendConfig(root_dir=str(jobs), gpu="L4-24GB"))
+    # On a smaller GPU type both refuse too, and say which (spelled as users do: l4, L4-24gb).
+    assert_error(capsys, [*argv, "--gpu", "l4"], "1 node(s) x 1 L4-24GB")
+    small = TrainingClient(LocalBackendConfig(root_dir=str(jobs), gpu="L4-24gb"))
     with pytest.raises(BadInputError, match=re.escape("1 node(s) x 1 L4-24GB")):
         small.train(
             runtime=BIG,
@@ -473,7 +473,7 @@ OTHER_COMMANDS = [
     ("plan-seq-len", ["plan", "--model", "llama3.2-1b", "--seq-len", "0"], ["seq_len=0 is not valid", "an integer >= 1"]),
     ("plan-seq-too-long", ["plan", "--model", "tiny-llama3", "--seq-len", "4096"], ["seq_len=4096 is larger than tiny-llama3's context of 512"]),
     ("plan-batch", ["plan", "--model", "llama3.2-1b", "--batch-size", "0"], ["batch_size=0 is not valid"]),
-    ("plan-gpu", ["plan", "--model", "llama3.2-1b", "--gpu", "H100"], ["gpu='H100' is not known", "H100-80GB"]),
+    ("plan-gpu", ["plan", "--model", "llama3.2-1b", "--gpu", "H300"], ["gpu='H300' is not known", "H100-80GB"]),
     ("plan-nodes", ["plan", "--model", "llama3.2-1b", "--nodes", "0"], ["nodes=0 is not valid"]),
     ("plan-gpus-per-node", ["plan", "--model", "llama3.2-1b", "--gpus-per-node", "0"], ["gpus_per_node=0 is not valid"]),
     ("plan-lora-rank", ["plan", "--model", "llama3.2-1b", "--lora-rank", "0"], ["lora_rank=0 is not valid", "an integer >= 1"]),

@@ -575,3 +575,19 @@ def test_transformers_4_configs_read_as_the_catalog_builds_them():
     resolved = custom.with_config(catalog.CUSTOM["mistral-custom"], mistral, "here")
     assert resolved.shape == catalog.CATALOG["mistral-7b"].shape
     assert resolved.window_limit == 4096 and resolved.defaults["max_seq_len"] == 2048
+
+
+def test_plan_command_caps_the_default_seq_len_to_the_checkpoints_context(llama_checkpoint):
+    import subprocess
+    import sys
+
+    context = json.loads((llama_checkpoint / "config.json").read_text())["max_position_embeddings"]
+    assert context < 2048  # shorter than plan's default --seq-len
+    done = subprocess.run(
+        [sys.executable, "-m", "tunepack.cli", "plan", "--model", "tunepack-llama-custom",
+         "--model-dir", str(llama_checkpoint)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"lora, seq_len {context}, batch 1/device" in done.stdout
+    assert f"note: seq_len {context} is " in done.stdout and "--seq-len N to choose" in done.stdout

@@ -120,3 +120,47 @@ def test_qwen3_by_hand_head_dim_wider_than_the_model_and_q_k_norms():
     r = 16
     lora = layers * r * ((d + q) + 2 * (d + kv) + (q + d) + 3 * (d + i))
     assert plan("qwen3-0.6b", "lora", 2048, 1, lora_rank=r).trainable == lora
+
+
+def _cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from tunepack.cli import main
+
+    code = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("spelling", "name"),
+    [("h100", "H100-80GB"), ("H100", "H100-80GB"), ("h100-80gb", "H100-80GB"),
+     ("a100-40gb", "A100-40GB"), ("A100_80GB", "A100-80GB"), ("nvidia-l40s", "L40S-48GB")],
+)  # fmt: skip
+def test_cli_plan_accepts_the_usual_gpu_spellings(capsys, spelling, name):
+    code, out, err = _cli(capsys, "--model", "llama3.2-1b", "--gpu", spelling)
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0].endswith(f"1 node(s) x 1 {name}")
+    assert plan("llama3.2-1b", "lora", 2048, 1, gpu=spelling).gpu == name
+
+
+def test_cli_plan_names_an_ambiguous_or_unknown_gpu(capsys):
+    code, _, err = _cli(capsys, "--model", "llama3.2-1b", "--gpu", "a100")
+    assert code == 65
+    assert err == (
+        "tunepack: error: gpu='a100' is ambiguous: give its memory size, one of A100-80GB, "
+        "A100-40GB\n"
+    )
+    code, _, err = _cli(capsys, "--model", "llama3.2-1b", "--gpu", "rtx-4090")
+    assert code == 65 and "gpu='rtx-4090' is not known: expected one of H100-80GB" in err
+
+
+def test_cli_plan_defaults_seq_len_to_a_shorter_context_and_shows_tiny_sizes(capsys):
+    # tiny-llama3's context is 512 tokens: without --seq-len the plan is for 512, with a note.
+    code, out, err = _cli(capsys, "--model", "tiny-llama3")
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0].startswith("tiny-llama3 lora, seq_len 512,")
+    assert "note: seq_len 512 is tiny-llama3's context (the default 2048 is longer)" in out
+    # Its sizes are MiB, not 0.00 GiB.
+    assert " 0.00 " not in out and "peak            7.45 MiB" in out
+    # An explicit --seq-len longer than the context is still refused.
+    code, _, err = _cli(capsys, "--model", "tiny-llama3", "--seq-len", "1024")
+    assert code == 65 and "seq_len=1024 is larger than tiny-llama3's context of 512" in err

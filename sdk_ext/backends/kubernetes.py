@@ -73,7 +73,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         gpu: str = "H100-80GB",
         memory_check: submit.MemoryCheck = "refuse",
     ):
-        submit.check_settings(gpu, memory_check)  # before the SDK reads the kubeconfig
+        gpu = submit.check_settings(gpu, memory_check)  # before the SDK reads the kubeconfig
         super().__init__(cfg)
         self.gpu = gpu
         self.memory_check = memory_check

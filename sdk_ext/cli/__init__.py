@@ -9,7 +9,7 @@ tunepack train --local --runtime R --dataset URI --model URI [--verbose] [key=va
 tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
 tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
 tunepack render serving --runtime R --name TRAINJOB [key=value ...]   # vLLM for its result
-tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu H100-80GB]
+tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu h100]
 tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
 tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
@@ -24,8 +24,8 @@ Exit codes: 0 done; 65 bad input or configuration (a usage mistake and a missing
 included: fix it, do not retry); 75 transient (an API server that cannot be reached; a step
 stopped by SIGTERM: retry);
 130 interrupted (Ctrl-C), 143 SIGTERM, 129 SIGHUP (every process of a local run is stopped
-first, the trainer after a checkpoint); 1 the cluster refused a request, or (status) the job
-failed; other codes: a local step's own exit code.
+first, the trainer after a checkpoint); 1 the cluster refused a request, (status) the job
+failed, or (plan) the job does not fit; other codes: a local step's own exit code.
 
 Local jobs live in the local backend's jobs dir (``$TUNEPACK_HOME/jobs``, default
 ``~/.tunepack/jobs``, or ``--jobs-dir``), the same place ``TrainingClient(LocalBackendConfig())``

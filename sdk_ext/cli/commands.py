@@ -631,27 +631,40 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
-    from tunepack.tools.planner import plan
+    from tunepack.tools.planner import model_entry, plan
 
     if ns.method == "full" and ns.lora_rank is not None:
         raise BadInputError(
             f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method full trains every "
             "weight and has no adapters; leave out --lora-rank, or use --method lora"
         )
+    entry = model_entry(ns.model, ns.model_dir)  # a -custom runtime's config.json, read once
+    seq_len, note = ns.seq_len, None
+    if seq_len is None:
+        seq_len = min(DEFAULT_PLAN_SEQ_LEN, entry.shape.max_seq_len)
+        if seq_len < DEFAULT_PLAN_SEQ_LEN:
+            note = (
+                f"seq_len {seq_len} is {entry.name}'s context (the default "
+                f"{DEFAULT_PLAN_SEQ_LEN} is longer); --seq-len N to choose"
+            )
     estimate = plan(
-        ns.model,
+        entry,
         ns.method,
-        ns.seq_len,
+        seq_len,
         ns.batch_size,
         ns.gpu,
         nodes=ns.nodes,
         gpus_per_node=ns.gpus_per_node,
         activation_checkpointing=ns.activation_checkpointing,
         lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
-        model_dir=ns.model_dir,
     )
     print(estimate.summary())
+    if note:
+        print(f"  note: {note}")
     return 0 if estimate.fits else 1
+
+
+DEFAULT_PLAN_SEQ_LEN = 2048  # plan --seq-len when not given (the model's context if shorter)
 
 
 def cmd_install(ns: argparse.Namespace) -> int:
@@ -878,7 +891,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
     p.add_argument("--model", required=True, help="catalog model or runtime name")
     p.add_argument("--method", default="lora", help=", ".join(planner.METHODS))
-    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--seq-len", type=int)
     p.add_argument("--batch-size", type=int, default=1, help="per device")
     p.add_argument("--gpu", default="H100-80GB")
     p.add_argument("--nodes", type=int, default=1)

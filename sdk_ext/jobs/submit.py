@@ -96,7 +96,7 @@ def build(
     for the local backend (plain paths kept, ``numProcPerNode`` left to the launcher unless the
     FineTune or its GPUs say).
     """
-    check_settings(gpu, memory_check)
+    gpu = check_settings(gpu, memory_check)
     runtime_name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
     entry = catalog.get(runtime_name)
     init = to_initializer(initializer)
@@ -217,15 +217,15 @@ def _check_local_split(dataset: dict) -> None:
 MEMORY_CHECKS = ("refuse", "warn", "off")
 
 
-def check_settings(gpu: object, memory_check: object) -> None:
-    """The client's ``gpu`` and ``memory_check`` (``BadInputError`` naming the value)."""
+def check_settings(gpu: object, memory_check: object) -> str:
+    """The client's ``gpu`` and ``memory_check`` (``BadInputError`` naming the value); returns
+    the planner's name for the GPU (``h100`` -> ``H100-80GB``)."""
     if memory_check not in MEMORY_CHECKS:
         raise BadInputError(
             f"memory_check={memory_check!r} is not valid: expected one of "
             f"{', '.join(map(repr, MEMORY_CHECKS))}"
         )
-    if gpu not in planner.GPUS:
-        raise BadInputError(f"gpu={gpu!r} is not known: expected one of {', '.join(planner.GPUS)}")
+    return planner.gpu_type(gpu)
 
 
 def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):

@@ -32,6 +32,7 @@ the GPU's memory less ``CUDA_RESERVE_GIB`` (CUDA context, allocator fragmentatio
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +41,9 @@ from tunepack.runtimes import catalog
 from tunepack.runtimes.catalog import Shape
 
 GIB = 1024**3
-# GPU name -> memory in GiB (what the device reports).
+# GPU name -> memory in GiB (what the device reports). The one list of GPU names: ``gpu_type``
+# also accepts each name in any case, without its memory size where that is unambiguous
+# (``h100``), and with ``-``, ``_``, spaces or an ``nvidia-`` prefix (``h100_80gb``).
 GPUS: dict[str, float] = {
     "H100-80GB": 79.2,
     "H200-141GB": 139.8,
@@ -50,6 +53,32 @@ GPUS: dict[str, float] = {
     "A10G-24GB": 22.0,
     "L4-24GB": 22.0,
 }
+
+
+def _spelling(name: str) -> str:
+    key = re.sub(r"[^0-9a-z]", "", name.lower())
+    return key.removeprefix("nvidia")
+
+
+def gpu_type(gpu: object) -> str:
+    """The planner's name for a GPU (``"h100"``, ``"H100"``, ``"h100-80gb"`` -> ``"H100-80GB"``),
+    or ``BadInputError`` naming the value and the known types."""
+    if isinstance(gpu, str):
+        key = _spelling(gpu)
+        exact = [name for name in GPUS if _spelling(name) == key]
+        family = [name for name in GPUS if _spelling(name.split("-")[0]) == key]
+        if exact or len(family) == 1:
+            return (exact or family)[0]
+        if family:
+            raise BadInputError(
+                f"gpu={gpu!r} is ambiguous: give its memory size, one of {', '.join(family)}"
+            )
+    raise BadInputError(
+        f"gpu={gpu!r} is not known: expected one of {', '.join(GPUS)} (any case; the size may be "
+        "left out where only one exists, e.g. h100)"
+    )
+
+
 CUDA_RESERVE_GIB = 2.0  # context + fragmentation, kept free on every device
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
@@ -112,7 +141,8 @@ class Plan:
             f"{self.nodes} node(s) x {self.gpus_per_node} {self.gpu}"
             + (", activation checkpointing" if self.activation_checkpointing else "")
         )
-        lines = [head] + [f"  {name:<12}{value / GIB:8.2f} GiB" for name, value in rows]
+        unit, scale = _unit(self.peak_bytes)
+        lines = [head] + [f"  {name:<12}{value / scale:8.2f} {unit}" for name, value in rows]
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  {verdict} in {self.capacity_gib:.1f} GiB usable per device")
         if self.recommended:
@@ -120,6 +150,15 @@ class Plan:
             lines.append(f"  recommended: {n} node(s) x {g} GPU(s)")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _unit(size: float) -> tuple[str, int]:
+    """The unit a plan's rows are shown in: GiB, or MiB/KiB for a tiny model, so that no row
+    reads 0.00."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2)):
+        if size >= scale:
+            return unit, scale
+    return "KiB", 1024
 
 
 def lora_parameters(shape: Shape, rank: int, attn_modules=LORA_TARGETS_ALL, mlp=True) -> int:
@@ -163,6 +202,7 @@ def estimate(
     """The per-device estimate for one layout (no recommendation). A bring-your-own runtime
     (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json."""
     entry = model_entry(model, model_dir)
+    gpu = gpu_type(gpu)
     _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
     if method != "full" and (
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
@@ -218,6 +258,7 @@ def plan(
     activation checkpointing before more GPUs.
     """
     model = model_entry(model, kwargs.pop("model_dir", None))  # config.json read once
+    gpu = gpu_type(gpu)
     current = estimate(model, method, seq_len, batch_size, gpu, **kwargs)
     search = {k: v for k, v in kwargs.items() if k not in ("nodes", "gpus_per_node")}
     notes = []
@@ -286,8 +327,6 @@ def _dora_magnitudes(shape: Shape, attn_modules, mlp: bool) -> int:
 def _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry) -> None:
     if method not in METHODS:
         raise BadInputError(f"method={method!r} is not valid: expected one of {', '.join(METHODS)}")
-    if gpu not in GPUS:
-        raise BadInputError(f"gpu={gpu!r} is not known: expected one of {', '.join(GPUS)}")
     if dtype not in DTYPE_BYTES:
         raise BadInputError(f"dtype={dtype!r} is not valid: expected one of bf16, fp32")
     for name, value in (
