@@ -106,3 +106,29 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(capsys, argv, message):
 def test_served_result_refuses_an_unknown_runtime():
     with pytest.raises(BadInputError, match="unknown runtime or model 'tunepack-nope'"):
         serving.served_result("tunepack-nope", [])
+
+
+def test_each_served_result_has_its_own_deployment_service_and_chat_template(capsys):
+    """Two results served in one namespace: nothing of one replaces or selects the other."""
+    served = {}
+    for job in ("run-a", "run-b"):
+        code = main(["render", "serving", "--runtime", "tunepack-qwen3-0.6b", "--name", job])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        served[job] = {o["kind"]: o for o in yaml.safe_load_all(out) if o}
+    for job, objects in served.items():
+        assert {kind: o["metadata"]["name"] for kind, o in objects.items()} == {
+            "Deployment": f"{job}-vllm",
+            "Service": f"{job}-vllm",
+            "ConfigMap": f"{job}-vllm-chat-template",  # Qwen 3 is served with its template
+        }
+        deployment, service = objects["Deployment"], objects["Service"]
+        pod = deployment["spec"]["template"]
+        assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        assert service["spec"]["selector"]["app.kubernetes.io/instance"] == job
+        volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "chat-template")
+        assert volume["configMap"]["name"] == f"{job}-vllm-chat-template"
+    # run-a's Service does not select run-b's pods.
+    pod_b = served["run-b"]["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert not served["run-a"]["Service"]["spec"]["selector"].items() <= pod_b.items()

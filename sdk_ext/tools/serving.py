@@ -49,7 +49,7 @@ DEFAULT_MAX_LORA_RANK = 64  # the kustomize manifest's: every catalog default ra
 ADAPTER_NAME = "tunepack-lora"  # the model name clients ask for to get the adapter
 BASE_NAME = "base"
 EXAMPLE_TRAINJOB = "my-trainjob"
-CHAT_TEMPLATE_MAP = "tunepack-vllm-chat-template"
+APP = "tunepack-vllm"  # app.kubernetes.io/name of every serving Deployment
 CHAT_TEMPLATE_DIR = "/etc/tunepack"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 MANIFEST = Path(__file__).resolve().parents[2] / "manifests" / "serving" / "vllm.yaml"
@@ -58,9 +58,10 @@ HEADER = """\
 # vLLM serving a LoRA result from the TrainJob's workspace PVC, initializer-<trainjob> (retained
 # when the TrainJob is deleted), mounted read-only: /workspace/model is the base the model
 # initializer fetched, /workspace/output/adapter the PEFT adapter. Set claimName to
-# initializer-<your trainjob> and --max-lora-rank to at least the trained lora_rank, or let
-# `tunepack render serving` do both from your training arguments. DoRA adapters do not load in
-# vLLM: train with merge=true and serve output/merged. See docs/serving.md.
+# initializer-<your trainjob>, my-trainjob in the names and the instance label to your trainjob
+# (one Deployment and Service per served result), and --max-lora-rank to at least the trained
+# lora_rank, or let `tunepack render serving` do all of it from your training arguments. DoRA
+# adapters do not load in vLLM: train with merge=true and serve output/merged. See docs/serving.md.
 """
 
 
@@ -115,8 +116,22 @@ def served_result(runtime: str, args: list[str]) -> Served:
     )
 
 
+def serving_name(trainjob: str) -> str:
+    """The Deployment's and Service's name: one per TrainJob, so results are served side by side
+    (a TrainJob name is at most 33 characters, so this is a valid DNS-1035 label)."""
+    return f"{trainjob}-vllm"
+
+
+def chat_template_map(trainjob: str) -> str:
+    """The ConfigMap with the chat template ``trainjob``'s result is served with."""
+    return f"{serving_name(trainjob)}-chat-template"
+
+
 def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
-    """The Deployment and Service that serve ``served`` from ``trainjob``'s workspace PVC."""
+    """The Deployment and Service (``<trainjob>-vllm``) that serve ``served`` from
+    ``trainjob``'s workspace PVC."""
+    name = serving_name(trainjob)
+    selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": trainjob}
     args = [f"--model={served.model}", f"--served-model-name={BASE_NAME}"]
     if served.adapter:
         args += [
@@ -127,7 +142,7 @@ def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
     if served.chat_template:
         args.append(f"--chat-template={CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}")
     args.append("--port=8000")
-    labels = {"app.kubernetes.io/name": "tunepack-vllm", "app.kubernetes.io/part-of": "tunepack"}
+    labels = {**selector, "app.kubernetes.io/part-of": "tunepack"}
     container = {
         "name": "vllm",
         "image": VLLM_IMAGE,
@@ -152,12 +167,12 @@ def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": "tunepack-vllm", "labels": labels},
+        "metadata": {"name": name, "labels": labels},
         "spec": {
             "replicas": 1,
-            "selector": {"matchLabels": {"app.kubernetes.io/name": "tunepack-vllm"}},
+            "selector": {"matchLabels": dict(selector)},
             "template": {
-                "metadata": {"labels": {"app.kubernetes.io/name": "tunepack-vllm"}},
+                "metadata": {"labels": dict(selector)},
                 "spec": {
                     "securityContext": {
                         "runAsNonRoot": True,
@@ -183,16 +198,17 @@ def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
     }
     if served.chat_template:  # from a ConfigMap, mounted read-only
         pod = deployment["spec"]["template"]["spec"]
-        pod["volumes"].append({"name": "chat-template", "configMap": {"name": CHAT_TEMPLATE_MAP}})
+        config = {"name": chat_template_map(trainjob)}
+        pod["volumes"].append({"name": "chat-template", "configMap": config})
         container["volumeMounts"].append(
             {"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True}
         )
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": "tunepack-vllm", "labels": {"app.kubernetes.io/part-of": "tunepack"}},
+        "metadata": {"name": name, "labels": dict(labels)},
         "spec": {
-            "selector": {"app.kubernetes.io/name": "tunepack-vllm"},
+            "selector": dict(selector),
             "ports": [{"name": "http", "port": 8000, "targetPort": "http"}],
         },
     }
@@ -202,8 +218,8 @@ def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {
-            "name": CHAT_TEMPLATE_MAP,
-            "labels": {"app.kubernetes.io/part-of": "tunepack"},
+            "name": chat_template_map(trainjob),
+            "labels": dict(labels),
         },
         "data": {CHAT_TEMPLATE_FILE: served.chat_template},
     }
