@@ -77,6 +77,9 @@ def test_train_local_is_a_job_that_status_logs_and_result_see(home, cli_job):
     logs = tunepack(home, "logs", name, "--local")
     assert logs.returncode == 0, logs.stderr
     assert logs.stdout == (workspace / "logs" / "node.log").read_text()
+    # The console's `==> node:` and logs/node.log name the one-node trainer step `node`.
+    node = tunepack(home, "logs", name, "--local", "--step", "node")
+    assert (node.returncode, node.stderr, node.stdout) == (0, "", logs.stdout)
     init = tunepack(home, "logs", name, "--local", "--step", "dataset-initializer")
     assert init.stdout == (workspace / "logs" / "dataset-initializer.log").read_text()
 

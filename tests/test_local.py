@@ -216,3 +216,25 @@ def test_local_progress_reads_the_last_step_and_the_last_evaluation(tmp_path):
     assert (progress.step, progress.total_steps, progress.percent) == (10, 20, 50)
     assert (progress.loss, progress.val_loss, progress.val_perplexity) == (2.5, 2.7, 14.88)
     assert read_progress(tmp_path / "none.jsonl") is None
+
+
+def test_a_replica_has_one_name_on_the_console_in_logs_and_for_step(tmp_path):
+    """One node: `node` everywhere (and `node` is node-0 for --step); several: node-0, node-1 on
+    the console, as log files and as step names."""
+    from tunepack.backends.base import sdk_step
+
+    for nodes, replicas in ((1, ["node"]), (2, ["node-0", "node-1"])):
+        lines = []
+        workspace = tmp_path / str(nodes)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("TUNEPACK_VERBOSE", "1")  # echo the steps' every line
+            outcome = run_trainjob(
+                _recording_runtime(), _trainjob(num_nodes=nodes), workspace, echo=lines.append
+            )
+        assert outcome.failed is None
+        logs = sorted(p.stem for p in (workspace / "logs").glob("node*.log"))
+        assert logs == replicas
+        for replica in replicas:  # its line on the console, prefixed with the same name
+            assert f"[{replica}] hello from node" in lines, lines
+        steps = ["dataset-initializer", "model-initializer"] + [f"node-{i}" for i in range(nodes)]
+        assert sdk_step("node", steps) == ("node-0" if nodes == 1 else "node")

@@ -15,6 +15,14 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 
 
+def sdk_step(step: str, steps: list[str]) -> str:
+    """The SDK's name of the step ``step`` names among a job's ``steps``: ``node`` (what the
+    console's ``==> node:`` and ``logs/node.log`` call a one-node job's trainer) is ``node-0``
+    where the job has one node; any other name is itself."""
+    nodes = [s for s in steps if s.startswith(f"{kc.NODE}-")]
+    return nodes[0] if step == kc.NODE and len(nodes) == 1 else step
+
+
 class TunepackBackend(RuntimeBackend):
     """A backend that runs tunepack runtimes (Kubernetes or local)."""
 

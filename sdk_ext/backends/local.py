@@ -33,7 +33,7 @@ from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
-from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
+from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer, sdk_step
 from tunepack.core import durable, program
 from tunepack.core.errors import BadInputError, TransientError, TunepackError
 from tunepack.core.workspace import (
@@ -300,11 +300,12 @@ class LocalBackend(TunepackBackend):
         self, name: str, follow: bool = False, step: str = kc.NODE + "-0"
     ) -> Iterator[str]:
         steps = self._step_names(name)
+        step = sdk_step(step, steps)
         if step not in steps:
             raise BadInputError(
                 f"local TrainJob {name!r} has no step {step!r}; its steps are {', '.join(steps)}"
             )
-        log = _step_log(self.workspace(name), step)
+        log = _step_log(self.workspace(name), step, steps)
         position = 0
         while True:
             if log.exists():
@@ -438,14 +439,16 @@ def update_state(job_dir: Path, **fields) -> None:
     _write_json(job_dir / STATE_FILE, {**state, **fields})
 
 
-def _step_log(workspace: Path, step: str) -> Path:
-    """The log of an SDK step name: ``node-0`` is the node job's first replica (``node.log``),
-    ``node-1`` its second (``node-1.log``)."""
+def _step_log(workspace: Path, step: str, steps: list[str]) -> Path:
+    """The log of an SDK step name among the job's ``steps``: ``node-0`` is the node job's
+    first replica (``node.log`` with one node, ``node-0.log`` of several), ``node-1`` its
+    second (``node-1.log``)."""
     from tunepack.backends.local_steps import step_log
 
     head, _, index = step.rpartition("-")
-    if head and index.isdigit():
-        return step_log(workspace / LOGS_DIR, head, int(index))
+    if head == kc.NODE and index.isdigit():
+        replicas = sum(s.startswith(f"{kc.NODE}-") for s in steps)
+        return step_log(workspace / LOGS_DIR, head, int(index), replicas)
     return step_log(workspace / LOGS_DIR, step)
 
 

@@ -240,9 +240,17 @@ LOG_SUFFIX = ".log"
 PREVIOUS_RUNS_DIR = "previous"  # logs/previous/<n>/: the logs of earlier runs in this workspace
 
 
-def step_log(log_dir: Path, step: str, rank: int = 0) -> Path:
-    """The log of one replica of a step: ``node.log`` for the first, ``node-1.log`` ..."""
-    return log_dir / (f"{step}{LOG_SUFFIX}" if rank == 0 else f"{step}-{rank}{LOG_SUFFIX}")
+def replica_name(step: str, rank: int, replicas: int) -> str:
+    """The name one replica of a step goes by on the console, in ``logs/`` and for ``tunepack
+    logs --step``: the step's own (``node``) where it has one replica, else ``node-0``,
+    ``node-1`` ..."""
+    return step if replicas == 1 else f"{step}-{rank}"
+
+
+def step_log(log_dir: Path, step: str, rank: int = 0, replicas: int = 1) -> Path:
+    """The log of one replica of a step: ``node.log``, or ``node-0.log``, ``node-1.log`` ... for
+    a step of several replicas (``replica_name``)."""
+    return log_dir / f"{replica_name(step, rank, replicas)}{LOG_SUFFIX}"
 
 
 def keep_previous_logs(log_dir: Path) -> Path | None:
@@ -315,7 +323,7 @@ def run_step(
         env = {**os.environ, **step.env, **(lock.env() if lock else {})}
         if step.ancestor == TRAINER_STEP.ancestor:
             env["PET_NODE_RANK"] = str(rank)
-        log_path = step_log(log_dir, step.name, rank)
+        log_path = step_log(log_dir, step.name, rank, step.replicas)
         with log_path.open("wb") as log_file:  # the child keeps its own copy of the descriptor
             proc = subprocess.Popen(
                 lifetime.shim(step.command),
@@ -327,7 +335,7 @@ def run_step(
             )
         procs.append(proc)
         if echo is not None:
-            prefix = step.name if step.replicas == 1 else f"{step.name}-{rank}"
+            prefix = replica_name(step.name, rank, step.replicas)
             tail = threading.Thread(target=_tail, args=(log_path, prefix, echo, ended), daemon=True)
             tail.start()
             tails.append(tail)
@@ -340,7 +348,7 @@ def run_step(
     rank, code = next(((r, c) for r, c in enumerate(codes) if c != 0), (0, 0))
     if code < 0:  # killed by signal N: 128 + N, as a shell and the kubelet report it
         code = 128 - code
-    log = step_log(log_dir, step.name, rank)  # the failing replica's, where one failed
+    log = step_log(log_dir, step.name, rank, step.replicas)  # the failing replica's, if one did
     return StepOutcome(step.name, code, time.perf_counter() - started, log)
 
 

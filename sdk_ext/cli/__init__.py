@@ -13,7 +13,7 @@ tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu h100]
 tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
 tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
-tunepack logs NAME [--step node-0] [--local]
+tunepack logs NAME [--step node] [--local]   # a step as the console names it (node-1: 2nd node)
 tunepack result NAME [--local]        # a finished job's adapter (or model) and final loss
 tunepack download NAME DIR [--local]  # fetch an exported result (train --export URI), verified;
                                       # NAME may also be the export URI itself

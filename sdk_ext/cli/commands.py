@@ -611,6 +611,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 def cmd_logs(ns: argparse.Namespace) -> int:
     from kubeflow.trainer.constants import constants as kc
 
+    from tunepack.backends.base import sdk_step
     from tunepack.core.errors import BadInputError
 
     client = _client(ns)
@@ -620,11 +621,12 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     steps = [s.name for s in job.steps if not s.name.startswith(f"{kc.NODE}-")]
     steps = list(dict.fromkeys(steps or [kc.DATASET_INITIALIZER, kc.MODEL_INITIALIZER]))
     steps += [f"{kc.NODE}-{i}" for i in range(job.num_nodes or 1)]
-    if ns.step not in steps:
+    step = sdk_step(ns.step, steps)  # node: node-0 of a one-node job, as the console says
+    if step not in steps:
         raise BadInputError(
             f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} (--step)"
         )
-    for line in client.get_job_logs(ns.name, follow=ns.follow, step=ns.step):
+    for line in client.get_job_logs(ns.name, follow=ns.follow, step=step):
         print(line)
     return 0
 
@@ -870,7 +872,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("name", help="TrainJob name")
         _add_backend_arguments(p)
         if cmd == "logs":
-            p.add_argument("--step", default="node-0", help="dataset-initializer, node-0, ...")
+            p.add_argument(
+                "--step",
+                default="node-0",
+                help="dataset-initializer, model-initializer, node (a one-node job's trainer, as "
+                "the console and logs/node.log name it; node-0, node-1 ... of several nodes), "
+                "export (default: the first node's)",
+            )
             p.add_argument("--follow", "-f", action="store_true")
         if cmd == "delete":
             p.add_argument(
