@@ -269,3 +269,40 @@ def test_missing_dataset_names_the_file_in_the_step_log(tmp_path, tiny_model_dir
     log = (workspace / "logs" / "dataset-initializer.log").read_text()
     assert "/no/such/data.jsonl" in log
     assert not (workspace / "logs" / "node.log").exists()
+
+
+def _commands(parser, prefix=()):
+    """(command words, parser) for the parser and every subcommand below it."""
+    import argparse
+
+    yield prefix, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*prefix, name))
+
+
+def test_every_option_and_argument_has_help():
+    import argparse
+
+    from tunepack.cli.commands import build_parser
+
+    missing = [
+        f"tunepack {' '.join(words)} {action.option_strings or action.dest}"
+        for words, parser in _commands(build_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction)
+        and not action.help
+    ]
+    assert missing == []
+
+
+def test_top_level_help_is_a_sentence_and_uris_are_listed():
+    top = tunepack("--help")
+    description = top.stdout.split("\n\n")[1].replace("\n", " ")
+    assert description.startswith("Fine-tune LLMs") and description.endswith(".")
+    assert "``" not in top.stdout
+    train = " ".join(tunepack("train", "--help").stdout.split())
+    for scheme in ("hf://", "s3://", "https://", "file://", "a local path"):
+        dataset = train.split("--dataset DATASET dataset storage URI:")[1].split(" --model ")[0]
+        assert scheme in dataset, dataset

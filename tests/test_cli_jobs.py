@@ -213,8 +213,8 @@ def test_unknown_local_job_is_one_line_and_exit_65(home, command):
     assert done.returncode == 65
     assert "Traceback" not in done.stderr
     assert done.stderr == (
-        f"tunepack: error: no local TrainJob 'nope' under {home / 'jobs'}; see list_jobs() "
-        "(tunepack jobs --local)\n"
+        f"tunepack: error: no local TrainJob 'nope' under {home / 'jobs'}; `tunepack jobs "
+        "--local` lists them\n"
     )
     assert done.stdout == ""
 

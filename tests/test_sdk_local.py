@@ -213,6 +213,6 @@ def test_cli_status_and_logs_find_the_local_job(client, finished):
         unknown = run_program("tunepack.cli", {}, cmd, "nope", "--local", "--jobs-dir", str(root))
         assert unknown.returncode == 65
         assert unknown.stderr == (
-            f"tunepack: error: no local TrainJob 'nope' under {root}; see list_jobs() "
-            "(tunepack jobs --local)\n"
+            f"tunepack: error: no local TrainJob 'nope' under {root}; `tunepack jobs --local` "
+            "lists them\n"
         )

@@ -227,9 +227,10 @@ class LocalBackend(TunepackBackend):
     def job_dir(self, name: str) -> Path:
         path = self.root / name
         if not name or "/" in name or name in (".", "..") or not (path / STATE_FILE).exists():
+            missing = f"no local TrainJob {name!r} under {self.root}"
             raise BadInputError(
-                f"no local TrainJob {name!r} under {self.root}; see list_jobs() "
-                "(tunepack jobs --local)"
+                f"{missing}; see list_jobs() (tunepack jobs --local)",
+                cli_message=f"{missing}; `tunepack jobs --local` lists them",
             )
         return path
 

@@ -71,7 +71,7 @@ def _main(argv: list[str] | None = None) -> int:
         ns = build_parser().parse_args(argv)
         return ns.func(ns)
     except TunepackError as err:
-        print(program.error_line(PROGRAM, err), file=sys.stderr)
+        print(program.error_line(PROGRAM, err.cli_message or err), file=sys.stderr)
         return err.exit_code
     except (RuntimeError, TimeoutError) as err:
         # The Kubeflow SDK wraps the cluster's API and connection errors (a missing TrainJob, a

@@ -724,6 +724,21 @@ def _print_summary(
     print(f"  logs        {workspace / 'logs'}")
 
 
+DESCRIPTION = (
+    "Fine-tune LLMs with tunepack's Kubeflow Trainer runtimes, on a Kubernetes cluster or on "
+    "this machine; `tunepack COMMAND --help` describes each command."
+)
+URI_HELP = (
+    "hf://org/name, s3://bucket/prefix, https://host/file, file:///absolute/path or a local path"
+)
+
+
+def _gpu_help() -> str:
+    from tunepack.tools.planner import GPUS
+
+    return f"one of {', '.join(GPUS)} (default H100-80GB), in any case; h100: the one size there is"
+
+
 JOBS_DIR_HELP = "local backend jobs dir (default: $TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
 
 
@@ -736,8 +751,8 @@ def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime", required=True, help="runtime name, e.g. tunepack-tiny-llama3")
-    parser.add_argument("--dataset", required=True, help="dataset storage URI (file://, path)")
-    parser.add_argument("--model", required=True, help="model storage URI (file://, path)")
+    parser.add_argument("--dataset", required=True, help=f"dataset storage URI: {URI_HELP}")
+    parser.add_argument("--model", required=True, help=f"model storage URI: {URI_HELP}")
     parser.add_argument(
         "--name",
         help="TrainJob name (default, local: <model>-<digest of the dataset, model and trainer "
@@ -804,10 +819,9 @@ def _console_logging(verbose: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tunepack import cli
     from tunepack.tools import planner
 
-    parser = _Parser(prog="tunepack", description=cli.__doc__.split("\n")[0])
+    parser = _Parser(prog="tunepack", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -815,17 +829,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("args", help="list trainer arguments").set_defaults(func=cmd_args)
 
     p = sub.add_parser("tiny-model", help="write a tiny random Llama-3 model (offline)")
-    p.add_argument("directory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("directory", help="directory to write the model to (config, weights, tokenizer)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights (default 0: the same model)"
+    )
     p.set_defaults(func=cmd_tiny_model)
 
     p = sub.add_parser("tiny-dataset", help="write a small instruction dataset (offline)")
-    p.add_argument("file")
+    p.add_argument("file", help="the JSON Lines file to write (e.g. data/instructions.jsonl)")
     p.add_argument(
         "--preference", action="store_true", help="preference pairs for method=dpo instead"
     )
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rows", type=int, default=256, help="number of rows (default 256)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the rows' choice (default 0: the same rows)"
+    )
     p.set_defaults(func=cmd_tiny_dataset)
 
     p = sub.add_parser("train", help="fine-tune: run a TrainJob")
@@ -834,7 +852,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
     p.add_argument("--context", help="kubeconfig context (cluster)")
     p.add_argument(
-        "--gpu", default="H100-80GB", help="GPU type the memory check assumes (runtimes with GPUs)"
+        "--gpu", default="H100-80GB", help=f"GPU type the memory check assumes: {_gpu_help()}"
     )
     p.add_argument(
         "--memory-check",
@@ -879,7 +897,13 @@ def build_parser() -> argparse.ArgumentParser:
                 "the console and logs/node.log name it; node-0, node-1 ... of several nodes), "
                 "export (default: the first node's)",
             )
-            p.add_argument("--follow", "-f", action="store_true")
+            p.add_argument(
+                "--follow",
+                "-f",
+                action="store_true",
+                help="keep printing new lines until the job ends (Ctrl-C stops following, "
+                "not the job)",
+            )
         if cmd == "delete":
             p.add_argument(
                 "--workspace-too",
@@ -899,13 +923,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
     p.add_argument("--model", required=True, help="catalog model or runtime name")
     p.add_argument("--method", default="lora", help=", ".join(planner.METHODS))
-    p.add_argument("--seq-len", type=int)
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (max_seq_len; default {DEFAULT_PLAN_SEQ_LEN}, or the model's "
+        "context where shorter)",
+    )
     p.add_argument("--batch-size", type=int, default=1, help="per device")
-    p.add_argument("--gpu", default="H100-80GB")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--gpu", default="H100-80GB", help=_gpu_help())
+    p.add_argument("--nodes", type=int, default=1, help="trainer nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
     p.add_argument("--lora-rank", type=int, help="LoRA rank (lora, qlora, dora; default 16)")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="plan with activation checkpointing (recompute activations: less memory)",
+    )
     p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
     p.set_defaults(func=cmd_plan)
 

@@ -13,9 +13,18 @@ EXIT_TRANSIENT = 75  # EX_TEMPFAIL: network or preemption. Retrying may succeed.
 
 
 class TunepackError(Exception):
-    """Base error: its message is written for the user and says what to do next."""
+    """Base error: its message is written for the user and says what to do next.
+
+    ``cli_message``: the same message for a user of the ``tunepack`` command, where the next
+    step differs (a command to run rather than a Python method to call); None: the message.
+    """
 
     exit_code = EXIT_BAD_INPUT
+    cli_message: str | None = None
+
+    def __init__(self, *args, cli_message: str | None = None):
+        super().__init__(*args)
+        self.cli_message = cli_message
 
 
 class BadInputError(TunepackError, ValueError):
