@@ -307,8 +307,8 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
 
 
 def test_memory_check_warn_lets_the_run_go_on_both_paths(capsys, jobs, tiny_dataset_file):
-    """With warn, the plan is said and the run starts: here the model initializer then refuses a
-    model directory that does not exist (the step's own check, on the console)."""
+    """With warn, the plan is said and the submission goes on to its next check: here the model
+    directory that does not exist, refused before any step runs."""
     missing = jobs.parent / "no-model"
     argv = [
         "train", "--local", "--runtime", BIG, "--dataset", tiny_dataset_file, "--model", missing,
@@ -317,8 +317,38 @@ def test_memory_check_warn_lets_the_run_go_on_both_paths(capsys, jobs, tiny_data
     code, out, err = run_cli(capsys, argv)
     assert code == EXIT_BAD_INPUT, err
     assert "tunepack: warning: this fine-tune is estimated not to fit in GPU memory" in err
-    assert "step 'model-initializer' failed with exit code 65" in err
-    assert f"points to {missing}, which does not exist" in err
+    assert err.splitlines()[-1] == (
+        f"tunepack: error: model '{missing}' does not exist; give an existing file or directory "
+        "on this machine, or an hf://, s3:// or https:// URI"
+    )
+    assert "==> " not in out and not jobs.exists()
+
+
+@pytest.mark.parametrize("form", ["path", "file-uri"])
+@pytest.mark.parametrize("what", ["dataset", "model"])
+def test_a_local_source_that_does_not_exist_is_refused_at_submission(
+    capsys, jobs, tmp_path, tiny_dataset_file, tiny_model_dir, what, form
+):
+    missing = tmp_path / f"no-{what}"
+    given = str(missing) if form == "path" else missing.as_uri()
+    sources = {"dataset": str(tiny_dataset_file), "model": str(tiny_model_dir), what: given}
+    argv = ["train", "--local", "--runtime", RUNTIME, "--dataset", sources["dataset"],
+            "--model", sources["model"], "max_steps=1"]  # fmt: skip
+    err = assert_error(capsys, argv, f"{what} '{given}' does not exist")
+    assert err == (
+        f"tunepack: error: {what} '{given}' does not exist"
+        + ("" if form == "path" else f" ({missing})")
+        + "; give an existing file or directory on this machine, or an hf://, s3:// or https:// URI\n"
+    )
+    client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))
+    with pytest.raises(BadInputError) as refused:
+        client.train(
+            runtime=RUNTIME,
+            initializer=Initializer(dataset=sources["dataset"], model=sources["model"]),
+            trainer=FineTune(max_steps=1),
+        )
+    assert err == f"tunepack: error: {refused.value}\n"  # the very same message
+    assert not jobs.exists()  # nothing recorded, nothing ran
 
 
 # --- dataset files and model directories: the step's error, with its rows, on the console -------
@@ -370,14 +400,13 @@ def _datasets(tmp: Path, rows: list[dict]) -> dict[str, tuple[Path, list[str]]]:
             _write(tmp / "obj.json", [json.dumps({"rows": []})]),
             ["holds a JSON object, not an array of rows"],
         ),
-        "not-there": (tmp / "nothere.jsonl", ["which does not exist"]),
         "no-data-files": (tmp / "empty-dir", ["has no", "files"]),
     }
 
 
 DATASET_CASES = [
     "empty", "bad-json-rows", "wrong-type", "missing-field", "first-rows-only", "wrong-schema",
-    "json-object", "not-there", "no-data-files",
+    "json-object", "no-data-files",  # a path that is not there: refused at submission (below)
 ]  # fmt: skip
 
 

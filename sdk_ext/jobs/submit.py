@@ -181,6 +181,9 @@ def local_trainjob(
         memory_check=backend.cfg.memory_check,
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
     )
+    for what, block in trainjob["spec"]["initializer"].items():
+        if block.get("storageUri"):
+            _check_local_source(what, block["storageUri"])
     _check_local_split(trainjob["spec"]["initializer"]["dataset"])
     if to_finetune(trainer).export_secret is not None:
         raise BadInputError(
@@ -194,6 +197,22 @@ def local_trainjob(
                 "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
             )
     return trainjob
+
+
+def _check_local_source(what: str, uri: str) -> None:
+    """A local path or file:// URI that is not there, refused before anything runs (this
+    machine is the one the local backend's initializers read it on)."""
+    from pathlib import Path
+
+    from tunepack.initializers import uri as storage_uri
+
+    parsed = storage_uri.parse(uri)
+    if parsed.is_local and not Path(parsed.location).exists():
+        where = "" if parsed.display == parsed.location else f" ({parsed.location})"
+        raise BadInputError(
+            f"{what} {parsed.display!r} does not exist{where}; give an existing "
+            "file or directory on this machine, or an hf://, s3:// or https:// URI"
+        )
 
 
 def _check_local_split(dataset: dict) -> None:
