@@ -283,7 +283,7 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
     argv = ["train", "--local", "--runtime", BIG, "--dataset", data, "--model", model, *args]
     err = assert_error(capsys, argv, "this fine-tune is estimated not to fit in GPU memory:")
     assert "does NOT fit in 77.2 GiB usable per device" in err
-    assert "tunepack train --memory-check warn" in err
+    assert "(--memory-check warn to tunepack train or render trainjob)" in err
 
     client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))
     with pytest.raises(BadInputError) as refused:

@@ -136,6 +136,49 @@ def test_render_trainjob_for_the_platform_namespaced_runtime_queue_and_processes
     assert "labels" not in trainjob["metadata"]
 
 
+def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
+    """Issue 27, 2: a YAML user meets the planner as `tunepack train` does, with the same
+    --gpu / --memory-check, message and exit code."""
+    job = ["--runtime", "llama3.1-8b", "--dataset", "hf://org/data", "--model", "hf://org/model"]
+    job += ["--name", "big"]
+    big = ["method=qlora", "batch_size=64", "max_seq_len=8192"]
+    refused = tunepack("render", "trainjob", *job, *big)
+    assert refused.returncode == 65
+    assert refused.stdout == ""
+    assert refused.stderr.startswith(
+        "tunepack: error: this fine-tune is estimated not to fit in GPU memory:\n"
+        "llama3.1-8b qlora, seq_len 8192, batch 64/device, 1 node(s) x 1 H100-80GB\n"
+    )
+    assert "peak         3004.27 GiB" in refused.stderr
+    assert "(--memory-check warn to tunepack train or render trainjob)" in refused.stderr
+    # The very message `train` gives for the same run.
+    train = tunepack(
+        "train", "--local", "--workspace", str(tmp_path / "ws"), "--jobs-dir",
+        str(tmp_path / "jobs"), *job, *big,
+    )  # fmt: skip
+    assert (train.returncode, train.stderr) == (65, refused.stderr)
+
+    # --gpu names the GPU type planned for.
+    small = tunepack("render", "trainjob", *job, "max_seq_len=4096", "--gpu", "l4")
+    assert small.returncode == 65
+    assert "1 node(s) x 1 L4-24GB" in small.stderr
+    assert tunepack("render", "trainjob", *job, "max_seq_len=4096").returncode == 0  # H100
+
+    # warn: the TrainJob is printed, the plan said on stderr; off: printed, nothing said.
+    warned = tunepack("render", "trainjob", *job, *big, "--memory-check", "warn")
+    assert warned.returncode == 0
+    assert yaml.safe_load(warned.stdout)["spec"]["trainer"]["args"] == big
+    assert warned.stderr.startswith(
+        "tunepack: warning: this fine-tune is estimated not to fit in GPU memory:"
+    )
+    off = tunepack("render", "trainjob", *job, *big, "--memory-check", "off")
+    assert (off.returncode, off.stderr) == (0, "")
+    assert off.stdout == warned.stdout
+    bad = tunepack("render", "trainjob", *job, "--memory-check", "never")
+    assert bad.returncode == 65
+    assert "argument --memory-check: invalid choice: 'never'" in bad.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

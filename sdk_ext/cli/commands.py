@@ -143,7 +143,13 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         model_secret=ns.model_secret,
         local=local,
     )
-    return build_trainjob(spec)
+    trainjob = build_trainjob(spec)
+    if not local:
+        from tunepack.jobs.submit import check_spec_plan
+
+        # The memory check of `train` (TrainingClient), with the same --gpu and --memory-check.
+        check_spec_plan(spec, ns.gpu, ns.memory_check)
+    return trainjob
 
 
 def cmd_render_trainjob(ns: argparse.Namespace) -> int:
@@ -790,6 +796,21 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    from tunepack.tools.planner import MEMORY_CHECKS
+
+    parser.add_argument(
+        "--gpu", default="H100-80GB", help=f"GPU type the memory check assumes: {_gpu_help()}"
+    )
+    parser.add_argument(
+        "--memory-check",
+        choices=MEMORY_CHECKS,
+        default="refuse",
+        help="when the planner says the job cannot fit in GPU memory (as TrainingClient's "
+        "memory_check; train on a cluster or --local, and render trainjob alike)",
+    )
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with a usage mistake reported like any other bad input: one line, exit 65."""
 
@@ -851,16 +872,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--local", action="store_true", help="run on this machine (local backend)")
     p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
     p.add_argument("--context", help="kubeconfig context (cluster)")
-    p.add_argument(
-        "--gpu", default="H100-80GB", help=f"GPU type the memory check assumes: {_gpu_help()}"
-    )
-    p.add_argument(
-        "--memory-check",
-        choices=("refuse", "warn", "off"),
-        default="refuse",
-        help="when the planner says the job cannot fit in GPU memory (as TrainingClient's "
-        "memory_check; cluster and --local alike)",
-    )
+    _add_memory_arguments(p)
     p.add_argument(
         "--workspace",
         help="local workspace dir (default: the job's, .tunepack/runs/<name> when it is new; "
@@ -966,6 +978,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="reference a TrainingRuntime in the TrainJob's namespace (tunepack install "
         "--namespace) instead of the ClusterTrainingRuntime",
     )
+    _add_memory_arguments(p)
     p.set_defaults(func=cmd_render_trainjob)
     p = render.add_parser(
         "serving",

@@ -105,12 +105,15 @@ def build(
     entry = _custom_from_local(entry, storage_uri(init.model, "model"))
     resolved = parse_trainer_args(args, entry)  # method availability per model, seq_len limit
     resources = finetune.resources_per_node
-    gpus = gpus_per_node(resource_requirements(resources) if resources else None, entry)
-    num_proc = finetune.num_proc_per_node
-    if num_proc is None and resources and gpus:
-        num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
-    if gpus and memory_check != "off" and not custom.is_placeholder(entry):
-        check_memory(entry, resolved, finetune.num_nodes or 1, num_proc or gpus, gpu, memory_check)
+    num_proc = check_plan(
+        entry,
+        resolved,
+        num_nodes=finetune.num_nodes,
+        num_proc=finetune.num_proc_per_node,
+        resources=resources,
+        gpu=gpu,
+        memory_check=memory_check,
+    )
     spec = TrainJobSpec(
         name=job_name() if name is None else name,
         runtime=entry.runtime_name,
@@ -135,6 +138,44 @@ def build(
         local=local,
     )
     return build_trainjob(spec)
+
+
+def check_plan(
+    entry,
+    resolved,
+    *,
+    num_nodes: int | None,
+    num_proc: int | None,
+    resources: dict | None,
+    gpu: str,
+    memory_check: MemoryCheck,
+) -> int | None:
+    """The memory check of a job on ``entry`` with the parsed arguments ``resolved``
+    (``check_memory`` on the GPUs per node that ``resources`` or the runtime give); returns the
+    processes per node: ``num_proc``, else one per GPU that ``resources`` request."""
+    gpus = gpus_per_node(resource_requirements(resources) if resources else None, entry)
+    if num_proc is None and resources and gpus:
+        num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
+    if gpus and memory_check != "off" and not custom.is_placeholder(entry):
+        check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check)
+    return num_proc
+
+
+def check_spec_plan(spec: TrainJobSpec, gpu: str, memory_check: MemoryCheck) -> None:
+    """The memory check ``build`` applies, for a ``TrainJobSpec`` built otherwise (``tunepack
+    render trainjob``). Raises ``BadInputError`` when it does not fit and ``memory_check`` is
+    ``refuse``."""
+    gpu = check_settings(gpu, memory_check)
+    entry = _custom_from_local(catalog.get(spec.runtime), spec.model_uri)
+    check_plan(
+        entry,
+        parse_trainer_args(spec.trainer_args, entry),
+        num_nodes=spec.num_nodes,
+        num_proc=spec.num_proc_per_node,
+        resources=spec.resources_per_node,
+        gpu=gpu,
+        memory_check=memory_check,
+    )
 
 
 def _custom_from_local(entry, model_uri: str | None):
@@ -233,7 +274,7 @@ def _check_local_split(dataset: dict) -> None:
         splits.check_single_file(Path(parsed.location).name, split, parsed.display)
 
 
-MEMORY_CHECKS = ("refuse", "warn", "off")
+MEMORY_CHECKS = planner.MEMORY_CHECKS
 
 
 def check_settings(gpu: object, memory_check: object) -> str:
@@ -270,7 +311,8 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: Me
         f"this fine-tune is estimated not to fit in GPU memory:\n{estimate.summary()}\n"
         "Lower max_seq_len or batch_size, add GPUs (resources_per_node / num_nodes), choose "
         "method='qlora' where available, or pass memory_check='warn' to TrainingClient "
-        "(tunepack train --memory-check warn) to submit anyway (see docs/planner.md)."
+        "(--memory-check warn to tunepack train or render trainjob) to submit anyway "
+        "(see docs/planner.md)."
     )
     if mode == "refuse":
         raise BadInputError(message)

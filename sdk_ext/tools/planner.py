@@ -83,6 +83,8 @@ CUDA_RESERVE_GIB = 2.0  # context + fragmentation, kept free on every device
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
 METHODS = ("full", "lora", "qlora", "dora", "dpo")
+# What a job builder does with a plan that does not fit (TrainingClient memory_check=).
+MEMORY_CHECKS = ("refuse", "warn", "off")
 # Sequences each example puts through the model: DPO's chosen and rejected answers.
 SEQUENCES = {"dpo": 2}
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "output_proj")
