@@ -178,6 +178,57 @@ def test_install_train_status_logs_delete(server):
     assert ("trainjobs", NS, name) not in fake.objects
 
 
+def _exporter_pod(fake, name: str, suffix: str, phase: str, created: str, log: str) -> None:
+    """An exporter pod as JobSet makes it (replicatedJob ``exporter``, the runtime's label)."""
+    pod = f"{name}-exporter-0-0-{suffix}"
+    fake.objects[("pods", NS, pod)] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod,
+            "namespace": NS,
+            "labels": {
+                "jobset.sigs.k8s.io/jobset-name": name,
+                "jobset.sigs.k8s.io/replicatedjob-name": "exporter",
+                "trainer.kubeflow.org/trainjob-ancestor-step": "exporter",
+                "batch.kubernetes.io/job-completion-index": "0",
+            },
+            "creationTimestamp": created,
+        },
+        "spec": {"containers": [{"name": "exporter", "image": "ghcr.io/tunepack/x:0.1.0"}]},
+        "status": {"phase": phase},
+    }
+    fake.logs[(NS, pod, "exporter")] = log
+
+
+def test_the_exporter_is_a_step_with_logs(server):
+    """Issue 29, 6: the SDK's pod selector knows the initializers, launcher and node only; the
+    exporter's pod is a step of get_job() too, and get_job_logs reads it."""
+    fake, url = server
+    _install(fake, url)
+    tc = _client(url)
+    name = tc.train(
+        runtime=RUNTIME,
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(epochs=1, export="s3://bucket/results"),
+    )
+    _controller_runs(fake, name)
+    assert [s.name for s in tc.get_job(name).steps if s.name == "exporter"] == []  # not yet
+    _exporter_pod(fake, name, "first", "Failed", "2026-01-01T00:11:00Z", "upload refused\n")
+    _exporter_pod(fake, name, "retry", "Succeeded", "2026-01-01T00:12:00Z", "exported to s3\n")
+    job = tc.get_job(name)
+    steps = {s.name: (s.status, s.pod_name) for s in job.steps}
+    assert set(steps) == {"dataset-initializer", "model-initializer", "node-0", "exporter"}
+    assert steps["exporter"] == ("Succeeded", f"{name}-exporter-0-0-retry")  # the newest pod
+    assert list(tc.get_job_logs(name, step="exporter")) == ["exported to s3"]
+    log_req = [r for r in fake.requests if r.path.endswith("/log")][-1]
+    assert log_req.path.endswith(f"/pods/{name}-exporter-0-0-retry/log")
+    assert log_req.query["container"] == ["exporter"]
+    assert "exporter" in {s.name for s in tc.list_jobs()[0].steps}
+    # The node's logs are still the default step's.
+    assert list(tc.get_job_logs(name)) == ["hello from node", "second line"]
+
+
 def test_failed_job_carries_the_condition_message(server):
     fake, url = server
     _install(fake, url)

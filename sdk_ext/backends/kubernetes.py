@@ -17,8 +17,10 @@ changes only what tunepack needs:
 - ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
   condition's message, read from the same GET (or LIST) the job's status comes from; a job not
   finished whose pods the scheduler refuses gets the scheduler's reason as its message
-  (``get_job`` only: one more LIST of its pods), and ``wait_for_job_status`` stops waiting, with
-  that reason, once a gang has waited longer than its PodGroup allows (``scheduling``).
+  (``get_job`` only: one more LIST of its pods); their steps include the ``exporter``'s pod
+  (one LIST per job), which the SDK's pod selector leaves out, so ``get_job_logs`` reads it; and
+  ``wait_for_job_status`` stops waiting, with that reason, once a gang has waited longer than
+  its PodGroup allows (``scheduling``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from tunepack.jobs import submit
 from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
-from tunepack.runtimes.contract import workspace_pvc
+from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
 
 logger = logging.getLogger(__name__)
 
@@ -318,11 +320,37 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             ),
             None,
         )
+        fields = {**job.__dict__, "runtime": TunepackRuntime.wrap(job.runtime)}
+        fields["steps"] = [*job.steps, *self._exporter_steps(raw["metadata"]["name"])]
         return TrainJob(
-            **{**job.__dict__, "runtime": TunepackRuntime.wrap(job.runtime)},
+            **fields,
             message=message,
             progress=progress_from_status(status.get("trainerStatus")),
         )
+
+    def _exporter_steps(self, name: str) -> list[kf.Step]:
+        """The exporter's step (``exporter``, its newest pod), which the SDK's pod selector
+        leaves out (it knows the initializers, launcher and node only): listed by
+        ``get_job().steps`` and read by ``get_job_logs(name, step='exporter')``."""
+        selector = f"{kc.JOBSET_NAME_LABEL}={name},{kc.JOBSET_RJOB_NAME_LABEL}={EXPORT_STEP.job}"
+        try:
+            thread = self.core_api.list_namespaced_pod(
+                self.namespace, label_selector=selector, async_req=True
+            )
+            pods = _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT)).get("items") or []
+        except multiprocessing.TimeoutError as e:
+            raise TimeoutError(
+                f"Timeout to list {kc.TRAINJOB_KIND}'s steps: {self.namespace}/{name}"
+            ) from e
+        except Exception as e:
+            raise RuntimeError(
+                f"Failed to list {kc.TRAINJOB_KIND}'s steps: {self.namespace}/{name}"
+            ) from e
+        if not pods:
+            return []
+        pod = max(pods, key=lambda p: str(p["metadata"].get("creation_timestamp") or ""))
+        phase = (pod.get("status") or {}).get("phase")
+        return [kf.Step(name=EXPORT_STEP.job, status=phase, pod_name=pod["metadata"]["name"])]
 
 
 def _as_dict(obj) -> dict:
