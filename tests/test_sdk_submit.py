@@ -166,6 +166,38 @@ def test_translated_torchtune_config_field_by_field():
     assert storage_uri(S3ModelInitializer("s3://b/m"), "model") == "s3://b/m"
 
 
+def test_torchtune_config_without_peft_is_a_full_fine_tune_as_upstream():
+    """Issue 29, 2: upstream's BuiltinTrainer(TorchTuneConfig(...)) without peft_config runs
+    full_finetune_*; on a tunepack runtime it must not silently become LoRA."""
+    job = _build(
+        BuiltinTrainer(config=TorchTuneConfig(epochs=1, batch_size=1)),
+        runtime="tunepack-llama3.2-1b",
+    )
+    assert job["spec"]["trainer"]["args"] == ["method=full", "epochs=1", "batch_size=1"]
+    # With a PEFT config it stays LoRA.
+    lora = BuiltinTrainer(config=TorchTuneConfig(epochs=1, peft_config=LoraConfig()))
+    assert _build(lora, runtime="tunepack-llama3.2-1b")["spec"]["trainer"]["args"][0] == (
+        "method=lora"
+    )
+    # A full fine-tune the planner says cannot fit is refused as FineTune(method='full') is.
+    with pytest.raises(BadInputError, match="llama3.1-8b full, seq_len"):
+        _build(BuiltinTrainer(config=TorchTuneConfig(batch_size=8)))
+
+
+def test_torchtune_config_without_peft_on_a_runtime_without_full_says_why(monkeypatch):
+    entry = CATALOG["llama3.2-1b"]
+    builders = {k: v for k, v in entry.builders.items() if k != "full"}
+    monkeypatch.setitem(CATALOG, "llama3.2-1b", dataclasses.replace(entry, builders=builders))
+    assert "full" not in CATALOG["llama3.2-1b"].methods
+    with pytest.raises(BadInputError) as refused:
+        _build(BuiltinTrainer(config=TorchTuneConfig(epochs=1)), runtime="tunepack-llama3.2-1b")
+    assert str(refused.value) == (
+        "TorchTuneConfig without peft_config means a full fine-tune (as upstream's runtimes "
+        "run it), but method='full' is not available for llama3.2-1b: expected one of lora, "
+        "qlora, dora, dpo; pass peft_config=LoraConfig(...) for LoRA"
+    )
+
+
 @pytest.mark.parametrize(
     "config, field",
     [

@@ -24,7 +24,12 @@ from tunepack.jobs.trainjob import (
     gpus_per_node,
     resource_requirements,
 )
-from tunepack.jobs.translate import storage_uri, to_finetune, to_initializer
+from tunepack.jobs.translate import (
+    refuse_upstream_full,
+    storage_uri,
+    to_finetune,
+    to_initializer,
+)
 from tunepack.runtimes import catalog, custom
 from tunepack.tools import planner
 from tunepack.trainers.args import parse_trainer_args
@@ -103,6 +108,7 @@ def build(
     finetune = to_finetune(trainer)
     args = finetune.to_args()
     entry = _custom_from_local(entry, storage_uri(init.model, "model"))
+    refuse_upstream_full(trainer, entry)
     resolved = parse_trainer_args(args, entry)  # method availability per model, seq_len limit
     resources = finetune.resources_per_node
     num_proc = check_plan(

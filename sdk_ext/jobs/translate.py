@@ -175,9 +175,36 @@ def from_torchtune_config(config: kf.TorchTuneConfig) -> FineTune:
         values["resources_per_node"] = dict(config.resources_per_node)
     if config.peft_config is not None:
         values.update(_from_lora(config.peft_config))
+    else:
+        # Upstream, no PEFT config is a full fine-tune (its runtimes render the
+        # full_finetune_* recipe), not tunepack's default of LoRA.
+        values["method"] = "full"
     if config.dataset_preprocess_config is not None:
         values.update(_from_dataset_config(config.dataset_preprocess_config))
     return FineTune(**values)
+
+
+def upstream_full(trainer: object) -> bool:
+    """Whether ``trainer`` is upstream's ``BuiltinTrainer(config=TorchTuneConfig(...))``
+    without a ``peft_config``: a full fine-tune (``from_torchtune_config``)."""
+    return (
+        isinstance(trainer, kf.BuiltinTrainer)
+        and isinstance(trainer.config, kf.TorchTuneConfig)
+        and trainer.config.peft_config is None
+    )
+
+
+def refuse_upstream_full(trainer: object, entry) -> None:
+    """A full fine-tune that upstream's ``TorchTuneConfig`` without ``peft_config`` means,
+    refused with the reason where ``entry``'s runtime does not offer ``method=full``."""
+    from tunepack.trainers.args import unavailable_method_message
+
+    if upstream_full(trainer) and "full" not in entry.methods:
+        raise BadInputError(
+            "TorchTuneConfig without peft_config means a full fine-tune (as upstream's "
+            f"runtimes run it), but {unavailable_method_message(entry, 'full')}; pass "
+            "peft_config=LoraConfig(...) for LoRA"
+        )
 
 
 def _from_lora(lora: kf.LoraConfig) -> dict[str, object]:
