@@ -202,8 +202,10 @@ def test_workspace_that_cannot_be_one(capsys, jobs, tmp_path, kind):
     (tmp_path / "f").write_text("")
     workspace = tmp_path / "f" if kind == "file" else tmp_path / "f" / "ws"
     expected = "is a file, not a directory" if kind == "file" else f"{tmp_path / 'f'} is a file"
+    # Sources that exist, so the workspace is what is refused (nothing reads them).
+    sources = (str(tmp_path / "f"), str(tmp_path))
     assert_error(
-        capsys, _train(D, M, "--workspace", workspace), f"--workspace {workspace}", expected
+        capsys, _train(*sources, "--workspace", workspace), f"--workspace {workspace}", expected
     )
 
 

@@ -280,7 +280,7 @@ def test_runtimes_lists_the_catalog():
             [],
             "unsupported storage URI 'ftp://example.org/data.jsonl'",
         ),
-        ("file:///no/such/data.jsonl", [], "step 'dataset-initializer' failed with exit code 65"),
+        ("file:///no/such/data.jsonl", [], "dataset 'file:///no/such/data.jsonl' does not exist"),
         (None, ["lora_rnk=8"], "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?"),
         (None, ["lora_rank=abc"], "lora_rank='abc' is not valid: expected an integer"),
         (None, ["epochs=1", "--runtime-typo"], "unrecognized arguments"),
@@ -300,17 +300,21 @@ def test_bad_input_gives_a_clear_message_and_exit_code(
     assert not (workspace / "output").exists()
 
 
-def test_missing_dataset_names_the_file_in_the_step_log(tmp_path, tiny_model_dir):
+def test_a_failed_step_names_its_reason_and_its_log(tmp_path, tiny_model_dir):
+    """A dataset that only its initializer can judge (rows that are not JSON): the step fails
+    with 65, and the CLI shows the step's own reason and where its log is."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("this is not a JSON row\n")
     workspace = tmp_path / "ws"
     done = tunepack(
         "train", "--local", "--runtime", "tiny-llama3", "--workspace", str(workspace),
-        "--dataset", "file:///no/such/data.jsonl", "--model", f"file://{tiny_model_dir}",
+        "--dataset", f"file://{data}", "--model", f"file://{tiny_model_dir}",
     )  # fmt: skip
     assert done.returncode == 65
     assert "bad input: fix it and run again" in done.stderr
     assert "dataset-initializer: error:" in done.stderr  # the step's own reason, shown
     log = (workspace / "logs" / "dataset-initializer.log").read_text()
-    assert "/no/such/data.jsonl" in log
+    assert "rows.jsonl" in log
     assert not (workspace / "logs" / "node.log").exists()
 
 

@@ -193,10 +193,14 @@ def test_version_prints_the_package_version():
     assert done.stdout == f"tunepack {version('tunepack')}\n"
 
 
+# Sources that exist (a file, a directory), so that the workspace is what gets refused; nothing
+# reads them: every case here stops before a step runs.
+_SOURCES = ("--dataset", __file__, "--model", os.path.dirname(__file__))
+
+
 def _local_train(workspace: str, *args: str) -> list[str]:
     return [
-        "train", "--local", "--runtime", "tiny-llama3", "--workspace", workspace,
-        "--dataset", "/no/data.jsonl", "--model", "/no/model", *args,
+        "train", "--local", "--runtime", "tiny-llama3", "--workspace", workspace, *_SOURCES, *args,
     ]  # fmt: skip
 
 

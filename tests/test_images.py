@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import yaml
 
-from tests.test_manifests import MANIFESTS, ROOT, render, write_kustomization
+from tests.test_manifests import MANIFESTS, ROOT, RUNTIME_KINDS, render, write_kustomization
 from tunepack import __version__
 from tunepack.runtimes.contract import containers, replicated_jobs
 
@@ -21,6 +21,8 @@ REGISTRY = "registry.example.internal/ml"
 def _runtime_images(objects: list[dict]) -> set[str]:
     images = set()
     for obj in objects:
+        if obj["kind"] not in RUNTIME_KINDS:  # the admission policy beside them has no image
+            continue
         for job in replicated_jobs(obj):
             for c in containers(job):
                 images.add(c["image"])

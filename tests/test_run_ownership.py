@@ -120,7 +120,6 @@ def _start(command: list[str], tmp_path: Path, name: str) -> subprocess.Popen:
 
 def _wait_for_steps(proc, workspace: Path, seen: dict[int, psutil.Process], steps: int = 1):
     """Until the trainer logged ``steps`` steps, remembering every process below the CLI."""
-    log = workspace / "logs" / "node.log"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
@@ -129,11 +128,19 @@ def _wait_for_steps(proc, workspace: Path, seen: dict[int, psutil.Process], step
                 seen.setdefault(child.pid, child)
         except psutil.Error:
             pass
+        log = _trainer_log(workspace)
         if log.exists() and log.read_text().count('"event": "step"') >= steps:
             return
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail(f"training did not reach step {steps} within 120 s: {proc.communicate()}")
+
+
+def _trainer_log(workspace: Path, under: str = "") -> Path:
+    """The (first) trainer node's log: node.log, or node-0.log where there are several nodes."""
+    logs = workspace / "logs" / under
+    several = logs / "node-0.log"
+    return several if several.exists() else logs / "node.log"
 
 
 def _wait_all_gone(seen: dict[int, psutil.Process], timeout: float = 90) -> list[str]:
@@ -305,7 +312,8 @@ def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resu
     assert left == [], f"still running after {how.name}: {left}"
     assert proc.returncode == expected_cli_code, err
     assert "Traceback" not in out + err
-    log = (workspace / "logs" / "node.log").read_text()
+    log_name = _trainer_log(workspace).name
+    log = _trainer_log(workspace).read_text()
     assert "Traceback" not in log and "BrokenPipeError" not in log
     assert not list(workspace.rglob("*.partial")), "a partial checkpoint was left visible"
     with lock_workspace(workspace, "the test"):  # free: no process of the run holds it
@@ -332,7 +340,7 @@ def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resu
     result = json.loads((workspace / "output" / "result.json").read_text())
     assert result["final_loss"] < result["first_loss"]
     # The killed run's logs were kept, not overwritten.
-    assert (workspace / "logs" / "previous" / "1" / "node.log").read_text() == log
+    assert (workspace / "logs" / "previous" / "1" / log_name).read_text() == log
 
 
 @pytest.mark.slow

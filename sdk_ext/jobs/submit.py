@@ -228,10 +228,6 @@ def local_trainjob(
         memory_check=backend.cfg.memory_check,
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
     )
-    for what, block in trainjob["spec"]["initializer"].items():
-        if block.get("storageUri"):
-            _check_local_source(what, block["storageUri"])
-    _check_local_split(trainjob["spec"]["initializer"]["dataset"])
     if to_finetune(trainer).export_secret is not None:
         raise BadInputError(
             "export_secret is a cluster feature: on the local backend, export the credential "
@@ -243,6 +239,10 @@ def local_trainjob(
                 "secretRef is a cluster feature: on the local backend, export the credential "
                 "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
             )
+    for what, block in trainjob["spec"]["initializer"].items():
+        if block.get("storageUri"):
+            _check_local_source(what, block["storageUri"])
+    _check_local_split(trainjob["spec"]["initializer"]["dataset"])
     return trainjob
 
 
