@@ -75,9 +75,7 @@ def unscheduled(core_api, custom_api, namespace: str, name: str) -> Unscheduled 
         e for e in events.items if e.involved_object.name in names and not _sibling_only(e.message)
     ]
     if reasons:
-        event = max(
-            reasons, key=lambda e: e.last_timestamp or e.event_time or e.metadata.creation_timestamp
-        )
+        event = max(reasons, key=lambda e: _last_seen(e, now))
         pod_name, reason = event.involved_object.name, event.message
     else:
         pod_name, reason = pod.metadata.name, cond.message
@@ -86,6 +84,20 @@ def unscheduled(core_api, custom_api, namespace: str, name: str) -> Unscheduled 
         reason=(reason or "no reason given").strip(),
         seconds=max(0.0, (now - since).total_seconds()),
         gang_timeout=_gang_timeout(custom_api, namespace, pod),
+    )
+
+
+def _last_seen(event, default: datetime) -> datetime:
+    """When an event last happened: a repeated one (the scheduler's are a series, one object
+    per reason and message) keeps its first time in event_time and its last in the series."""
+    series = getattr(event, "series", None)
+    last = getattr(series, "last_observed_time", None) if series else None
+    return (
+        last
+        or event.last_timestamp
+        or event.event_time
+        or event.metadata.creation_timestamp
+        or default
     )
 
 

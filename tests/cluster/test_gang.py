@@ -252,7 +252,15 @@ def gang_nodes(api, controlplane):
     kube.wait_for(ready, 60, "the gang test's KWOK nodes to be Ready")
     yield GANG_NODES
     api.cordon(executor=False, kwok=False)
-    kube.kubectl("delete", "node", *GANG_NODES, "--wait=false", kubeconfig=controlplane.kubeconfig)
+    gone = kube.kubectl(
+        "delete",
+        "node",
+        *GANG_NODES,
+        "--wait=true",
+        "--timeout=60s",
+        kubeconfig=controlplane.kubeconfig,
+    )
+    assert gone.returncode == 0, gone.stderr  # the next test makes nodes of the same names
 
 
 def test_competing_gangs_never_hold_part_of_their_nodes(api, controlplane, namespace, gang_nodes):
@@ -294,12 +302,17 @@ def test_competing_gangs_never_hold_part_of_their_nodes(api, controlplane, names
     # While the winner holds its two GPU nodes, the loser has no pod bound anywhere: its gang
     # waits whole (the third node stays free).
     observed, most = 0, 0
-    while any(
-        p.status.phase == "Running"
-        for p in _job_pods(api, namespace, winner)
-        if p.metadata.labels[STEP_LABEL] == "node"
-    ):
+    while True:
+        # The loser's pods first, then whether the winner still holds its nodes: a loser pod
+        # bound then was bound while the winner held them (the other order would race the
+        # winner's finish).
         waiting = _job_pods(api, namespace, loser)  # JobSet may still be creating some
+        if not any(
+            p.status.phase == "Running"
+            for p in _job_pods(api, namespace, winner)
+            if p.metadata.labels[STEP_LABEL] == "node"
+        ):
+            break
         assert not _bound(waiting), [(p.metadata.name, p.spec.node_name) for p in waiting]
         most = max(most, len(waiting))
         observed += 1
@@ -334,12 +347,13 @@ def test_a_gang_that_cannot_fit_is_reported_not_waited_on_forever(
     api, controlplane, namespace, gang_nodes
 ):
     """Two trainer pods of 2 GPUs each on 1-GPU nodes: the gang scheduler never places it. The
-    user sees why (``tunepack status``), and the notebook's wait ends with that reason once the
-    PodGroup's scheduleTimeoutSeconds (20 s here) has passed, not at the wait's own timeout."""
+    user sees why (``tunepack status``: first, maybe, that the workspace PVC is not bound yet,
+    then that no node has the GPUs), and the notebook's wait ends with that reason once the
+    PodGroup's scheduleTimeoutSeconds (45 s here) has passed, not at the wait's own timeout."""
     from tunepack.backends.scheduling import GangNotPlaced
 
     gang = _as_namespaced(_kustomized_gang_runtime(controlplane, TINY), namespace)
-    gang["spec"]["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] = 20
+    gang["spec"]["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] = 45
     _apply(controlplane, gang)
     two_gpus = {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "1", "memory": "1Gi"}}
     kube.wait_for(
@@ -347,22 +361,31 @@ def test_a_gang_that_cannot_fit_is_reported_not_waited_on_forever(
         30,
         "the TrainJob to be admitted",
     )
-    client = _client(namespace)
     started = time.monotonic()
+
+    def status_names_the_gpus():
+        done = kube.tunepack(
+            "status", "toobig", "--namespace", namespace, kubeconfig=controlplane.kubeconfig
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout if "nvidia.com/gpu" in done.stdout else None
+
+    status = kube.wait_for(
+        status_names_the_gpus,
+        180,
+        "tunepack status to name the GPUs",
+        diagnose=lambda: api.diagnose(namespace, "toobig"),
+    )
+    assert "message: not scheduled (for " in status, status
+    assert "its gang may wait 45 s to be placed whole" in status
+    assert "Insufficient nvidia.com/gpu" in status, status
+
     with pytest.raises(GangNotPlaced) as caught:
-        client.wait_for_job_status("toobig", timeout=600)
+        _client(namespace).wait_for_job_status("toobig", timeout=600)
     waited = time.monotonic() - started
     message = str(caught.value)
-    assert message.startswith("TrainJob toobig could not be placed whole within its gang's 20 s")
-    assert "nvidia.com/gpu" in message, message
+    assert message.startswith("TrainJob toobig could not be placed whole within its gang's 45 s")
+    assert "Insufficient nvidia.com/gpu" in message, message
     assert "delete it" in message
     assert waited < 300, waited  # the gang's deadline ended it, not the wait's 600 s
-
-    status = kube.tunepack(
-        "status", "toobig", "--namespace", namespace, kubeconfig=controlplane.kubeconfig
-    )
-    assert status.returncode == 0, status.stderr
-    assert "message: not scheduled (for " in status.stdout, status.stdout
-    assert "its gang may wait 20 s to be placed whole" in status.stdout
-    assert "nvidia.com/gpu" in status.stdout
     assert not _bound(_job_pods(api, namespace, "toobig"))
