@@ -68,6 +68,20 @@ def _as_namespaced(runtime: dict, namespace: str, name: str | None = None) -> di
     return runtime
 
 
+def _on_kwok(runtime: dict) -> dict:
+    """The runtime for KWOK's fake nodes, where nothing reads the workspace: an emptyDir named
+    ``initializer`` in place of the PVC. A pod the scheduler first refuses for a claim not yet
+    bound is, in a gang, retried only at the scheduler's periodic flush (minutes), which would
+    hide what these tests look at."""
+    runtime = copy.deepcopy(runtime)
+    spec = runtime["spec"]["template"]["spec"]
+    del spec["volumeClaimPolicies"]
+    for job in spec["replicatedJobs"]:
+        pod = job["template"]["spec"]["template"]["spec"]
+        pod.setdefault("volumes", []).append({"name": "initializer", "emptyDir": {}})
+    return runtime
+
+
 def _apply(controlplane, obj: dict) -> None:
     done = kube.kubectl(
         "apply",
@@ -134,7 +148,7 @@ def test_upstreams_ordered_steps_never_form_a_gang(api, controlplane, namespace,
     runtime["spec"]["podGroupPolicy"] = {"coscheduling": {"scheduleTimeoutSeconds": 30}}
     for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
         job["template"]["spec"]["template"]["spec"]["schedulerName"] = GANG_SCHEDULER
-    _apply(controlplane, _as_namespaced(runtime, namespace, "upstream-gang"))
+    _apply(controlplane, _as_namespaced(_on_kwok(runtime), namespace, "upstream-gang"))
     kube.wait_for(
         lambda: _create(api, _trainjob("ordered", "upstream-gang"), namespace),
         30,
@@ -268,7 +282,7 @@ def test_competing_gangs_never_hold_part_of_their_nodes(api, controlplane, names
     first runs whole; not one pod of the second is bound while the first holds its nodes (a
     default scheduler would bind one of its trainer pods to the free node and leave it waiting);
     the second is placed whole once the first has finished, and completes too."""
-    gang = _as_namespaced(_kustomized_gang_runtime(controlplane, TINY), namespace)
+    gang = _as_namespaced(_on_kwok(_kustomized_gang_runtime(controlplane, TINY)), namespace)
     node = replicated_job(gang, "node")
     pod_meta = node["template"]["spec"]["template"].setdefault("metadata", {})
     pod_meta.setdefault("annotations", {})[KWOK_COMPLETE_DELAY] = "20s"  # trains for 20 s
@@ -347,12 +361,12 @@ def test_a_gang_that_cannot_fit_is_reported_not_waited_on_forever(
     api, controlplane, namespace, gang_nodes
 ):
     """Two trainer pods of 2 GPUs each on 1-GPU nodes: the gang scheduler never places it. The
-    user sees why (``tunepack status``: first, maybe, that the workspace PVC is not bound yet,
-    then that no node has the GPUs), and the notebook's wait ends with that reason once the
+    user sees why (``tunepack status``: no node has the GPUs), and the notebook's wait ends
+    with that reason once the
     PodGroup's scheduleTimeoutSeconds (45 s here) has passed, not at the wait's own timeout."""
     from tunepack.backends.scheduling import GangNotPlaced
 
-    gang = _as_namespaced(_kustomized_gang_runtime(controlplane, TINY), namespace)
+    gang = _as_namespaced(_on_kwok(_kustomized_gang_runtime(controlplane, TINY)), namespace)
     gang["spec"]["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] = 45
     _apply(controlplane, gang)
     two_gpus = {"limits": {"nvidia.com/gpu": 2}, "requests": {"cpu": "1", "memory": "1Gi"}}
