@@ -30,10 +30,10 @@ def _text(row: dict) -> dict:
     return {"text": f"{row['instruction']} {row['output']}"}
 
 
-@pytest.mark.parametrize(("schema", "to_row"), [("chat", _chat), ("text", _text)])
-def test_schema_trains_a_few_steps(schema, to_row, initialized_workspace, tmp_path):
+def _initialize_dataset(rows: list[dict], initialized_workspace, tmp_path):
+    """A workspace with the tiny model and ``rows`` through the real dataset initializer."""
     source = tmp_path / "rows.jsonl"
-    source.write_text("".join(json.dumps(to_row(r)) + "\n" for r in tiny_dataset_rows(32)))
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     workspace = tmp_path / "ws"
     shutil.copytree(initialized_workspace / "model", workspace / "model")
     env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)}
@@ -45,6 +45,13 @@ def test_schema_trains_a_few_steps(schema, to_row, initialized_workspace, tmp_pa
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+    return workspace
+
+
+@pytest.mark.parametrize(("schema", "to_row"), [("chat", _chat), ("text", _text)])
+def test_schema_trains_a_few_steps(schema, to_row, initialized_workspace, tmp_path):
+    rows = [to_row(r) for r in tiny_dataset_rows(32)]
+    workspace = _initialize_dataset(rows, initialized_workspace, tmp_path)
     manifest = json.loads((workspace / "dataset" / "tunepack-manifest.json").read_text())
     assert manifest["schema"] == schema
 
@@ -70,19 +77,7 @@ def test_rows_longer_than_max_seq_len_are_counted_in_one_line(
     rows += [{"instruction": "recite", "output": "lorem ipsum dolor " * n} for n in (20, 40, 60)]
     if schema == "text":
         rows = [_text(r) for r in rows]
-    source = tmp_path / "rows.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    workspace = tmp_path / "ws"
-    shutil.copytree(initialized_workspace / "model", workspace / "model")
-    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)}
-    done = subprocess.run(
-        [sys.executable, "-m", "tunepack.initializers.dataset"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    workspace = _initialize_dataset(rows, initialized_workspace, tmp_path)
 
     caplog.set_level("WARNING", logger="tunepack.trainer")
     recipe = setup_recipe(
