@@ -437,6 +437,39 @@ def test_tunepack_runtimes_report_a_builtin_torchtune_trainer(server):
         )
 
 
+def test_other_runtimes_are_exactly_what_the_sdk_returns(server):
+    """docs/sdk.md: only tunepack runtimes get the catalog's fields; a torch runtime of the
+    cluster comes back as the upstream client returns it (same class, same attributes), from
+    get_runtime, list_runtimes and a job's runtime."""
+    from kubeflow.common.types import KubernetesBackendConfig
+    from kubeflow.trainer import TrainerClient
+    from kubeflow.trainer.types import types as kf
+
+    fake, url = server
+    _install(fake, url)
+    apply(_api_client(url), _other_runtime("torch-distributed"))
+    apply(_api_client(url), _other_runtime("runtime-1", NS))
+    cfg = client.Configuration()
+    cfg.host = url
+    upstream = TrainerClient(KubernetesBackendConfig(namespace=NS, client_configuration=cfg))
+    tc = _client(url)
+
+    theirs = {r.name: r for r in upstream.list_runtimes()}
+    ours = {r.name: r for r in tc.list_runtimes()}
+    assert ours.keys() == theirs.keys()
+    for name in ("torch-distributed", "runtime-1"):
+        for got in (ours[name], tc.get_runtime(name)):
+            assert type(got) is type(theirs[name]) is kf.Runtime
+            assert vars(got) == vars(theirs[name])
+    assert ours[RUNTIME].model == "llama3.2-1b"  # tunepack's keep the catalog's fields
+    # The table still lists them, with the catalog's columns empty.
+    assert "runtime-1" in str(tc.list_runtimes())
+
+    job = tc.train(runtime="runtime-1")  # the SDK's path
+    runtime = tc.get_job(job).runtime
+    assert type(runtime) is kf.Runtime and vars(runtime) == vars(theirs["runtime-1"])
+
+
 def test_sdk_options_set_the_trainjob_fields(server):
     from kubeflow.trainer.options import (
         ActiveDeadlineSeconds,

@@ -13,7 +13,7 @@ changes only what tunepack needs:
   ``ActiveDeadlineSeconds``, ``RuntimePatch``) are honoured; others are refused by name;
 - ``list_runtimes()`` / ``get_runtime()`` report a tunepack runtime as what it takes, a
   ``BuiltinTrainer`` of the ``torchtune`` framework (``base.builtin_torchtune_trainer``), and add
-  the catalog's model, methods and default GPUs;
+  the catalog's model, methods and default GPUs; other runtimes are the SDK's objects, untouched;
 - ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
   condition's message, read from the same GET (or LIST) the job's status comes from; a job not
   finished whose pods the scheduler refuses gets the scheduler's reason as its message
@@ -92,10 +92,10 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         return runtime
 
     def list_runtimes(self) -> RuntimeList:
-        return RuntimeList(TunepackRuntime.wrap(r) for r in super().list_runtimes())
+        return RuntimeList(_reported(r) for r in super().list_runtimes())
 
-    def get_runtime(self, name: str) -> TunepackRuntime:
-        return TunepackRuntime.wrap(super().get_runtime(name))
+    def get_runtime(self, name: str) -> kf.Runtime:
+        return _reported(super().get_runtime(name))
 
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
         if isinstance(runtime, str):
@@ -128,7 +128,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             ) from e
         return job_name
 
-    def resolve_runtime(self, name: str) -> TunepackRuntime:
+    def resolve_runtime(self, name: str) -> kf.Runtime:
         """The runtime ``train(runtime=name)`` uses: never a silent rewrite of ``name``.
 
         A runtime of exactly that name wins (a ``TrainingRuntime`` in the namespace first, then a
@@ -320,7 +320,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             ),
             None,
         )
-        fields = {**job.__dict__, "runtime": TunepackRuntime.wrap(job.runtime)}
+        fields = {**job.__dict__, "runtime": _reported(job.runtime)}
         fields["steps"] = [*job.steps, *self._exporter_steps(raw["metadata"]["name"])]
         return TrainJob(
             **fields,
@@ -351,6 +351,12 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         pod = max(pods, key=lambda p: str(p["metadata"].get("creation_timestamp") or ""))
         phase = (pod.get("status") or {}).get("phase")
         return [kf.Step(name=EXPORT_STEP.job, status=phase, pod_name=pod["metadata"]["name"])]
+
+
+def _reported(runtime: kf.Runtime) -> kf.Runtime:
+    """A tunepack runtime with the catalog's fields; any other exactly as the SDK returned it
+    (docs/sdk.md: code written for the SDK must see the SDK's object)."""
+    return TunepackRuntime.wrap(runtime) if submit.is_tunepack_runtime(runtime) else runtime
 
 
 def _as_dict(obj) -> dict:
