@@ -43,8 +43,11 @@ def initialize() -> None:
     if (checked := trainer_args.check_from_env()) is not None:
         _log(f"the trainer's {checked} arguments are valid")
     source_uri = uri.from_env()
+    split = splits.requested(source_uri.options.get("split"))
     options = {
-        "split": splits.requested(source_uri.options.get("split")),
+        "split": split.name,
+        # Only when sliced, so that a workspace built before slices existed stays complete.
+        **({"slice": split.spec} if split.sliced else {}),
         "requested_schema": (schemas.requested() or _Auto).name,
         "column_map": schemas.column_map(),
     }
@@ -79,8 +82,9 @@ def initialize() -> None:
         result = _write_dataset(source_uri, files, partial / OUTPUT_FILE, options)
         written = {OUTPUT_FILE: {"size": result["size"], "sha256": result["sha256"]}}
         validation = None
-        if val_files:  # the same schema as the training rows
+        if val_files:  # the same schema as the training rows; a slice is of the train split
             val_options = {**options, "requested_schema": result["schema"].name}
+            val_options.pop("slice", None)
             val = _write_dataset(source_uri, val_files, partial / VALIDATION_FILE, val_options)
             written[VALIDATION_FILE] = {"size": val["size"], "sha256": val["sha256"]}
             validation = {
@@ -97,6 +101,7 @@ def initialize() -> None:
             "schema": result["schema"].output,
             "source_schema": result["schema"].name,
             "rows": result["rows"],
+            **({"split_rows": result["split_rows"]} if "split_rows" in result else {}),
             "content_sha256": result["sha256"],
             "source_files": list(files),
             "files": written,
@@ -106,8 +111,9 @@ def initialize() -> None:
         atomic.write_manifest(partial, manifest)
     if cache is not None:
         download.remove_cache(cache)
+    of = f" of {result['split_rows']}" if "split_rows" in result else ""
     _log(
-        f"read {result['rows']} rows ({result['schema'].name}, split {options['split']}) from "
+        f"read {result['rows']}{of} rows ({result['schema'].name}, split {split.spec}) from "
         f"{source_uri.display}; wrote {dest / OUTPUT_FILE} ({result['size']} bytes, sha256 "
         f"{result['sha256'][:12]})"
     )
@@ -233,14 +239,28 @@ def _write_dataset(
     max_row = schemas.max_row_bytes()
     problems: list[str] = []
     bad_rows = rows = size = 0
+    split = splits.parse(options["slice"]) if "slice" in options else None
+    total = _count_rows(files) if split is not None and split.needs_count else None
+    start, stop = split.bounds(total) if split is not None else (0, None)
+    position = 0  # the row's place in the split, every row counted, as datasets slices it
+    read_whole = True  # False once past the slice's end: the rest is not read
     digest = hashlib.sha256()
     source_formats = set()
     with open(out_path, "xb") as out:
         for name, path in files.items():
+            if stop is not None and position >= stop:
+                read_whole = False
+                break
             source_formats.add(formats.format_of(name))
             text_cells = formats.format_of(name) == "csv"
             file_rows = file_bad = 0
             for number, row, problem in formats.read_rows(name, path):
+                if stop is not None and position >= stop:
+                    read_whole = False
+                    break
+                position += 1
+                if not start < position <= (position if stop is None else stop):
+                    continue  # outside the slice: neither checked nor trained on
                 if problem is None:
                     row = schemas.rename(row, mapping)
                     if schema is None and isinstance(row, dict):
@@ -279,15 +299,27 @@ def _write_dataset(
             f"dataset {source_uri.display!r} has {bad_rows} invalid row{plural}{shown}; "
             f"{hint}:\n" + "\n".join(f"  {p}" for p in problems)
         )
+    split_rows = total if total is not None else position if read_whole else None
+    if rows == 0 and split is not None:
+        has = f"; the {split.name} split has {split_rows}" if split_rows is not None else ""
+        raise BadInputError(
+            f"dataset {source_uri.display!r}: split {split.spec!r} selects no rows{has}"
+        )
     if rows == 0:
         raise BadInputError(f"dataset {source_uri.display!r} has no rows; {hint}")
     return {
+        **({"split_rows": split_rows} if split is not None and split_rows is not None else {}),
         "rows": rows,
         "size": size,
         "sha256": digest.hexdigest(),
         "schema": schema,
         "source_format": "+".join(sorted(source_formats)),
     }
+
+
+def _count_rows(files: dict[str, Path]) -> int:
+    """How many rows the split's files hold: what a percentage or negative bound is of."""
+    return sum(1 for name, path in files.items() for _ in formats.read_rows(name, path))
 
 
 def _encode(schema: schemas.Schema, row: object, text_cells: bool) -> tuple[bytes, str | None]:
