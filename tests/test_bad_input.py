@@ -671,7 +671,7 @@ TRAIN_CALLS = [
     ("trainer-str", {"runtime": RUNTIME, "initializer": _init(), "trainer": "lora"}, "trainer must be tunepack.FineTune or kubeflow.trainer.BuiltinTrainer, got str"),
     ("lora-output", {"runtime": RUNTIME, "initializer": _init(), "trainer": BuiltinTrainer(config=TorchTuneConfig(peft_config=LoraConfig(apply_lora_to_output=True)))}, "LoraConfig.apply_lora_to_output=True cannot be translated"),
     ("qlora-dora", {"runtime": RUNTIME, "initializer": _init(), "trainer": BuiltinTrainer(config=TorchTuneConfig(peft_config=LoraConfig(quantize_base=True, use_dora=True)))}, "quantize_base and use_dora cannot be combined"),
-    ("split-config", {"runtime": RUNTIME, "initializer": _init(), "trainer": BuiltinTrainer(config=TorchTuneConfig(dataset_preprocess_config=TorchTuneInstructDataset(split="train[:10%]")))}, "TorchTuneInstructDataset.split='train[:10%]' cannot be translated"),
+    ("split-config", {"runtime": RUNTIME, "initializer": _init(), "trainer": BuiltinTrainer(config=TorchTuneConfig(dataset_preprocess_config=TorchTuneInstructDataset(split="train[:10pct]")))}, "TorchTuneInstructDataset.split: dataset split 'train[:10pct]': bound '10pct' is not a whole number of rows or a percentage"),
     ("options-local", {"runtime": RUNTIME, "initializer": _init(), "options": [Name("x")]}, "options (Name) are not supported by tunepack's local backend"),
     ("uri-scheme", {"runtime": RUNTIME, "initializer": _init(dataset="gs://b/d.jsonl")}, "unsupported storage URI 'gs://b/d.jsonl'"),
     ("seq-len", {"runtime": RUNTIME, "initializer": _init(), "trainer": FineTune(max_seq_len=4096)}, "max_seq_len=4096 is larger than tiny-llama3's context window of 512 tokens"),

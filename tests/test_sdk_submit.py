@@ -213,13 +213,9 @@ def test_torchtune_config_without_peft_on_a_runtime_without_full_says_why(monkey
         ),
         (
             TorchTuneConfig(
-                dataset_preprocess_config=TorchTuneInstructDataset(source=DataFormat.CSV)
+                dataset_preprocess_config=TorchTuneInstructDataset(source=DataFormat.XML)
             ),
-            "TorchTuneInstructDataset.source='csv'",
-        ),
-        (
-            TorchTuneConfig(dataset_preprocess_config=TorchTuneInstructDataset(split="test")),
-            "TorchTuneInstructDataset.split='test'",
+            "TorchTuneInstructDataset.source='xml'",
         ),
     ],
 )

@@ -25,6 +25,7 @@ from tunepack.jobs.trainjob import (
     resource_requirements,
 )
 from tunepack.jobs.translate import (
+    dataset_split,
     refuse_upstream_full,
     storage_uri,
     to_finetune,
@@ -134,6 +135,7 @@ def build(
         initializer_env=init.env or None,
         dataset_secret=init.dataset_secret,
         model_secret=init.model_secret,
+        dataset_split=dataset_split(trainer),
         labels=labels,
         annotations=annotations,
         runtime_kind=runtime_kind,

@@ -65,7 +65,8 @@ class TrainJobSpec:
     ``num_proc_per_node`` defaults to the GPUs per node (``resources_per_node``, else the
     runtime's default), or 1 where there is none. Credentials are passed only by reference:
     ``dataset_secret`` / ``model_secret`` name a Secret in the TrainJob's namespace (the
-    initializer's ``secretRef``).
+    initializer's ``secretRef``). ``dataset_split`` is the split the dataset initializer reads,
+    sliced or not (``train[:1000]``, as ``datasets`` writes it): its ``DATASET_SPLIT``.
 
     ``runtime_kind`` is ``ClusterTrainingRuntime`` (``tunepack install``) or ``TrainingRuntime``
     (``tunepack install --namespace``: one in the TrainJob's namespace). ``labels`` and
@@ -93,6 +94,7 @@ class TrainJobSpec:
     initializer_env: dict[str, str] | None = None
     dataset_secret: str | None = None
     model_secret: str | None = None
+    dataset_split: str | None = None
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
     queue: str | None = None
@@ -133,6 +135,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         storage_uri.parse(uri)
         storage_uri.refuse_credentials(uri, what, f"--{what}-secret, Initializer({what}_secret=)")
         uris[what] = uri if job.local else cluster_storage_uri(uri, what)
+    dataset_env = _dataset_split_env(job)
 
     if job.num_proc_per_node is not None and (
         isinstance(job.num_proc_per_node, bool)
@@ -191,6 +194,8 @@ def build_trainjob(job: TrainJobSpec) -> dict:
     for block, secret in ((dataset, job.dataset_secret), (model, job.model_secret)):
         if initializer_env:
             block["env"] = [dict(var) for var in initializer_env]
+        if dataset_env and block is dataset:
+            block.setdefault("env", []).extend(dataset_env)
         if secret:
             block["secretRef"] = {"name": secret}
     spec: dict = {
@@ -384,6 +389,33 @@ def _check_key(what: str, key: object) -> None:
 
 
 _SECRET_LIKE = re.compile(r"(TOKEN|SECRET|PASSWORD|ACCESS_KEY)", re.IGNORECASE)
+
+
+def _dataset_split_env(job: TrainJobSpec) -> list[dict]:
+    """The dataset initializer's ``DATASET_SPLIT`` for ``job.dataset_split``; every split the
+    job names (that, the URI's ``?split=``, ``initializer_env``) checked now, as the initializer
+    would, and refused when two disagree."""
+    from tunepack.initializers import splits
+
+    named = {}
+    if job.dataset_split is not None:
+        if not isinstance(job.dataset_split, str):
+            raise BadInputError(f"dataset_split must be a string, got {job.dataset_split!r}")
+        named["dataset_split"] = job.dataset_split.strip()
+    uri_split = storage_uri.parse(job.dataset_uri).options.get("split")
+    if uri_split is not None:
+        named["the dataset URI's ?split="] = uri_split.strip()
+    env_split = (job.initializer_env or {}).get(splits.SPLIT_ENV)
+    if isinstance(env_split, str):
+        named[f"initializer_env {splits.SPLIT_ENV}"] = env_split.strip()
+    for spec in named.values():
+        splits.parse(spec)
+    if len(set(named.values())) > 1:
+        said = ", ".join(f"{where} {spec!r}" for where, spec in named.items())
+        raise BadInputError(f"the dataset split is given twice and differs: {said}; give it once")
+    if job.dataset_split is None or len(named) > 1:
+        return []  # already said where the initializer reads it
+    return [{"name": splits.SPLIT_ENV, "value": named["dataset_split"]}]
 
 
 def _initializer_env(env: dict[str, str] | None, trainer_args: list[str]) -> list[dict]:

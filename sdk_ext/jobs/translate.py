@@ -110,11 +110,13 @@ def storage_uri(source: str | kf.BaseInitializer | None, what: str) -> str:
 def _refuse_untranslatable_initializer_fields(source: kf.BaseInitializer, what: str) -> None:
     cls = type(source).__name__
     if getattr(source, "access_token", None) is not None:
+        # The token itself is never repeated: this message reaches logs and notebooks.
         raise BadInputError(
             f"{cls}.access_token: tunepack does not put tokens into the TrainJob, where anyone "
             f"who can read TrainJobs would see them. Create a Secret (kubectl create secret "
-            f"generic hf-token --from-literal=HF_TOKEN=...) and pass "
-            f"Initializer(..., {what}_secret='hf-token') instead"
+            f"generic hf-token --from-literal=HF_TOKEN=<token>) and pass it by reference: "
+            f"tunepack.Initializer({what}={cls}(storage_uri=...) without access_token, "
+            f"{what}_secret='hf-token'); on the local backend, export HF_TOKEN instead"
         )
     for name in ("endpoint", "access_key_id", "secret_access_key", "region", "role_arn"):
         if getattr(source, name, None) is not None:
@@ -243,16 +245,33 @@ def _from_lora(lora: kf.LoraConfig) -> dict[str, object]:
     return values
 
 
+# Upstream's data formats the dataset initializer reads (it tells them by the files' suffixes).
+_READ_FORMATS = (kf.DataFormat.JSON, kf.DataFormat.CSV, kf.DataFormat.PARQUET, kf.DataFormat.ARROW)
+
+
+def dataset_split(trainer: object) -> str | None:
+    """The split upstream's ``TorchTuneInstructDataset.split`` names (``train[:1000]``), for the
+    dataset initializer (``TrainJobSpec.dataset_split``); None for the default, ``train``.
+    Checked as the initializer checks it: ``BadInputError`` naming the field."""
+    from tunepack.initializers import splits
+
+    config = getattr(trainer, "config", None) if isinstance(trainer, kf.BuiltinTrainer) else None
+    ds = getattr(config, "dataset_preprocess_config", None)
+    if ds is None or ds.split is None:
+        return None
+    try:
+        split = splits.parse(ds.split)
+    except BadInputError as err:
+        raise BadInputError(f"TorchTuneInstructDataset.split: {err}") from None
+    return None if split.spec == splits.DEFAULT_SPLIT else split.spec
+
+
 def _from_dataset_config(ds: kf.TorchTuneInstructDataset) -> dict[str, object]:
-    if ds.source is not None and kf.DataFormat(ds.source) is not kf.DataFormat.JSON:
+    if ds.source is not None and kf.DataFormat(ds.source) not in _READ_FORMATS:
         raise BadInputError(
-            f"TorchTuneInstructDataset.source={ds.source.value!r} cannot be translated: tunepack's "
-            "dataset initializer reads JSON (.json arrays or .jsonl lines)"
-        )
-    if ds.split not in (None, "train"):
-        raise BadInputError(
-            f"TorchTuneInstructDataset.split={ds.split!r} cannot be translated: tunepack trains "
-            "on the whole dataset file; cut it to the rows you want before training"
+            f"TorchTuneInstructDataset.source={kf.DataFormat(ds.source).value!r} cannot be "
+            "translated: tunepack's dataset initializer reads JSON (.json, .jsonl), CSV, Parquet "
+            "and Arrow files; convert the data to one of them"
         )
     for name in ("new_system_prompt", "column_map"):
         if getattr(ds, name) is not None:
