@@ -121,19 +121,35 @@ def test_the_same_command_again_resumes_its_job(
     home, tmp_path, cli_job, tiny_model_dir, tiny_dataset_file
 ):
     """No --name, no --workspace: the default job is named after the command, so running it
-    again (from anywhere) is the same job, in the same workspace, and the trainer resumes it."""
+    again (from anywhere) is the same job, in the same workspace. The job had finished, so the
+    re-run is a no-op that says so: no "resuming", no training summary, the training log still
+    the one `tunepack logs` shows, and the job still created when it was first."""
     name, workspace = cli_job
+    training_log = tunepack(home, "logs", name, "--local").stdout
+    assert '"event": "step"' in training_log
+    created = [
+        line for line in tunepack(home, "jobs", "--local").stdout.splitlines() if name in line
+    ]
     again = _train(home, tmp_path, tiny_model_dir, tiny_dataset_file)
     assert again.returncode == 0, again.stderr
     lines = again.stdout.splitlines()
     assert lines[0] == f"tunepack: job {name}: local run of {RUNTIME} in {workspace}"
-    assert lines[1].startswith(f"tunepack: job {name} ran before (Complete): resuming it")
+    assert lines[1].startswith("==> dataset-initializer: python -m tunepack.initializers.dataset")
     assert (
         f"[node] trainer: {workspace / 'output' / 'result.json'} is complete for this "
         "configuration; nothing to do"
     ) in lines
+    assert lines[-4:] == [
+        "",
+        f"tunepack: job {name} already finished; nothing to do",
+        f"  result      {workspace / 'output' / 'adapter'}",
+        f"  logs        tunepack logs {name} --local (of the run that trained)",
+    ]
+    assert "resuming" not in again.stdout and "training finished" not in again.stdout
+    assert tunepack(home, "logs", name, "--local").stdout == training_log
+    assert not (workspace / "logs" / "previous").exists()
     listed = tunepack(home, "jobs", "--local").stdout.splitlines()
-    assert sum(line.split()[0] == name for line in listed) == 1
+    assert [line for line in listed if name in line] == created
 
 
 def test_the_default_name_follows_what_the_command_trains(tiny_model_dir, tiny_dataset_file):

@@ -185,6 +185,7 @@ class LocalBackend(TunepackBackend):
         is still running; its workspace is left as it is. Returns the job's directory."""
         name = trainjob["metadata"]["name"]
         job_dir = self.root / name
+        created = None
         if (job_dir / STATE_FILE).exists():
             if not replace:
                 raise BadInputError(f"a local TrainJob {name!r} already exists under {self.root}")
@@ -193,12 +194,14 @@ class LocalBackend(TunepackBackend):
                     f"local TrainJob {name!r} is still running (pid {_pid(job_dir)}, in "
                     f"{self.workspace(name)}); wait for it to end, or give another --name"
                 )
+            created = _created(job_dir)
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
             for record in (STATE_FILE, TRAINJOB_FILE, "pid", "runner.log"):
                 (job_dir / record).unlink(missing_ok=True)
             (job_dir / TRAINJOB_FILE).write_text(yaml.safe_dump(trainjob, sort_keys=False))
-            state = {"status": kc.TRAINJOB_CREATED, "created": _now(), "steps": {}}
+            # A re-run is the same job: it keeps the time the job was first created.
+            state = {"status": kc.TRAINJOB_CREATED, "created": created or _now(), "steps": {}}
             if workspace is not None and Path(workspace) != job_dir / WORKSPACE_DIR:
                 state["workspace"] = str(Path(workspace).resolve())
             _write_json(job_dir / STATE_FILE, state)
@@ -453,6 +456,16 @@ def _step_log(workspace: Path, step: str, steps: list[str]) -> Path:
     return step_log(workspace / LOGS_DIR, step)
 
 
+def _created(job_dir: Path) -> str | None:
+    """When the job in ``job_dir`` was first created (None: its record cannot say)."""
+    try:
+        created = json.loads((job_dir / STATE_FILE).read_text())["created"]
+        datetime.fromisoformat(created)
+        return created
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _pid(job_dir: Path) -> int | None:
     try:
         return int((job_dir / "pid").read_text())
@@ -537,7 +550,11 @@ def run_job(
     the caller took before recording the job (None: the file system cannot lock), which it
     releases; by default the lock is taken here.
     Returns ``tunepack.backends.local_steps.RunOutcome``."""
-    from tunepack.backends.local_steps import keep_previous_logs, resolve_steps
+    from tunepack.backends.local_steps import (
+        keep_previous_logs,
+        resolve_steps,
+        restore_previous_logs,
+    )
 
     state_path = job_dir / STATE_FILE
     state = json.loads(state_path.read_text())
@@ -555,13 +572,31 @@ def run_job(
         else lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext()
     )
     with held as lock:
-        keep_previous_logs(workspace / LOGS_DIR)
+        before = _read_bytes(result_file(workspace))
+        kept = keep_previous_logs(workspace / LOGS_DIR)
         steps = resolve_steps(runtime, trainjob, workspace.resolve())
-        return _run_steps(job_dir, state, steps, workspace, echo, lock)
+        outcome = _run_steps(job_dir, state, steps, workspace, echo, lock)
+        # The trainer rewrites result.json whenever it trains: unchanged, nothing was trained.
+        if (
+            not outcome.failed
+            and before is not None
+            and _read_bytes(result_file(workspace)) == before
+        ):
+            outcome.nothing_to_do = True
+            if kept is not None:
+                restore_previous_logs(workspace / LOGS_DIR, kept)
+        return outcome
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
-    from tunepack.backends.local_steps import RunOutcome, describe_exit, run_step
+    from tunepack.backends.local_steps import RunOutcome, describe_exit, run_step, shown_command
 
     state_path = job_dir / STATE_FILE
     names = {s.name: _sdk_names(s) for s in steps}
@@ -575,7 +610,7 @@ def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
             state["steps"][n] = {"status": "Running", "started": started}
         _write_json(state_path, state)
         if echo:
-            echo(f"==> {step.name}: {' '.join(step.command)}")
+            echo(f"==> {step.name}: {shown_command(step.command)}")
         outcome = run_step(step, workspace / LOGS_DIR, echo=echo, lock=lock)
         outcomes.append(outcome)
         phase = "Succeeded" if outcome.exit_code == 0 else "Failed"

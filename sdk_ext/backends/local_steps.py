@@ -79,6 +79,9 @@ class StepOutcome:
 @dataclass
 class RunOutcome:
     steps: list[StepOutcome]
+    # True when every step succeeded and the trainer had nothing to do (its result.json was
+    # complete for this configuration and is unchanged): the run changed nothing.
+    nothing_to_do: bool = False
 
     @property
     def failed(self) -> StepOutcome | None:
@@ -177,6 +180,13 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[StepPr
     return steps
 
 
+def shown_command(command: list[str]) -> str:
+    """A step's command as the console shows it: ``python -m ...`` rather than the full path of
+    this environment's interpreter, which every step shares (the log files keep nothing else)."""
+    shown = ["python" if i == 0 and arg == sys.executable else arg for i, arg in enumerate(command)]
+    return " ".join(shown)
+
+
 def patched_env(trainjob: dict, job: str, container: str) -> dict[str, str]:
     """The plain-value environment the TrainJob's ``runtimePatches`` give ``container`` of
     replicated job ``job`` (later patches win, as the Trainer merges them)."""
@@ -267,6 +277,21 @@ def keep_previous_logs(log_dir: Path) -> Path | None:
     for path in old:
         path.rename(target / path.name)
     return target
+
+
+def restore_previous_logs(log_dir: Path, kept: Path) -> None:
+    """Undo ``keep_previous_logs`` after a run that changed nothing: its logs (which only say
+    so) are dropped and the logs of the run before, ``kept``, are ``logs/<step>.log`` again,
+    so that ``tunepack logs`` shows the run that trained."""
+    for path in log_dir.glob(f"*{LOG_SUFFIX}"):
+        path.unlink()
+    for path in kept.iterdir():
+        path.rename(log_dir / path.name)
+    kept.rmdir()
+    try:
+        kept.parent.rmdir()  # logs/previous/, when that run was the only earlier one
+    except OSError:
+        pass
 
 
 def _tail(log: Path, prefix: str, echo: Callable[[str], None], done: threading.Event) -> None:
@@ -366,7 +391,7 @@ def run_trainjob(
         outcomes = []
         for step in resolve_steps(runtime, trainjob, workspace.resolve()):
             if echo:
-                echo(f"==> {step.name}: {' '.join(step.command)}")
+                echo(f"==> {step.name}: {shown_command(step.command)}")
             outcome = run_step(step, workspace / LOGS_DIR, echo, lock)
             outcomes.append(outcome)
             if outcome.exit_code != 0:

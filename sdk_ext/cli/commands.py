@@ -305,7 +305,9 @@ def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
     name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]
     shown = runtime if ns.runtime == runtime else f"{runtime} (for {ns.runtime!r})"
     print(f"tunepack: job {name}: local run of {shown} in {workspace}", flush=True)
-    if resumed is not None:
+    if resumed == "Complete":
+        pass  # said at the end: nothing to do, or (a source or setting changed) trained again
+    elif resumed is not None:
         print(
             f"tunepack: job {name} ran before ({resumed}): resuming it (what is complete is "
             "kept; the trainer continues from its last checkpoint)",
@@ -359,6 +361,9 @@ def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
         return failed.exit_code
     from tunepack.jobs.trainjob import export_of
 
+    if outcome.nothing_to_do:
+        _print_nothing_to_do(name, workspace, export_of(trainjob), ns.jobs_dir)
+        return 0
     _print_summary(name, runtime, workspace, time.perf_counter() - started, export_of(trainjob))
     return 0
 
@@ -701,6 +706,23 @@ def cmd_install(ns: argparse.Namespace) -> int:
         action = install(api, obj, delete_timeout=ns.delete_timeout)
         print(f"{describe(obj)} {action}", flush=True)
     return 0
+
+
+def _print_nothing_to_do(
+    name: str, workspace: Path, export: str | None, jobs_dir: str | None
+) -> None:
+    """The end of a re-run whose trainer found its result complete: nothing trained, and the
+    logs are still those of the run that did (``run_job`` put them back)."""
+    from tunepack.core.workspace import result_file
+
+    result = json.loads(result_file(workspace).read_text())
+    where = f" --jobs-dir {jobs_dir}" if jobs_dir else ""
+    print()
+    print(f"tunepack: job {name} already finished; nothing to do")
+    print(f"  result      {result['artifact']}")
+    if export:
+        print(f"  exported    {export} (tunepack download {name} DIR)")
+    print(f"  logs        tunepack logs {name} --local{where} (of the run that trained)")
 
 
 def _print_summary(
