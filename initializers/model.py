@@ -105,8 +105,7 @@ def initialize() -> None:
         for rel, src in files.items():
             size, sha256, how = _place(src, partial / rel, known.get(rel))
             records[rel] = {"size": size, "sha256": sha256}
-            linked += how == "linked"
-            _log(f"{how} {rel} ({size} bytes)")
+            linked += how == "linked"  # one summary line below, not a line per file
         if entry.custom:  # checked on the delivered files, before the manifest makes them whole
             facts = {**facts, "shape": _custom_shape(entry, source_uri, partial)}
         manifest = {**expect, **facts, "files": records, "created": atomic.now_iso()}

@@ -478,7 +478,13 @@ def test_model_is_delivered_with_manifest_and_source_untouched(tmp_path):
     # Same filesystem: hard links, so a multi-GiB model costs no copy.
     assert (out / "model.safetensors").stat().st_ino == (source / "model.safetensors").stat().st_ino
     assert tree(source) == before
-    assert "model-initializer: delivered 5 files" in result.stdout
+    # One line for the files, not one per file.
+    said = [line for line in result.stdout.splitlines() if "model.safetensors" in line]
+    assert said == []
+    assert (
+        f"model-initializer: delivered 5 files ({sum(f['size'] for f in files.values())} bytes; "
+        f"5 hard-linked, 0 copied) from {source.as_uri()} to {out}"
+    ) in result.stdout.splitlines()
 
 
 def test_model_rerun_is_a_no_op(tmp_path):
