@@ -62,6 +62,7 @@ RUN_AS = 1000  # the non-root user of the tunepack images
 
 # Small: initializers download and verify files; they do not hold a model in memory.
 INITIALIZER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}}
+GPU_RESOURCE = "nvidia.com/gpu"  # what the Kubeflow SDK's {"gpu": n} asks for
 
 # Credentials reach the initializers only by reference to Secrets the user creates in the
 # TrainJob's namespace; optional, so public sources need no Secret at all. The hub token is
@@ -282,12 +283,19 @@ def _initializer_container(step: Step, entry: ModelEntry) -> dict:
 def _trainer_container(entry: ModelEntry) -> dict:
     container = _container(TRAINER_STEP, entry, TRAINER_ENV)
     container["env"] += _secret_env(TRACKER_SECRET_ENV)
-    res = entry.resources
-    container["resources"] = {"requests": {"cpu": res.cpu, "memory": res.memory}}
-    if res.gpus:
-        container["resources"]["limits"] = {"nvidia.com/gpu": res.gpus}
+    container["resources"] = trainer_resources(entry)
     container["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     return container
+
+
+def trainer_resources(entry: ModelEntry) -> dict:
+    """The runtime's ``node`` container resources (what a TrainJob's ``resourcesPerNode`` is
+    merged into: ``tunepack.jobs.trainjob.pod_resources``)."""
+    res = entry.resources
+    resources: dict = {"requests": {"cpu": res.cpu, "memory": res.memory}}
+    if res.gpus:
+        resources["limits"] = {GPU_RESOURCE: res.gpus}
+    return resources
 
 
 def _shm_volume(entry: ModelEntry) -> dict:

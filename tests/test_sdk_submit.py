@@ -393,3 +393,22 @@ def test_upstream_initializer_objects_give_the_trainjob_of_the_equivalent_uris(w
         FineTune(), Initializer(dataset="s3://bkt/d.jsonl", model=S3ModelInitializer("s3://bkt/m"))
     )
     assert s3 == _build(FineTune(), Initializer(dataset="s3://bkt/d.jsonl", model="s3://bkt/m"))
+
+
+def test_a_request_naming_no_gpu_is_checked_on_the_gpu_the_pod_keeps(caplog):
+    # The Trainer merges resourcesPerNode into the runtime's resources: {"cpu": 8} keeps the
+    # runtime's GPU, so the memory check holds the job to that one GPU (a full 8B does not fit).
+    caplog.set_level("INFO", logger="tunepack.jobs.submit")
+    with pytest.raises(BadInputError, match="does NOT fit"):
+        _build(FineTune(method="full", resources_per_node={"cpu": 8}))
+    assert (
+        "resources_per_node={'cpu': 8} names no GPU, so the pods keep the runtime's 1 GPU(s) per "
+        "node (the Trainer merges resourcesPerNode into the runtime's resources); give "
+        "{'gpu': 0} for none"
+    ) in caplog.text
+    # Asked for none, the pod holds none: nothing to check GPU memory on, one process.
+    trainer = _build(FineTune(method="full", resources_per_node={"cpu": 8, "gpu": 0}))["spec"][
+        "trainer"
+    ]
+    assert trainer["resourcesPerNode"]["limits"] == {"cpu": 8, "nvidia.com/gpu": 0}
+    assert trainer["numProcPerNode"] == 1

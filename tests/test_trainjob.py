@@ -11,7 +11,14 @@ import pytest
 import yaml
 
 from tunepack.core.errors import BadInputError
-from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob, max_name_length, to_yaml
+from tunepack.jobs.trainjob import (
+    TrainJobSpec,
+    build_trainjob,
+    max_name_length,
+    pod_resources,
+    to_yaml,
+)
+from tunepack.runtimes import catalog
 from tunepack.runtimes.validate import validate_trainjob
 
 ARGS_MODULE = "tunepack.trainers.args"
@@ -175,8 +182,9 @@ def test_relative_paths_are_refused_for_the_cluster_and_kept_locally(path):
         ({"runtime": "tunepack-llama3.2-1b"}, 1),
         ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"gpu": 4}}, 4),
         ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"nvidia.com/gpu": 2}}, 2),
-        # resourcesPerNode replaces the runtime's resources: no GPU asked, no GPU given.
-        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"cpu": 16}}, 1),
+        # resourcesPerNode is merged into the runtime's: no GPU named, the runtime's 8 stay.
+        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"cpu": 16}}, 8),
+        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"cpu": 16, "gpu": 0}}, 1),
         ({"runtime": "tunepack-llama3.1-70b", "num_proc_per_node": 3}, 3),
         ({"resources_per_node": {"cpu": 8}}, 1),  # CPU-only: never the CPU count
     ],
@@ -184,6 +192,28 @@ def test_relative_paths_are_refused_for_the_cluster_and_kept_locally(path):
 def test_num_proc_per_node_is_always_set(overrides, procs):
     job = _build(**overrides)
     assert job["spec"]["trainer"]["numProcPerNode"] == procs
+
+
+@pytest.mark.parametrize(
+    ("request_", "limits", "procs"),
+    [
+        # A CPU-only request on a GPU runtime: the pod keeps the runtime's GPU, one process on it.
+        ({"cpu": 4, "memory": "8Gi"}, {"cpu": 4, "memory": "8Gi", "nvidia.com/gpu": 1}, 1),
+        ({"cpu": 4, "gpu": 0}, {"cpu": 4, "nvidia.com/gpu": 0}, 1),  # CPU only, as asked
+        ({"gpu": 2}, {"nvidia.com/gpu": 2}, 2),
+        # A MIG slice replaces the whole GPU instead of joining it.
+        ({"mig-1g.10gb": 1}, {"nvidia.com/mig-1g.10gb": 1, "nvidia.com/gpu": 0}, 1),
+    ],
+)
+def test_processes_follow_what_the_merged_pod_holds(request_, limits, procs):
+    job = _build(runtime="tunepack-llama3.2-1b", resources_per_node=request_)
+    trainer = job["spec"]["trainer"]
+    entry = catalog.get("tunepack-llama3.2-1b")
+    pod = pod_resources(trainer["resourcesPerNode"], entry)
+    assert pod["limits"] == limits
+    assert trainer["numProcPerNode"] == procs
+    # The runtime's requests stay where the request names nothing else.
+    assert pod["requests"]["memory"] == request_.get("memory", entry.resources.memory)
 
 
 def test_local_trainjobs_leave_num_proc_per_node_to_the_launcher():

@@ -22,7 +22,8 @@ from tunepack.jobs.trainjob import (
     TrainJobSpec,
     build_trainjob,
     gpus_per_node,
-    resource_requirements,
+    names_gpus,
+    requested_resources,
 )
 from tunepack.jobs.translate import (
     dataset_split,
@@ -159,10 +160,19 @@ def check_plan(
     memory_check: MemoryCheck,
 ) -> int | None:
     """The memory check of a job on ``entry`` with the parsed arguments ``resolved``
-    (``check_memory`` on the GPUs per node that ``resources`` or the runtime give); returns the
-    processes per node: ``num_proc``, else one per GPU that ``resources`` request."""
-    gpus = gpus_per_node(resource_requirements(resources) if resources else None, entry)
-    if num_proc is None and resources and gpus:
+    (``check_memory`` on the GPUs a pod holds: ``resources`` merged into the runtime's); returns
+    the processes per node: ``num_proc``, else one per GPU that ``resources`` request."""
+    requested = requested_resources(resources, entry)
+    gpus = gpus_per_node(requested, entry)
+    if requested and not names_gpus(requested) and gpus:
+        logger.info(
+            "resources_per_node=%r names no GPU, so the pods keep the runtime's %d GPU(s) per "
+            "node (the Trainer merges resourcesPerNode into the runtime's resources); give "
+            "{'gpu': 0} for none",
+            resources,
+            gpus,
+        )
+    if num_proc is None and names_gpus(requested) and gpus:
         num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
     if gpus and memory_check != "off" and not custom.is_placeholder(entry):
         check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check)

@@ -13,6 +13,10 @@ What the Trainer (v2.3) needs of a TrainJob, and this module therefore always wr
 - ``spec.trainer.numProcPerNode``: with it unset the platform's ``auto`` puts the CPU request
   into ``PET_NPROC_PER_NODE`` on nodes without a GPU, so it is set to the GPUs per node, or 1.
 
+``resourcesPerNode`` is merged into the runtime's ``node`` resources key by key, as the Trainer
+does: the GPUs a pod holds, hence its processes and the memory check, are counted on the merged
+resources (``pod_resources``), never on the request alone.
+
 TrainJobs for tunepack's local backend (``local=True``) keep plain paths, which are read on this
 machine, and leave ``numProcPerNode`` to the launcher's ``auto`` unless it is given.
 """
@@ -174,7 +178,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         metadata["labels"] = metadata_labels
     if job.annotations:
         metadata["annotations"] = dict(job.annotations)
-    resources = resource_requirements(job.resources_per_node) if job.resources_per_node else None
+    resources = requested_resources(job.resources_per_node, entry)
     num_proc_per_node = job.num_proc_per_node
     if num_proc_per_node is None and not job.local:
         # Never the platform's "auto": on nodes without a GPU it means the CPU request.
@@ -301,25 +305,73 @@ def cluster_storage_uri(uri: str, what: str = "storage") -> str:
     )
 
 
-def gpus_per_node(resources: dict | None, entry: catalog.ModelEntry) -> int:
-    """GPUs each trainer node gets: from ``resources`` (the ``resourcesPerNode``
-    ResourceRequirements ``resource_requirements`` returns), which replace the runtime's
-    resources, else the runtime's default.
+def pod_resources(resources: dict | None, entry: catalog.ModelEntry) -> dict:
+    """What a trainer pod of ``entry``'s runtime holds given ``resources`` (the
+    ``resourcesPerNode`` ResourceRequirements ``resource_requirements`` returns).
 
-    As the Trainer counts them: the first resource whose name contains ``gpu``, in the requests,
-    else in the limits.
+    Trainer v2.3.0 merges resourcesPerNode into the runtime's ``node`` container key by key (a
+    strategic merge of limits and of requests, ``pkg/runtime/core/trainingruntime.go``): a key
+    the request names replaces the runtime's, every other key of the runtime stays. So
+    ``{"cpu": 4}`` on a GPU runtime keeps its ``nvidia.com/gpu``; ``{"gpu": 0}`` asks for none.
     """
-    if not resources:
-        return entry.resources.gpus
+    base = builder.trainer_resources(entry)
+    resources = resources or {}
+    merged = {}
+    for kind in ("limits", "requests"):
+        values = {**(base.get(kind) or {}), **(resources.get(kind) or {})}
+        if values:
+            merged[kind] = values
+    return merged
+
+
+def requested_resources(resources_per_node: dict | None, entry: catalog.ModelEntry) -> dict | None:
+    """The ``resourcesPerNode`` a TrainJob on ``entry``'s runtime gets for the SDK's dict."""
+    if not resources_per_node:
+        return None
+    return _mig_replaces_gpu(resource_requirements(resources_per_node), entry)
+
+
+def names_gpus(resources: dict | None) -> bool:
+    """Whether ``resources`` (ResourceRequirements) say how many GPUs (or MIG slices) a pod
+    holds; when not, the runtime's GPUs stay (``pod_resources``)."""
+    named = {key for kind in (resources or {}).values() for key in kind}
+    return any("gpu" in key.lower() or key.startswith(_MIG_PREFIX) for key in named)
+
+
+def _mig_replaces_gpu(resources: dict, entry: catalog.ModelEntry) -> dict:
+    """A MIG slice (``{"mig-1g.10gb": 1}``) instead of the runtime's whole GPUs: the merge
+    would keep both (the SDK refuses asking for both), so the runtime's GPUs are set to 0."""
+    if not entry.resources.gpus:
+        return resources
+    named = {key for kind in resources.values() for key in kind}
+    if builder.GPU_RESOURCE in named or not any(k.startswith(_MIG_PREFIX) for k in named):
+        return resources
+    return {kind: {**values, builder.GPU_RESOURCE: 0} for kind, values in resources.items()}
+
+
+_MIG_PREFIX = "nvidia.com/mig-"
+
+
+def gpus_per_node(resources: dict | None, entry: catalog.ModelEntry) -> int:
+    """GPUs each trainer pod holds: those of ``pod_resources`` (``resources`` merged into the
+    runtime's, as the Trainer merges them).
+
+    As the Trainer counts them: the first resource whose name contains ``gpu`` in the requests,
+    unless that is 0, then in the limits.
+    """
+    merged = pod_resources(resources, entry)
     for kind in ("requests", "limits"):
-        for key, value in (resources.get(kind) or {}).items():
+        for key, value in (merged.get(kind) or {}).items():
             if "gpu" in key.lower():
                 try:
-                    return max(int(math.ceil(float(value))), 0)
+                    count = max(int(math.ceil(float(value))), 0)
                 except (TypeError, ValueError):
                     raise BadInputError(
                         f"resources_per_node: {key}={value!r} is not a number of GPUs"
                     ) from None
+                if count:
+                    return count
+                break
     return 0
 
 
