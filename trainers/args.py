@@ -348,6 +348,10 @@ DPO_ONLY = ("beta", "dpo_loss")
 LORA_KEYS = tuple(arg.name for arg in VOCABULARY if arg.name.startswith("lora_"))  # not for full
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
 _DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5, "dpo": 5e-5}
+# Defaults that belong to a method rather than to the model: a catalog entry's lr is a supervised
+# fine-tuning rate, while DPO's rate is set by its preference loss (its scale is beta's), so
+# there the method's default beats the catalog's.
+_METHOD_OWNED = {"dpo": ("lr",)}
 
 
 @dataclass(frozen=True)
@@ -521,10 +525,12 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         raise BadInputError(lora_with_full_message(given, len(lora)))
     if method == "full" and values.get("merge"):
         raise BadInputError(merge_with_full_message(f"merge={pairs['merge']}"))
-    # Precedence: the user's value, then the catalog entry's, then the method's, then the key's.
+    # Precedence: the user's value, then the catalog entry's, then the method's, then the key's;
+    # for a key the method owns (_METHOD_OWNED), the method's before the catalog entry's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
     resolved["lr"] = _DEFAULT_LR[method]
-    resolved.update({k: v for k, v in entry.defaults.items() if k in resolved})
+    owned = _METHOD_OWNED.get(method, ())
+    resolved.update({k: v for k, v in entry.defaults.items() if k in resolved and k not in owned})
     resolved.update(values)
     if resolved["max_seq_len"] > entry.shape.max_seq_len:
         raise BadInputError(

@@ -739,6 +739,12 @@ def _print_summary(
     print(f"  steps       {result['steps']}")
     first, last = result["first_loss"], result["final_loss"]
     print(f"  loss        {first:.4f} (first step) -> {last:.4f} (last step)")
+    dpo = result.get("dpo") or {}
+    if "reward_margin" in dpo:  # method=dpo: whether it prefers the chosen answers
+        print(
+            f"  rewards     margin {dpo['reward_margin']:.4f}, accuracy "
+            f"{dpo['reward_accuracy']:.2f} (last step)"
+        )
     if result.get("val_loss") is not None:
         kept = ", published" if result.get("keep_best") else ""
         print(

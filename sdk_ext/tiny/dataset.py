@@ -36,31 +36,33 @@ _ANTONYMS = (
 _CHAT_ROLES = ("system", "user", "assistant", "ipython")
 
 
-def _reverse(rng: random.Random) -> tuple[str, str, str]:
+# Each task gives (instruction, input, right answer, the question's own subject): a preference
+# pair rejects an answer that only repeats the subject, the usual failure of an untrained model.
+def _reverse(rng: random.Random) -> tuple[str, str, str, str]:
     word = rng.choice(_WORDS)
-    return "Reverse the letters of this word.", word, word[::-1]
+    return "Reverse the letters of this word.", word, word[::-1], word
 
 
-def _uppercase(rng: random.Random) -> tuple[str, str, str]:
+def _uppercase(rng: random.Random) -> tuple[str, str, str, str]:
     word = rng.choice(_WORDS)
-    return "Write this word in capital letters.", word, word.upper()
+    return "Write this word in capital letters.", word, word.upper(), word
 
 
-def _add(rng: random.Random) -> tuple[str, str, str]:
+def _add(rng: random.Random) -> tuple[str, str, str, str]:
     a, b = rng.randint(0, 20), rng.randint(0, 20)
-    return f"What is {a} plus {b}?", "", str(a + b)
+    return f"What is {a} plus {b}?", "", str(a + b), f"{a} plus {b}"
 
 
-def _capital(rng: random.Random) -> tuple[str, str, str]:
+def _capital(rng: random.Random) -> tuple[str, str, str, str]:
     country, capital = rng.choice(_CAPITALS)
-    return f"What is the capital of {country}?", "", capital
+    return f"What is the capital of {country}?", "", capital, country
 
 
-def _antonym(rng: random.Random) -> tuple[str, str, str]:
+def _antonym(rng: random.Random) -> tuple[str, str, str, str]:
     pair = rng.choice(_ANTONYMS)
     # Both directions, so the task is symmetric and twice as varied.
     word, opposite = pair if rng.random() < 0.5 else pair[::-1]
-    return "Give the opposite of this word.", word, opposite
+    return "Give the opposite of this word.", word, opposite, word
 
 
 _TASKS = (_reverse, _uppercase, _add, _capital, _antonym)
@@ -80,28 +82,30 @@ def tiny_dataset_rows(rows: int = 256, seed: int = 0) -> list[dict[str, str]]:
 
     Tasks take turns so every task is equally represented whatever ``rows`` is.
     """
-    check_int("rows", rows, minimum=1)
-    rng = random.Random(check_int("seed", seed))
-    records = []
-    for index in range(rows):
-        instruction, input_text, output = _TASKS[index % len(_TASKS)](rng)
-        records.append({"instruction": instruction, "input": input_text, "output": output})
-    return records
+    return [{k: row[k] for k in ("instruction", "input", "output")} for row in _rows(rows, seed)]
 
 
 def tiny_preference_rows(rows: int = 64, seed: int = 0) -> list[dict[str, str]]:
     """The tiny dataset as preference rows (``prompt``, ``chosen``, ``rejected``): the right
-    answer is chosen, another answer to the same kind of task (a wrong one) is rejected."""
-    records = tiny_dataset_rows(max(check_int("rows", rows, minimum=1), 2 * len(_TASKS)), seed)
+    answer is chosen; an answer that only repeats the question's subject (the word, the country,
+    the sum) is rejected.
+
+    A wrong answer of the same kind (another row's right answer) would make the pairs learnable
+    only by tying each answer to its question, which a tiny random model does not learn in a
+    quickstart-size run: DPO would stay at chance there. Parroting is learnable at DPO's own rate.
+    """
     pairs = []
-    for index, row in enumerate(records[:rows]):
+    for row in _rows(rows, seed):
         prompt = row["instruction"] + (f"\n\n{row['input']}" if row["input"] else "")
-        # The later rows of the same task, then the earlier ones, until one answers differently.
-        task = len(_TASKS)
-        others = records[index + task :: task] + records[index % task :: task]
-        wrong = next(o["output"] for o in others if o["output"] != row["output"])
-        pairs.append({"prompt": prompt, "chosen": row["output"], "rejected": wrong})
+        pairs.append({"prompt": prompt, "chosen": row["output"], "rejected": row["subject"]})
     return pairs
+
+
+def _rows(rows: int, seed: int) -> list[dict[str, str]]:
+    check_int("rows", rows, minimum=1)
+    rng = random.Random(check_int("seed", seed))
+    keys = ("instruction", "input", "output", "subject")
+    return [dict(zip(keys, _TASKS[i % len(_TASKS)](rng), strict=True)) for i in range(rows)]
 
 
 def tiny_corpus() -> str:
