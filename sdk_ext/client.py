@@ -75,16 +75,22 @@ class TrainingClient(TrainerClient):
         callbacks: list[Callable] | None = None,
         progress: bool = False,
     ):
-        """As the SDK's; ``progress=True`` also shows a progress bar (tqdm, Jupyter-aware)."""
+        """As the SDK's; ``progress=True`` also shows a progress bar (tqdm, Jupyter-aware) and,
+        once the job is complete, a line with its losses and its experiment tracker's run."""
         callbacks = list(callbacks or [])
         bar = notebook_progress.ProgressBar(name) if progress else None
         if bar:
             callbacks.append(bar.update)
         try:
-            return super().wait_for_job_status(name, status, timeout, polling_interval, callbacks)
+            job = super().wait_for_job_status(name, status, timeout, polling_interval, callbacks)
         finally:
             if bar:
                 bar.close()
+        if bar and job.status == kc.TRAINJOB_COMPLETE and isinstance(self.backend, TunepackBackend):
+            lines = notebook_progress.summary_lines(self.backend.result(name))
+            if lines:
+                print(f"{name}: " + "; ".join(lines))
+        return job
 
     def delete_job(self, name: str, keep_workspace: bool | None = None):
         """As the SDK's. On the local backend ``keep_workspace`` decides the job's workspace

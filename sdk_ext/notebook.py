@@ -18,9 +18,12 @@ The progress bar and the loss plot are ``tunepack.notebook_progress``'s.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
-from dataclasses import dataclass
+import logging
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kubeflow.trainer.types import types as kf
@@ -159,27 +162,47 @@ class Result:
     # system prompt: prompt_ids() and generate() use them.
     chat_template: str | None = None
     system_prompt: str | None = None
+    # The validation loss of the last evaluation and the best one (result.json; runs with
+    # val_fraction), and where the experiment tracker has the run (``tracker_line``), if any.
+    val_loss: float | None = None
+    best_val_loss: float | None = None
+    tracker: dict | None = None
+    # What load() and prompt_ids() built, kept so that each generate() after the first is fast.
+    _loaded: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def tracker_line(self) -> str | None:
+        """Where to look at the run's metrics in its experiment tracker, or None."""
+        return tracker_pointer(self.tracker)
 
     def load(self):
-        """(model, tokenizer) with transformers + peft (local backend only)."""
+        """(model, tokenizer) with transformers + peft (local backend only), loaded once: later
+        calls return the same objects. Other packages' progress bars and warnings are hidden
+        unless ``TUNEPACK_VERBOSE=1``."""
         if not self.local:
             raise NotAvailableError(
                 f"the result is on the cluster volume {self.path}; copy it out first "
                 "(docs/cluster.md, 'Getting the result') and load it from there"
             )
-        try:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-        except ImportError:
-            raise ImportError(
-                "loading the result needs transformers: pip install transformers"
-            ) from None
-        tokenizer = AutoTokenizer.from_pretrained(self.base_model)
-        if self.method == "full":
-            return AutoModelForCausalLM.from_pretrained(self.path), tokenizer
-        from peft import PeftModel
+        if "model" in self._loaded:
+            return self._loaded["model"], self._loaded["tokenizer"]
+        with _quiet_hub():
+            try:
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+            except ImportError:
+                raise ImportError(
+                    "loading the result needs transformers: pip install transformers"
+                ) from None
+            tokenizer = AutoTokenizer.from_pretrained(self.base_model)
+            if self.method == "full":
+                model = AutoModelForCausalLM.from_pretrained(self.path)
+            else:
+                from peft import PeftModel
 
-        base = AutoModelForCausalLM.from_pretrained(self.base_model)
-        return PeftModel.from_pretrained(base, self.path), tokenizer
+                base = AutoModelForCausalLM.from_pretrained(self.base_model)
+                model = PeftModel.from_pretrained(base, self.path)
+        model.eval()
+        self._loaded.update(model=model, tokenizer=tokenizer)
+        return model, tokenizer
 
     def generate(self, prompt: str, max_new_tokens: int = 32, *, input: str = "") -> str:
         """The fine-tuned model's answer to ``prompt`` (greedy), asked the way it was trained:
@@ -193,12 +216,21 @@ class Result:
         if ids is None:
             ids = tokenizer(prompt)["input_ids"]
         input_ids = torch.tensor([ids])
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-        )
+        threads = torch.get_num_threads()
+        if self._loaded.setdefault("small", _small(model)):
+            # A tiny model's every op takes microseconds: threads only add their handshakes
+            # (measured: 0.64 s for 12 tokens on 2 busy cores, 0.04 s on one thread).
+            torch.set_num_threads(1)
+        try:
+            with _quiet_hub(), torch.inference_mode():
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+        finally:
+            torch.set_num_threads(threads)
         return tokenizer.decode(out[0][len(ids) :], skip_special_tokens=True)
 
     def prompt_ids(self, prompt: str, *, input: str = "") -> list[int] | None:
@@ -210,22 +242,29 @@ class Result:
         from tunepack.core.workspace import DATASET_DIR, MANIFEST_FILE, MODEL_DIR, result_file
 
         workspace = self._workspace()
-        schema = json.loads((workspace / DATASET_DIR / MANIFEST_FILE).read_text())["schema"]
+        if "schema" not in self._loaded:
+            manifest = json.loads((workspace / DATASET_DIR / MANIFEST_FILE).read_text())
+            self._loaded["schema"] = manifest["schema"]
+        schema = self._loaded["schema"]
         if schema == "text":
             return None
-        from omegaconf import OmegaConf
-        from torchtune import config as tt_config
-        from torchtune.data import AlpacaToMessages, Message
+        with _quiet_hub():
+            from torchtune.data import AlpacaToMessages, Message
 
-        from tunepack.runtimes import catalog
-        from tunepack.trainers.config import tokenizer_config
+            if "prompt_tokenizer" not in self._loaded:
+                from omegaconf import OmegaConf
+                from torchtune import config as tt_config
 
-        info = json.loads(result_file(workspace).read_text())
-        node = tokenizer_config(catalog.get(info["model"]), workspace / MODEL_DIR, None)
-        # Results written before the format was recorded trained in the model's own format.
-        node["chat_template"] = info.get("chat_template") or node["chat_template"]
-        node["system_prompt"] = info.get("system_prompt")
-        tokenizer = tt_config.instantiate(OmegaConf.create(node))
+                from tunepack.runtimes import catalog
+                from tunepack.trainers.config import tokenizer_config
+
+                info = json.loads(result_file(workspace).read_text())
+                node = tokenizer_config(catalog.get(info["model"]), workspace / MODEL_DIR, None)
+                # Results written before the format was recorded trained in the model's own.
+                node["chat_template"] = info.get("chat_template") or node["chat_template"]
+                node["system_prompt"] = info.get("system_prompt")
+                self._loaded["prompt_tokenizer"] = tt_config.instantiate(OmegaConf.create(node))
+        tokenizer = self._loaded["prompt_tokenizer"]
         if schema == "instruction":
             sample = {"instruction": prompt, "input": input, "output": ""}
             messages = AlpacaToMessages(train_on_input=True)(sample)["messages"]
@@ -256,3 +295,68 @@ class Result:
                 "(docs/cluster.md, 'Getting the result') and use it from there"
             )
         return Path(self.base_model).parent
+
+
+SMALL_MODEL_PARAMETERS = 10_000_000  # below this, generate() runs on one CPU thread
+
+
+def _small(model) -> bool:
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    return on_cpu and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMETERS
+
+
+@contextlib.contextmanager
+def _quiet_hub():
+    """Hide transformers' and the hub's progress bars, other packages' warnings and their log
+    records below ERROR while a result is loaded or generates, as the trainer does
+    (``tunepack.trainers.noise``); ``TUNEPACK_VERBOSE=1`` shows them. The settings are put back
+    after: the notebook's own stay as they were."""
+    from tunepack.trainers import noise
+
+    if noise.verbose():
+        yield
+        return
+    restore = []
+    try:
+        # transformers' switch turns the hub's bars off and on with its own; it reads the hub's
+        # state when first imported, so it is imported before anything is switched.
+        from transformers.utils import logging as hf_logging
+
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        restore.append(lambda: hf_logging.set_verbosity(verbosity))
+        if hf_logging.is_progress_bar_enabled():
+            hf_logging.disable_progress_bar()
+            restore.append(hf_logging.enable_progress_bar)
+    except ImportError:
+        pass  # load() says that transformers is missing
+    disabled = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # e.g. torchao's notice when torchtune is first imported
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(disabled)
+        for undo in reversed(restore):
+            undo()
+
+
+def tracker_pointer(tracker: dict | None) -> str | None:
+    """One line saying where the experiment tracker has the run (``result.json``'s ``tracker``,
+    as ``tunepack.trainers.tracking`` records it), or None when no tracker took the run."""
+    if not tracker:
+        return None
+    kind = tracker.get("kind")
+    if kind == "tensorboard":
+        return f"tensorboard --logdir {tracker['log_dir']}"
+    if kind == "mlflow":
+        if tracker.get("run_url"):
+            return f"MLflow run {tracker['run_url']}"
+        uri = tracker.get("tracking_uri")
+        return f"MLflow run {tracker.get('run_id')}: mlflow ui --backend-store-uri {uri}"
+    if kind == "wandb":
+        if tracker.get("run_url"):
+            return f"W&B run {tracker['run_url']}"
+        return f"W&B offline run: wandb sync {tracker.get('run_dir')}"
+    return None

@@ -7,29 +7,59 @@ from pathlib import Path
 
 
 class ProgressBar:
-    """A bar that follows a job's ``progress`` (percent); use as a wait callback."""
+    """A bar of a job's optimizer steps (``12/40 step``), with the latest training and validation
+    loss; use as a wait callback. Where a job reports only a percentage (a cluster's
+    ``trainerStatus``), the bar counts percent."""
 
     def __init__(self, name: str):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=100, desc=name, unit="%")
+        self.bar = tqdm(total=None, desc=name, unit="step")
         self.shown = 0
 
     def update(self, job) -> None:
         progress = getattr(job, "progress", None)
-        percent = progress.percent if progress and progress.percent is not None else None
-        if job.status == "Complete":
-            percent = 100
-        if percent is not None and percent > self.shown:
-            self.bar.update(percent - self.shown)
-            self.shown = percent
+        done = None
+        if progress and progress.total_steps:
+            self._total(progress.total_steps, "step")
+            done = progress.step
+        elif progress and progress.percent is not None:
+            self._total(100, "%")
+            done = progress.percent
+        if job.status == "Complete" and self.bar.total:
+            done = self.bar.total
+        if done is not None and done > self.shown:
+            self.bar.update(done - self.shown)
+            self.shown = done
+        postfix = {}
         if progress and progress.loss is not None:
-            self.bar.set_postfix(loss=f"{progress.loss:.4f}", status=job.status)
-        else:
-            self.bar.set_postfix(status=job.status)
+            postfix["loss"] = f"{progress.loss:.4f}"
+        if progress and progress.val_loss is not None:
+            postfix["val_loss"] = f"{progress.val_loss:.4f}"
+        self.bar.set_postfix(**postfix, status=job.status)
+
+    def _total(self, total: int, unit: str) -> None:
+        if self.bar.total != total or self.bar.unit != unit:
+            self.bar.total, self.bar.unit = total, unit
+            self.bar.refresh()
 
     def close(self) -> None:
         self.bar.close()
+
+
+def summary_lines(result) -> list[str]:
+    """What a finished job's result says under its progress bar: the losses and, when an
+    experiment tracker took the run, where to look at it."""
+    lines = []
+    if result.final_loss is not None:
+        lines.append(f"final loss {result.final_loss:.4f}")
+    if result.val_loss is not None:
+        best = f" (best {result.best_val_loss:.4f})" if result.best_val_loss is not None else ""
+        lines.append(f"val loss {result.val_loss:.4f}{best}")
+    pointer = result.tracker_line()
+    if pointer:
+        lines.append(f"tracker: {pointer}")
+    return lines
 
 
 def read_metrics(path: Path) -> list[dict]:

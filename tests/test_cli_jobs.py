@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
 import subprocess
@@ -336,3 +338,34 @@ def test_a_named_job_in_a_fresh_workspace_is_not_resumed(
         f"tunepack: job moved: local run of {RUNTIME} in {fresh}",
         "tunepack: a new job",
     ]
+
+
+def test_the_summary_points_at_the_tracker_and_results_carry_the_validation_loss(
+    home, tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """A run with a validation split and tracker=tensorboard: the console's summary says how to
+    open the run in TensorBoard; Python's Result has the validation losses of result.json, and
+    the notebook's wait with a progress bar ends with the same pointer."""
+    done = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--name", "tracked", "--quiet",
+        "val_fraction=0.1", "eval_every_steps=1", "tracker=tensorboard",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    workspace = tmp_path / ".tunepack" / "runs" / "tracked"
+    pointer = f"tensorboard --logdir {workspace / 'output' / 'tracker'}"
+    assert done.stdout.splitlines()[-1] == f"  tracker     {pointer}"
+
+    client = TrainingClient(LocalBackendConfig(root_dir=str(home / "jobs")))
+    result = client.result("tracked")
+    recorded = json.loads((workspace / "output" / "result.json").read_text())
+    assert result.val_loss == recorded["val_loss"] and result.val_loss is not None
+    assert result.best_val_loss == recorded["best_val_loss"] <= result.val_loss
+    assert result.tracker_line() == pointer
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(io.StringIO()):
+        client.wait_for_job_status("tracked", timeout=10, polling_interval=1, progress=True)
+    assert printed.getvalue() == (
+        f"tracked: final loss {recorded['final_loss']:.4f}; val loss {recorded['val_loss']:.4f} "
+        f"(best {recorded['best_val_loss']:.4f}); tracker: {pointer}\n"
+    )

@@ -100,3 +100,36 @@ def test_plot_loss_shows_validation_next_to_training(tmp_path):
     assert list(curves["validation loss"].get_xdata()) == [2, 4]
     assert list(curves["validation loss"].get_ydata()) == [5.4, 5.1]
     assert [t.get_text() for t in ax.texts] == ["best 5.100"]
+
+
+def test_progress_bar_counts_steps_and_shows_both_losses(tmp_path, capsys):
+    """The bar follows the job's optimizer steps (n/total) with the latest training and
+    validation loss, as the local backend reads them from metrics.jsonl; a job that reports
+    only a percentage (a cluster's trainerStatus) counts percent."""
+    from tunepack.backends.local import read_progress
+    from tunepack.notebook import Progress, TrainJob
+    from tunepack.notebook_progress import ProgressBar
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"event": "step", "step": s, "total_steps": 40, "loss": 6.0 - s / 10} for s in (1, 2)]
+    lines.append({"event": "eval", "step": 2, "total_steps": 40, "val_loss": 5.75})
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def job(status, progress):
+        return TrainJob(name="j", runtime=None, steps=[], num_nodes=1, status=status,
+                        creation_timestamp=None, progress=progress)  # fmt: skip
+
+    bar = ProgressBar("j")
+    bar.update(job("Running", read_progress(metrics)))
+    assert str(bar.bar).startswith("j:   5%|")
+    assert " 2/40 [" in str(bar.bar) and "val_loss=5.7500" in str(bar.bar)
+    assert "loss=5.8000" in str(bar.bar) and "%/s" not in str(bar.bar) and "s/%" not in str(bar.bar)
+    bar.update(job("Complete", read_progress(metrics)))
+    assert " 40/40 [" in str(bar.bar) and "status=Complete" in str(bar.bar)
+    bar.close()
+
+    cluster = ProgressBar("c")
+    cluster.update(job("Running", Progress(percent=30, loss=2.5)))
+    assert " 30/100 [" in str(cluster.bar) and "loss=2.5000" in str(cluster.bar)
+    cluster.close()
+    capsys.readouterr()

@@ -125,6 +125,24 @@ def test_generate_asks_in_the_format_the_model_was_trained_on(client, finished):
     assert len(result.generate(row["instruction"], 4, input=row["input"])) > 0
 
 
+def test_generate_loads_once_and_quietly(client, finished, capfd, monkeypatch):
+    """A Result loads the model once, however often it generates, and other packages' loading
+    bars and warnings stay out of the notebook (TUNEPACK_VERBOSE=1 shows them)."""
+    monkeypatch.delenv("TUNEPACK_VERBOSE", raising=False)
+    result = client.result(finished[0])
+    capfd.readouterr()
+    first = result.generate("Write", max_new_tokens=4)
+    model, tokenizer = result.load()
+    assert result.generate("Write", max_new_tokens=4) == first
+    assert result.load()[0] is model and result.load()[1] is tokenizer
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+
+    monkeypatch.setenv("TUNEPACK_VERBOSE", "1")
+    client.result(finished[0]).load()
+    assert "Loading weights" in capfd.readouterr().err
+
+
 def test_a_bad_dataset_is_a_failed_job_with_the_steps_message(client, tiny_model_dir, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "hi"}\n')  # no "output"
@@ -159,13 +177,13 @@ def test_runtime_packages_are_this_environments(client, capsys):
     assert "torchtune==0.6.1" in printed.splitlines()
 
 
-def test_wait_with_progress_shows_a_bar_that_reaches_100_percent(finished):
+def test_wait_with_progress_shows_a_bar_of_steps(finished):
     name, job, bar = finished
-    # The bar counts percent (a cluster's trainerStatus has no step counter), so 6/6 steps is
-    # 100/100; its last frame carries the final loss and the status.
+    # The bar counts the optimizer steps; its last frame carries the final loss and the status.
     last = bar.rstrip().split("\r")[-1]
     assert last.startswith(f"{name}: 100%"), bar
-    assert "100/100" in last
+    assert "| 6/6 [" in last and ("step/s" in last or "s/step" in last), last
+    assert "%/s" not in bar and "s/%" not in bar
     assert "status=Running" in bar  # it followed the job while it ran, not only at the end
     assert f"loss={job.progress.loss:.4f}" in last and "status=Complete" in last
 

@@ -80,6 +80,16 @@ def test_tensorboard_event_files_read_back(initialized_workspace, tmp_path):
         assert got_train[step] == pytest.approx(loss, abs=1e-5)
     for step, loss in val.items():
         assert got_val[step] == pytest.approx(loss, abs=1e-5)
+    # result.json says where the run is; the summary and Result point there.
+    assert _pointer(workspace) == f"tensorboard --logdir {log_dir}"
+
+
+def _pointer(workspace: Path) -> str | None:
+    from tunepack.notebook import tracker_pointer
+
+    return tracker_pointer(
+        json.loads((workspace / "output" / "result.json").read_text())["tracker"]
+    )
 
 
 def _free_port() -> int:
@@ -154,6 +164,9 @@ def test_mlflow_server_receives_train_and_val_metrics(
         "val_perplexity"
     }
     assert runs[0].info.status == "FINISHED"
+    assert _pointer(workspace) == (
+        f"MLflow run {mlflow_server}/#/experiments/{experiment.experiment_id}/runs/{run_id}"
+    )
 
 
 def test_mlflow_outage_is_one_warning_and_training_goes_on(initialized_workspace, tmp_path):
@@ -234,3 +247,5 @@ def test_wandb_offline_files_read_back(initialized_workspace, tmp_path):
     assert got_val.keys() == val.keys() == {2, 4}
     for step, loss in val.items():
         assert got_val[step] == pytest.approx(loss, abs=1e-5)
+    # Offline, the run has no page yet: the pointer is the command that uploads it.
+    assert _pointer(workspace) == f"W&B offline run: wandb sync {files[0].parent}"

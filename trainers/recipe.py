@@ -120,6 +120,7 @@ class FineTuneRecipe:
         self.best_step: int | None = None
         self.eval_time = 0.0  # seconds spent evaluating, kept out of the training throughput
         self.eval_count = 0
+        self.tracker_record: dict | None = None  # result.json's "tracker" (trainers/tracking.py)
         self.val_indices: list[int] = []
         self._train_status: dict = {}  # the last step's metrics, re-sent with an evaluation's
 
@@ -474,6 +475,7 @@ class FineTuneRecipe:
         reporter = StatusReporter.from_env() if topo.is_main else None
         metrics = self._open_metrics() if topo.is_main else None
         tracker = Tracker.open(self._tracker_settings(), is_main=topo.is_main)
+        self.tracker_record = tracker.record
         eval_every = int(cfg.get("eval", {}).get("every_steps", 0)) if self.val_indices else 0
         started = last_ckpt = time.monotonic()
         steps_at_start = self.global_step
@@ -834,7 +836,10 @@ class FineTuneRecipe:
                 evaluations=self.eval_count,
                 dpo_metrics=self.step_metrics if self.dpo else {},
             )
-            artifacts.write_result(self.output_dir, self.cfg, outcome, artifact, extra)
+            tracked = {"tracker": self.tracker_record} if self.tracker_record else {}
+            artifacts.write_result(
+                self.output_dir, self.cfg, outcome, artifact, {**tracked, **(extra or {})}
+            )
         distributed.barrier()  # no rank exits before the result is complete
         return artifact
 

@@ -15,6 +15,8 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from tunepack.trainers.args import TRACKERS
 
@@ -56,11 +58,42 @@ def _open_wandb(settings: Mapping) -> object:
 _OPENERS = {"tensorboard": _open_tensorboard, "mlflow": _open_mlflow, "wandb": _open_wandb}
 
 
+def _tensorboard_run(logger) -> dict:
+    return {"log_dir": str(logger.log_dir)}
+
+
+def _mlflow_run(logger) -> dict:
+    import mlflow
+
+    run = mlflow.active_run()  # the run the logger started
+    # MLFLOW_TRACKING_URI may carry credentials (user:password@host): never recorded.
+    parts = urlsplit(mlflow.get_tracking_uri())
+    uri = urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+    record = {"tracking_uri": uri, "run_id": run.info.run_id}
+    if uri.startswith(("http://", "https://")):  # the MLflow UI's page of the run
+        base = uri.rstrip("/")
+        record["run_url"] = f"{base}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    return record
+
+
+def _wandb_run(logger) -> dict:
+    import wandb
+
+    run = wandb.run
+    # Offline (WANDB_MODE=offline) a run has no page until `wandb sync` uploads its directory.
+    return {"run_url": run.url or None, "run_dir": str(Path(run.dir).parent)}
+
+
+_RECORDERS = {"tensorboard": _tensorboard_run, "mlflow": _mlflow_run, "wandb": _wandb_run}
+
+
 class Tracker:
     """Rank 0's tracker; every call is a no-op after the first failure (one warning line)."""
 
     def __init__(self, kind: str, logger: object | None) -> None:
         self.kind, self._logger = kind, logger
+        # Where the tool has the run (result.json's "tracker"): the summary and Result point there.
+        self.record: dict | None = None
 
     @classmethod
     def open(cls, settings: Mapping | None, *, is_main: bool) -> Tracker:
@@ -76,6 +109,11 @@ class Tracker:
             tracker._warn(f"the {kind} package is not installed ({err.name})")
         except Exception as err:  # noqa: BLE001 - any tracker failure is only a warning
             tracker._warn(_describe(err))
+        if tracker.active:
+            try:
+                tracker.record = {"kind": kind, **_RECORDERS[kind](tracker._logger)}
+            except Exception:  # noqa: BLE001 - only the pointer is missing; tracking goes on
+                tracker.record = {"kind": kind}
         return tracker
 
     @property

@@ -270,6 +270,9 @@ class LocalBackend(TunepackBackend):
             export=export_of(trainjob),
             chat_template=info.get("chat_template"),
             system_prompt=info.get("system_prompt"),
+            val_loss=info.get("val_loss"),
+            best_val_loss=info.get("best_val_loss"),
+            tracker=info.get("tracker"),
         )
 
     def get_job(self, name: str) -> TrainJob:

@@ -729,6 +729,7 @@ def _print_summary(
     name: str, runtime: str, workspace: Path, elapsed: float, export: str | None = None
 ) -> None:
     from tunepack.core.workspace import result_file
+    from tunepack.notebook import tracker_pointer
 
     result = json.loads(result_file(workspace).read_text())
     print()
@@ -756,6 +757,8 @@ def _print_summary(
     if export:
         print(f"  exported    {export} (tunepack download {name} DIR)")
     print(f"  logs        {workspace / 'logs'}")
+    if pointer := tracker_pointer(result.get("tracker")):
+        print(f"  tracker     {pointer}")
 
 
 DESCRIPTION = (
