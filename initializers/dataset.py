@@ -286,8 +286,9 @@ def _write_dataset(
                 size += len(line)
             rows += file_rows
             bad_rows += file_bad
-            invalid = f" and {file_bad} invalid rows" if file_bad else ""
-            _log(f"read {file_rows} rows{invalid} from {name}")
+            if len(files) > 1 or file_bad:  # one file's rows are said once, at the end
+                invalid = f" and {file_bad} invalid rows" if file_bad else ""
+                _log(f"read {file_rows} rows{invalid} from {name}")
         out.flush()
         os.fsync(out.fileno())
 

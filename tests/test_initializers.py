@@ -160,9 +160,11 @@ def test_dataset_from_jsonl_writes_normalized_rows_and_manifest(tmp_path):
             }
         },
     }
-    assert (
+    # The rows are reported once, not once for the file and again for the dataset.
+    (said,) = [line for line in result.stdout.splitlines() if " read " in line]
+    assert said.startswith(
         "dataset-initializer: read 3 rows (instruction, split train) from instructions.jsonl; "
-        "wrote " in result.stdout
+        "wrote "
     )
     assert leftovers(tmp_path) == []
 
@@ -188,6 +190,9 @@ def test_dataset_from_directory_concatenates_files_sorted_by_name(tmp_path):
 
     assert result.returncode == 0, result.stderr
     assert read_jsonl(tmp_path / "ws" / "dataset" / "train.jsonl") == NORMALIZED
+    # Of several files, each one's rows are said, then the whole.
+    assert "dataset-initializer: read 2 rows from a.json" in result.stdout.splitlines()
+    assert "dataset-initializer: read 1 rows from b.jsonl" in result.stdout.splitlines()
     assert (
         "dataset-initializer: ignoring README.md (not .json, .jsonl, .csv, .parquet or .arrow "
         "files)" in result.stdout
