@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: FORCE venv install dev quickstart test test-cluster controlplane lint runtimes images push-images clean
+.PHONY: FORCE venv install dev quickstart test test-cluster controlplane lint runtimes images images-local push-images clean
 
 venv: $(BIN)/python
 $(BIN)/python:
@@ -58,8 +58,11 @@ controlplane:
 	bash tests/controlplane/build.sh
 
 # The tier on the real control plane: install, admission, rendering, real runs (tests/cluster).
-test-cluster: dev controlplane
-	$(BIN)/pytest -q -m controlplane tests/cluster
+# The executed pods run in tunepack's images, built here first (images-local; needs root):
+# TIER_IMAGES=0 runs them as processes of this checkout instead (no root, no images).
+TIER_IMAGES ?= 1
+test-cluster: dev controlplane $(if $(filter 1,$(TIER_IMAGES)),images-local)
+	TUNEPACK_TIER_IMAGES=$(TIER_IMAGES) $(BIN)/pytest -q -m controlplane tests/cluster
 
 lint: dev
 	$(BIN)/ruff check .
@@ -82,6 +85,11 @@ images:
 	$(CONTAINER) build -f initializers/Dockerfile --target model-initializer \
 		-t $(REGISTRY)/model-initializer:$(VERSION) .
 	$(CONTAINER) build -f trainers/Dockerfile -t $(REGISTRY)/trainer:$(VERSION) .
+
+# The same three images built on this machine without a registry: a Debian base made with
+# debootstrap and buildah's layer cache, into local container storage (tests/controlplane/images.sh).
+images-local:
+	bash tests/controlplane/images.sh
 
 push-images: images
 	for image in $(IMAGES); do $(CONTAINER) push $(REGISTRY)/$$image:$(VERSION) || exit 1; done

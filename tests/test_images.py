@@ -1,12 +1,14 @@
 """The images the runtimes run: `make images` builds exactly those, and a user's registry reaches
-every runtime through kustomize's `images` (the README's "Images" step). No container engine runs
-here, so the builds themselves are not run: `make -n` shows what they would do."""
+every runtime through kustomize's `images` (the README's "Images" step), and the trainer image's
+pinned dependencies are the project's. The builds themselves, and the programs run inside them,
+are the cluster tier's (`make images-local`, tests/cluster/test_image_programs.py)."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+import tomllib
 
 import pytest
 import yaml
@@ -68,3 +70,36 @@ def test_a_kustomization_points_every_runtime_at_the_users_registry(tmp_path):
         f"{REGISTRY}/{name}:{__version__}"
         for name in ("dataset-initializer", "model-initializer", "trainer")
     }
+
+
+def _pins(path) -> dict[str, str]:
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / path).read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            assert version, f"{path}: {line!r} is not pinned"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_trainer_image_pins_every_dependency_inside_the_projects_ranges():
+    """The image installs trainers/requirements.txt, then the wheel without dependencies: each
+    dependency of the wheel (and the tracking extra) must be pinned there, inside its range."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = _pins("trainers/requirements.txt")
+    wanted = [
+        Requirement(r)
+        for r in project["dependencies"] + project["optional-dependencies"]["tracking"]
+    ]
+    for req in wanted:
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} is not pinned in trainers/requirements.txt"
+        assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {req}"
+    assert set(pins) == {canonicalize_name(r.name) for r in wanted}
+    assert pins["torch"] == "2.13.0"  # the torch every test runs (Makefile's TORCH_SPEC)

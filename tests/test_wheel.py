@@ -190,7 +190,8 @@ def test_dockerfiles_build_the_wheel_and_install_it():
     for requirement in map(Requirement, pyproject["build-system"]["requires"]):
         assert requirement.name == "setuptools" and version in requirement.specifier, requirement
     assert any(
-        line.startswith("RUN pip wheel --no-deps --no-build-isolation") for line in wheel_stages[0]
+        line.startswith("RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation")
+        for line in wheel_stages[0]
     )
     for path in DOCKERFILES:
         stages = _stages(path)

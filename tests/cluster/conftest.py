@@ -12,6 +12,8 @@ executor's node (they run for real): the ``nodes`` fixture cordons one kind or t
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -81,3 +83,53 @@ def on_executor(api):
     api.cordon(kwok=True)
     yield
     api.cordon(kwok=False)
+
+
+# The tiny model and dataset for the runs executed for real, in S3 (moto, on loopback) as a
+# cluster's users keep them: the pods read them with the credentials of the runtimes' default
+# Secret, whether they run as processes or in tunepack's images (which see no host files).
+SOURCE_KEYS = {"AWS_ACCESS_KEY_ID": "AKIASOURCESTEST", "AWS_SECRET_ACCESS_KEY": "sources/secret/42"}
+
+
+@pytest.fixture(scope="session")
+def s3_sources():
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tunepack.tiny import write_tiny_dataset, write_tiny_model
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1", **_lower(SOURCE_KEYS))
+    s3.create_bucket(Bucket="sources")
+    root = Path(tempfile.mkdtemp(prefix="tunepack-sources-"))
+    try:
+        write_tiny_model(root / "tiny-llama3")
+        write_tiny_dataset(root / "data" / "instructions.jsonl")
+        for path in root.rglob("*"):
+            if path.is_file():
+                s3.upload_file(str(path), "sources", path.relative_to(root).as_posix())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    yield {"url": url, "client": s3}
+    server.stop()
+
+
+def _lower(keys: dict) -> dict:
+    return {k.lower(): v for k, v in keys.items()}
+
+
+@pytest.fixture
+def sources(api, namespace, s3_sources):
+    """URIs of the tiny model and dataset; their credentials in the namespace's
+    ``tunepack-s3-credentials`` Secret, which every tunepack runtime reads."""
+    from kubernetes import client as k8s
+
+    env = {**SOURCE_KEYS, "AWS_ENDPOINT_URL": s3_sources["url"], "AWS_REGION": "us-east-1"}
+    api.core.create_namespaced_secret(
+        namespace,
+        k8s.V1Secret(metadata=k8s.V1ObjectMeta(name="tunepack-s3-credentials"), string_data=env),
+    )
+    return {"model": "s3://sources/tiny-llama3", "dataset": "s3://sources/data/instructions.jsonl"}

@@ -9,8 +9,6 @@ ran, the exporter's credentials come from a Secret by reference, and the exporte
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,21 +20,6 @@ pytestmark = pytest.mark.controlplane
 
 TINY = "tunepack-tiny-llama3"
 KEYS = {"AWS_ACCESS_KEY_ID": "AKIAEXPORTTEST", "AWS_SECRET_ACCESS_KEY": "export/secret/0123456"}
-
-
-@pytest.fixture(scope="module")
-def sources():
-    """The tiny model and dataset, where the pods' user (uid 1000) can read them."""
-    from tunepack.tiny import write_tiny_dataset, write_tiny_model
-
-    root = Path(tempfile.mkdtemp(prefix="tunepack-export-sources-"))
-    root.chmod(0o755)
-    model = write_tiny_model(root / "tiny-llama3")
-    data = write_tiny_dataset(root / "data" / "instructions.jsonl")
-    for path in [root, *root.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield {"model": f"file://{model}", "dataset": f"file://{data}"}
-    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

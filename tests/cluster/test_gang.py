@@ -32,7 +32,7 @@ import pytest
 import yaml
 
 from tests.cluster import kube
-from tests.cluster.test_run import RUN_TIMEOUT, TINY, _client, _volume, sources  # noqa: F401
+from tests.cluster.test_run import RUN_TIMEOUT, TINY, _client, _volume
 from tests.controlplane.cluster import GANG_SCHEDULER, KWOK_COMPLETE_DELAY, KWOK_NODE_ANNOTATION
 from tunepack.core import handoff
 from tunepack.runtimes.contract import replicated_job
@@ -183,7 +183,7 @@ def test_a_two_node_job_with_initializers_is_gang_scheduled_and_completes(
     namespace,
     installed_runtimes,
     on_executor,
-    sources,  # noqa: F811
+    sources,
 ):
     """The gang overlay's runtime, through the SDK as a notebook uses it: all five pods are
     created together, placed by the gang scheduler as one group, the trainer waits for the

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,21 +22,6 @@ pytestmark = pytest.mark.controlplane
 
 TINY = "tunepack-tiny-llama3"
 RUN_TIMEOUT = 600
-
-
-@pytest.fixture(scope="module")
-def sources():
-    """The tiny model and dataset, where the pods' user (uid 1000) can read them."""
-    from tunepack.tiny import write_tiny_dataset, write_tiny_model
-
-    root = Path(tempfile.mkdtemp(prefix="tunepack-sources-"))
-    root.chmod(0o755)
-    model = write_tiny_model(root / "tiny-llama3")
-    data = write_tiny_dataset(root / "data" / "instructions.jsonl")
-    for path in [root, *root.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield {"model": f"file://{model}", "dataset": f"file://{data}"}
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _client(namespace: str):

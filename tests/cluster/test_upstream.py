@@ -10,8 +10,6 @@ refused at admission) is ``test_admission.py``.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import uuid
 from pathlib import Path
 
@@ -91,24 +89,23 @@ def test_torchtune_config_without_peft_is_a_full_fine_tune(
 
 
 @pytest.fixture
-def parquet_sources():
-    """A hub-style Parquet dataset (two train shards) and the tiny model, readable by uid 1000."""
+def parquet_sources(sources, s3_sources):
+    """A hub-style Parquet dataset (two train shards) beside the tiny model, in the tier's S3."""
+    import io
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tunepack.tiny import write_tiny_model
-
-    root = Path(tempfile.mkdtemp(prefix="tunepack-parquet-"))
-    shards = root / "alpaca" / "data"
-    shards.mkdir(parents=True)
     rows = [{"instruction": f"Say {i}.", "input": "", "output": f"{i}"} for i in range(120)]
-    pq.write_table(pa.Table.from_pylist(rows[:70]), shards / "train-00000-of-00002.parquet")
-    pq.write_table(pa.Table.from_pylist(rows[70:]), shards / "train-00001-of-00002.parquet")
-    model = write_tiny_model(root / "tiny-llama3")
-    for path in [root, *root.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield {"dataset": f"file://{root / 'alpaca'}", "model": f"file://{model}"}
-    shutil.rmtree(root, ignore_errors=True)
+    for shard, part in enumerate((rows[:70], rows[70:])):
+        buf = io.BytesIO()
+        pq.write_table(pa.Table.from_pylist(part), buf)
+        s3_sources["client"].put_object(
+            Bucket="sources",
+            Key=f"alpaca/data/train-0000{shard}-of-00002.parquet",
+            Body=buf.getvalue(),
+        )
+    return {"dataset": "s3://sources/alpaca", "model": sources["model"]}
 
 
 def test_the_notebooks_parquet_split_slice_trains_on_those_rows(

@@ -42,6 +42,9 @@ BUILD_SCRIPT = HERE / "build.sh"
 VERSIONS_FILE = HERE / "versions.env"
 TRAINER_NAMESPACE = "kubeflow-system"  # where the SDK looks for the public ConfigMap
 EXECUTOR_NODE = "tunepack-executor"
+# The executor runs pods in their images (`make test-cluster` builds them: make images-local);
+# unset, it runs this checkout's programs as processes (faster to iterate, no root needed).
+IMAGES = os.environ.get("TUNEPACK_TIER_IMAGES") == "1"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 SERVICE_CIDR = "10.96.0.0/24"  # never routed: no Service traffic leaves the apiserver
 KWOK_POD_CIDR = "127.0.100.0/24"  # loopback, so a pod IP never names another host
@@ -752,6 +755,7 @@ class ControlPlane:
                 f"--serving-cert={self.pki_dir / 'executor.crt'}",
                 f"--serving-key={self.pki_dir / 'executor.key'}",
                 f"--path={os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+                *(["--images"] if IMAGES else []),
             ],
             env={"PYTHONPATH": str(HERE.parent.parent)},
         )

@@ -80,7 +80,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.watch.watch import iter_resp_lines
 
-from tests.controlplane import podspec
+from tests.controlplane import oci, podspec
 from tests.controlplane.podspec import ConfigError, ContainerState
 
 log = logging.getLogger("executor")
@@ -98,7 +98,7 @@ NAMESPACES = (
 # PID 1 of a container's namespaces; runs as root with `python -I -S` (standard library only).
 INIT_SCRIPT = r'''
 """Container init written by tests/controlplane/executor.py: mounts, then runs the command."""
-import ctypes, json, os, signal, socket, subprocess, sys
+import ctypes, json, os, signal, socket, subprocess, sys, time
 
 spec = json.load(open(sys.argv[1]))
 
@@ -142,8 +142,31 @@ def missing_chain(path):
     return chain[::-1], path
 
 
+def run_image(oci):
+    """--images: the root is the image's layers under an overlay of this container's own (in
+    this mount namespace only), and runc runs the process there (it joins our PID namespace)."""
+    bundle = oci["bundle"]
+    rootfs = bundle + "/rootfs"
+    try:
+        for d in (rootfs, bundle + "/upper", bundle + "/work"):
+            os.makedirs(d, exist_ok=True)
+        mount("overlay", rootfs, "overlay", 0,
+              f"lowerdir={oci['image_rootfs']},upperdir={bundle}/upper,workdir={bundle}/work")
+    except OSError as e:
+        start_failed(f"container setup: {e}")
+    try:
+        return subprocess.Popen([oci["runc"], "--root", oci["state"], "run", "--bundle", bundle,
+                                 "--pid-file", bundle + "/pid", oci["id"]],
+                                stdin=subprocess.DEVNULL, cwd=bundle)
+    except OSError as e:
+        start_failed(f"runc: {e}")
+
+
 done = []  # mount targets so far: a directory inside one belongs to the container
 overlaid = set()
+if spec.get("oci"):
+    child = run_image(spec["oci"])
+    spec["mounts"], spec["reveal"] = [], {}  # runc mounts the volumes, inside the image
 try:
     socket.sethostname(spec["hostname"])
     # Sources are opened before any mount: an overlay below may cover a source's path, and the
@@ -200,30 +223,49 @@ try:
                 mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
             os.close(fd)
         done.append(target)
-    os.makedirs(spec["cwd"], exist_ok=True)
+    if not spec.get("oci"):
+        os.makedirs(spec["cwd"], exist_ok=True)
 except OSError as e:
     start_failed(f"container setup: {e}")
-os.umask(0o022)
-command = spec["argv"][0]
-dirs = [spec["cwd"]] if "/" in command else spec["env"].get("PATH", "").split(":")
-found = [os.path.join(d, command) for d in dirs if os.path.isfile(os.path.join(d, command))
-         and os.access(os.path.join(d, command), os.X_OK)]
-if not found:
-    start_failed(f'exec: "{command}": executable file not found in $PATH')
-# Exec the resolved path: a program looked up in PATH by the pod's user could not be found when
-# its real file is behind a directory only root may enter (the venv's python -> /root/.pyenv
-# here), and Python then would not find its venv either.
-argv = [os.path.abspath(found[0]), *spec["argv"][1:]]
-# setpriv drops to the pod's user at exec time (it keeps root's capabilities until then, so an
-# interpreter behind a directory only root may enter still starts); the pid stays the same.
-user = [spec["setpriv"], "--reuid", str(spec["uid"]), "--regid", str(spec["gid"])]
-user += ["--groups", ",".join(map(str, spec["groups"]))] if spec["groups"] else ["--clear-groups"]
-user += ["--nnp"] if spec["no_new_privs"] else []
-try:
-    child = subprocess.Popen([*user, "--", *argv], env=spec["env"], cwd=spec["cwd"],
-                             stdin=subprocess.DEVNULL)
-except OSError as e:
-    start_failed(f"exec: {e}")
+
+
+def exec_process():
+    """Without an image: this machine's program, as the pod's user."""
+    os.umask(0o022)
+    command = spec["argv"][0]
+    dirs = [spec["cwd"]] if "/" in command else spec["env"].get("PATH", "").split(":")
+    found = [os.path.join(d, command) for d in dirs if os.path.isfile(os.path.join(d, command))
+             and os.access(os.path.join(d, command), os.X_OK)]
+    if not found:
+        start_failed(f'exec: "{command}": executable file not found in $PATH')
+    # Exec the resolved path: a program looked up in PATH by the pod's user could not be found
+    # when its real file is behind a directory only root may enter (the venv's python ->
+    # /root/.pyenv here), and Python then would not find its venv either.
+    argv = [os.path.abspath(found[0]), *spec["argv"][1:]]
+    # setpriv drops to the pod's user at exec time (it keeps root's capabilities until then, so
+    # an interpreter behind a directory only root may enter still starts); the pid stays the same.
+    user = [spec["setpriv"], "--reuid", str(spec["uid"]), "--regid", str(spec["gid"])]
+    user += (["--groups", ",".join(map(str, spec["groups"]))] if spec["groups"]
+             else ["--clear-groups"])
+    user += ["--nnp"] if spec["no_new_privs"] else []
+    try:
+        return subprocess.Popen([*user, "--", *argv], env=spec["env"], cwd=spec["cwd"],
+                                stdin=subprocess.DEVNULL)
+    except OSError as e:
+        start_failed(f"exec: {e}")
+
+
+if spec.get("oci"):
+    # Started once runc has created the container (its pid file): the executor then finds the
+    # container's process as runc's child.
+    pid_file = spec["oci"]["bundle"] + "/pid"
+    while not os.path.exists(pid_file) and child.poll() is None:
+        time.sleep(0.01)
+    if child.returncode is not None:
+        start_failed(f"runc could not create the container (exit {child.returncode}): "
+                     "its message is in the container's log")
+else:
+    child = exec_process()
 # The executor now looks for the main process.
 open(at(started_dir, os.path.basename(spec["started_file"])), "w").close()
 
@@ -298,14 +340,17 @@ class Proc:
         self.init: tuple[int, str] | None = None  # (host pid, start time)
         self.main: tuple[int, str] | None = None
 
-    def find(self, started_file: Path, timeout: float = 10):
+    def find(self, started_file: Path, timeout: float = 10, runc: bool = False):
         """Find init and main once init says the main process is started (until then init's
-        only children are short ``mount`` runs)."""
+        only children are short ``mount`` runs). From an image, main is runc's child."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.popen.poll() is None:
             if started_file.exists():
                 self.init = self._identify(child_of(self.popen.pid))
-                self.main = self._identify(child_of(self.init[0])) if self.init else None
+                main = child_of(self.init[0]) if self.init else None
+                if runc and main:
+                    main = child_of(main)
+                self.main = self._identify(main)
                 return
             time.sleep(0.02)
 
@@ -604,13 +649,15 @@ class PodRunner:
         return False
 
     def _plan(self, c: dict, st: ContainerState) -> dict:
-        ident = podspec.identity(self.pod, c)
         env = podspec.resolve_env(
             self.pod, c, lambda kind, name: self.ex.lookup_env(self.ns, kind, name)
         )
-        argv = podspec.expand_command(c, env)
         mounts = podspec.mount_plan(c, self.volumes, self.volume_dirs, env)
         mounts.append(podspec.Mount("/etc/hosts", str(self.hosts), True, is_file=True))
+        if self.ex.images is not None:
+            return self._image_plan(c, st, env, mounts)
+        ident = podspec.identity(self.pod, c)
+        argv = podspec.expand_command(c, env)
         home = self.ex.scratch / self.uid / st.name
         if not home.exists():
             home.mkdir(parents=True)
@@ -639,6 +686,60 @@ class PodRunner:
             "reveal": self.ex.reveal,
         }
 
+    def _image_plan(self, c: dict, st: ContainerState, env: dict, mounts: list) -> dict:
+        """--images: the container from its image, through runc (tests/controlplane/oci.py)."""
+        image = self.ex.images.get(c.get("image") or "")
+        user = oci.image_user(image, image.rootfs)
+        ident = podspec.identity(self.pod, c, user)
+        gid = ident.gid
+        # No runAsGroup: the image USER's group when the image chose the user, else (as
+        # containerd does) the group of the uid's entry in the image's /etc/passwd.
+        if podspec.run_as_group(self.pod, c) is None and not (
+            user[0] == ident.uid and user[1] is not None
+        ):
+            gid = oci.primary_gid(ident.uid, image.rootfs, default=ident.gid)
+        hostname = podspec.pod_hostname(self.pod)
+        full_env = {
+            **image.env,
+            "HOSTNAME": hostname,
+            **({} if "HOME" in image.env else {"HOME": oci.home_of(ident.uid, image.rootfs)}),
+            **env,
+        }
+        argv = oci.argv(c, image, lambda a: podspec.expand(a, env))
+        sc = c.get("securityContext") or {}
+        run_id = f"{self.uid[:13]}-{st.name}-{st.restart_count}"
+        bundle = self.dir / "bundles" / run_id
+        bundle.mkdir(parents=True, exist_ok=True)
+        config = oci.spec(
+            args=argv,
+            env=full_env,
+            cwd=c.get("workingDir") or image.workdir or "/",
+            uid=ident.uid,
+            gid=gid,
+            groups=list(ident.groups),
+            hostname=hostname,
+            mounts=[m.__dict__ for m in mounts],
+            read_only=bool(sc.get("readOnlyRootFilesystem")),
+            no_new_privs=sc.get("allowPrivilegeEscalation") is False,
+            caps=oci.capabilities(c),
+            cgroup=f"/{oci.CGROUP_PARENT}/{run_id}",
+        )
+        (bundle / "config.json").write_text(json.dumps(config))
+        return {
+            "argv": argv,
+            "hostname": hostname,
+            "mounts": [],
+            "reveal": {},
+            "overlay_dir": str(self.dir / "overlays" / st.name),
+            "oci": {
+                "bundle": str(bundle),
+                "image_rootfs": image.rootfs,
+                "runc": self.ex.runc,
+                "state": str(self.ex.root / "runc"),
+                "id": run_id,
+            },
+        }
+
     def _exec(self, c: dict, st: ContainerState, plan: dict) -> int:
         key = f"{self.ns}_{self.name}_{st.name}"
         logfile = self.ex.root / "logs" / f"{key}.log"
@@ -648,7 +749,8 @@ class PodRunner:
         error_file = self.dir / f"{st.name}.start-error"
         error_file.unlink(missing_ok=True)
         spec_file = self.dir / f"{st.name}.json"
-        self.ex.make_mount_points(plan["mounts"])
+        if "oci" not in plan:
+            self.ex.make_mount_points(plan["mounts"])
         argv = [*NAMESPACES, sys.executable, "-I", "-S", str(self.ex.init_script), str(spec_file)]
         started_file = self.dir / f"{st.name}.started"
         started_file.unlink(missing_ok=True)
@@ -670,7 +772,7 @@ class PodRunner:
                 )
             proc = Proc(popen)  # visible to a deletion (process group) while we look for PIDs
             self.procs[st.name] = proc
-        proc.find(started_file)
+        proc.find(started_file, runc="oci" in plan)
         with self.lock:
             st.pid = (proc.main or proc.init or (popen.pid,))[0]
             st.started_at, st.waiting, st.exit_code = now(), None, None
@@ -850,6 +952,9 @@ class Executor:
             self.own_scratch = True
         self.scratch.chmod(0o711)
         self.reveal = reveal_map([sys.prefix, sys.base_prefix, REPO])
+        # --images: containers from the images their pods name, through runc (oci.py).
+        self.images = oci.Images() if args.images else None
+        self.runc = shutil.which("runc") or "/usr/sbin/runc"
         cfg = client.Configuration()
         config.load_kube_config(config_file=args.kubeconfig, client_configuration=cfg)
         cfg.connection_pool_maxsize = 32
@@ -1260,6 +1365,9 @@ class Executor:
                 log.warning("left %s in place: %s", path, e)
         if self.own_scratch:
             shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.images is not None:
+            self.images.unmount_all()
+            oci.remove_cgroups()
 
 
 class LogServer(http.server.ThreadingHTTPServer):
@@ -1319,6 +1427,11 @@ def main(argv=None) -> int:
     p.add_argument("--log-port", type=int, required=True)
     p.add_argument("--serving-cert", required=True)
     p.add_argument("--serving-key", required=True)
+    p.add_argument(
+        "--images",
+        action="store_true",
+        help="run each container from its pod's image (local container storage) through runc",
+    )
     p.add_argument("--path", default=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin")
     p.add_argument(
         "--config-wait",

@@ -236,12 +236,22 @@ class Identity:
     fs_group: int | None
 
 
-def identity(pod: dict, container: dict) -> Identity:
-    """Who the container runs as: container securityContext over the pod's.
+def run_as_group(pod: dict, container: dict) -> int | None:
+    for sc in (container.get("securityContext"), pod.get("spec", {}).get("securityContext")):
+        if sc and sc.get("runAsGroup") is not None:
+            return int(sc["runAsGroup"])
+    return None
 
-    Without an image there is no image user: no runAsUser means root (uid 0), no runAsGroup means
-    gid 0 (what runc does for a uid missing from the image's /etc/passwd). runAsNonRoot without a
-    non-zero runAsUser is refused, as the kubelet refuses it for an image that runs as root.
+
+def identity(
+    pod: dict, container: dict, image_user: tuple[int | None, int | None] = (None, None)
+) -> Identity:
+    """Who the container runs as: container securityContext over the pod's, then the image's
+    USER (``image_user``: uid, gid; none when the container runs without an image).
+
+    No user at all means root (uid 0); no group means gid 0 (what runc does for a uid missing from
+    the image's /etc/passwd). runAsNonRoot without a non-zero user is refused, as the kubelet
+    refuses it for an image that runs as root.
     """
     psc = pod.get("spec", {}).get("securityContext") or {}
     csc = container.get("securityContext") or {}
@@ -250,6 +260,9 @@ def identity(pod: dict, container: dict) -> Identity:
         return csc[key] if csc.get(key) is not None else psc.get(key)
 
     uid, gid, non_root = pick("runAsUser"), pick("runAsGroup"), pick("runAsNonRoot")
+    if uid is None:
+        uid = image_user[0]
+        gid = gid if gid is not None else image_user[1]
     if non_root:
         if uid is None:
             raise ConfigError(
