@@ -49,7 +49,7 @@ from omegaconf import OmegaConf
 from tunepack.core import durable, lifetime, program, workspace
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.runtimes import catalog, custom
-from tunepack.trainers import noise
+from tunepack.trainers import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import (
     build_config,
@@ -189,10 +189,11 @@ def run(argv: list[str]) -> int:
     config_text = OmegaConf.to_yaml(cfg)
     if layout.node_rank == 0:  # every node derives the same config; one records it
         durable.write_text(output / workspace.CONFIG_FILE, config_text)
+    cpu_threads = _set_cpu_threads(layout.nproc_per_node)
     print(
         f"{PROGRAM}: {entry.runtime_name} method={args.method} device={cfg.device} "
-        f"dtype={cfg.dtype} nodes={layout.nnodes} processes/node={layout.nproc_per_node}; "
-        f"config written to {output / workspace.CONFIG_FILE}",
+        f"dtype={cfg.dtype} nodes={layout.nnodes} processes/node={layout.nproc_per_node} "
+        f"threads/process={cpu_threads}; config written to {output / workspace.CONFIG_FILE}",
         flush=True,
     )
     # tiktoken caches even local tokenizer files, keyed by path: a new model at the same
@@ -210,6 +211,19 @@ def run(argv: list[str]) -> int:
     if code == 0 and layout.node_rank == 0 and result_path.exists():
         _print_done(json.loads(result_path.read_text()))
     return code
+
+
+def _set_cpu_threads(nproc: int) -> str:
+    """Each process on this node gets its share of the node's CPUs (``threads``); torch alone
+    would run a thread per core it sees in every process, a Pod's CPU limit notwithstanding.
+    ``OMP_NUM_THREADS``, when set, decides instead. Returns the count, as the workers get it."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        count = threads.threads_per_process(nproc)
+        os.environ["OMP_NUM_THREADS"] = str(count)  # torchrun's workers read it at start
+        import torch
+
+        torch.set_num_threads(count)  # this process loaded torch already
+    return os.environ["OMP_NUM_THREADS"]
 
 
 def _print_done(result: dict) -> None:
@@ -240,7 +254,7 @@ def run_torchrun(
         exit_dir = scratch / "exit"
         exit_dir.mkdir()
         env = {**os.environ, program.EXIT_DIR_ENV: str(exit_dir), **(lock.env() if lock else {})}
-        # torchrun sets 1 itself where unset, with a banner saying so.
+        # run() sets each worker's share; torchrun would set 1 where unset, with a banner.
         env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen(
             lifetime.shim(torchrun_command(layout, config_path, digest), sig=signal.SIGKILL),
