@@ -89,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model, method, seq_len, batch in DRY_CONFIGS if args.dry else GPU_CONFIGS:
         entry = catalog.get(model)
+        # one_step keeps every activation: no checkpointing, whatever the trainer's default.
         plan = estimate(entry, method, seq_len, batch, lora_rank=LORA_RANK,
-                        dtype="fp32" if args.dry else "bf16")  # fmt: skip
+                        dtype="fp32" if args.dry else "bf16",
+                        activation_checkpointing=False)  # fmt: skip
         step = one_step(entry, method, seq_len, batch, device, dtype)
         error = None
         if step["measured"]:

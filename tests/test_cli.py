@@ -147,9 +147,10 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
     assert refused.stdout == ""
     assert refused.stderr.startswith(
         "tunepack: error: this fine-tune is estimated not to fit in GPU memory:\n"
-        "llama3.1-8b qlora, seq_len 8192, batch 64/device, 1 node(s) x 1 H100-80GB\n"
+        "llama3.1-8b qlora, seq_len 8192, batch 64/device, 1 node(s) x 1 H100-80GB, activation "
+        "checkpointing\n"
     )
-    assert "peak         3004.27 GiB" in refused.stderr
+    assert "peak          590.27 GiB" in refused.stderr
     assert "(--memory-check warn to tunepack train or render trainjob)" in refused.stderr
     # The very message `train` gives for the same run.
     train = tunepack(
@@ -177,6 +178,18 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
     bad = tunepack("render", "trainjob", *job, "--memory-check", "never")
     assert bad.returncode == 65
     assert "argument --memory-check: invalid choice: 'never'" in bad.stderr
+
+
+def test_the_memory_check_plans_the_activation_checkpointing_the_trainer_does():
+    """On a GPU the trainer checkpoints activations (activation_checkpointing=auto): a run that
+    fits only with it is accepted, and refused once the user turns it off."""
+    job = ["--runtime", "llama3.1-8b", "--dataset", "hf://org/data", "--model", "hf://org/model"]
+    job += ["--name", "long", "max_seq_len=8192", "batch_size=4"]
+    fits = tunepack("render", "trainjob", *job)
+    assert (fits.returncode, fits.stderr) == (0, "")
+    off = tunepack("render", "trainjob", *job, "activation_checkpointing=false")
+    assert off.returncode == 65
+    assert "llama3.1-8b lora, seq_len 8192, batch 4/device, 1 node(s) x 1 H100-80GB\n" in off.stderr
 
 
 @pytest.mark.parametrize(

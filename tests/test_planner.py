@@ -36,7 +36,7 @@ def test_lora_8b_one_gpu_by_hand():
     optim = 2 * trainable * 2  # AdamW: two states
     act = s * b * 32 * (6 * 4096 + 2 * 1024 + 4 * 14_336) * 2
     logits = s * b * 128_256 * (2 + 4)  # bf16 logits + fp32 copy for the loss
-    p = plan("llama3.1-8b", "lora", s, b, lora_rank=r)
+    p = plan("llama3.1-8b", "lora", s, b, lora_rank=r, activation_checkpointing=False)
     assert p.trainable == trainable
     assert (p.weights, p.gradients, p.optimizer, p.activations, p.logits) == (
         weights,
@@ -51,13 +51,14 @@ def test_lora_8b_one_gpu_by_hand():
 
 def test_full_8b_needs_checkpointing_and_sharding_divides_states():
     s, b = 2048, 2
-    one = estimate("llama3.1-8b", "full", s, b)
+    one = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=False)
     assert one.peak_bytes == P_8B * 2 * 4 + s * b * 32 * 83_968 * 2 + s * b * 128_256 * 6
     assert not one.fits  # 83.27 GiB > 79.2 - 2
     ckpt = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=True)
     # Checkpointing keeps each layer's input (d) plus one layer's full activations.
     assert ckpt.activations == s * b * (32 * 4096 + 83_968) * 2
-    eight = estimate("llama3.1-8b", "full", s, b, nodes=2, gpus_per_node=4)
+    eight = estimate("llama3.1-8b", "full", s, b, nodes=2, gpus_per_node=4,
+                     activation_checkpointing=False)  # fmt: skip
     assert eight.weights == P_8B * 2 / 8 and eight.optimizer == 2 * P_8B * 2 / 8
     assert eight.activations == one.activations  # data parallel: per-device batch unchanged
 
@@ -90,7 +91,7 @@ def test_cli_plan_exit_code_says_whether_it_fits():
     fits = subprocess.run([*run, "--method", "lora", "--batch-size", "2"], capture_output=True,
                           text=True)  # fmt: skip
     assert fits.returncode == 0 and "fits in 77.2 GiB" in fits.stdout
-    too_big = subprocess.run([*run, "--method", "full", "--batch-size", "2"], capture_output=True,
+    too_big = subprocess.run([*run, "--method", "full", "--batch-size", "16"], capture_output=True,
                              text=True)  # fmt: skip
     assert too_big.returncode == 1 and "does NOT fit" in too_big.stdout
 
@@ -138,7 +139,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_plan_accepts_the_usual_gpu_spellings(capsys, spelling, name):
     code, out, err = _cli(capsys, "--model", "llama3.2-1b", "--gpu", spelling)
     assert (code, err) == (0, "")
-    assert out.splitlines()[0].endswith(f"1 node(s) x 1 {name}")
+    assert out.splitlines()[0].endswith(f"1 node(s) x 1 {name}, activation checkpointing")
     assert plan("llama3.2-1b", "lora", 2048, 1, gpu=spelling).gpu == name
 
 
@@ -155,7 +156,7 @@ def test_cli_plan_names_an_ambiguous_or_unknown_gpu(capsys):
 
 def test_cli_plan_defaults_seq_len_to_a_shorter_context_and_shows_tiny_sizes(capsys):
     # tiny-llama3's context is 512 tokens: without --seq-len the plan is for 512, with a note.
-    code, out, err = _cli(capsys, "--model", "tiny-llama3")
+    code, out, err = _cli(capsys, "--model", "tiny-llama3", "--no-activation-checkpointing")
     assert (code, err) == (0, "")
     assert out.splitlines()[0].startswith("tiny-llama3 lora, seq_len 512,")
     assert "note: seq_len 512 is tiny-llama3's context (the default 2048 is longer)" in out
@@ -164,3 +165,17 @@ def test_cli_plan_defaults_seq_len_to_a_shorter_context_and_shows_tiny_sizes(cap
     # An explicit --seq-len longer than the context is still refused.
     code, _, err = _cli(capsys, "--model", "tiny-llama3", "--seq-len", "1024")
     assert code == 65 and "seq_len=1024 is larger than tiny-llama3's context of 512" in err
+
+
+def test_plan_assumes_the_trainers_activation_checkpointing(capsys):
+    """The trainer checkpoints activations on a GPU unless told not to
+    (activation_checkpointing=auto); the planner, which plans GPUs, assumes the same."""
+    with_ckpt = plan("llama3.1-8b", "lora", 2048, 2, activation_checkpointing=True)
+    for default in (plan("llama3.1-8b", "lora", 2048, 2), estimate("llama3.1-8b", "lora", 2048, 2)):
+        assert default.activation_checkpointing and default.peak_bytes == with_ckpt.peak_bytes
+    code, out, _ = _cli(capsys, "--model", "llama3.1-8b", "--batch-size", "2")
+    assert code == 0 and out.splitlines()[0].endswith(", activation checkpointing")
+    code, out, _ = _cli(capsys, "--model", "llama3.1-8b", "--no-activation-checkpointing")
+    assert code == 0 and out.splitlines()[0].endswith("1 node(s) x 1 H100-80GB")
+    with pytest.raises(BadInputError, match="activation_checkpointing='yes' is not valid"):
+        plan("llama3.1-8b", "lora", 2048, 2, activation_checkpointing="yes")

@@ -561,6 +561,13 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     return TrainArgs(**{n: resolved[n] for n in names}, given=pairs)
 
 
+def activation_checkpointing_on(setting: str | bool, device: str) -> bool:
+    """Whether the trainer recomputes activations: ``auto`` is on for cuda (memory is the GPU's
+    scarce resource, worth ~30% more compute) and off for cpu (whose runs here are small). The
+    memory planner asks the same for the GPUs it plans."""
+    return device == "cuda" if setting == "auto" else bool(setting)
+
+
 def available_methods(entry: ModelEntry) -> tuple[str, ...]:
     """The methods a catalog entry supports, in the vocabulary's order."""
     return tuple(m for m in METHODS if m in entry.methods)

@@ -19,7 +19,12 @@ from tunepack.core.errors import BadInputError
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.trainers.args import LORA_FAMILY, TrainArgs, builder_for
+from tunepack.trainers.args import (
+    LORA_FAMILY,
+    TrainArgs,
+    activation_checkpointing_on,
+    builder_for,
+)
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {
@@ -333,12 +338,8 @@ def _run(entry: ModelEntry, args: TrainArgs, device: str, output_dir: Path) -> d
         "seed": args.seed,
         "device": device,
         "dtype": resolve_dtype(args.dtype, device),
-        # Recomputing activations trades ~30% more compute for memory: the GPU's scarce resource,
-        # not the CPU's (whose runs here are small).
-        "activation_checkpointing": (
-            device == "cuda"
-            if args.activation_checkpointing == "auto"
-            else args.activation_checkpointing
+        "activation_checkpointing": activation_checkpointing_on(
+            args.activation_checkpointing, device
         ),
         "compile": args.compile,
         # Which examples make each batch (trainers/batching.py): part of the run's identity.

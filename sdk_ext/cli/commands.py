@@ -979,8 +979,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, help="LoRA rank (lora, qlora, dora; default 16)")
     p.add_argument(
         "--activation-checkpointing",
-        action="store_true",
-        help="plan with activation checkpointing (recompute activations: less memory)",
+        action=argparse.BooleanOptionalAction,
+        default="auto",
+        help="plan with (or without) activation checkpointing, which recomputes activations "
+        "for less memory (default: with, as the trainer runs on a GPU)",
     )
     p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
     p.set_defaults(func=cmd_plan)

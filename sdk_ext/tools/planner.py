@@ -7,8 +7,8 @@ recommends the smallest nodes x GPUs layout that fits. The formulas are in ``doc
 
     >>> from tunepack.tools.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)
-    >>> p.fits, round(p.peak_gib, 1)            # one H100-80GB
-    (True, 38.7)
+    >>> p.fits, round(p.peak_gib, 1)            # one H100-80GB, activation checkpointing
+    (True, 19.8)
     >>> print(p.summary())                       # the breakdown, in GiB
 
 Terms (per device, ``N`` = devices the model is sharded over, FSDP when ``N > 1``):
@@ -39,6 +39,7 @@ from pathlib import Path
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.catalog import Shape
+from tunepack.trainers.args import activation_checkpointing_on
 
 GIB = 1024**3
 # GPU name -> memory in GiB (what the device reports). The one list of GPU names: ``gpu_type``
@@ -194,7 +195,7 @@ def estimate(
     *,
     nodes: int = 1,
     gpus_per_node: int = 1,
-    activation_checkpointing: bool = False,
+    activation_checkpointing: str | bool = "auto",
     dtype: str = "bf16",
     lora_rank: int = 16,
     lora_attn_modules: tuple[str, ...] = LORA_TARGETS_ALL,
@@ -202,8 +203,16 @@ def estimate(
     model_dir: str | Path | None = None,
 ) -> Plan:
     """The per-device estimate for one layout (no recommendation). A bring-your-own runtime
-    (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json."""
+    (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json.
+    ``activation_checkpointing`` is the trainer argument's: ``auto`` is what the trainer does on
+    a GPU (on)."""
     entry = model_entry(model, model_dir)
+    if activation_checkpointing not in ("auto", True, False):
+        raise BadInputError(
+            f"activation_checkpointing={activation_checkpointing!r} is not valid: expected "
+            "'auto', True or False"
+        )
+    activation_checkpointing = activation_checkpointing_on(activation_checkpointing, "cuda")
     gpu = gpu_type(gpu)
     _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
     if method != "full" and (
@@ -257,7 +266,7 @@ def plan(
     ``kwargs`` are those of ``estimate`` (``nodes``, ``gpus_per_node``,
     ``activation_checkpointing``, ``dtype``, ``lora_rank``...). The returned plan is for the
     given layout (default 1 x 1); ``recommended`` names the smallest layout that fits, trying
-    activation checkpointing before more GPUs.
+    activation checkpointing (the trainer's default on a GPU) before more GPUs.
     """
     model = model_entry(model, kwargs.pop("model_dir", None))  # config.json read once
     gpu = gpu_type(gpu)
@@ -266,7 +275,7 @@ def plan(
     notes = []
     recommended = None
     for nodes, per_node in sorted(LAYOUTS, key=lambda layout: (layout[0] * layout[1], layout[0])):
-        for checkpointing in (search.get("activation_checkpointing", False), True):
+        for checkpointing in dict.fromkeys((current.activation_checkpointing, True)):
             candidate = estimate(
                 model,
                 method,
