@@ -1,9 +1,13 @@
 # tunepack developer and quickstart commands. Everything runs in a local virtual environment.
 PYTHON ?= python3.11
 VENV ?= .venv
-# torch goes in first: a bare `torch` requirement would pull a multi-GB CUDA build.
-# On a machine with a CUDA GPU, set TORCH_SPEC (and PIP_EXTRA_INDEX_URL) as you need.
+# torch goes in first, pinned. On Linux, PyPI's torch wheel is the CUDA build: with its NVIDIA
+# libraries and triton the venv is about 6 GB. On a machine without a GPU, take PyTorch's CPU
+# wheel instead, in a fresh venv (README, "What it installs"):
+#   make quickstart TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# PyPI's macOS and Windows wheels are CPU builds already. TORCH_SPEC picks another version.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
@@ -27,7 +31,7 @@ FORCE:
 
 install: $(VENV)/.installed
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(VENV)/.sources
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e . $(EDITABLE)
 	touch $@
 

@@ -92,6 +92,29 @@ def test_the_makefile_installs_strict_editable():
     assert installs and all(line.endswith(" $(EDITABLE)") for line in installs), installs
 
 
+def _install_commands(*make_args: str) -> list[str]:
+    """The pip commands `make install` would run (-W: as if pyproject.toml had changed)."""
+    done = subprocess.run(
+        ["make", "-n", "-W", "pyproject.toml", "install", *make_args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return [line.split()[1:] for line in done.stdout.splitlines() if " install " in line]
+
+
+def test_torch_index_url_takes_torch_alone_from_that_index():
+    """README's CPU-only install: PyTorch's CPU index for torch, PyPI for everything else."""
+    cpu = "https://download.pytorch.org/whl/cpu"
+    torch, *rest = _install_commands(f"TORCH_INDEX_URL={cpu}")
+    assert torch == ["install", "-q", "--index-url", cpu, '"torch==2.13.0"']
+    assert rest and all("--index-url" not in command for command in rest)
+    torch, *_ = _install_commands()
+    assert torch == ["install", "-q", '"torch==2.13.0"']  # PyPI's (on Linux the CUDA build)
+
+
 def test_a_static_tool_finds_tunepack_core_in_sdk_ext_core(tmp_path):
     found = _jedi_finds(_editable_install(tmp_path, "strict"))
     assert len(found) == 1, found
