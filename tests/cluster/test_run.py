@@ -52,6 +52,16 @@ def _executor_root(controlplane) -> Path:
     return Path(root) / "executor"
 
 
+def _local_image_id(image: str) -> str:
+    import subprocess
+
+    done = subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Id}}", image],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return f"sha256:{done.stdout.strip()}"
+
+
 def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_executor, sources):
     client = _client(namespace)
     name = _train(namespace, sources, method="lora", epochs=2)
@@ -74,6 +84,16 @@ def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_
 
     base = AutoModelForCausalLM.from_pretrained(_volume(api, namespace, name) / "model")
     PeftModel.from_pretrained(base, adapter)
+
+    # Every step ran in its image (make test-cluster), reported as a kubelet reports it.
+    if os.environ.get("TUNEPACK_TIER_IMAGES") == "1":
+        ran = {}
+        for pod in api.pods(namespace):
+            for cs in pod.status.container_statuses:
+                assert cs.container_id.startswith("runc://"), cs
+                ran[cs.image] = cs.image_id
+        assert ran == {image: _local_image_id(image) for image in ran}
+        assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
 
     # Logs through the apiserver (the executor serves the kubelet's log endpoint).
     logs = "\n".join(client.get_job_logs(name))

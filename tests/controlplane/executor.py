@@ -689,6 +689,7 @@ class PodRunner:
     def _image_plan(self, c: dict, st: ContainerState, env: dict, mounts: list) -> dict:
         """--images: the container from its image, through runc (tests/controlplane/oci.py)."""
         image = self.ex.images.get(c.get("image") or "")
+        st.image_id, st.runtime = image.id, "runc"
         user = oci.image_user(image, image.rootfs)
         ident = podspec.identity(self.pod, c, user)
         gid = ident.gid

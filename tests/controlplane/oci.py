@@ -47,6 +47,7 @@ SHM_BYTES = 64 * 1024 * 1024  # the kubelet's /dev/shm when the pod mounts none
 class Image:
     name: str
     rootfs: str  # the merged layers, read-only
+    id: str = ""  # its image ID (sha256:...), reported as the container's imageID
     entrypoint: list[str] = field(default_factory=list)
     cmd: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -75,7 +76,8 @@ class Images:
                 f'image "{name}" is not in this node\'s container storage (the tier builds '
                 "tunepack's images with `make images-local`; nothing is pulled here)"
             )
-        cfg = (json.loads(found.stdout)[0].get("Config")) or {}
+        inspected = json.loads(found.stdout)[0]
+        cfg = inspected.get("Config") or {}
         mounted = self._run("image", "mount", name)
         if mounted.returncode != 0:
             raise ConfigError(f'image "{name}" could not be mounted: {mounted.stderr.strip()}')
@@ -83,6 +85,7 @@ class Images:
         return Image(
             name=name,
             rootfs=mounted.stdout.strip(),
+            id=f"sha256:{inspected['Id'].removeprefix('sha256:')}",
             entrypoint=list(cfg.get("Entrypoint") or []),
             cmd=list(cfg.get("Cmd") or []),
             env=env,

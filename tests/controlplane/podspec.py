@@ -508,6 +508,8 @@ class ContainerState:
     pid: int | None = None
     restart_count: int = 0
     last: dict | None = field(default=None)  # lastState.terminated
+    image_id: str | None = None  # the image it ran from (--images), as the kubelet reports it
+    runtime: str = "executor"  # containerID's scheme: runc when it ran from its image
 
     @property
     def running(self) -> bool:
@@ -524,7 +526,7 @@ class ContainerState:
         self.waiting = None
 
     def status(self) -> dict:
-        container_id = f"executor://{self.pid}" if self.pid else None
+        container_id = f"{self.runtime}://{self.pid}" if self.pid else None
         if self.waiting is not None:
             state = {
                 "waiting": {"reason": self.waiting[0], "message": self.waiting[1] or None},
@@ -547,7 +549,7 @@ class ContainerState:
         return {
             "name": self.name,
             "image": self.image,
-            "imageID": f"executor://{self.image}",
+            "imageID": self.image_id or f"executor://{self.image}",
             "containerID": container_id,
             "state": state,
             "lastState": {"terminated": self.last} if self.last else {},
