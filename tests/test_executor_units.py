@@ -542,3 +542,87 @@ def test_container_init_lets_the_pods_user_start_this_interpreter(tmp_path):
     base_prefix, os_file = done.stdout.split()
     # The child found this interpreter's own standard library, not some other Python's.
     assert base_prefix == sys.base_prefix and os_file.startswith(sys.base_prefix), done.stdout
+
+
+# --- --images: a container from its image (tests/controlplane/oci.py) -------------------------
+def _image(tmp_path, **config):
+    from tests.controlplane import oci
+
+    (tmp_path / "etc").mkdir(exist_ok=True)
+    (tmp_path / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\ntunepack:x:1000:1000::/home/tunepack:/usr/sbin/nologin\n"
+    )
+    return oci.Image(name="img", rootfs=str(tmp_path), **config)
+
+
+def test_command_and_args_merge_with_the_images_entrypoint_as_a_kubelet_merges_them(tmp_path):
+    from tests.controlplane import oci
+
+    image = _image(tmp_path, entrypoint=["python", "-m", "prog"], cmd=["--help"])
+    same = str
+    assert oci.argv({"name": "c"}, image, same) == ["python", "-m", "prog", "--help"]
+    assert oci.argv({"name": "c", "args": ["a=1"]}, image, same) == ["python", "-m", "prog", "a=1"]
+    # A command replaces the ENTRYPOINT and drops the CMD.
+    assert oci.argv({"name": "c", "command": ["sh"]}, image, same) == ["sh"]
+    env = {"N": "2"}
+    got = oci.argv({"name": "c", "args": ["n=$(N)"]}, image, lambda a: podspec.expand(a, env))
+    assert got[-1] == "n=2"
+    with pytest.raises(ConfigError, match="no command and the image has none"):
+        oci.argv({"name": "c"}, _image(tmp_path), same)
+
+
+def test_the_images_user_and_its_groups(tmp_path):
+    from tests.controlplane import oci
+
+    assert oci.image_user(_image(tmp_path, user="1000:1000"), str(tmp_path)) == (1000, 1000)
+    assert oci.image_user(_image(tmp_path, user="tunepack"), str(tmp_path)) == (1000, 1000)
+    assert oci.image_user(_image(tmp_path), str(tmp_path)) == (None, None)
+    with pytest.raises(ConfigError, match="'nobody' is not in its /etc/passwd"):
+        oci.image_user(_image(tmp_path, user="nobody"), str(tmp_path))
+    assert oci.primary_gid(1000, str(tmp_path), default=0) == 1000
+    assert oci.primary_gid(4242, str(tmp_path), default=0) == 0
+    assert oci.home_of(1000, str(tmp_path)) == "/home/tunepack"
+    assert oci.home_of(4242, str(tmp_path)) == "/"
+    # The pod's runAsUser wins over the image's USER; the image's applies when the pod sets none.
+    p = pod(securityContext={"runAsNonRoot": True})
+    assert podspec.identity(p, {"name": "c"}, (1000, 1000)).uid == 1000
+    with pytest.raises(ConfigError, match="image will run as root"):
+        podspec.identity(p, {"name": "c"}, (None, None))
+    p = pod(securityContext={"runAsUser": 2000})
+    assert podspec.identity(p, {"name": "c"}, (1000, 1000)).uid == 2000
+
+
+def test_the_oci_spec_carries_the_pods_security_context():
+    from tests.controlplane import oci
+
+    dropped = {"name": "c", "securityContext": {"capabilities": {"drop": ["ALL"]}}}
+    assert oci.capabilities(dropped) == []
+    added = {
+        "name": "c",
+        "securityContext": {"capabilities": {"drop": ["NET_RAW"], "add": ["SYS_PTRACE"]}},
+    }
+    caps = oci.capabilities(added)
+    assert "CAP_NET_RAW" not in caps and "CAP_SYS_PTRACE" in caps and "CAP_CHOWN" in caps
+    mounts = [
+        {"target": "/workspace", "source": "/srv/pv", "read_only": False, "tmpfs_bytes": None},
+        {"target": "/dev/shm", "source": None, "read_only": False, "tmpfs_bytes": 1 << 30},
+        {"target": "/etc/hosts", "source": "/srv/hosts", "read_only": True, "tmpfs_bytes": None},
+    ]
+    spec = oci.spec(
+        args=["python"], env={"A": "1"}, cwd="/workspace", uid=1000, gid=1000, groups=[1000],
+        hostname="job-node-0-0", mounts=mounts, read_only=True, no_new_privs=True, caps=[],
+        cgroup="/tunepack-executor/x",
+    )  # fmt: skip
+    assert spec["process"]["user"] == {"uid": 1000, "gid": 1000, "additionalGids": [1000],
+                                       "umask": 0o022}  # fmt: skip
+    assert spec["process"]["noNewPrivileges"] is True
+    assert spec["process"]["capabilities"] == {"bounding": [], "effective": [], "permitted": []}
+    assert spec["root"] == {"path": "rootfs", "readonly": True}
+    by_target = {m["destination"]: m for m in spec["mounts"]}
+    assert by_target["/workspace"]["options"] == ["rbind", "rw"]
+    assert by_target["/etc/hosts"]["options"] == ["rbind", "ro"]
+    # The pod's /dev/shm (a memory emptyDir) replaces the default 64 MiB one, with its size.
+    assert [m["destination"] for m in spec["mounts"]].count("/dev/shm") == 1
+    assert f"size={1 << 30}" in by_target["/dev/shm"]["options"]
+    # Host network and the init's PID namespace: only mount, UTS and IPC are the container's.
+    assert [n["type"] for n in spec["linux"]["namespaces"]] == ["mount", "uts", "ipc"]
