@@ -437,8 +437,10 @@ def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_pat
     """Two ranks of 4 pairs see the same 8 pairs per step as one process of 8 (the sampler deals
     one global order out), so FSDP2's DPO follows the one-process run, reference passes and all:
     closely, not exactly, as for supervised LoRA (sharded sums round differently and Adam's
-    first steps, about lr * sign(gradient), magnify that)."""
-    common = ["method=dpo", "epochs=6", "lr=3e-3", "warmup_steps=0", "checkpoint_every_minutes=0"]
+    first steps, about lr * sign(gradient), magnify that: at 3e-3 on the tiny pairs, which the
+    model learns fast, the two drift 0.009 apart in loss by step 6; at 1e-3 they stay within
+    0.002 while the run still learns visibly)."""
+    common = ["method=dpo", "epochs=6", "lr=1e-3", "warmup_steps=0", "checkpoint_every_minutes=0"]
     one = shutil.copytree(preference_workspace, tmp_path / "one")
     done = _launch(_env(one), *common, "batch_size=8")
     assert done.returncode == 0, done.stderr

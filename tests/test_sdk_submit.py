@@ -397,18 +397,18 @@ def test_upstream_initializer_objects_give_the_trainjob_of_the_equivalent_uris(w
 
 def test_a_request_naming_no_gpu_is_checked_on_the_gpu_the_pod_keeps(caplog):
     # The Trainer merges resourcesPerNode into the runtime's resources: {"cpu": 8} keeps the
-    # runtime's GPU, so the memory check holds the job to that one GPU (a full 8B does not fit).
+    # runtime's GPU, so the memory check holds the job to that one GPU (a full 8B at batch 8 of
+    # 8192 tokens needs 133 GiB there: it does not fit).
     caplog.set_level("INFO", logger="tunepack.jobs.submit")
+    big = {"method": "full", "batch_size": 8, "max_seq_len": 8192}
     with pytest.raises(BadInputError, match="does NOT fit"):
-        _build(FineTune(method="full", resources_per_node={"cpu": 8}))
+        _build(FineTune(**big, resources_per_node={"cpu": 8}))
     assert (
         "resources_per_node={'cpu': 8} names no GPU, so the pods keep the runtime's 1 GPU(s) per "
         "node (the Trainer merges resourcesPerNode into the runtime's resources); give "
         "{'gpu': 0} for none"
     ) in caplog.text
     # Asked for none, the pod holds none: nothing to check GPU memory on, one process.
-    trainer = _build(FineTune(method="full", resources_per_node={"cpu": 8, "gpu": 0}))["spec"][
-        "trainer"
-    ]
+    trainer = _build(FineTune(**big, resources_per_node={"cpu": 8, "gpu": 0}))["spec"]["trainer"]
     assert trainer["resourcesPerNode"]["limits"] == {"cpu": 8, "nvidia.com/gpu": 0}
     assert trainer["numProcPerNode"] == 1
