@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -62,6 +63,15 @@ def kubectl(*args: str, kubeconfig: Path, input: str | None = None, timeout: flo
         text=True,
         timeout=timeout,
     )
+
+
+def create(obj: dict, namespace: str, *, kubeconfig: Path, dry_run: bool = False):
+    """``kubectl create -f -`` of one object, as a user applies YAML (the CompletedProcess)."""
+    extra = ["--dry-run=server"] if dry_run else []
+    return kubectl(
+        "create", "-n", namespace, *extra, "-f", "-",
+        input=yaml.safe_dump(obj), kubeconfig=kubeconfig,
+    )  # fmt: skip
 
 
 class Api:

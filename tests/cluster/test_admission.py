@@ -13,7 +13,6 @@ import copy
 import uuid
 
 import pytest
-import yaml
 
 from tests.cluster import kube
 from tunepack.core.errors import BadInputError
@@ -50,17 +49,7 @@ def _trainjob(args: list[str], runtime: str = RUNTIME, initializer: bool = True)
 
 
 def _create(controlplane, namespace: str, obj: dict, *, dry_run: bool = False):
-    extra = ["--dry-run=server"] if dry_run else []
-    return kube.kubectl(
-        "create",
-        "-n",
-        namespace,
-        *extra,
-        "-f",
-        "-",
-        input=yaml.safe_dump(obj),
-        kubeconfig=controlplane.kubeconfig,
-    )
+    return kube.create(obj, namespace, kubeconfig=controlplane.kubeconfig, dry_run=dry_run)
 
 
 def _refusal(done) -> str:

@@ -23,24 +23,10 @@ KEYS = {"AWS_ACCESS_KEY_ID": "AKIAEXPORTTEST", "AWS_SECRET_ACCESS_KEY": "export/
 
 
 @pytest.fixture(scope="module")
-def s3():
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=url,
-        region_name="us-east-1",
-        aws_access_key_id=KEYS["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=KEYS["AWS_SECRET_ACCESS_KEY"],
-    )
-    client.create_bucket(Bucket="results")
-    yield {"url": url, "client": client}
-    server.stop()
+def s3(s3_sources):
+    """The tier's S3 (moto on loopback) with a bucket for the results."""
+    s3_sources["client"].create_bucket(Bucket="results")
+    return s3_sources
 
 
 def test_a_trainjob_exports_to_s3_after_training(

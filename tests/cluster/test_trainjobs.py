@@ -191,15 +191,7 @@ def test_a_bare_path_is_refused_by_the_platform(controlplane, namespace, install
             "initializer": {"dataset": {"storageUri": "/data/x.jsonl"}},
         },
     }
-    created = kube.kubectl(
-        "create",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=yaml.safe_dump(obj),
-        kubeconfig=controlplane.kubeconfig,
-    )
+    created = kube.create(obj, namespace, kubeconfig=controlplane.kubeconfig)
     assert created.returncode != 0
     assert "storageUri" in created.stderr
 
@@ -231,15 +223,7 @@ def test_every_example_runs(api, controlplane, namespace, installed_runtimes, on
                 "resources": {"requests": {"storage": "1Gi"}},
             },
         }
-        kube.kubectl(
-            "create",
-            "-n",
-            namespace,
-            "-f",
-            "-",
-            input=yaml.safe_dump(pvc),
-            kubeconfig=controlplane.kubeconfig,
-        )
+        kube.create(pvc, namespace, kubeconfig=controlplane.kubeconfig)
     created = kube.kubectl(
         "create",
         "-n",

@@ -265,19 +265,10 @@ def test_gpu_0_asks_for_no_gpu_and_gets_none(api, namespace, installed_runtimes,
 def test_num_proc_per_node_unset_takes_the_cpu_request(
     api, controlplane, namespace, installed_runtimes, on_kwok, runtime, resources, procs, gpus
 ):
-    import yaml
 
     trainer = {"resourcesPerNode": resources} if resources else {}
     obj = _raw_trainjob(runtime, trainer)
-    created = kube.kubectl(
-        "create",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=yaml.safe_dump(obj),
-        kubeconfig=controlplane.kubeconfig,
-    )
+    created = kube.create(obj, namespace, kubeconfig=controlplane.kubeconfig)
     assert created.returncode == 0, created.stderr
     name = obj["metadata"]["name"]
     limits, env = _node_container(_node_pod(api, namespace, name))
@@ -309,19 +300,10 @@ def test_the_exporter_is_one_of_the_jobs_steps(api, namespace, installed_runtime
 def test_a_suspended_trainjob_holds_its_workspace_pvc(
     api, controlplane, namespace, installed_runtimes, on_kwok
 ):
-    import yaml
 
     obj = _raw_trainjob(TINY, {"numProcPerNode": 1}, suspend=True)
     name = obj["metadata"]["name"]
-    created = kube.kubectl(
-        "create",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=yaml.safe_dump(obj),
-        kubeconfig=controlplane.kubeconfig,
-    )
+    created = kube.create(obj, namespace, kubeconfig=controlplane.kubeconfig)
     assert created.returncode == 0, created.stderr
     read = api.core.read_namespaced_persistent_volume_claim
     pvc = kube.wait_for(
