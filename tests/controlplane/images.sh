@@ -6,7 +6,8 @@
 # Cached by content: the base is tagged by what it is made from (suite and packages) and made
 # once; the images are built with buildah's layer cache, so a change to tunepack's source rebuilds
 # only the wheel and the layers after it (the dependency layers stay). Superseded images are
-# removed at the end, so the storage holds one set (bounded).
+# removed at the end and a failed build leaves no working container (--force-rm), so the storage
+# holds one set (bounded).
 #
 # Needs root (debootstrap, buildah) and Debian's podman, buildah, runc and debootstrap: installed
 # with apt-get when missing. Environment: SUITE (bookworm), MIRROR, REGISTRY (ghcr.io/tunepack),
@@ -82,7 +83,7 @@ build() {  # dockerfile target name
     local start
     start=$(date +%s)
     log "$REGISTRY/$3:$VERSION"
-    bounded buildah bud --quiet --isolation chroot --layers --network host \
+    bounded buildah bud --quiet --isolation chroot --layers --force-rm --network host \
         --ulimit nofile=4096:4096 --ulimit nproc=4096:4096 "${cert[@]}" \
         --build-arg PYTHON_IMAGE="$BASE" -f "$1" ${2:+--target "$2"} \
         -t "$REGISTRY/$3:$VERSION" . >/dev/null
