@@ -40,6 +40,26 @@ def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600
     )
 
 
+# The dataset initializer's own settings: a test gives them explicitly, never from the caller's env.
+DATASET_SETTINGS = ("STORAGE_URI", "DATASET_SCHEMA", "COLUMN_MAP", "DATASET_SPLIT")
+
+
+def run_dataset_initializer(
+    workspace: Path, storage_uri: str, *, timeout: int = 60, cwd=None, **env: str
+) -> subprocess.CompletedProcess:
+    """The real dataset initializer into ``workspace``, as its own process."""
+    clean = {k: v for k, v in os.environ.items() if k not in DATASET_SETTINGS}
+    clean.update(TUNEPACK_WORKSPACE=str(workspace), STORAGE_URI=storage_uri, **env)
+    return subprocess.run(
+        [sys.executable, "-m", "tunepack.initializers.dataset"],
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
 def setup_recipe(entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path):
     """The trainer's recipe for ``entry`` and ``key=value`` arguments, set up (built, loaded)."""
     from tunepack.trainers.args import parse_trainer_args

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers import run_dataset_initializer
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.core.workspace import MANIFEST_FILE
 
@@ -29,20 +27,7 @@ CHAT_HINT = (
 
 
 def run_dataset(tmp_path, storage_uri, **env):
-    clean = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in {"STORAGE_URI", "DATASET_SCHEMA", "COLUMN_MAP", "DATASET_SPLIT"}
-    }
-    clean.update(TUNEPACK_WORKSPACE=str(tmp_path / "ws"), STORAGE_URI=storage_uri, **env)
-    return subprocess.run(
-        [sys.executable, "-m", "tunepack.initializers.dataset"],
-        env=clean,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_dataset_initializer(tmp_path / "ws", storage_uri, cwd=tmp_path, **env)
 
 
 def output(tmp_path) -> tuple[list[dict], dict]:

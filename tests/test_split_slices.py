@@ -4,14 +4,12 @@ dataset initializer from Parquet and JSON Lines: the rows kept, the manifest, th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.helpers import run_dataset_initializer
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import splits
@@ -20,15 +18,7 @@ ROWS = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(
 
 
 def run_dataset(tmp_path, storage_uri, **env):
-    clean = {k: v for k, v in os.environ.items() if k not in {"STORAGE_URI", "DATASET_SPLIT"}}
-    clean.update(TUNEPACK_WORKSPACE=str(tmp_path / "ws"), STORAGE_URI=storage_uri, **env)
-    return subprocess.run(
-        [sys.executable, "-m", "tunepack.initializers.dataset"],
-        env=clean,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_dataset_initializer(tmp_path / "ws", storage_uri, **env)
 
 
 def written(tmp_path) -> tuple[list[str], dict]:

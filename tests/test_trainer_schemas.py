@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import setup_recipe
+from tests.helpers import run_dataset_initializer, setup_recipe
 from tunepack.runtimes import catalog
 from tunepack.tiny import tiny_dataset_rows
 
@@ -36,14 +33,7 @@ def _initialize_dataset(rows: list[dict], initialized_workspace, tmp_path):
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     workspace = tmp_path / "ws"
     shutil.copytree(initialized_workspace / "model", workspace / "model")
-    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)}
-    done = subprocess.run(
-        [sys.executable, "-m", "tunepack.initializers.dataset"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_dataset_initializer(workspace, str(source))
     assert done.returncode == 0, done.stderr
     return workspace
 

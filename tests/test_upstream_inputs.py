@@ -5,9 +5,6 @@ the Parquet data, and ``access_token`` is pointed at the Secret way without bein
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,6 +20,7 @@ from kubeflow.trainer import (
 )
 from kubeflow.trainer import Initializer as KfInitializer
 
+from tests.helpers import run_dataset_initializer
 from tunepack.core.errors import BadInputError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.jobs import submit
@@ -68,15 +66,8 @@ def test_the_notebooks_parquet_slice_trains_on_those_rows(tmp_path):
 
     # The dataset initializer, with what the TrainJob gives it, keeps the first 1000 rows.
     block = job["spec"]["initializer"]["dataset"]
-    env = {k: v for k, v in os.environ.items() if k not in ("DATASET_SPLIT", "STORAGE_URI")}
-    env.update(_env(job, "dataset"), STORAGE_URI=block["storageUri"])
-    env["TUNEPACK_WORKSPACE"] = str(tmp_path / "ws")
-    done = subprocess.run(
-        [sys.executable, "-m", "tunepack.initializers.dataset"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    done = run_dataset_initializer(
+        tmp_path / "ws", block["storageUri"], timeout=120, **_env(job, "dataset")
     )
     assert done.returncode == 0, done.stderr
     manifest = json.loads((tmp_path / "ws" / "dataset" / MANIFEST_FILE).read_text())
