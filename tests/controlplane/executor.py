@@ -726,12 +726,9 @@ class PodRunner:
             cgroup=f"/{oci.CGROUP_PARENT}/{run_id}",
         )
         (bundle / "config.json").write_text(json.dumps(config))
-        return {
+        return {  # the mounts are runc's (config.json): the init makes none of its own
             "argv": argv,
             "hostname": hostname,
-            "mounts": [],
-            "reveal": {},
-            "overlay_dir": str(self.dir / "overlays" / st.name),
             "oci": {
                 "bundle": str(bundle),
                 "image_rootfs": image.rootfs,
