@@ -333,6 +333,23 @@ def test_hosts_file_maps_the_pods_of_one_subdomain():
     assert podspec.pod_hostname(pod()) == "job-node-0-0-abcde"
 
 
+def test_hosts_file_maps_cluster_ip_services_to_loopback():
+    """The cluster DNS stand-in: a ClusterIP Service's names are 127.0.0.1 (the Trainer's status
+    server's URL names its Service); a headless one (a JobSet's) adds nothing."""
+    services = [
+        {"metadata": {"name": "trainer", "namespace": "kf"}, "spec": {"clusterIP": "10.96.0.7"}},
+        {"metadata": {"name": "job", "namespace": "team"}, "spec": {"clusterIP": "None"}},
+    ]
+    names = podspec.service_names(services)
+    assert names == ["trainer.kf.svc", "trainer.kf.svc.cluster.local"]
+    text = podspec.hosts_file(("solo", None, "team"), [], names)
+    assert text[len(podspec.HOSTS_HEADER) :].splitlines() == [
+        "127.0.0.1\ttrainer.kf.svc",
+        "127.0.0.1\ttrainer.kf.svc.cluster.local",
+        "127.0.0.1\tsolo",
+    ]
+
+
 def test_quantities():
     assert podspec.parse_quantity("16Gi") == 16 * 2**30
     assert podspec.parse_quantity("500m") * 1000 == 500

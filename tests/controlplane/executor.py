@@ -24,6 +24,9 @@ What it is NOT, and why (no images, no runtime, one loopback address here):
   mountPaths, its hostname is the pod's, and /etc/hosts is a per-pod file mapping the names of
   the pods of its namespace and subdomain (a JobSet's headless Service) to 127.0.0.1, so
   ``<trainjob>-node-0-0.<trainjob>`` resolves; the file is rewritten in place when peers come.
+  It also maps the names of the cluster's ClusterIP Services (``<svc>.<ns>.svc``, listed as the
+  pod starts) to 127.0.0.1, where the tier's servers listen: with no kube-proxy, a Service's
+  port must be its server's own (the Trainer's status server: tests/controlplane/cluster.py).
 - Volumes: persistentVolumeClaim (bound to a hostPath or local PV), emptyDir (a directory, or a
   tmpfs per container for ``medium: Memory``: not shared between the containers of a pod),
   secret, configMap, downwardAPI and projected (service account tokens by TokenRequest: every
@@ -539,6 +542,7 @@ class PodRunner:
     def prepare(self):
         self.volumes = podspec.classify_volumes(self.pod)
         (self.dir / "volumes").mkdir(parents=True, exist_ok=True)
+        self.ex.refresh_services()
         self.ex.write_hosts(self)
         psc = self.pod["spec"].get("securityContext") or {}
         fs_group = psc.get("fsGroup")
@@ -962,6 +966,7 @@ class Executor:
         self.forgetting: set[PodRunner] = set()  # gone from the API, containers still stopping
         self.finalized: set[str] = set()
         self.peers: dict[str, tuple[str, str | None, str]] = {}  # uid -> hosts entry
+        self.services: list[str] = []  # ClusterIP Services' DNS names, as of the last pod start
         self.lock = threading.RLock()
         self.created_paths: list[str] = []
         self.stopping = threading.Event()
@@ -1230,7 +1235,7 @@ class Executor:
     def write_hosts(self, runner: PodRunner):
         entry = (podspec.pod_hostname(runner.pod), runner.pod["spec"].get("subdomain"), runner.ns)
         with self.lock:
-            content = podspec.hosts_file(entry, list(self.peers.values())).encode()
+            content = podspec.hosts_file(entry, list(self.peers.values()), self.services).encode()
             runner.dir.mkdir(parents=True, exist_ok=True)
             # Rewritten in place (same inode) so the bind mounts over /etc/hosts see it.
             fd = os.open(runner.hosts, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -1239,6 +1244,14 @@ class Executor:
                 os.ftruncate(fd, len(content))
             finally:
                 os.close(fd)
+
+    def refresh_services(self):
+        """The cluster DNS stand-in for Services: one LIST as each pod starts (a Service made
+        later reaches the hosts files of pods started later)."""
+        listed = self._read(self.core.list_service_for_all_namespaces) or {}
+        names = podspec.service_names(listed.get("items") or [])
+        with self.lock:
+            self.services = names
 
     def update_hosts(self, entry):
         _, subdomain, ns = entry

@@ -458,12 +458,19 @@ def host_names(hostname: str, subdomain: str | None, namespace: str) -> list[str
     return [hostname, f"{hostname}.{subdomain}", fqdn, f"{fqdn}.cluster.local"]
 
 
-def hosts_file(own: tuple[str, str | None, str], peers: Iterable[tuple[str, str | None, str]]):
+def hosts_file(
+    own: tuple[str, str | None, str],
+    peers: Iterable[tuple[str, str | None, str]],
+    services: Iterable[str] = (),
+):
     """The hosts file of one pod: ``own`` and ``peers`` are (hostname, subdomain, namespace).
 
     Peers count only when they share the pod's namespace and (non-empty) subdomain, as the
-    headless Service of a JobSet would make their names resolvable."""
+    headless Service of a JobSet would make their names resolvable. ``services`` are the DNS
+    names of the cluster's ClusterIP Services (``service_names``): each is 127.0.0.1 too, where
+    the servers of this tier listen."""
     lines = [HOSTS_HEADER]
+    lines += [f"127.0.0.1\t{name}\n" for name in services]
     seen = set()
     hostname, subdomain, namespace = own
     for entry in [own, *sorted(p for p in peers if p != own)]:
@@ -474,6 +481,19 @@ def hosts_file(own: tuple[str, str | None, str], peers: Iterable[tuple[str, str 
         seen.add(entry)
         lines.append("127.0.0.1\t" + " ".join(host_names(*entry)) + "\n")
     return "".join(lines)
+
+
+def service_names(services: Iterable[dict]) -> list[str]:
+    """The cluster DNS names of the ClusterIP Services among ``services`` (API objects):
+    ``<name>.<namespace>.svc`` and the same under ``.cluster.local``. Headless Services (a
+    JobSet's) are left out: their pods' own names are the peers' entries."""
+    names = []
+    for svc in services:
+        if (svc.get("spec") or {}).get("clusterIP") in (None, "", "None"):
+            continue
+        fqdn = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc"
+        names += [fqdn, f"{fqdn}.cluster.local"]
+    return sorted(names)
 
 
 # ---------------------------------------------------------------------------------------------
