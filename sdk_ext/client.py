@@ -76,7 +76,8 @@ class TrainingClient(TrainerClient):
         progress: bool = False,
     ):
         """As the SDK's; ``progress=True`` also shows a progress bar (tqdm, Jupyter-aware) and,
-        once the job is complete, a line with its losses and its experiment tracker's run."""
+        once the job is complete, a line with its losses and its experiment tracker's run (or,
+        on a cluster whose trainer reported no progress, that it is unavailable, and why)."""
         callbacks = list(callbacks or [])
         bar = notebook_progress.ProgressBar(name) if progress else None
         if bar:
@@ -88,6 +89,8 @@ class TrainingClient(TrainerClient):
                 bar.close()
         if bar and job.status == kc.TRAINJOB_COMPLETE and isinstance(self.backend, TunepackBackend):
             lines = notebook_progress.summary_lines(self.backend.result(name))
+            if not bar.reported and not isinstance(self.backend, LocalBackend):
+                lines.append(f"progress unavailable: {notebook_progress.NO_TRAINER_STATUS}")
             if lines:
                 print(f"{name}: " + "; ".join(lines))
         return job

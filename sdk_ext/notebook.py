@@ -130,6 +130,7 @@ class Progress:
     estimated_remaining_seconds: int | None = None
     val_loss: float | None = None  # the latest validation loss (runs with val_fraction)
     val_perplexity: float | None = None
+    tokens_per_second: float | None = None  # of the latest optimizer step
 
 
 @dataclass

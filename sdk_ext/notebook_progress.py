@@ -5,20 +5,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# Why a cluster job that finished shows no progress (``tunepack status``, the progress bar).
+NO_TRAINER_STATUS = (
+    "the TrainJob has no status.trainerStatus (the Kubeflow Trainer's TrainJobStatus feature "
+    "gate is off, or the trainer never reached its status server)"
+)
+
 
 class ProgressBar:
     """A bar of a job's optimizer steps (``12/40 step``), with the latest training and validation
     loss; use as a wait callback. Where a job reports only a percentage (a cluster's
-    ``trainerStatus``), the bar counts percent."""
+    ``trainerStatus``), the bar counts percent. ``reported``: whether any progress came."""
 
     def __init__(self, name: str):
         from tqdm.auto import tqdm
 
         self.bar = tqdm(total=None, desc=name, unit="step")
         self.shown = 0
+        self.reported = False
 
     def update(self, job) -> None:
         progress = getattr(job, "progress", None)
+        self.reported = self.reported or progress is not None
         done = None
         if progress and progress.total_steps:
             self._total(progress.total_steps, "step")

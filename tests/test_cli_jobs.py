@@ -74,7 +74,10 @@ def test_train_local_is_a_job_that_status_logs_and_result_see(home, cli_job):
     assert status.returncode == 0, status.stderr
     lines = assert_local_status_complete(status.stdout, name, RUNTIME)
     result = json.loads((workspace / "output" / "result.json").read_text())
-    assert f"  progress 100%  loss {result['final_loss']:.4f}" in lines
+    progress = next(line for line in lines if line.startswith("  progress "))
+    assert re.fullmatch(
+        rf"  progress 100%  loss {result['final_loss']:.4f}  \d+ tokens/s", progress
+    ), progress
 
     logs = tunepack(home, "logs", name, "--local")
     assert logs.returncode == 0, logs.stderr
@@ -102,9 +105,10 @@ def test_jobs_lists_cli_and_python_jobs_and_python_sees_the_cli_job(home, cli_jo
     listed = tunepack(home, "jobs", "--local")
     assert listed.returncode == 0, listed.stderr
     header, *rows = [line.split() for line in listed.stdout.splitlines()]
-    assert header == ["NAME", "RUNTIME", "STATUS", "CREATED", "WORKSPACE"]
+    assert header == ["NAME", "RUNTIME", "STATUS", "CREATED", "PROGRESS", "WORKSPACE"]
     by_name = {row[0]: row for row in rows}
     assert by_name[name][1:3] == [RUNTIME, "Complete"] and by_name[name][-1] == str(workspace)
+    assert by_name[name][-2] == by_name[py_name][-2] == "100%"
     assert by_name[py_name][1:3] == [RUNTIME, "Complete"]
     assert by_name[py_name][-1] == str(client.backend.workspace(py_name))
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", " ".join(by_name[name][3:5]))

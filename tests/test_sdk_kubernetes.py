@@ -107,13 +107,15 @@ def _controller_runs(fake, name: str, failed: bool = False):
                 {"name": "loss", "value": "1.25"},
                 {"name": "val_loss", "value": "1.5"},
                 {"name": "val_perplexity", "value": "4.4817"},
+                {"name": "tokens_per_second", "value": "812.4"},
+                {"name": "step", "value": "40"},
             ],
             "lastUpdatedTime": "2026-01-01T00:10:00Z",
         },
     }
 
 
-def test_install_train_status_logs_delete(server):
+def test_install_train_status_logs_delete(server, capsys):
     fake, url = server
     _install(fake, url)
     tc = _client(url)
@@ -162,6 +164,7 @@ def test_install_train_status_logs_delete(server):
     assert job.status == "Complete"
     assert job.progress.percent == 100 and job.progress.loss == 1.25
     assert (job.progress.val_loss, job.progress.val_perplexity) == (1.5, 4.4817)
+    assert (job.progress.tokens_per_second, job.progress.step) == (812.4, 40)
     assert {s.name for s in job.steps} == {"dataset-initializer", "model-initializer", "node-0"}
     assert list(tc.get_job_logs(name)) == ["hello from node", "second line"]
     assert (
@@ -172,6 +175,19 @@ def test_install_train_status_logs_delete(server):
     pod_list = next(r for r in fake.requests if r.path == f"/api/v1/namespaces/{NS}/pods")
     assert f"jobset.sigs.k8s.io/jobset-name={name}" in pod_list.query["labelSelector"][0]
     assert [j.name for j in tc.list_jobs()] == [name]
+
+    # Without the Trainer's TrainJobStatus feature gate no trainerStatus comes: the progress bar
+    # has nothing to count, and once the job is complete a line says so, and why.
+    del fake.objects[("trainjobs", NS, name)]["status"]["trainerStatus"]
+    capsys.readouterr()
+    assert (
+        tc.wait_for_job_status(name, timeout=5, polling_interval=1, progress=True).progress is None
+    )
+    assert capsys.readouterr().out == (
+        f"{name}: progress unavailable: the TrainJob has no status.trainerStatus (the Kubeflow "
+        "Trainer's TrainJobStatus feature gate is off, or the trainer never reached its status "
+        "server)\n"
+    )
 
     tc.delete_job(name)
     assert fake.requests[-1].method == "DELETE"
@@ -715,7 +731,12 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
 
     done = tunepack("status", "cli-job")
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "cli-job  Created  runtime tunepack-tiny-llama3\n"
+    assert done.stdout.splitlines() == [
+        "cli-job  Created  runtime tunepack-tiny-llama3",
+        "  progress unavailable: no status.trainerStatus yet (the trainer posts it from its "
+        "first step where the Kubeflow Trainer runs with its TrainJobStatus feature gate); "
+        "see tunepack logs cli-job",
+    ]
 
     _controller_runs(fake, "cli-job")
     done = tunepack("status", "cli-job")
@@ -723,7 +744,25 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
     lines = done.stdout.splitlines()
     assert lines[0] == "cli-job  Complete  runtime tunepack-tiny-llama3"
     assert ["node-0", "Succeeded"] in [line.split() for line in lines]
-    assert "  progress 100%  loss 1.2500  val_loss 1.5000" in lines
+    assert "  progress 100%  loss 1.2500  val_loss 1.5000  812 tokens/s" in lines
+    header, row = [line.split() for line in tunepack("jobs").stdout.splitlines()]
+    assert header[4:] == ["PROGRESS", "WORKSPACE"] and row[5:] == [
+        "100%",
+        "pvc/initializer-cli-job",
+    ]
+
+    # Without the Trainer's TrainJobStatus feature gate a job has no trainerStatus: it still
+    # finishes, and status says that progress is unavailable, and why; jobs shows "-".
+    del fake.objects[("trainjobs", NS, "cli-job")]["status"]["trainerStatus"]
+    done = tunepack("status", "cli-job")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == (
+        "  progress unavailable: the TrainJob has no status.trainerStatus (the Kubeflow "
+        "Trainer's TrainJobStatus feature gate is off, or the trainer never reached its status "
+        "server); see tunepack logs cli-job"
+    )
+    header, row = [line.split() for line in tunepack("jobs").stdout.splitlines()]
+    assert row[5:] == ["-", "pvc/initializer-cli-job"]
 
     done = tunepack("logs", "cli-job")
     assert done.returncode == 0, done.stderr

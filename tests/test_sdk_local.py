@@ -220,7 +220,8 @@ def test_cli_status_and_logs_find_the_local_job(client, finished):
     )
     assert status.returncode == 0, status.stderr
     lines = assert_local_status_complete(status.stdout, name, RUNTIME)
-    assert f"  progress 100%  loss {job.progress.loss:.4f}" in lines
+    p = job.progress
+    assert f"  progress 100%  loss {p.loss:.4f}  {p.tokens_per_second:.0f} tokens/s" in lines
 
     logs = run_program("tunepack.cli", {}, "logs", name, "--local", "--jobs-dir", str(root))
     assert logs.returncode == 0, logs.stderr

@@ -371,12 +371,15 @@ def progress_from_status(trainer_status: dict | None) -> Progress | None:
     if not trainer_status:
         return None
     metrics = {m.get("name"): m.get("value") for m in trainer_status.get("metrics") or []}
+    step = _number(metrics.get("step"))
     return Progress(
         percent=trainer_status.get("progressPercentage"),
+        step=int(step) if step is not None else None,
         loss=_number(metrics.get("loss")),
         estimated_remaining_seconds=trainer_status.get("estimatedRemainingSeconds"),
         val_loss=_number(metrics.get("val_loss")),
         val_perplexity=_number(metrics.get("val_perplexity")),
+        tokens_per_second=_number(metrics.get("tokens_per_second")),
     )
 
 

@@ -517,6 +517,7 @@ def read_progress(metrics: Path) -> Progress | None:
         loss=last["step"].get("loss"),
         val_loss=evaluation.get("val_loss"),
         val_perplexity=evaluation.get("val_perplexity"),
+        tokens_per_second=last["step"].get("tokens_per_second"),
     )
 
 

@@ -521,12 +521,20 @@ def cmd_jobs(ns: argparse.Namespace) -> int:
             job.runtime.name if job.runtime else "",
             job.status,
             job.creation_timestamp.astimezone().strftime("%Y-%m-%d %H:%M:%S"),
+            _percent(job),
             client.backend.workspace_of(job.name),
         ]
         for job in jobs
     ]
-    print(_table(rows, ["NAME", "RUNTIME", "STATUS", "CREATED", "WORKSPACE"]))
+    print(_table(rows, ["NAME", "RUNTIME", "STATUS", "CREATED", "PROGRESS", "WORKSPACE"]))
     return 0
+
+
+def _percent(job) -> str:
+    """A job's progress in ``tunepack jobs``: its percentage, or ``-`` where none was reported
+    (``tunepack status`` says why)."""
+    progress = getattr(job, "progress", None)
+    return f"{progress.percent}%" if progress and progress.percent is not None else "-"
 
 
 def cmd_result(ns: argparse.Namespace) -> int:
@@ -609,14 +617,46 @@ def cmd_status(ns: argparse.Namespace) -> int:
     print(f"{job.name}  {job.status}  runtime {job.runtime.name}")
     for step in job.steps:
         print(f"  {step.name:<22}{step.status}")
+    finished = job.status in ("Complete", "Failed")
     if job.progress and job.progress.percent is not None:
-        p = job.progress
-        loss = f"  loss {p.loss:.4f}" if p.loss is not None else ""
-        val = f"  val_loss {p.val_loss:.4f}" if p.val_loss is not None else ""
-        print(f"  progress {p.percent}%{loss}{val}")
+        print(f"  progress {_progress_line(job.progress, finished)}")
+    elif not ns.local:
+        print(f"  progress unavailable{_why_no_progress(ns.name, finished)}")
     if job.message:
         print(f"  message: {job.message}")
     return 1 if job.status == "Failed" else 0
+
+
+def _progress_line(p, finished: bool) -> str:
+    """``40%  loss 1.2345  val_loss 1.5000  812 tokens/s  eta 1m05s`` (no eta once finished)."""
+    line = f"{p.percent}%"
+    if p.loss is not None:
+        line += f"  loss {p.loss:.4f}"
+    if p.val_loss is not None:
+        line += f"  val_loss {p.val_loss:.4f}"
+    if p.tokens_per_second is not None:
+        line += f"  {p.tokens_per_second:.0f} tokens/s"
+    if p.estimated_remaining_seconds is not None and not finished:
+        line += f"  eta {_duration(p.estimated_remaining_seconds)}"
+    return line
+
+
+def _duration(seconds: int) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
+def _why_no_progress(name: str, finished: bool) -> str:
+    """Why a cluster job shows no progress: its TrainJob has no ``status.trainerStatus``."""
+    if finished:
+        from tunepack.notebook_progress import NO_TRAINER_STATUS as why
+    else:
+        why = (
+            "no status.trainerStatus yet (the trainer posts it from its first step where the "
+            "Kubeflow Trainer runs with its TrainJobStatus feature gate)"
+        )
+    return f": {why}; see tunepack logs {name}"
 
 
 def cmd_logs(ns: argparse.Namespace) -> int:
