@@ -33,6 +33,14 @@ and its peak RSS (wait4), the trainer's last logged loss (each trainer's own, ov
 labelled tokens), versions and the load average. Ratios are throughputs (real tokens per CPU
 second) relative to tunepack default in the same run: above 1 is faster. Nothing here asserts a
 speed; on a shared machine the figures are indicative.
+
+The physical limit, measured in the same run: the peak of this machine's fp32 matrix product on
+``--threads`` threads (one by default: ``sgemm_peak``, the best of several 2048 x 2048 x 2048
+products). Each system's MFU (model FLOPs utilization) is its real tokens per CPU second times
+the model FLOPs per real token (``model_flops_per_token``) over that peak: how far each trainer
+is from what the hardware can do, not only from the others. The FLOP count is the model's, not
+what a trainer executes: tunepack's fused loss skips the output projection on positions without a
+label and still gets the whole count.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -61,6 +70,9 @@ sys.path.insert(0, str(HERE))
 
 from sbs_workload import CACHE, ISSUE, SMOKE, Workload, _encoding, prepare  # noqa: E402
 from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
+
+from tunepack.runtimes.catalog import Shape  # noqa: E402
+from tunepack.tools.planner import LORA_TARGETS_ALL, lora_parameters  # noqa: E402
 
 SYSTEMS = (
     "tunepack",
@@ -96,6 +108,93 @@ class Settings:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     weight_decay: float = 0.01
+
+
+# ----------------------------------------------------------------------------- the limit
+def base_matmul_parameters(shape: Shape) -> int:
+    """Weights the base model multiplies each token by: every layer's q, k, v and output
+    projections and its three MLP matrices, and the output projection over the vocabulary (the
+    embedding matrix itself when tied). The embedding lookup, norms and biases do no matmul."""
+    d, i = shape.embed_dim, shape.intermediate_dim
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    per_layer = d * q + 2 * d * kv + q * d + 3 * d * i
+    return shape.num_layers * per_layer + shape.vocab_size * d
+
+
+def model_flops_per_token(
+    shape: Shape,
+    seq_len: float,
+    *,
+    method: str = "lora",
+    lora_rank: int = 0,
+    lora_attn_modules: tuple[str, ...] = LORA_TARGETS_ALL,
+    lora_mlp: bool = True,
+) -> dict[str, float]:
+    """Model FLOPs of one real token's training step, by part (one multiply-add = 2 FLOPs).
+
+    With ``N`` = ``base_matmul_parameters(shape)``, ``A`` = the LoRA parameters (the planner's
+    ``lora_parameters``; 0 for ``full``), ``L`` layers, ``q`` = heads x head_dim and ``s`` =
+    ``seq_len``, the length each token's attention spans (full, not halved for causality, the
+    usual convention; callers pass the token-weighted mean row length):
+
+    - forward: ``2 (N + A)`` for the matmuls, ``4 L q s`` for attention (scores and values);
+    - backward to the activations: ``2 (N + A)``, and ``8 L q s`` for attention (twice its
+      forward: the gradients of queries, keys, values and probabilities);
+    - backward to the weights: ``2 N`` for ``full``; for the LoRA methods ``2 A`` only, since the
+      frozen weights get no gradient.
+
+    Full fine-tuning is the familiar ``6 N + 12 L q s``. Left out, as usual: norms, RoPE, the
+    activation function, softmax, the loss, QLoRA's dequantization, DoRA's per-step weight norms
+    (once per step, not per token) and activation checkpointing's recomputation (hardware FLOPs,
+    not model FLOPs).
+    """
+    n = base_matmul_parameters(shape)
+    adapters = 0
+    if method != "full":
+        adapters = lora_parameters(shape, lora_rank, lora_attn_modules, lora_mlp)
+    attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
+    parts = {
+        "forward": 2 * (n + adapters) + attention,
+        "backward_activations": 2 * (n + adapters) + 2 * attention,
+        "backward_weights": 2 * (n if method == "full" else adapters),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def sgemm_peak(threads: int = 1, n: int = 2048, repeats: int = 5) -> dict:
+    """This machine's fp32 matrix-product rate on ``threads`` threads: the best of ``repeats``
+    ``n x n x n`` products (``2 n^3`` FLOPs each) after one warm-up, in FLOP/s."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        torch.mm(a, b, out=out)  # warm-up: first-touch pages, the BLAS's own set-up
+        best = math.inf
+        for _ in range(repeats):
+            began = time.perf_counter()
+            torch.mm(a, b, out=out)
+            best = min(best, time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(before)
+    return {
+        "flops_per_s": 2 * n**3 / best,
+        "what": f"fp32 matmul {n}x{n}x{n}, {threads} thread(s), best of {repeats}",
+        "threads": threads,
+        "n": n,
+        "repeats": repeats,
+        "best_s": best,
+    }
+
+
+def attention_span(lengths: list[int], max_seq_len: int) -> float:
+    """The token-weighted mean row length (each row cut to ``max_seq_len``): what one real
+    token's attention spans on average, for ``model_flops_per_token``."""
+    cut = [min(n, max_seq_len) for n in lengths]
+    return sum(n * n for n in cut) / max(sum(cut), 1)
 
 
 # ----------------------------------------------------------------------------- TRL's venv
@@ -408,7 +507,7 @@ def render(report: dict) -> str:
         f"{' '.join(f'{x:.2f}' for x in report['loadavg_before'])} before, "
         f"{' '.join(f'{x:.2f}' for x in report['loadavg_after'])} after",
         "",
-        f"{'system':<18}{'tok/CPU-s':>11}{'tok/wall-s':>12}{'ratio':>7}{'fill':>7}"
+        f"{'system':<18}{'tok/CPU-s':>11}{'tok/wall-s':>12}{'ratio':>7}{'MFU':>7}{'fill':>7}"
         f"{'RSS GiB':>9}{'loss':>8}",
     ]
     for row in report["systems"].values():
@@ -419,13 +518,20 @@ def render(report: dict) -> str:
 
         lines.append(
             f"{row['system']:<18}{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
-            f"{f('ratio_cpu', '7.2f')}{f('fill', '7.2f')}{f('peak_rss_gib', '9.3f')}"
-            f"{f('loss', '8.3f')}"
+            f"{f('ratio_cpu', '7.2f')}{f('mfu', '7.1%')}{f('fill', '7.2f')}"
+            f"{f('peak_rss_gib', '9.3f')}{f('loss', '8.3f')}"
         )
         lines += [f"{'':<18}{note}" for note in row["notes"]]
     for name, why in report["skipped"].items():
         lines.append(f"{name:<18}skipped: {why}")
     lines.append("ratio: real tokens per CPU second relative to tunepack default (above 1: faster)")
+    peak, flops = report["peak"], report["flops_per_token"]
+    lines.append(
+        f"MFU: real tokens per CPU second x {flops['total'] / 1e6:.1f} MFLOP per real token "
+        f"(forward + backward to the activations + LoRA weight gradients, attention over "
+        f"{flops['seq_len']:.0f} tokens) / this machine's {peak['flops_per_s'] / 1e9:.1f} GFLOP/s "
+        f"peak ({peak['what']}, measured in this run)"
+    )
     v = report["versions"]
     lines.append(
         "versions: "
@@ -495,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM unwinds like Ctrl-C: the running trainer is stopped, the temporary runs removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     load_before = os.getloadavg()
+    # The limit, before and after the trainers: the better of the two is the machine's.
+    peaks = [sgemm_peak(settings.threads)]
     root = Path(tempfile.mkdtemp(prefix="tunepack-sbs-"))
     try:
         bench = Bench(root, workload, settings, trl)
@@ -511,6 +619,16 @@ def main(argv: list[str] | None = None) -> int:
             sum(len(enc.encode(v)) for v in r.values())
             for r in map(json.loads, bench.data.read_text().splitlines())
         ]
+        peaks.append(sgemm_peak(settings.threads))
+        peak = max(peaks, key=lambda p: p["flops_per_s"])
+        span = attention_span(row_tokens, workload.max_seq_len)
+        flops = model_flops_per_token(
+            bench.entry.shape, span, method="lora", lora_rank=settings.lora_rank
+        )
+        table = combine(rounds, systems)
+        for row in table.values():
+            tps = row.get("tokens_per_cpu_s")
+            row["mfu"] = tps * flops["total"] / peak["flops_per_s"] if tps else None
         report = {
             "model": bench.entry.name,
             "parameters": bench.entry.parameter_count,
@@ -522,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
             },
             "settings": dataclasses.asdict(settings),
             "rounds": args.rounds,
-            "systems": combine(rounds, systems),
+            "systems": table,
+            "peak": {**peak, "measured": [p["flops_per_s"] for p in peaks]},
+            "flops_per_token": {**flops, "seq_len": span},
             "runs": rounds,
             "skipped": skipped,
             "versions": versions([r[s] for r in rounds for s in r if s.startswith("trl")]),
