@@ -737,6 +737,16 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
         "first step where the Kubeflow Trainer runs with its TrainJobStatus feature gate); "
         "see tunepack logs cli-job",
     ]
+    # While it runs: the percentage, the latest metrics and the trainer's estimate of the rest.
+    fake.objects[("trainjobs", NS, "cli-job")]["status"] = {
+        "trainerStatus": {
+            "progressPercentage": 40,
+            "estimatedRemainingSeconds": 65,
+            "metrics": [{"name": "loss", "value": "2.5"}],
+        }
+    }
+    done = tunepack("status", "cli-job")
+    assert done.stdout.splitlines()[-1] == "  progress 40%  loss 2.5000  eta 1m05s"
 
     _controller_runs(fake, "cli-job")
     done = tunepack("status", "cli-job")
