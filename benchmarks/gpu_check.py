@@ -45,9 +45,10 @@ and the last loss. Derived from them:
   process the trainer would not shard (it shards when there are several), so each worker of this
   check takes the sharded path whatever the world size (``--fsdp-nproc``, default 1).
 
-On a GPU the runs go one at a time; each size's model is written before its runs, and the runs
-that would start after ``--budget-s`` seconds are recorded as skipped, with that reason, so that
-the whole check ends in about 8 minutes on one H100. ``--dry-run`` runs the same code on CPU with a
+On a GPU the runs go one at a time, the most telling first (each size's LoRA runs, the FSDP2
+check, then QLoRA, DoRA and full); a run that would end after ``--budget-s`` seconds (a rough
+guess from the runs before it) is recorded as skipped, with that reason: the aim is a check of
+about 8 minutes on one H100 (not yet timed on one). ``--dry-run`` runs the same code on CPU with a
 tiny model and a few steps (two runs at a time), which is what ``make test`` checks, leaving out
 only the ``compile=true`` run (a minute of CPU even at that size; ``--compile-run yes`` adds it);
 its figures check the harness, not the machine.
