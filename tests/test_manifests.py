@@ -125,7 +125,7 @@ def test_every_kustomization_and_component_is_tested():
     names = {str(d.relative_to(MANIFESTS)) for d in DIRS}
     assert names == {
         "base", "serving", "overlays/gang-coscheduling", "overlays/gpu-nodes", "overlays/gpu-rwx",
-        "overlays/namespaced", "overlays/registry-mirror", "overlays/storage-rwx",
+        "overlays/namespaced", "overlays/registry-mirror", "overlays/storage-rwx", "kueue",
     }  # fmt: skip
     # admission: in the base itself, not an overlay's concern (tests/test_admission.py)
     assert {d.name for d in COMPONENTS} == {*CONCERNS, "admission"}
@@ -142,7 +142,14 @@ def test_only_the_gang_component_asks_for_a_gang():
         assert "kueue.x-k8s.io/queue-name:" not in text, path
 
 
-@pytest.mark.parametrize("directory", DIRS, ids=lambda d: str(d.relative_to(MANIFESTS)))
+# Kueue's kinds have no model here: the real Kueue's CRDs and webhooks check manifests/kueue in
+# tests/cluster/test_queues.py; test_kueue_queues_cover_every_resource_a_runtime_requests below.
+KUEUE = MANIFESTS / "kueue"
+
+
+@pytest.mark.parametrize(
+    "directory", [d for d in DIRS if d != KUEUE], ids=lambda d: str(d.relative_to(MANIFESTS))
+)
 def test_renders_and_validates_strictly(directory):
     objects = render(directory)
     assert objects
@@ -389,3 +396,37 @@ def test_serving_doc_covers_what_the_manifest_needs():
         "ReadWriteOnce",
     ):
         assert needed in text, needed
+
+
+def test_kueue_queues_cover_every_resource_a_runtime_requests():
+    """Kueue leaves a Workload unadmitted when it requests a resource its ClusterQueue does not
+    cover: the shipped queue covers whatever any step of any runtime asks for."""
+    objects = render(KUEUE)
+    by_kind: dict[str, list[dict]] = {}
+    for obj in objects:
+        assert obj["apiVersion"] == "kueue.x-k8s.io/v1beta2", obj
+        by_kind.setdefault(obj["kind"], []).append(obj)
+    (flavor,), (cq,), (lq,) = (
+        by_kind["ResourceFlavor"],
+        by_kind["ClusterQueue"],
+        by_kind["LocalQueue"],
+    )
+    assert lq["spec"]["clusterQueue"] == cq["metadata"]["name"]
+    assert "namespace" not in cq["metadata"] and "namespace" not in flavor["metadata"]
+    (group,) = cq["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == [flavor["metadata"]["name"]]
+    quota = {r["name"] for r in group["flavors"][0]["resources"]}
+    assert quota == set(group["coveredResources"])
+    requested = set()
+    for obj in render(MANIFESTS / "base"):
+        if obj["kind"] != "ClusterTrainingRuntime":
+            continue
+        for job in jobset_spec(obj)["replicatedJobs"]:
+            spec = job["template"]["spec"]["template"]["spec"]
+            for c in spec.get("initContainers", []) + spec["containers"]:
+                for kind in ("requests", "limits"):
+                    requested |= set(c.get("resources", {}).get(kind, {}))
+    assert requested == {"cpu", "memory", "nvidia.com/gpu"}, requested
+    assert requested <= quota, requested - quota
+    priorities = {p["metadata"]["name"]: p["value"] for p in by_kind["WorkloadPriorityClass"]}
+    assert priorities["tunepack-high"] > priorities["tunepack-low"]

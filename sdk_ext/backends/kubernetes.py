@@ -255,6 +255,9 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         job = self._from_object(raw)
         waiting = None
         if job.status not in (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED) and not job.message:
+            held = scheduling.queued(self.custom_api, self.namespace, raw)
+            if held is not None:
+                return dataclasses.replace(job, message=held)
             waiting = scheduling.unscheduled(self.core_api, self.custom_api, self.namespace, name)
         self._unscheduled[name] = waiting
         return dataclasses.replace(job, message=waiting.message()) if waiting else job

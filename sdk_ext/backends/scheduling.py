@@ -9,6 +9,10 @@ PodGroup's ``scheduleTimeoutSeconds`` says how long a group may wait to be place
 that reason instead of waiting until its own timeout. Nothing fails the TrainJob itself (the
 platform has no deadline for an unplaced gang; Kueue's ``waitForPodsReady`` is one): it stays
 queued until nodes free up or it is deleted.
+
+Before any pod exists, Kueue may hold a TrainJob (``kueue.x-k8s.io/queue-name``): suspended
+until its Workload is admitted. ``queued`` reads Kueue's reason from that Workload (e.g. not
+enough quota) so that ``tunepack status`` says why the job waits, not only that it was created.
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from tunepack.jobs.trainjob import QUEUE_LABEL
+
 PODGROUP_API = ("scheduling.x-k8s.io", "v1alpha1", "podgroups")
+WORKLOAD_API = ("kueue.x-k8s.io", "v1beta2", "workloads")
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"  # Kueue's label on a job's Workload
 JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"  # the TrainJob's JobSet has its name
 
 
@@ -121,3 +129,30 @@ def _gang_timeout(custom_api, namespace: str, pod) -> int | None:
         return None
     timeout = (obj.get("spec") or {}).get("scheduleTimeoutSeconds")
     return int(timeout) if timeout else None
+
+
+def queued(custom_api, namespace: str, trainjob: dict) -> str | None:
+    """Kueue's reason for holding a suspended TrainJob of a LocalQueue, or None if Kueue holds
+    none (no queue label, not suspended: admitted or never queued)."""
+    meta, spec = trainjob.get("metadata") or {}, trainjob.get("spec") or {}
+    queue = (meta.get("labels") or {}).get(QUEUE_LABEL)
+    if not queue or not spec.get("suspend"):
+        return None
+    where = f"queued in Kueue LocalQueue {queue}"
+    try:
+        found = custom_api.list_namespaced_custom_object(
+            *WORKLOAD_API[:2], namespace, WORKLOAD_API[2],
+            label_selector=f"{JOB_UID_LABEL}={meta.get('uid')}",
+        )  # fmt: skip
+    except Exception:  # no Kueue CRDs, or no access to Workloads
+        return f"{where} (its Workload cannot be read)"
+    workloads = found.get("items") or []
+    if not workloads:
+        return f"{where}: waiting for Kueue to make its Workload"
+    conditions = {c["type"]: c for c in (workloads[0].get("status") or {}).get("conditions") or []}
+    for kind in ("Evicted", "QuotaReserved", "Admitted"):
+        c = conditions.get(kind)
+        if c is not None and (c["status"] == "False") == (kind != "Evicted"):
+            word = "evicted" if kind == "Evicted" else "waiting"
+            return f"{where}: {word} ({c.get('reason', '')}): {c.get('message', '').strip()}"
+    return f"{where}: waiting for admission"

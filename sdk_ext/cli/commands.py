@@ -1027,7 +1027,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("install", help="server-side apply tunepack's runtimes to the cluster")
+    p = sub.add_parser(
+        "install",
+        help="server-side apply tunepack's runtimes to the cluster",
+        epilog="Queues: with Kueue (TrainJob integration on), `kubectl apply --server-side -k "
+        "manifests/kueue` adds a ClusterQueue with GPU quota, the LocalQueue 'team' and two "
+        "priority classes; then `tunepack train --queue team ...` (docs/cluster.md, 'Gang "
+        "scheduling and queues').",
+    )
     p.add_argument("--namespace", help="install namespace-scoped TrainingRuntimes there instead")
     p.add_argument("--runtime", action="append", help="only this runtime (repeatable)")
     p.add_argument("--context", help="kubeconfig context")

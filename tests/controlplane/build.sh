@@ -149,6 +149,19 @@ build_scheduler_plugins() {
   rm -rf "$dir"
 }
 
+# Kueue against the Trainer API this tier runs (versions.env says why): MVS takes the newer
+# Trainer module; everything else as Kueue's own go.mod pins it. The cache key names both.
+build_kueue() {
+  local dir; dir=$(scratch)
+  (
+    cd "$dir"
+    go get "sigs.k8s.io/kueue@$KUEUE_VERSION" "github.com/kubeflow/trainer/v2@$TRAINER_VERSION"
+    go build -o "$out/kueue" -ldflags "$ldflags_base -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" \
+      sigs.k8s.io/kueue/cmd/kueue
+  )
+  rm -rf "$dir"
+}
+
 command -v go >/dev/null || { echo "build.sh: go is not on PATH (the cluster tier needs Go 1.26)" >&2; exit 2; }
 # A bound on the cold build, so CI on a fresh machine ends in time even with a slow proxy: about
 # 8 minutes on 2 cores when measured, 35 allowed. Go's caches keep what a stopped build did.
@@ -156,7 +169,7 @@ budget=${TUNEPACK_CONTROLPLANE_BUILD_SECONDS:-2100}
 deadline=$((SECONDS + budget))
 export ldflags_base cache
 export -f scratch build_module build_trainer build_jobset build_kwok build_etcd build_kubernetes \
-  build_scheduler_plugins
+  build_scheduler_plugins build_kueue
 total=$SECONDS
 done_or_build kubernetes "$KUBERNETES_VERSION" build_kubernetes
 done_or_build etcd "$ETCD_VERSION" build_etcd
@@ -164,5 +177,6 @@ done_or_build trainer "$TRAINER_VERSION" build_trainer
 done_or_build jobset "$JOBSET_VERSION" build_jobset
 done_or_build kwok "$KWOK_VERSION" build_kwok
 done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plugins
+done_or_build kueue "$KUEUE_VERSION-trainer-$TRAINER_VERSION" build_kueue
 log "all components ready in $((SECONDS - total)) s"
 echo "$cache"

@@ -4,16 +4,20 @@
 
     etcd -> kube-apiserver -> kube-controller-manager (Job, GC, PV binder, ...) + kube-scheduler
          -> CRDs (Trainer's, JobSet's) -> JobSet controller + webhooks
-         -> Trainer controller + webhooks -> KWOK (fake nodes) -> the pod executor (its own node)
+         -> Trainer controller + webhooks -> Kueue + webhooks (TrainJob integration)
+         -> KWOK (fake nodes) -> the pod executor (its own node)
 
-Every server listens on 127.0.0.1 on a port picked here; every process gets ``PR_SET_PDEATHSIG``
+Every server listens on 127.0.0.1 on a port picked here (but one: the Trainer's status server
+listens on every interface, having no address setting in v2.3.0; every request to it goes to
+127.0.0.1); every process gets ``PR_SET_PDEATHSIG``
 so it dies with the process that started it; ``stop()`` signals exactly the PIDs started here.
 Webhooks are registered as URL webhooks with this control plane's CA, only once each server
 answers, from the upstream modules' own webhook manifests (rendered with a real kustomize).
 
 Nothing here is faked: admission, CEL rules, the controllers and the scheduler are upstream
 code. What is not real: nodes (KWOK's, plus the executor's node, where pods run as local
-processes instead of containers) and DNS (the executor maps pod names to 127.0.0.1).
+processes or runc containers) and DNS (the executor maps pod and Service names to 127.0.0.1).
+The Trainer and Kueue run as processes with the files their pods would have (``podfs``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.controlplane import kueue
 from tests.controlplane.pki import LOOPBACK_SANS, Authority
 
 HERE = Path(__file__).resolve().parent
@@ -167,6 +172,7 @@ class ControlPlane:
             "jobset": v["JOBSET_VERSION"],
             "kwok": v["KWOK_VERSION"],
             "scheduler-plugins": v["SCHEDULER_PLUGINS_VERSION"],
+            "kueue": f"{v['KUEUE_VERSION']}-trainer-{v['TRAINER_VERSION']}",
         }[component]
         path = self.bin_dir / f"{component}@{version}" / name
         if not path.is_file():
@@ -195,6 +201,8 @@ class ControlPlane:
             "trainer_webhook",
             "trainer_health",
             "trainer_status",
+            "kueue_webhook",
+            "kueue_health",
             "kwok",
             "executor_logs",
         ):
@@ -208,6 +216,7 @@ class ControlPlane:
             self._gang_scheduler()
             self._jobset()
             self._trainer()
+            kueue.start(self)
             self._kwok()
             if executor:
                 self._executor()
@@ -297,8 +306,12 @@ class ControlPlane:
             client=True,
         )
         self.sa = ca.service_account_keys()
-        for name in ("jobset-webhook", "trainer-webhook", "executor"):
+        for name in ("jobset-webhook", "kueue-webhook", "executor"):
             ca.issue(name, common_name=name, sans=LOOPBACK_SANS, server=True)
+        # The Trainer's webhooks and status server share one certificate (its Secret's, in a
+        # cluster): the pods reach the status server by its Service's name (trainer_service_names).
+        trainer_sans = (*LOOPBACK_SANS, *trainer_service_names())
+        ca.issue("trainer-webhook", common_name="trainer-webhook", sans=trainer_sans, server=True)
         # One client identity per component: system:masters keeps RBAC out of the way of
         # what is under test (tunepack's objects), while the audit trail stays readable.
         self.identities = {
@@ -308,7 +321,15 @@ class ControlPlane:
             ),
             "scheduler": ca.issue("scheduler", common_name="system:kube-scheduler", client=True),
         }
-        for name in ("jobset", "trainer", "kwok", "executor", "gang-scheduler", "gang-controller"):
+        for name in (
+            "jobset",
+            "trainer",
+            "kueue",
+            "kwok",
+            "executor",
+            "gang-scheduler",
+            "gang-controller",
+        ):
             self.identities[name] = ca.issue(
                 f"{name}-client",
                 common_name=f"tunepack-cp-{name}",
@@ -636,18 +657,22 @@ class ControlPlane:
                     "metrics": {"bindAddress": "0"},
                     "certManagement": {"enable": False},
                     "statusServer": {"port": self.ports["trainer_status"]},
-                    "featureGates": dict(self.feature_gates),
+                    "featureGates": {**TRAINER_FEATURE_GATES, **self.feature_gates},
                 }
             )
         )
+        argv = [
+            self.binary("trainer", "trainer-controller-manager"),
+            f"--config={config}",
+            f"--kubeconfig={self.kubeconfig_for('trainer')}",
+            "--zap-log-level=info",
+        ]
+        from tests.controlplane import podfs
+
+        mounts = self._trainer_pod_files(certdir)
         proc = self._spawn(
             "trainer",
-            [
-                self.binary("trainer", "trainer-controller-manager"),
-                f"--config={config}",
-                f"--kubeconfig={self.kubeconfig_for('trainer')}",
-                "--zap-log-level=info",
-            ],
+            podfs.wrap(argv, mounts, self.root / "trainer-podfs"),
             env={"TMPDIR": str(tmp)},
         )
         health = f"http://127.0.0.1:{self.ports['trainer_health']}/readyz"
@@ -658,6 +683,57 @@ class ControlPlane:
             self.ports["trainer_webhook"],
         )
         self._trainer_public_config()
+
+    def _trainer_pod_files(self, certdir: Path) -> dict[str, str]:
+        """What the Trainer's pod has in a cluster, made here: its namespace, ServiceAccount,
+        webhook Secret (``ca.crt``: the trainjobstatus plugin copies it into each TrainJob's
+        ``<name>-tls-config`` ConfigMap for the trainer pods) and Service (the name in the pods'
+        ``KUBEFLOW_TRAINER_SERVER_URL``; the executor resolves it to 127.0.0.1, and with no
+        kube-proxy its port is the status server's own). Returns the directories to mount where
+        its container has them (``podfs``): the service-account volume, with a TokenRequest
+        token whose issuer the status server verifies the pods' tokens against, and the
+        serving certificate."""
+        import base64
+
+        ns = TRAINER_NAMESPACE
+        ca = base64.b64encode(self.ca.ca_pem).decode()
+        objects = [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": TRAINER_SERVICE, "namespace": ns},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": TRAINER_CERT_SECRET, "namespace": ns},
+                "data": {"ca.crt": ca},
+            },
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": TRAINER_SERVICE, "namespace": ns},
+                "spec": {
+                    "ports": [
+                        {"name": "webhook-server", "port": self.ports["trainer_webhook"]},
+                        {"name": "status-server", "port": self.ports["trainer_status"]},
+                    ]
+                },
+            },
+        ]
+        self.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(objects))
+        token = self.kubectl(
+            "create", "token", TRAINER_SERVICE, "-n", ns, "--duration=48h"
+        ).stdout.strip()
+        account = self.root / "trainer-serviceaccount"
+        account.mkdir(exist_ok=True)
+        for name, content in (("token", token), ("namespace", ns)):
+            (account / name).write_text(content)
+        shutil.copy(self.ca.ca.cert, account / "ca.crt")
+        for f in account.iterdir():
+            f.chmod(0o600)
+        return {SERVICE_ACCOUNT_DIR: str(account), TRAINER_CERT_DIR: str(certdir)}
 
     def _trainer_public_config(self) -> None:
         """What the upstream install adds for the SDK: the kubeflow-trainer-public ConfigMap with
@@ -853,6 +929,22 @@ def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
 def _tcp_open(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
+
+
+# The Trainer as its Deployment runs it (upstream manifests/base/manager): its Service and
+# ServiceAccount name, its webhook Secret, where its pod has its files, and the feature gates the
+# tier runs it with (TrainJobStatus: the trainers' progress reaches status.trainerStatus).
+TRAINER_SERVICE = "kubeflow-trainer-controller-manager"
+TRAINER_CERT_SECRET = "kubeflow-trainer-webhook-cert"
+TRAINER_CERT_DIR = "/tmp/k8s-webhook-server/serving-certs"  # fixed in v2.3.0 (pkg/util/cert)
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+TRAINER_FEATURE_GATES = {"TrainJobStatus": True}
+
+
+def trainer_service_names() -> tuple[str, ...]:
+    """The DNS names of the Trainer's Service (the status server's URL uses the first)."""
+    svc = f"{TRAINER_SERVICE}.{TRAINER_NAMESPACE}.svc"
+    return (svc, f"{svc}.cluster.local")
 
 
 def _tail(path: Path, lines: int = 25) -> str:
