@@ -632,6 +632,7 @@ def fsdp_resume(ctx: Context, size: Size, template: Path | None, skip: str | Non
         "world_size": ctx.fsdp_nproc,
         "steps": steps,
         "sharded_path_forced": ctx.fsdp_nproc == 1,
+        "deterministic_algorithms": os.environ.get("GPU_CHECK_DETERMINISTIC") == "1",
     }
     if why := skip or ctx.over_budget(3 * ctx.expected_s(size)):
         return {**entry, "skipped": why}
@@ -718,6 +719,10 @@ def fsdp_worker(argv: list[str]) -> int:
         return model
 
     recipe.FineTuneRecipe._setup_model = setup_and_count
+    if os.environ.get("GPU_CHECK_DETERMINISTIC") == "1":
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
     stop_at = int(os.environ.get("GPU_CHECK_STOP_AT") or 0)
     if stop_at:
         report = recipe.FineTuneRecipe._report
@@ -842,7 +847,8 @@ def render(report: dict) -> str:
             continue
         lines.append(
             f"FSDP2 resume ({r['size']}/lora, {r['backend']}, {r['world_size']} process(es)"
-            f"{', sharded path forced' if r['sharded_path_forced'] else ''}; "
+            f"{', sharded path forced' if r['sharded_path_forced'] else ''}"
+            f"{', deterministic algorithms' if r.get('deterministic_algorithms') else ''}; "
             f"{r['dtensor_parameters']} of {r['parameters']} parameters sharded): stopped with "
             f"{', '.join(r['checkpoints_at_stop']) or 'no checkpoint'}, resumed from step "
             f"{r['resumed_from_step']}; adapter bit-exact: {'yes' if r['bit_exact'] else 'NO'} "
@@ -875,7 +881,7 @@ def _pairs(workloads: list[dict], rate: str) -> list[dict]:
     return pairs
 
 
-def check(ctx: Context, sizes: list[Size], methods: set[str]) -> dict:
+def check(ctx: Context, sizes: list[Size], methods: set[str], fsdp_only: bool = False) -> dict:
     """Every workload, the most telling first (each size's model, then its LoRA runs, then the
     FSDP2 check on the first size; then QLoRA, DoRA and full, size after size), so that a time
     budget leaves out the least; then the comparisons derived from them."""
@@ -889,6 +895,8 @@ def check(ctx: Context, sizes: list[Size], methods: set[str]) -> dict:
                 tasks.append(("fsdp", size, None))
     for method in METHODS[1:]:
         tasks += [("method", size, method) for size in sizes if method in wanted[size.name]]
+    if fsdp_only:  # the FSDP2 resume check alone (e.g. again, with --deterministic)
+        tasks = [("prepare", sizes[0], None), ("fsdp", sizes[0], None)]
 
     templates: dict[str, concurrent.futures.Future] = {}
 
@@ -927,7 +935,7 @@ def check(ctx: Context, sizes: list[Size], methods: set[str]) -> dict:
     compiled, fused = [], []
     found = {w["name"]: w for w in workloads}
     for size in sizes:
-        if "lora" not in wanted[size.name]:
+        if "lora" not in wanted[size.name] or fsdp_only:
             continue
         eager = found[f"{size.name}/lora/tunepack"]
         comp = compile_figures(ctx, eager, found[f"{size.name}/lora/tunepack-compiled"],
@@ -971,11 +979,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak")
     parser.add_argument("--fsdp-nproc", type=int, default=1, help="FSDP2 processes (GPUs)")
     parser.add_argument("--keep", type=Path, help="keep the runs' directories here")
+    parser.add_argument("--fsdp-only", action="store_true", help="only the FSDP2 resume check")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="the FSDP2 check's runs with torch's deterministic algorithms (CUDA's atomics in "
+        "some backward kernels make two identical GPU runs differ; this tells that apart from "
+        "a resume that is not exact)",
+    )
     args = parser.parse_args(argv)
     methods = {m for m in args.methods.split(",") if m}
     if not methods <= set(METHODS):
         parser.error(f"--methods: choose from {', '.join(METHODS)}")
 
+    if args.deterministic:  # read by fsdp_worker in torchrun's workers
+        os.environ["GPU_CHECK_DETERMINISTIC"] = "1"
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     began = time.monotonic()
@@ -1040,7 +1059,7 @@ def main(argv: list[str] | None = None) -> int:
             budget_s=math.inf if args.dry_run else args.budget_s, peak_flops=peak_flops,
             peak_why=why, compile=compile_why, fsdp_nproc=args.fsdp_nproc,
         )  # fmt: skip
-        results = check(ctx, sizes, methods)
+        results = check(ctx, sizes, methods, fsdp_only=args.fsdp_only)
     finally:
         if args.keep:
             shutil.copytree(root, args.keep, symlinks=True, dirs_exist_ok=True)
