@@ -206,6 +206,9 @@ def test_a_second_run_on_a_busy_workspace_is_refused_and_the_first_finishes(
     seen: dict[int, psutil.Process] = {}
     try:
         _wait_for_steps(first, workspace, seen)
+        # Held still while the two refusals are tried (it keeps its lock), so that on a loaded
+        # machine it cannot finish first and leave the workspace free (seen once in CI).
+        os.killpg(first.pid, signal.SIGSTOP)
         # Another job, other arguments, same workspace: it would have deleted the first's
         # checkpoints ("starting fresh"). It is refused before any step runs.
         second = subprocess.run(
@@ -238,9 +241,11 @@ def test_a_second_run_on_a_busy_workspace_is_refused_and_the_first_finishes(
         assert alone.stderr.strip().startswith(
             f"trainer: error: workspace {workspace} is in use by local TrainJob 'first'"
         )
+        os.killpg(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=600)
     finally:
         if first.poll() is None:
+            os.killpg(first.pid, signal.SIGCONT)
             os.killpg(first.pid, signal.SIGKILL)
     assert first.returncode == 0, err
     result = json.loads((workspace / "output" / "result.json").read_text())
