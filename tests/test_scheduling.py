@@ -44,11 +44,11 @@ def test_a_job_kueue_does_not_hold_has_no_queue_message(job):
 def test_the_workloads_quota_reason_is_the_message():
     api = Workloads([_workload(
         ("QuotaReserved", "False", "Pending", "couldn't assign flavors to pod set node: "
-         "insufficient quota for nvidia.com/gpu in flavor f"),
+         "insufficient unused quota for nvidia.com/gpu in flavor f, 8 more needed"),
     )])  # fmt: skip
     assert queued(api, "ns", _job()) == (
         "queued in Kueue LocalQueue team: waiting (Pending): couldn't assign flavors to pod set "
-        "node: insufficient quota for nvidia.com/gpu in flavor f"
+        "node: insufficient unused quota for nvidia.com/gpu in flavor f, 8 more needed"
     )
     assert api.selectors == [
         ("kueue.x-k8s.io", "v1beta2", "ns", "workloads", f"{JOB_UID_LABEL}=u-1")

@@ -259,7 +259,7 @@ def test_the_second_job_waits_whole_until_the_first_has_finished(
         return c if c and c["status"] == "False" and "insufficient" in c["message"] else None
 
     reason = kube.wait_for(pending_for_quota, 60, "the second Workload to wait for quota")
-    assert "insufficient quota for nvidia.com/gpu" in reason["message"], reason
+    assert "insufficient unused quota for nvidia.com/gpu" in reason["message"], reason
     # What the user sees: Kueue's reason, not only "Created".
     status = kube.tunepack(
         "status", "second", "--namespace", namespace, kubeconfig=controlplane.kubeconfig
@@ -267,7 +267,7 @@ def test_the_second_job_waits_whole_until_the_first_has_finished(
     assert status.returncode == 0, status.stderr
     assert (
         f"message: queued in Kueue LocalQueue {LOCAL_QUEUE}: waiting (Pending): "
-        "couldn't assign flavors to pod set node: insufficient quota for nvidia.com/gpu"
+        "couldn't assign flavors to pod set node: insufficient unused quota for nvidia.com/gpu"
     ) in status.stdout, status.stdout
     while api.condition(namespace, "first", "Complete") is None:
         assert _suspended(api, namespace, "second")
