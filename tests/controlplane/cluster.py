@@ -594,31 +594,36 @@ class ControlPlane:
             out.append(doc)
         self.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(out))
 
-    def _jobset(self) -> None:
-        certdir = self.root / "jobset-certs"
+    def controller_config(self, name: str, api_version: str, **extra) -> tuple[Path, Path]:
+        """A controller-runtime manager's config file as JobSet and Kueue take it: webhooks on
+        127.0.0.1 (port ``<name>_webhook``) with this CA's ``<name>-webhook`` certificate, health
+        on ``<name>_health``, no metrics, no leader election, no certificate management of its
+        own; ``extra`` added. Returns the file and the certificate directory."""
+        certdir = self.root / f"{name}-certs"
         certdir.mkdir(exist_ok=True)
-        shutil.copy(self.pki_dir / "jobset-webhook.crt", certdir / "tls.crt")
-        shutil.copy(self.pki_dir / "jobset-webhook.key", certdir / "tls.key")
-        config = self.root / "jobset-config.yaml"
+        shutil.copy(self.pki_dir / f"{name}-webhook.crt", certdir / "tls.crt")
+        shutil.copy(self.pki_dir / f"{name}-webhook.key", certdir / "tls.key")
+        config = self.root / f"{name}-config.yaml"
+        health = f"127.0.0.1:{self.ports[f'{name}_health']}"
+        webhook = {"port": self.ports[f"{name}_webhook"], "host": "127.0.0.1"}
         config.write_text(
             yaml.safe_dump(
                 {
-                    "apiVersion": "config.jobset.x-k8s.io/v1alpha1",
+                    "apiVersion": api_version,
                     "kind": "Configuration",
-                    "webhook": {
-                        "port": self.ports["jobset_webhook"],
-                        "host": "127.0.0.1",
-                        "certDir": str(certdir),
-                    },
-                    "health": {
-                        "healthProbeBindAddress": f"127.0.0.1:{self.ports['jobset_health']}"
-                    },
+                    "webhook": {**webhook, "certDir": str(certdir)},
+                    "health": {"healthProbeBindAddress": health},
                     "metrics": {"bindAddress": "0"},
                     "leaderElection": {"leaderElect": False},
                     "internalCertManagement": {"enable": False},
+                    **extra,
                 }
             )
         )
+        return config, certdir
+
+    def _jobset(self) -> None:
+        config, _ = self.controller_config("jobset", "config.jobset.x-k8s.io/v1alpha1")
         proc = self._spawn(
             "jobset",
             [

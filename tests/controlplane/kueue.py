@@ -9,7 +9,6 @@ Kueue manages only labelled jobs (``manageJobsWithoutQueueName`` stays off).
 
 from __future__ import annotations
 
-import shutil
 from typing import TYPE_CHECKING
 
 import yaml
@@ -37,31 +36,13 @@ def start(cp: ControlPlane) -> None:
     cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
     cp.kubectl("create", "namespace", NAMESPACE)
 
-    certdir = cp.root / "kueue-certs"
-    certdir.mkdir(exist_ok=True)
-    shutil.copy(cp.pki_dir / "kueue-webhook.crt", certdir / "tls.crt")
-    shutil.copy(cp.pki_dir / "kueue-webhook.key", certdir / "tls.key")
-    config = cp.root / "kueue-config.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "config.kueue.x-k8s.io/v1beta2",
-                "kind": "Configuration",
-                "namespace": NAMESPACE,
-                "webhook": {
-                    "port": cp.ports["kueue_webhook"],
-                    "host": "127.0.0.1",
-                    "certDir": str(certdir),
-                },
-                "health": {"healthProbeBindAddress": f"127.0.0.1:{cp.ports['kueue_health']}"},
-                "metrics": {"bindAddress": "0"},
-                "leaderElection": {"leaderElect": False},
-                "internalCertManagement": {"enable": False},
-                "integrations": {"frameworks": [FRAMEWORK]},
-                # The on-demand visibility API is an aggregated apiserver on every interface.
-                "featureGates": {"VisibilityOnDemand": False},
-            }
-        )
+    config, certdir = cp.controller_config(
+        "kueue",
+        "config.kueue.x-k8s.io/v1beta2",
+        namespace=NAMESPACE,
+        integrations={"frameworks": [FRAMEWORK]},
+        # The on-demand visibility API is an aggregated apiserver on every interface.
+        featureGates={"VisibilityOnDemand": False},
     )
     argv = [
         cp.binary("kueue", "kueue"),
