@@ -27,7 +27,7 @@ import yaml
 
 from tests.cluster import kube
 from tests.cluster.test_gang import STEP_LABEL, _apply, _as_namespaced, _job_pods
-from tests.cluster.test_run import RUN_TIMEOUT, TINY, _client, _volume
+from tests.cluster.test_run import RUN_TIMEOUT, TINY, _client, _volume, training_pod
 from tests.cluster.test_trainjobs import HUB_DATASET, HUB_MODEL
 from tests.controlplane.cluster import KWOK_COMPLETE_DELAY
 from tunepack.jobs.trainjob import QUEUE_LABEL
@@ -323,17 +323,7 @@ def test_a_preempted_trainer_checkpoints_and_resumes_bit_identical(
     queue(cpu="6", memory="16Gi")  # each tiny job counts 5 CPUs over its four steps
     args = {"method": "lora", "epochs": 6, "checkpoint_every_steps": 1000}
     low = _queued_train(namespace, sources, LOW, **args)
-
-    def trainer_running():
-        pods = api.pods(namespace, f"jobset.sigs.k8s.io/jobset-name={low},{STEP_LABEL}=node")
-        return next((p for p in pods if p.status.phase == "Running"), None)
-
-    pod = kube.wait_for(trainer_running, RUN_TIMEOUT, "the low-priority trainer to run")
-    kube.wait_for(
-        lambda: (_volume(api, namespace, low) / "output" / "metrics.jsonl").exists(),
-        RUN_TIMEOUT,
-        "its first metrics",
-    )
+    pod = training_pod(api, namespace, low)
     exit_codes = kube.watch_exit_codes(api, namespace, pod.metadata.name)
     high = _queued_train(namespace, sources, HIGH, method="lora", epochs=1)
 
