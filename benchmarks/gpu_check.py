@@ -693,6 +693,11 @@ def _fsdp_runs(ctx: Context, template: Path, argv: list[str], stop_at: int, name
     }
 
 
+def _skipped_line(what: str, entry: dict, limit: int | None = None) -> str:
+    """The table's line for a figure that was not measured: its reason's first line."""
+    return f"{what} ({entry['size']}): skipped: {entry['skipped'].splitlines()[0][:limit]}"
+
+
 def fsdp_worker(argv: list[str]) -> int:
     """torchrun's worker for ``fsdp_resume``: tunepack's recipe, which shards whenever the run is
     distributed; here it is distributed (a process group, FSDP2) even with one process. With
@@ -822,7 +827,7 @@ def render(report: dict) -> str:
         )
     for c in report["compile"]:
         if "skipped" in c:
-            lines.append(f"compile ({c['size']}): skipped: {c['skipped'].splitlines()[0][:120]}")
+            lines.append(_skipped_line("compile", c, limit=120))
             continue
         lines.append(
             f"compile ({c['size']}): compile time {c['compile_s']:.1f} s (replaces "
@@ -831,7 +836,7 @@ def render(report: dict) -> str:
         )
     for f in report["fused_loss"]:
         if "skipped" in f:
-            lines.append(f"fused loss ({f['size']}): skipped: {f['skipped'].splitlines()[0]}")
+            lines.append(_skipped_line("fused loss", f))
             continue
         lines.append(
             f"fused loss vs plain cross-entropy ({f['size']}/lora): peak "
@@ -843,7 +848,7 @@ def render(report: dict) -> str:
         )
     for r in report["fsdp2"]:
         if "skipped" in r:
-            lines.append(f"FSDP2 resume ({r['size']}): skipped: {r['skipped'].splitlines()[0]}")
+            lines.append(_skipped_line("FSDP2 resume", r))
             continue
         lines.append(
             f"FSDP2 resume ({r['size']}/lora, {r['backend']}, {r['world_size']} process(es)"
