@@ -86,6 +86,8 @@ NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
 METHODS = ("full", "lora", "qlora", "dora", "dpo")
 # What a job builder does with a plan that does not fit (TrainingClient memory_check=).
 MEMORY_CHECKS = ("refuse", "warn", "off")
+# The GPU a plan assumes when none is named (the SDK's, the CLI's and the backends' default).
+DEFAULT_GPU = "H100-80GB"
 # Sequences each example puts through the model: DPO's chosen and rejected answers.
 SEQUENCES = {"dpo": 2}
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "output_proj")
@@ -191,7 +193,7 @@ def estimate(
     method: str,
     seq_len: int,
     batch_size: int,
-    gpu: str = "H100-80GB",
+    gpu: str = DEFAULT_GPU,
     *,
     nodes: int = 1,
     gpus_per_node: int = 1,
@@ -258,7 +260,7 @@ def plan(
     method: str,
     seq_len: int,
     batch_size: int,
-    gpu: str = "H100-80GB",
+    gpu: str = DEFAULT_GPU,
     **kwargs,
 ) -> Plan:
     """Estimate one device's peak and recommend the smallest nodes x GPUs layout that fits.
