@@ -20,6 +20,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from tunepack.cli.cluster import check_cluster, kubeconfig_paths
+from tunepack.runtimes import methods
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -686,7 +687,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
     from tunepack.tools.planner import model_entry, plan
 
-    if ns.method == "full" and ns.lora_rank is not None:
+    if ns.lora_rank is not None and not methods.get(ns.method).adapters:
         raise BadInputError(
             f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method full trains every "
             "weight and has no adapters; leave out --lora-rank, or use --method lora"
@@ -911,7 +912,6 @@ def _console_logging(verbose: bool = False) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from tunepack.tools import planner
 
     parser = _Parser(prog="tunepack", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -1005,7 +1005,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
     p.add_argument("--model", required=True, help="catalog model or runtime name")
-    p.add_argument("--method", default="lora", help=", ".join(planner.METHODS))
+    p.add_argument("--method", default=methods.DEFAULT, help=", ".join(methods.NAMES))
     p.add_argument(
         "--seq-len",
         type=int,

@@ -1,0 +1,154 @@
+"""The fine-tuning methods: one record each, the one place that says what a method is.
+
+A record says what the method trains (adapters on a frozen base, or every weight), how the
+frozen base is stored, which data it learns from, which loss it trains, the learning rate it
+starts from, the trainer arguments only it takes and how the memory planner sizes it. The
+argument vocabulary and its validation (``tunepack.trainers.args``), the model builders, the
+recipe's loss, the catalog's runtimes, the planner, serving and the docs all read these records:
+adding a method is one record here plus its loss in the trainer.
+
+Standard library and ``tunepack.core`` only (the initializer images read it through the
+vocabulary).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from tunepack.core.errors import BadInputError
+
+
+class Loss(Enum):
+    """What a training step minimises (the recipe maps each to its implementation)."""
+
+    CROSS_ENTROPY = "cross_entropy"  # next-token cross-entropy on the trained tokens
+    DPO = "dpo"  # the preference loss against the model with its adapters switched off
+
+
+@dataclass(frozen=True)
+class Data:
+    """A kind of dataset a method learns from: the dataset schemas of that kind
+    (``tunepack.initializers.schemas.SCHEMAS``) and what its rows hold, for errors."""
+
+    name: str
+    schemas: tuple[str, ...]
+    rows: str  # what each row must hold
+    holds: str  # what such a dataset holds, in a few words
+
+
+SUPERVISED = Data(
+    "supervised",
+    ("instruction", "chat", "sharegpt", "text"),
+    "instructions, chats or text",
+    "instructions, chats or text",
+)
+PREFERENCE = Data(
+    "preference",
+    ("preference",),
+    "rows with 'prompt', 'chosen' and 'rejected'",
+    "chosen/rejected pairs",
+)
+DATA = (SUPERVISED, PREFERENCE)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    help: str  # what it trains, for the docs' method table
+    tag: str  # a few words after its name in the ``method`` argument's help ("" for none)
+    lr: float  # the default learning rate (a catalog entry's rate may override it, see owns)
+    adapters: bool = True  # LoRA adapters on a frozen base; False: every weight is trained
+    quantize_base: bool = False  # the frozen base is stored in NF4 (4 bits)
+    dora: bool = False  # the adapters learn a per-row magnitude too
+    data: Data = SUPERVISED
+    loss: Loss = Loss.CROSS_ENTROPY
+    sequences: int = 1  # sequences each example puts through the model (the planner's tokens)
+    no_packing: str = ""  # why packed=true cannot pack its examples ("": it can)
+    # Defaults that are the method's rather than the model's: a catalog entry's lr is a
+    # supervised rate, while a preference loss sets its own scale, so there the method's wins.
+    owns: tuple[str, ...] = ()
+    keys: tuple[str, ...] = ()  # trainer arguments only this method takes
+    plan_note: str = ""  # what the planner adds to a plan of this method
+
+    @property
+    def builder(self) -> str:
+        """The catalog builder the method builds its model with (``ModelEntry.builders``)."""
+        return "lora" if self.adapters else "full"
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("lora", "LoRA adapters on a frozen base", "", 3e-4),
+        Method(
+            "qlora",
+            "LoRA adapters on a frozen base stored in NF4 (4-bit)",
+            "NF4-quantized base",
+            3e-4,
+            quantize_base=True,
+        ),
+        Method("dora", "LoRA plus a learned per-row magnitude (DoRA)", "", 3e-4, dora=True),
+        Method("full", "every weight trained", "", 2e-5, adapters=False),
+        Method(
+            "dpo",
+            "preference tuning (DPO) of LoRA adapters on a preference dataset; the reference "
+            "model is the base with the adapters switched off",
+            "preference tuning",
+            5e-5,
+            data=PREFERENCE,
+            loss=Loss.DPO,
+            sequences=2,
+            no_packing="each preference pair is its own sequence",
+            owns=("lr",),
+            keys=("beta", "dpo_loss"),
+            plan_note="dpo: each example is two sequences (chosen, rejected) and each step adds "
+            "a reference forward pass without gradients (compute, not memory)",
+        ),
+    )
+}
+NAMES = tuple(METHODS)
+DEFAULT = "lora"
+
+
+def summary() -> str:
+    """The methods in one phrase: "lora, qlora (NF4-quantized base), ... or dpo (...)"."""
+    words = [f"{m.name} ({m.tag})" if m.tag else m.name for m in METHODS.values()]
+    return ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def invalid_method_message(raw: object) -> str:
+    return f"method={raw!r} is not valid: expected one of {', '.join(NAMES)}"
+
+
+def get(name: str) -> Method:
+    """The method called ``name``, or ``BadInputError`` naming the ones there are."""
+    try:
+        return METHODS[name]
+    except (KeyError, TypeError):
+        raise BadInputError(invalid_method_message(name)) from None
+
+
+def owner_of(key: str) -> Method | None:
+    """The method that alone takes trainer argument ``key`` (None: every method takes it)."""
+    return next((m for m in METHODS.values() if key in m.keys), None)
+
+
+def learning_from(schema: str) -> tuple[Method, ...]:
+    """The methods that learn from a dataset of ``schema``."""
+    return tuple(m for m in METHODS.values() if schema in m.data.schemas)
+
+
+def wrong_data_message(method: Method, schema: str) -> str:
+    """Why ``method`` cannot train on a dataset of ``schema``."""
+    if len(method.data.schemas) == 1:
+        return (
+            f"method={method.name} needs a {method.data.name} dataset ({method.data.rows}), "
+            f"but the dataset's schema is {schema!r}"
+        )
+    data = next(d for d in DATA if schema in d.schemas)
+    others = " or ".join(f"method={m.name}" for m in learning_from(schema))
+    return (
+        f"the dataset is a {data.name} dataset ({data.holds}), which method={method.name} "
+        f"cannot learn from: use {others}"
+    )
