@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tunepack.backends.local_steps import order_steps, resolve_steps, run_trainjob
+from tunepack.backends.local.steps import order_steps, resolve_steps, run_trainjob
 from tunepack.core.errors import BadInputError
 from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob
 from tunepack.runtimes.contract import container, replicated_jobs
@@ -116,7 +116,7 @@ def test_a_failing_step_stops_the_run_and_is_named(tmp_path):
 def test_a_step_killed_by_a_signal_reports_128_plus_the_signal(tmp_path):
     """A step the OOM killer or `kill -9` ends: 137 and "killed by SIGKILL", as a shell and the
     kubelet say it, not Python's -9 (which the CLI's exit status would turn into 247)."""
-    from tunepack.backends.local_steps import StepProcess, describe_exit, run_step
+    from tunepack.backends.local.steps import StepProcess, describe_exit, run_step
 
     kill = [sys.executable, "-c", "import os; os.kill(os.getpid(), 9)"]
     step = StepProcess("node", None, kill, {})
@@ -126,7 +126,7 @@ def test_a_step_killed_by_a_signal_reports_128_plus_the_signal(tmp_path):
 
 
 def test_the_console_shows_tunepack_lines_and_leaves_out_other_packages():
-    from tunepack.backends.local_steps import progress_line
+    from tunepack.backends.local.steps import progress_line
 
     own = [
         "trainer: done: 4 steps, loss 5.9 -> 5.1; result at /w/output/adapter",
@@ -148,7 +148,7 @@ def test_the_console_shows_tunepack_lines_and_leaves_out_other_packages():
 
 
 def test_step_and_eval_records_become_short_lines():
-    from tunepack.backends.local_steps import progress_line
+    from tunepack.backends.local.steps import progress_line
 
     def step(n: int) -> str:
         return json.dumps(
@@ -170,7 +170,7 @@ def test_step_and_eval_records_become_short_lines():
 
 
 def test_each_run_keeps_its_logs(tmp_path):
-    from tunepack.backends.local_steps import keep_previous_logs
+    from tunepack.backends.local.steps import keep_previous_logs
 
     logs = tmp_path / "logs"
     assert keep_previous_logs(logs) is None  # nothing yet

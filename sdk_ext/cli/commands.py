@@ -300,7 +300,7 @@ def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
     """``train --local`` once its job is recorded and its workspace locked (``lock``);
     ``resumed``: the status the job had where this run resumes it."""
     from tunepack.backends.local import run_job
-    from tunepack.backends.local_steps import describe_exit
+    from tunepack.backends.local.steps import describe_exit
     from tunepack.cli.interrupt import StopOnInterrupt
 
     name, runtime = trainjob["metadata"]["name"], trainjob["spec"]["runtimeRef"]["name"]

@@ -2,7 +2,7 @@
 
 ``train()`` writes the TrainJob under ``<root_dir>/<name>/`` and starts a detached runner process
 (``python -m tunepack.backends.local <job dir>``) that runs the runtime's steps with
-``tunepack.backends.local_steps``, recording each step's state in ``state.json``. Jobs therefore
+``tunepack.backends.local.steps``, recording each step's state in ``state.json``. Jobs therefore
 outlive the notebook kernel.
 
 ``tunepack train --local`` creates its jobs here too (``register``), and runs them in the
@@ -335,7 +335,7 @@ class LocalBackend(TunepackBackend):
     def _step_names(self, name: str) -> list[str]:
         """The SDK names of the job's steps, whether or not they ran: the runtime's jobs in
         order, the node job as ``node-0`` .. ``node-<nodes - 1>``."""
-        from tunepack.backends.local_steps import order_steps
+        from tunepack.backends.local.steps import order_steps
 
         trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
         runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
@@ -450,7 +450,7 @@ def _step_log(workspace: Path, step: str, steps: list[str]) -> Path:
     """The log of an SDK step name among the job's ``steps``: ``node-0`` is the node job's
     first replica (``node.log`` with one node, ``node-0.log`` of several), ``node-1`` its
     second (``node-1.log``)."""
-    from tunepack.backends.local_steps import step_log
+    from tunepack.backends.local.steps import step_log
 
     head, _, index = step.rpartition("-")
     if head == kc.NODE and index.isdigit():
@@ -553,8 +553,8 @@ def run_job(
     on it is refused with ``WorkspaceBusyError`` before anything is touched. ``lock``: the lock
     the caller took before recording the job (None: the file system cannot lock), which it
     releases; by default the lock is taken here.
-    Returns ``tunepack.backends.local_steps.RunOutcome``."""
-    from tunepack.backends.local_steps import (
+    Returns ``tunepack.backends.local.steps.RunOutcome``."""
+    from tunepack.backends.local.steps import (
         keep_previous_logs,
         resolve_steps,
         restore_previous_logs,
@@ -600,7 +600,7 @@ def _read_bytes(path: Path) -> bytes | None:
 
 
 def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
-    from tunepack.backends.local_steps import RunOutcome, describe_exit, run_step, shown_command
+    from tunepack.backends.local.steps import RunOutcome, describe_exit, run_step, shown_command
 
     state_path = job_dir / STATE_FILE
     names = {s.name: _sdk_names(s) for s in steps}
@@ -644,7 +644,3 @@ def _sdk_names(step) -> list[str]:
     if step.name == kc.NODE:
         return [f"{kc.NODE}-{i}" for i in range(step.replicas)]
     return [step.name]
-
-
-if __name__ == "__main__":
-    sys.exit(runner_main(Path(sys.argv[1])))

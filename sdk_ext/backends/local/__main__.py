@@ -1,0 +1,9 @@
+"""The detached runner process ``LocalBackend.train()`` starts:
+``python -m tunepack.backends.local <job dir>``."""
+
+import sys
+from pathlib import Path
+
+from tunepack.backends.local.backend import runner_main
+
+sys.exit(runner_main(Path(sys.argv[1])))
