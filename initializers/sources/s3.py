@@ -1,9 +1,7 @@
 """``s3://bucket/prefix``: objects in Amazon S3 or an S3-compatible store (MinIO, Ceph, R2...).
 
-Configuration comes from the environment, as the AWS SDKs read it: ``AWS_ACCESS_KEY_ID`` /
-``AWS_SECRET_ACCESS_KEY`` (/ ``AWS_SESSION_TOKEN``) or a role (IRSA, Pod Identity, instance
-profile); ``AWS_REGION``; ``AWS_ENDPOINT_URL`` or ``S3_ENDPOINT`` for another store, which then
-defaults to path-style addressing (``S3_ADDRESSING_STYLE`` overrides).
+The client (endpoint, credentials and addressing from the AWS environment) and the mapping of
+its failures are ``tunepack.initializers.s3``'s, shared with the s3:// export sink.
 
 A prefix names a "directory" (every object under ``prefix/``) or, failing that, one object.
 Objects are transferred in parallel, each resumable by byte range and pinned to the ETag seen in
@@ -13,66 +11,18 @@ an MD5 ETag, which is verified; multipart ETags are not content hashes, so only 
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import boto3
-from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    EndpointConnectionError,
-    HTTPClientError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ReadTimeoutError,
-    ResponseStreamingError,
-)
-from botocore.exceptions import (
-    ConnectionError as BotoConnectionError,
-)
-from urllib3.exceptions import HTTPError as Urllib3Error
-
-from tunepack.core.errors import BadInputError, TransientError
-from tunepack.initializers.retry import Retryable
-from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource
+from tunepack.core.errors import BadInputError
+from tunepack.initializers import s3
+from tunepack.initializers.sources import Body, Listing, NotFoundError, RemoteFile, RemoteSource
 from tunepack.initializers.uri import StorageUri, redact
 
-ENDPOINT_ENVS = ("AWS_ENDPOINT_URL", "S3_ENDPOINT")
-CREDENTIALS_HINT = (
-    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (in a cluster: the Secret "
-    "tunepack-s3-credentials) or give the Pod an IAM role"
-)
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _MD5_RE = re.compile(r"^[0-9a-f]{32}$")
 _CHUNK = 1 << 20
-_RETRYABLE_CODES = frozenset(
-    {
-        "SlowDown",
-        "InternalError",
-        "ServiceUnavailable",
-        "RequestTimeout",
-        "Throttling",
-        "ThrottlingException",
-        "RequestTimeTooSkewed",
-        "500",
-        "502",
-        "503",
-        "504",
-    }
-)
-_CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "ExpiredToken",
-        "InvalidToken",
-        "TokenRefreshRequired",
-        "AuthorizationHeaderMalformed",
-    }
-)
 
 
 def parse(raw: str, scheme: str, rest: str) -> StorageUri:
@@ -91,36 +41,13 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     return StorageUri(raw=raw, scheme=scheme, location=f"{bucket}/{prefix}")
 
 
-def _endpoint() -> str | None:
-    for name in ENDPOINT_ENVS:
-        value = os.environ.get(name, "").strip()
-        if value:
-            return value
-    return None
-
-
 class Source(RemoteSource):
     concurrency = 8
 
     def __init__(self, uri: StorageUri, kind: str):
         super().__init__(uri, kind)
         self.bucket, _, self.prefix = uri.location.partition("/")
-        endpoint = _endpoint()
-        style = os.environ.get("S3_ADDRESSING_STYLE", "").strip() or (
-            "path" if endpoint else "auto"
-        )
-        config = Config(
-            # tunepack retries (with its own logging and exit code), so botocore must not.
-            retries={"total_max_attempts": 1},
-            connect_timeout=10,
-            read_timeout=60,
-            max_pool_connections=32,
-            s3={"addressing_style": style},
-        )
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or None
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint, region_name=region, config=config
-        )
+        self.client = s3.client(read_timeout=60, max_pool_connections=32)
 
     def list(self) -> Listing:
         directory = self.prefix.rstrip("/") + "/" if self.prefix else ""
@@ -141,7 +68,7 @@ class Source(RemoteSource):
         except Exception as error:  # noqa: BLE001 - mapped or re-raised below
             raise self._problem(error) from None
         if not files:
-            raise BadInputError(
+            raise NotFoundError(
                 f"S3 URI {self.uri.display!r} matches no objects; check the bucket and prefix"
             )
         return Listing(files, facts={"bucket": self.bucket, "prefix": self.prefix})
@@ -177,51 +104,12 @@ class Source(RemoteSource):
     def _chunks(self, stream) -> Iterator[bytes]:
         try:
             yield from stream.iter_chunks(_CHUNK)
-        except (BotoCoreError, Urllib3Error, OSError) as error:
-            raise Retryable(f"{type(error).__name__}: {error}") from None
+        except s3.STREAM_ERRORS as error:
+            raise self._problem(error, streaming=True) from None
 
-    def _problem(self, error: Exception, key: str | None = None) -> Exception:
-        shown = self.uri.display
-        if isinstance(error, NoCredentialsError | PartialCredentialsError):
-            return BadInputError(f"no AWS credentials were found for {shown!r}; {CREDENTIALS_HINT}")
-        if isinstance(
-            error,
-            EndpointConnectionError
-            | BotoConnectionError
-            | HTTPClientError
-            | ReadTimeoutError
-            | ResponseStreamingError,
-        ):
-            return Retryable(f"{type(error).__name__}: {error}")
-        if not isinstance(error, ClientError):
-            return error  # a bug or an unexpected library failure: keep its traceback
-        code = str(error.response.get("Error", {}).get("Code", ""))
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if code in _RETRYABLE_CODES or (isinstance(status, int) and status >= 500):
-            return Retryable(f"S3 answered {code or status}")
-        if code in _CREDENTIAL_CODES:
-            return BadInputError(
-                f"S3 rejected the credentials for {shown!r} ({code}); {CREDENTIALS_HINT}"
-            )
-        if code == "NoSuchBucket":
-            return BadInputError(
-                f"bucket {self.bucket!r} of {shown!r} does not exist; check the bucket name "
-                f"and AWS_ENDPOINT_URL"
-            )
-        if code in ("AccessDenied", "403", "AllAccessDisabled") or status == 403:
-            return BadInputError(
-                f"access to {shown!r} was denied (403); grant the credentials or role "
-                f"s3:ListBucket and s3:GetObject on it"
-            )
-        if code in ("NoSuchKey", "404", "NotFound") or status == 404:
-            what = f"object {key!r}" if key else "it"
-            return BadInputError(
-                f"S3 URI {shown!r} matches no objects ({what} not found); check the bucket "
-                f"and prefix"
-            )
-        if code in ("PreconditionFailed", "412") or status == 412:
-            return TransientError(
-                f"{key} in {shown!r} changed while it was being downloaded; the step exits 75 "
-                f"so a retry downloads the new version"
-            )
-        return BadInputError(f"S3 answered {code or status} for {shown!r}: {error}")
+    def _problem(
+        self, error: Exception, key: str | None = None, *, streaming: bool = False
+    ) -> Exception:
+        return s3.problem(
+            error, shown=self.uri.display, bucket=self.bucket, key=key, streaming=streaming
+        )
