@@ -162,7 +162,7 @@ def fetch(
             raise
         # Whichever write found the disk full, what the download needs is its whole size; the
         # bytes received stay in .incomplete/ for the next run.
-        raise durable.DiskFullError(durable.disk_full_message(directory, total)) from None
+        raise durable.disk_full_error(directory, total) from None
     finally:
         # On failure or SIGTERM: stop the other transfers at their next chunk; their bytes stay
         # in .incomplete/ for the next run.

@@ -77,12 +77,12 @@ def size_text(n: int) -> str:
     return f"{n} bytes"  # pragma: no cover
 
 
-def disk_full_message(
+def disk_full_error(
     path: object | None, needed: int | None = None, *, nothing_kept: bool = False
-) -> str:
-    """The one line of a write that failed for want of space: the path written (when known),
-    the space the write needed (when known) and the space free there now; ``nothing_kept``:
-    the caller removed what it had written."""
+) -> DiskFullError:
+    """The error of a write that failed for want of space, in one line: the path written (when
+    known), the space the write needed (when known) and the space free there now;
+    ``nothing_kept``: the caller removed what it had written."""
     at = f" writing {path}" if path else ""
     sizes = [f"{size_text(needed)} needed"] if needed else []
     if path:
@@ -90,10 +90,17 @@ def disk_full_message(
         sizes.append(f"{size_text(free)} free" if free is not None else "free space unknown")
     detail = f" ({', '.join(sizes)})" if sizes else ""
     kept = "; nothing partial was kept" if nothing_kept else ""
-    return (
+    return DiskFullError(
         f"no space left on the device (or quota){at}{detail}: free space or enlarge the volume, "
         f"then run again{kept}"
     )
+
+
+def disk_full_message(
+    path: object | None, needed: int | None = None, *, nothing_kept: bool = False
+) -> str:
+    """``disk_full_error``'s line; kept until trainers/recipe.py raises that instead."""
+    return str(disk_full_error(path, needed, nothing_kept=nothing_kept))
 
 
 @contextmanager
@@ -116,7 +123,7 @@ def disk_full_as_error(path: Path, needed: int | None = None) -> Iterator[None]:
         opaque = not isinstance(err, OSError) and free is not None
         if not is_disk_full(err) and not (opaque and free < max(needed or 0, _NEARLY_FULL)):
             raise
-        raise DiskFullError(disk_full_message(path, needed, nothing_kept=True)) from None
+        raise disk_full_error(path, needed, nothing_kept=True) from None
 
 
 def fsync_dir(directory: Path) -> None:

@@ -103,9 +103,9 @@ def run(
     except OSError as error:
         if not durable.is_disk_full(error):
             return _bug(say)
-        where = error.filename or (disk_full_at() if disk_full_at else None)
-        say(error_line(program, durable.disk_full_message(where)))
-        return durable.DiskFullError.exit_code
+        full = durable.disk_full_error(error.filename or (disk_full_at() if disk_full_at else None))
+        say(error_line(program, full))
+        return full.exit_code
     except Exception:
         return _bug(say)
     finally:
