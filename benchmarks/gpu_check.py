@@ -92,7 +92,7 @@ from side_by_side import (  # noqa: E402
 )
 from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
 
-from tunepack.runtimes import catalog, custom  # noqa: E402
+from tunepack.runtimes import catalog, custom, methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
 
 MODEL = custom.runtime_model_name("llama")  # the bring-your-own Llama runtime's model
@@ -335,7 +335,7 @@ def trainer_args(ctx: Context, size: Size, method: str) -> list[str]:
         "warmup_steps=0",
         "checkpoint_every_minutes=0",
         *([f"lora_rank={size.lora_rank}", f"lora_alpha={2 * size.lora_rank}"]
-          if method != "full" else []),
+          if methods.get(method).adapters else []),
     ]  # fmt: skip
 
 
@@ -396,7 +396,7 @@ def run_stock(ctx: Context, size: Size, method: str, tunepack_cfg: dict) -> dict
     # The same settings as tunepack's run, not trainer_bench's fixed ones.
     cfg["enable_activation_checkpointing"] = bool(tunepack_cfg["activation_checkpointing"])
     recipe = stock_recipe_file()
-    if method == "full":
+    if not methods.get(method).adapters:
         recipe = recipe.with_name("full_finetune_single_device.py")
         cfg["optimizer_in_bwd"] = False
         cfg.pop("save_adapter_weights_only")

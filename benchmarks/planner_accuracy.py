@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from torchtune import config as tt_config
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.tools.planner import estimate
 from tunepack.trainers.config import model_component
 
@@ -38,7 +38,7 @@ LORA_RANK = 16
 
 def build(entry: catalog.ModelEntry, method: str) -> torch.nn.Module:
     cfg = model_component(entry, method)
-    if method == "lora":
+    if methods.get(method).adapters:
         cfg.update(
             lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
             apply_lora_to_mlp=True,
@@ -53,7 +53,7 @@ def one_step(entry, method, seq_len, batch, device, dtype) -> dict:
         torch.set_default_dtype(dtype)
         model = build(entry, method)
         torch.set_default_dtype(torch.float32)
-    if method == "lora":
+    if methods.get(method).adapters:
         set_trainable_params(model, get_adapter_params(model))
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)

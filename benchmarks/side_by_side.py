@@ -71,6 +71,7 @@ sys.path.insert(0, str(HERE))
 from sbs_workload import CACHE, ISSUE, SMOKE, Workload, _encoding, prepare  # noqa: E402
 from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
 
+from tunepack.runtimes import methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
 from tunepack.tools.planner import LORA_TARGETS_ALL, lora_parameters  # noqa: E402
 
@@ -149,14 +150,15 @@ def model_flops_per_token(
     not model FLOPs).
     """
     n = base_matmul_parameters(shape)
+    trains_adapters = methods.get(method).adapters
     adapters = 0
-    if method != "full":
+    if trains_adapters:
         adapters = lora_parameters(shape, lora_rank, lora_attn_modules, lora_mlp)
     attention = 4 * shape.num_layers * shape.num_heads * shape.head_dim * seq_len
     parts = {
         "forward": 2 * (n + adapters) + attention,
         "backward_activations": 2 * (n + adapters) + 2 * attention,
-        "backward_weights": 2 * (n if method == "full" else adapters),
+        "backward_weights": 2 * (adapters if trains_adapters else n),
     }
     parts["total"] = sum(parts.values())
     return parts

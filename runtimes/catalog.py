@@ -28,11 +28,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tunepack.runtimes import methods as registry  # the name `methods` is ModelEntry's property
+
 RUNTIME_PREFIX = "tunepack-"
-# Methods that build the LoRA model with one more keyword (quantize_base, use_dora) or train it
-# another way (dpo), so a model with a LoRA builder supports them (QLoRA only where NF4 can
-# quantize its weights).
-LORA_VARIANTS = ("qlora", "dora", "dpo")
 # torchao's NF4 quantizes a weight in blocks of 64 values with one scale each, and those scales
 # again in blocks of 256: a weight's size must be a multiple of both, or building the model fails
 # deep inside torchao with an assertion.
@@ -184,16 +182,19 @@ class ModelEntry:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        """The fine-tuning methods this model supports: its builders, plus the LoRA variants."""
-        methods = tuple(self.builders)
-        if "lora" in methods:
-            methods += tuple(m for m in LORA_VARIANTS if self.why_not(m) is None)
-        return methods
+        """The fine-tuning methods this model supports: those built by one of its builders (the
+        LoRA variants share the LoRA builder), less those it cannot run (``why_not``)."""
+        return tuple(
+            m.name
+            for builder in self.builders
+            for m in registry.METHODS.values()
+            if m.builder == builder and self.why_not(m.name) is None
+        )
 
     def why_not(self, method: str) -> str | None:
         """Why a LoRA variant cannot run on this model (None: nothing known against it)."""
-        if method == "qlora" and (obstacle := self.shape.nf4_obstacle()):
-            return f"method=qlora cannot quantize {self.name}: {obstacle}; use method=lora"
+        if registry.get(method).quantize_base and (obstacle := self.shape.nf4_obstacle()):
+            return f"method={method} cannot quantize {self.name}: {obstacle}; use method=lora"
         return None
 
     @property

@@ -38,9 +38,12 @@ import textwrap
 import typing
 
 from tunepack.core.errors import BadInputError
+from tunepack.runtimes import methods
 from tunepack.trainers.args import (
+    LORA_KEYS,
     VOCABULARY,
     Arg,
+    lora_with_full_message,
     merge_with_full_message,
     split_pairs,
     write_block,
@@ -182,16 +185,11 @@ class FineTune:
             value = getattr(self, arg.name)
             if value is not None:
                 _check_value(arg, value)
-        if self.method == "full":
-            lora = [
-                f"{a.name}={getattr(self, a.name)!r}" for a in VOCABULARY if _is_lora(a.name, self)
-            ]
+        if self.method is not None and not methods.get(self.method).adapters:
+            lora = [f"{k}={getattr(self, k)!r}" for k in LORA_KEYS if getattr(self, k) is not None]
             if lora:
-                raise BadInputError(
-                    f"FineTune: {', '.join(lora)} set{'s' if len(lora) == 1 else ''} LoRA "
-                    "adapters, but method='full' trains every weight and has none; leave "
-                    f"{'it' if len(lora) == 1 else 'them'} out, or use method='lora'"
-                )
+                given = ", ".join(lora)
+                raise BadInputError(f"FineTune: {lora_with_full_message(given, len(lora))}")
             if self.merge:
                 raise BadInputError(f"FineTune: {merge_with_full_message('merge=True')}")
         nodes, procs = self.num_nodes, self.num_proc_per_node
@@ -318,11 +316,6 @@ def _check_value(arg: Arg, value: object) -> None:
         arg.parse(arg.name, _raw(value))
     except BadInputError as err:
         raise BadInputError(f"FineTune.{arg.name}: {err}") from None
-
-
-def _is_lora(name: str, obj: FineTune) -> bool:
-    """A LoRA setting given (``lora_rank``, ``lora_alpha``, ...)."""
-    return name.startswith("lora_") and getattr(obj, name) is not None
 
 
 # ---------------------------------------------------------------- the generated block

@@ -29,7 +29,7 @@ from pathlib import Path
 from kubeflow.trainer.types import types as kf
 
 from tunepack.core.errors import NotAvailableError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 
 COLUMNS = ("name", "model", "methods", "parameters", "default_gpus", "description")
 
@@ -194,7 +194,7 @@ class Result:
                     "loading the result needs transformers: pip install transformers"
                 ) from None
             tokenizer = AutoTokenizer.from_pretrained(self.base_model)
-            if self.method == "full":
+            if self.method is not None and not methods.get(self.method).adapters:
                 model = AutoModelForCausalLM.from_pretrained(self.path)
             else:
                 from peft import PeftModel

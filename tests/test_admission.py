@@ -138,7 +138,7 @@ def _concat(expression: str) -> str:
         (vocab.context_window_message, ["100000", "tiny-llama3", "512"]),
         (vocab.sliding_window_message, ["8192", "mistral-7b", "4096", "Mistral"]),
         (vocab.no_packing_message, ["gemma2-2b", "it's 'quoted'"]),
-        (vocab.dpo_only_message, ["beta=0.2", "beta", "lora"]),
+        (vocab.method_only_message, ["beta=0.2", "beta", "dpo", "lora"]),
         (vocab.unused_tracker_uri_message, ["none"]),
         (lambda raw: vocab.invalid_value_message("lora_rank", raw, "an integer"), ["-1"]),
     ],

@@ -104,7 +104,7 @@ TRAIN_ARGS = [
     ("seed-negative", ["seed=-1"], ["seed='-1' is not valid"]),
     ("keep-0", ["keep_checkpoints=0"], ["keep_checkpoints='0' is not valid"]),
     ("qlora-on-tiny", ["method=qlora"], ["method=qlora cannot quantize tiny-llama3"]),
-    ("full-with-lora-rank", ["method=full", "lora_rank=8"], ["lora_rank=8 sets LoRA adapters", "method='full'"]),
+    ("full-with-lora-rank", ["method=full", "lora_rank=8"], ["lora_rank=8 sets LoRA adapters", "method=full trains every weight"]),
     ("full-with-lora-keys", ["method=full", "lora_alpha=16", "lora_mlp=false"], ["lora_alpha=16.0, lora_mlp=False set LoRA", "leave them out"]),
     ("full-with-merge", ["method=full", "merge=true"], ["merge=True merges a LoRA adapter into the base, but method=full trains every weight", "or use method=lora"]),
 ]  # fmt: skip
@@ -500,7 +500,7 @@ def test_model_directories(capsys, jobs, tmp_path, tiny_dataset_file, tiny_model
 
 OTHER_COMMANDS = [
     ("plan-model", ["plan", "--model", "gpt-5"], ["unknown runtime or model 'gpt-5'"]),
-    ("plan-method", ["plan", "--model", "llama3.2-1b", "--method", "sft"], ["method='sft' is not valid", "full, lora, qlora, dora"]),
+    ("plan-method", ["plan", "--model", "llama3.2-1b", "--method", "sft"], ["method='sft' is not valid", "lora, qlora, dora, full, dpo"]),
     ("plan-seq-len", ["plan", "--model", "llama3.2-1b", "--seq-len", "0"], ["seq_len=0 is not valid", "an integer >= 1"]),
     ("plan-seq-too-long", ["plan", "--model", "tiny-llama3", "--seq-len", "4096"], ["seq_len=4096 is larger than tiny-llama3's context of 512"]),
     ("plan-batch", ["plan", "--model", "llama3.2-1b", "--batch-size", "0"], ["batch_size=0 is not valid"]),
@@ -621,7 +621,7 @@ FINETUNE = [
     ("lr-big", {"lr": 2.0}, "lr='2.0' is not valid", "< 1.0"),
     ("method-case", {"method": "LoRA"}, "method='LoRA' is not valid", "lora, qlora, dora, full"),
     ("modules-unknown", {"lora_attn_modules": ["q_proj", "qkv"]}, "lora_attn_modules", "q_proj,k_proj,v_proj,output_proj"),
-    ("full-lora", {"method": "full", "lora_rank": 8}, "lora_rank=8 sets LoRA adapters", "method='full'"),
+    ("full-lora", {"method": "full", "lora_rank": 8}, "lora_rank=8 sets LoRA adapters", "method=full trains every weight"),
     ("full-merge", {"method": "full", "merge": True}, "FineTune: merge=True merges a LoRA adapter", "method=full trains every weight"),
     ("nodes-0", {"num_nodes": 0}, "FineTune.num_nodes=0 is not valid", ">= 1"),
     ("nodes-str", {"num_nodes": "2"}, "FineTune.num_nodes='2' is not valid", ">= 1"),

@@ -486,12 +486,13 @@ def test_planner_counts_two_sequences_per_example():
 
 
 def test_readme_method_table_is_generated_from_the_vocabulary():
-    from tunepack.trainers.args import METHODS, methods_table
+    from tunepack.runtimes.methods import NAMES
+    from tunepack.trainers.args import methods_table
 
     readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
     block = readme.split("<!-- methods:begin -->\n")[1].split("<!-- methods:end -->")[0]
     assert block == methods_table(), "README.md is stale: python -m tunepack.trainers.args methods"
-    assert all(f"| `{method}` |" in block for method in METHODS)
+    assert all(f"| `{method}` |" in block for method in NAMES)
 
 
 def test_validation_split_reports_the_dpo_loss_of_held_out_pairs(preference_workspace, tmp_path):

@@ -14,30 +14,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from tunepack.core.errors import BadInputError
+from tunepack.runtimes import methods
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.prompt_format import check_chat_template, check_system_prompt
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
-METHODS = ("lora", "qlora", "dora", "full", "dpo")
-# What each method does (README and docs/trainer.md list them from here).
-METHOD_HELP = {
-    "lora": "LoRA adapters on a frozen base",
-    "qlora": "LoRA adapters on a frozen base stored in NF4 (4-bit)",
-    "dora": "LoRA plus a learned per-row magnitude (DoRA)",
-    "full": "every weight trained",
-    "dpo": "preference tuning (DPO) of LoRA adapters on a preference dataset; the reference "
-    "model is the base with the adapters switched off",
-}
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
 # Experiment trackers: a fixed allowlist, mapped in trainers/tracking.py to a logger class.
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
 TRACKER_URI_SCHEMES = ("http", "https", "file")
-# QLoRA (NF4-quantized frozen base) and DoRA (LoRA plus a learned magnitude) are built by the
-# catalog's LoRA builder with extra keywords, so they are available wherever LoRA is; DPO trains
-# the LoRA model too.
-LORA_FAMILY = ("lora", "qlora", "dora", "dpo")
 
 
 @dataclass(frozen=True)
@@ -226,9 +213,9 @@ _ruled(_name, Rule("name", f"1 to {NAME_MAX} letters, digits, '-', '_' or '.'", 
 VOCABULARY: tuple[Arg, ...] = (
     Arg(
         "method",
-        _choice(METHODS),
-        "lora, qlora (NF4-quantized base), dora, full or dpo (preference tuning)",
-        "lora",
+        _choice(methods.NAMES),
+        methods.summary(),
+        methods.DEFAULT,
     ),
     Arg("epochs", _int(1, 1000), "passes over the dataset", 1),
     Arg(
@@ -344,14 +331,8 @@ VOCABULARY: tuple[Arg, ...] = (
         "",
     ),
 )
-DPO_ONLY = ("beta", "dpo_loss")
 LORA_KEYS = tuple(arg.name for arg in VOCABULARY if arg.name.startswith("lora_"))  # not for full
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
-_DEFAULT_LR = {"lora": 3e-4, "qlora": 3e-4, "dora": 3e-4, "full": 2e-5, "dpo": 5e-5}
-# Defaults that belong to a method rather than to the model: a catalog entry's lr is a supervised
-# fine-tuning rate, while DPO's rate is set by its preference loss (its scale is beta's), so
-# there the method's default beats the catalog's.
-_METHOD_OWNED = {"dpo": ("lr",)}
 
 
 @dataclass(frozen=True)
@@ -493,19 +474,20 @@ def no_packing_message(model: str, reason: str) -> str:
     return f"packed=true is not available for {model}: {reason}; set packed=false"
 
 
-def dpo_only_message(given: str, keys: str, method: str) -> str:
-    """``given``: the DPO-only ``key=value`` pairs; ``keys``: their keys joined by ' and '."""
-    return f"{given}: only method=dpo uses {keys}, but method={method}"
+def method_only_message(given: str, keys: str, owner: str, method: str) -> str:
+    """``given``: the ``key=value`` pairs only method ``owner`` takes; ``keys``: their keys
+    joined by ' and '."""
+    return f"{given}: only method={owner} uses {keys}, but method={method}"
 
 
 PACKED_WITH_GROUP_BY_LENGTH = (
     "group_by_length=true applies to unpacked data, and packed=true packs examples into "
     "full sequences already; set one of them"
 )
-PACKED_WITH_DPO = (
-    "packed=true is not available with method=dpo: each preference pair is its own "
-    "sequence; set packed=false"
-)
+
+
+def method_packing_message(method: str, reason: str) -> str:
+    return f"packed=true is not available with method={method}: {reason}; set packed=false"
 
 
 def unused_tracker_uri_message(tracker: str) -> str:
@@ -516,21 +498,21 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     """Validate ``key=value`` trainer arguments for a catalog model and fill in the defaults."""
     pairs = split_pairs(args)
     values = {name: _BY_NAME[name].parse(name, raw) for name, raw in pairs.items()}
-    method = values.get("method", "lora")
-    available = available_methods(entry)
-    if method not in available:
-        raise BadInputError(unavailable_method_message(entry, method))
-    if method == "full" and (lora := [k for k in values if k in LORA_KEYS]):
+    method = methods.get(values.get("method", methods.DEFAULT))
+    if method.name not in available_methods(entry):
+        raise BadInputError(unavailable_method_message(entry, method.name))
+    if not method.adapters and (lora := [k for k in values if k in LORA_KEYS]):
         given = ", ".join(f"{k}={pairs[k]}" for k in lora)
         raise BadInputError(lora_with_full_message(given, len(lora)))
-    if method == "full" and values.get("merge"):
+    if not method.adapters and values.get("merge"):
         raise BadInputError(merge_with_full_message(f"merge={pairs['merge']}"))
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's;
-    # for a key the method owns (_METHOD_OWNED), the method's before the catalog entry's.
+    # for a key the method owns (Method.owns), the method's before the catalog entry's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
-    resolved["lr"] = _DEFAULT_LR[method]
-    owned = _METHOD_OWNED.get(method, ())
-    resolved.update({k: v for k, v in entry.defaults.items() if k in resolved and k not in owned})
+    resolved["lr"] = method.lr
+    resolved.update(
+        {k: v for k, v in entry.defaults.items() if k in resolved and k not in method.owns}
+    )
     resolved.update(values)
     if resolved["max_seq_len"] > entry.shape.max_seq_len:
         raise BadInputError(
@@ -542,13 +524,16 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         )
     if resolved["packed"] and entry.family.no_packing:
         raise BadInputError(no_packing_message(entry.name, entry.family.no_packing))
-    if method != "dpo" and (dpo_only := [k for k in DPO_ONLY if k in values]):
-        given = ", ".join(f"{k}={pairs[k]}" for k in dpo_only)
-        raise BadInputError(dpo_only_message(given, " and ".join(dpo_only), method))
+    for owner in methods.METHODS.values():
+        if owner is not method and (only := [k for k in owner.keys if k in values]):
+            given = ", ".join(f"{k}={pairs[k]}" for k in only)
+            raise BadInputError(
+                method_only_message(given, " and ".join(only), owner.name, method.name)
+            )
     if resolved["packed"] and values.get("group_by_length"):
         raise BadInputError(PACKED_WITH_GROUP_BY_LENGTH)
-    if method == "dpo" and resolved["packed"]:
-        raise BadInputError(PACKED_WITH_DPO)
+    if method.no_packing and resolved["packed"]:
+        raise BadInputError(method_packing_message(method.name, method.no_packing))
     resolved["chat_template"] = check_chat_template(entry.family.name, resolved["chat_template"])
     if "system_prompt" in pairs:
         check_system_prompt(resolved["system_prompt"], resolved["chat_template"])
@@ -569,15 +554,13 @@ def activation_checkpointing_on(setting: str | bool, device: str) -> bool:
 
 
 def available_methods(entry: ModelEntry) -> tuple[str, ...]:
-    """The methods a catalog entry supports, in the vocabulary's order."""
-    return tuple(m for m in METHODS if m in entry.methods)
+    """The methods a catalog entry supports, in the registry's order."""
+    return tuple(m for m in methods.NAMES if m in entry.methods)
 
 
 def builder_for(entry: ModelEntry, method: str) -> str:
     """The torchtune builder for a method (the LoRA variants share the LoRA builder)."""
-    if method in entry.builders:
-        return entry.builders[method]
-    return entry.builders["lora"]
+    return entry.builders[methods.get(method).builder]
 
 
 def vocabulary_table() -> list[tuple[str, str, str]]:
@@ -603,7 +586,7 @@ def markdown_table() -> str:
 def methods_table() -> str:
     """The methods as the Markdown table in README.md (``python -m`` this module ``methods``)."""
     lines = ["| method | trains | default lr |", "| --- | --- | --- |"]
-    lines += [f"| `{m}` | {METHOD_HELP[m]} | {_DEFAULT_LR[m]:g} |" for m in METHODS]
+    lines += [f"| `{m.name}` | {m.help} | {m.lr:g} |" for m in methods.METHODS.values()]
     return "\n".join(lines) + "\n"
 
 

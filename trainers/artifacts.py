@@ -34,10 +34,9 @@ from torchtune import config, training
 from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 
 from tunepack.core import durable
-from tunepack.core.workspace import ADAPTER_DIR, MERGED_DIR, RESULT_FILE
-from tunepack.core.workspace import FULL_MODEL_DIR as MODEL_DIR
+from tunepack.core.workspace import ADAPTER_DIR, FULL_MODEL_DIR, MERGED_DIR, RESULT_FILE
+from tunepack.runtimes import methods
 from tunepack.trainers import checkpoint
-from tunepack.trainers.args import LORA_FAMILY
 from tunepack.trainers.config import result_digest, result_identity
 from tunepack.trainers.peft_export import export_adapter
 
@@ -68,14 +67,14 @@ def gather_state(model: nn.Module, *, trainable_only: bool, sharded: bool) -> St
 
 def weights_dir(output_dir: Path, method: str) -> Path:
     """Where the published weights go: ``adapter/`` for the LoRA family, ``model/`` for full."""
-    return output_dir / (ADAPTER_DIR if method in LORA_FAMILY else MODEL_DIR)
+    return output_dir / (ADAPTER_DIR if methods.get(method).adapters else FULL_MODEL_DIR)
 
 
 def publish_weights(state: State, cfg: DictConfig, output_dir: Path) -> Path:
     """Publish the adapter (and the merged model, ``merge=true``) or the HF model; its path."""
     artifact = weights_dir(output_dir, cfg.method)
     needed = checkpoint.nbytes(state)  # about what the weights take on disk
-    if cfg.method in LORA_FAMILY:
+    if methods.get(cfg.method).adapters:
         durable.publish_dir(artifact, partial(write_adapter, state, cfg), needed=needed)
         if cfg.merge:
             merged = partial(write_merged, state, cfg)
@@ -123,7 +122,7 @@ def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "use_dora": cfg.method == "dora",
+        "use_dora": methods.get(cfg.method).dora,
         "use_rslora": False,
         "modules_to_save": None,
         **targets,
@@ -255,7 +254,7 @@ def write_result(
         "system_prompt": cfg.tokenizer.get("system_prompt"),
         **(
             {"dpo": {**OmegaConf.to_container(cfg.dpo), **run.dpo_metrics}}
-            if cfg.method == "dpo"
+            if methods.get(cfg.method).loss is methods.Loss.DPO
             else {}
         ),
         "config_digest": result_digest(cfg),

@@ -17,10 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from tunepack.core.digest import json_digest as _sha256_json
 from tunepack.core.errors import BadInputError
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
-from tunepack.runtimes import custom
+from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.args import (
-    LORA_FAMILY,
     TrainArgs,
     activation_checkpointing_on,
     builder_for,
@@ -220,16 +219,8 @@ def identity_changes(old: dict | None, new: dict[str, str], of: str) -> str:
 
 
 def _check_method_fits_data(method: str, schema: str) -> None:
-    if method == "dpo" and schema != "preference":
-        raise BadInputError(
-            f"method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and "
-            f"'rejected'), but the dataset's schema is {schema!r}"
-        )
-    if method != "dpo" and schema == "preference":
-        raise BadInputError(
-            f"the dataset is a preference dataset (chosen/rejected pairs), which method={method} "
-            "cannot learn from: use method=dpo"
-        )
+    if schema not in (record := methods.get(method)).data.schemas:
+        raise BadInputError(methods.wrong_data_message(record, schema))
 
 
 # Every model is built by this function around the catalog's torchtune builder: it corrects
@@ -294,7 +285,8 @@ def build_config(
         **_optimizer_and_schedule(args),
         **_bookkeeping(args, output_dir),
     }
-    if args.method == "dpo":  # only here: other methods' run identities stay as they were
+    if methods.get(args.method).loss is methods.Loss.DPO:
+        # only here: other methods' run identities stay as they were
         cfg["dpo"] = {"beta": args.beta, "loss": args.dpo_loss}
     # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
     # content is in dataset_sha256 already).
@@ -370,7 +362,8 @@ def _checkpointing(args: TrainArgs, directory: Path) -> dict:
 def _model(entry: ModelEntry, args: TrainArgs) -> dict:
     """The model's node: the catalog's builder, with the LoRA family's adapter settings."""
     model = model_component(entry, args.method)
-    if args.method in LORA_FAMILY:
+    method = methods.get(args.method)
+    if method.adapters:
         model.update(
             lora_attn_modules=list(args.lora_attn_modules),
             apply_lora_to_mlp=args.lora_mlp,
@@ -379,9 +372,9 @@ def _model(entry: ModelEntry, args: TrainArgs) -> dict:
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
         )
-        if args.method == "qlora":
+        if method.quantize_base:
             model["quantize_base"] = True
-        if args.method == "dora":
+        if method.dora:
             model["use_dora"] = True
     return model
 

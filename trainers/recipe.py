@@ -50,6 +50,8 @@ from torchtune.modules.peft import (
 from tunepack.core import durable, lifetime, program
 from tunepack.core.errors import BadInputError, TransientError, TunepackError
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
+from tunepack.runtimes import methods
+from tunepack.runtimes.methods import Loss
 from tunepack.trainers import (
     artifacts,
     batching,
@@ -59,7 +61,6 @@ from tunepack.trainers import (
     dpo,
     vocab_loss,
 )
-from tunepack.trainers.args import LORA_FAMILY
 from tunepack.trainers.config import (
     DATASET_BUILDERS,
     identity_changes,
@@ -91,11 +92,11 @@ class FineTuneRecipe:
         self.topo, self.device = distributed.init(cfg.device)
         self.dtype = training.get_dtype(cfg.dtype, device=self.device)
         self.output_dir = Path(cfg.output_dir)
-        self.method = cfg.method
-        self.is_lora = cfg.method in LORA_FAMILY
+        self.method = methods.get(cfg.method)
+        self.is_lora = self.method.adapters
         self.digest = run_digest(cfg)
         # Preference tuning: the DPO loss over the LoRA model and its adapter-less reference.
-        self.dpo = dpo.DPO(cfg.dpo.beta, cfg.dpo.loss) if cfg.method == "dpo" else None
+        self.dpo = dpo.DPO(cfg.dpo.beta, cfg.dpo.loss) if self.method.loss is Loss.DPO else None
         self.step_metrics: dict[str, float] = {}  # DPO's rewards of the last step
         self.stop_requested = False  # set by the SIGTERM handler; honoured after each step
         self.compiled = False  # compile=auto decides in setup, once the planned work is known
@@ -185,7 +186,7 @@ class FineTuneRecipe:
         shards (``_load_shards``): one copy in host memory instead of one per process. QLoRA is
         the exception: torchtune quantizes each rank's NF4 shard from that rank's own full copy.
         """
-        if self.topo.distributed and not self.topo.is_main and self.method != "qlora":
+        if self.topo.distributed and not self.topo.is_main and not self.method.quantize_base:
             return {}
         checkpointer = config.instantiate(self.cfg.checkpointer)
         return checkpointer.load_checkpoint()[training.MODEL_KEY]
@@ -249,7 +250,7 @@ class FineTuneRecipe:
         return model
 
     def _load_shards(self, model: nn.Module, base_state: dict[str, torch.Tensor]):
-        if self.method == "qlora":
+        if self.method.quantize_base:
             return training.load_from_full_model_state_dict(
                 model, base_state, self.device, strict=False
             )
@@ -588,7 +589,7 @@ class FineTuneRecipe:
 
     def _tracker_settings(self) -> dict:
         settings = dict(self.cfg.get("tracker") or {})
-        settings["run_name"] = f"{self.cfg.model_name}-{self.method}"
+        settings["run_name"] = f"{self.cfg.model_name}-{self.method.name}"
         return settings
 
     def _non_finite_loss(self, loss: float) -> None:
@@ -774,7 +775,7 @@ class FineTuneRecipe:
             "eval_count": self.eval_count,
             "compiled": self.compiled,
             "world_size": self.topo.world_size,
-            "method": self.method,
+            "method": self.method.name,
             "digest": self.digest,
             "identity": run_identity(self.cfg),
         }
@@ -801,7 +802,7 @@ class FineTuneRecipe:
         state = artifacts.gather_state(
             self.model, trainable_only=self.is_lora, sharded=self.topo.distributed
         )
-        artifact = artifacts.weights_dir(self.output_dir, self.method)
+        artifact = artifacts.weights_dir(self.output_dir, self.method.name)
         published_step = self.global_step
         keep_best = bool(self.cfg.get("eval", {}).get("keep_best"))
         if self.topo.is_main and keep_best and self.best_step not in (None, self.global_step):
@@ -961,7 +962,7 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
         if not isinstance(err, torch.OutOfMemoryError) and durable.is_disk_full(err):
             # A write no narrower guard covers: name what the error names, or the output.
             where = getattr(err, "filename", None) or recipe.output_dir
-            raise durable.DiskFullError(durable.disk_full_message(where)) from None
+            raise durable.disk_full_error(where) from None
         if not isinstance(err, torch.OutOfMemoryError):
             raise
         raise BadInputError(

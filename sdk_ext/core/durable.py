@@ -96,13 +96,6 @@ def disk_full_error(
     )
 
 
-def disk_full_message(
-    path: object | None, needed: int | None = None, *, nothing_kept: bool = False
-) -> str:
-    """``disk_full_error``'s line; kept until trainers/recipe.py raises that instead."""
-    return str(disk_full_error(path, needed, nothing_kept=nothing_kept))
-
-
 @contextmanager
 def disk_full_as_error(path: Path, needed: int | None = None) -> Iterator[None]:
     """Turn a disk-full failure while writing ``path`` into one ``DiskFullError`` line, which

@@ -308,8 +308,6 @@ def check_settings(gpu: object, memory_check: object) -> str:
 
 def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):
     """Refuse (or warn about) a shape the planner says cannot fit, with the numbers."""
-    if args.method not in planner.METHODS:
-        return None
     estimate = planner.plan(
         entry,
         args.method,

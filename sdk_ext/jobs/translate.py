@@ -24,6 +24,7 @@ from kubeflow.trainer.types import types as kf
 
 from tunepack.core.errors import BadInputError
 from tunepack.finetune import FineTune
+from tunepack.runtimes import methods
 
 
 @dataclass
@@ -210,15 +211,18 @@ def refuse_upstream_full(trainer: object, entry) -> None:
 
 
 def _from_lora(lora: kf.LoraConfig) -> dict[str, object]:
-    method = "lora"
     if lora.quantize_base and lora.use_dora:
         raise BadInputError("LoraConfig: quantize_base and use_dora cannot be combined")
-    if lora.quantize_base:
-        method = "qlora"
-    elif lora.use_dora:
-        method = "dora"
-    if method != "lora":
-        flag = "quantize_base" if method == "qlora" else "use_dora"
+    # The supervised LoRA method with the same base storage and magnitude as the config's.
+    method = next(
+        m.name
+        for m in methods.METHODS.values()
+        if m.adapters
+        and m.loss is methods.Loss.CROSS_ENTROPY
+        and m.quantize_base == bool(lora.quantize_base)
+        and m.dora == bool(lora.use_dora)
+    )
+    if flag := "quantize_base" if lora.quantize_base else "use_dora" if lora.use_dora else "":
         try:
             FineTune(method=method)
         except BadInputError as err:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import yaml
 
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.trainers import args as vocab
 
 POLICY_NAME = "tunepack-trainjob-arguments"
@@ -160,7 +160,7 @@ def _variables() -> list[dict]:
     unavailable = {
         e.runtime_name: {
             m: vocab.unavailable_method_message(e, m)
-            for m in vocab.METHODS
+            for m in methods.NAMES
             if m not in vocab.available_methods(e)
         }
         for e in entries
@@ -296,10 +296,11 @@ def _validations() -> list[dict]:
         )
     )
     lora = f"p[0] in {cel_list(vocab.LORA_KEYS)}"
+    adapters = cel_list(m.name for m in methods.METHODS.values() if m.adapters)
     lora_given = f"variables.kv.filter(p, {lora}).map(p, p[0] + '=' + p[1]).join(', ')"
     out.append(
         _check(
-            f"variables.method != 'full' || !variables.kv.exists(p, {lora})",
+            f"variables.method in {adapters} || !variables.kv.exists(p, {lora})",
             f"variables.kv.filter(p, {lora}).size() == 1 ? "
             f"{cel_message(lambda given: vocab.lora_with_full_message(given, 1), lora_given)} : "
             f"{cel_message(lambda given: vocab.lora_with_full_message(given, 2), lora_given)}",
@@ -310,7 +311,7 @@ def _validations() -> list[dict]:
     merge = f"p[0] == 'merge' && p[1].lowerAscii() in {merge_true}"
     out.append(
         _check(
-            f"variables.method != 'full' || !variables.kv.exists(p, {merge})",
+            f"variables.method in {adapters} || !variables.kv.exists(p, {merge})",
             cel_message(
                 vocab.merge_with_full_message,
                 f"variables.kv.filter(p, {merge}).map(p, p[0] + '=' + p[1])[0]",
@@ -352,18 +353,21 @@ def _validations() -> list[dict]:
             ),
         )
     )
-    dpo = f"p[0] in {cel_list(vocab.DPO_ONLY)}"
-    out.append(
-        _check(
-            f"variables.method == 'dpo' || !variables.kv.exists(p, {dpo})",
-            cel_message(
-                vocab.dpo_only_message,
-                f"variables.kv.filter(p, {dpo}).map(p, p[0] + '=' + p[1]).join(', ')",
-                f"variables.kv.filter(p, {dpo}).map(p, p[0]).join(' and ')",
-                "variables.method",
-            ),
+    for owner in (m for m in methods.METHODS.values() if m.keys):
+        only = f"p[0] in {cel_list(owner.keys)}"
+        out.append(
+            _check(
+                f"variables.method == {q(owner.name)} || !variables.kv.exists(p, {only})",
+                cel_message(
+                    lambda given, keys, method, owner=owner.name: vocab.method_only_message(
+                        given, keys, owner, method
+                    ),
+                    f"variables.kv.filter(p, {only}).map(p, p[0] + '=' + p[1]).join(', ')",
+                    f"variables.kv.filter(p, {only}).map(p, p[0]).join(' and ')",
+                    "variables.method",
+                ),
+            )
         )
-    )
     by_name = {arg.name: arg for arg in vocab.VOCABULARY}
     true_spellings = cel_list(by_name["group_by_length"].rule.choices[: len(vocab._TRUE)])
     out.append(
@@ -373,7 +377,13 @@ def _validations() -> list[dict]:
             q(vocab.PACKED_WITH_GROUP_BY_LENGTH),
         )
     )
-    out.append(_check("!variables.packed || variables.method != 'dpo'", q(vocab.PACKED_WITH_DPO)))
+    for method in (m for m in methods.METHODS.values() if m.no_packing):
+        out.append(
+            _check(
+                f"!variables.packed || variables.method != {q(method.name)}",
+                q(vocab.method_packing_message(method.name, method.no_packing)),
+            )
+        )
     out.append(
         _check(
             f"!{_given('tracker_uri')} || variables.tracker == 'mlflow'",

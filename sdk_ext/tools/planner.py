@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.catalog import Shape
 from tunepack.trainers.args import activation_checkpointing_on
 
@@ -83,13 +83,10 @@ def gpu_type(gpu: object) -> str:
 CUDA_RESERVE_GIB = 2.0  # context + fragmentation, kept free on every device
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
-METHODS = ("full", "lora", "qlora", "dora", "dpo")
 # What a job builder does with a plan that does not fit (TrainingClient memory_check=).
 MEMORY_CHECKS = ("refuse", "warn", "off")
 # The GPU a plan assumes when none is named (the SDK's, the CLI's and the backends' default).
 DEFAULT_GPU = "H100-80GB"
-# Sequences each example puts through the model: DPO's chosen and rejected answers.
-SEQUENCES = {"dpo": 2}
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "output_proj")
 LAYOUTS = tuple((n, g) for n in (1, 2, 4, 8, 16) for g in (1, 2, 4, 8))
 
@@ -216,8 +213,9 @@ def estimate(
         )
     activation_checkpointing = activation_checkpointing_on(activation_checkpointing, "cuda")
     gpu = gpu_type(gpu)
-    _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
-    if method != "full" and (
+    how = methods.get(method)
+    _check(seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
+    if how.adapters and (
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
     ):
         raise BadInputError(f"lora_rank={lora_rank!r} is not valid: expected an integer >= 1")
@@ -225,17 +223,17 @@ def estimate(
     devices = nodes * gpus_per_node
     p = shape.parameter_count()
     width = DTYPE_BYTES[dtype]
-    if method == "full":
+    if not how.adapters:
         trainable = p
     else:
         trainable = lora_parameters(shape, lora_rank, lora_attn_modules, lora_mlp)
-        if method == "dora":
+        if how.dora:
             # DoRA adds one magnitude vector per adapted projection (its output size).
             trainable += _dora_magnitudes(shape, lora_attn_modules, lora_mlp)
-    base_bytes = NF4_BYTES if method == "qlora" else width
-    frozen = p if method != "full" else 0
+    base_bytes = NF4_BYTES if how.quantize_base else width
+    frozen = p if how.adapters else 0
     weights = (frozen * base_bytes + trainable * width) / devices
-    tokens = seq_len * batch_size * SEQUENCES.get(method, 1)
+    tokens = seq_len * batch_size * how.sequences
     return Plan(
         model=entry.name,
         method=method,
@@ -302,11 +300,8 @@ def plan(
         )
     if recommended and recommended[0] * recommended[1] > 1:
         notes.append("more than one device means FSDP sharding across all of them")
-    if method == "dpo":
-        notes.append(
-            "dpo: each example is two sequences (chosen, rejected) and each step adds a "
-            "reference forward pass without gradients (compute, not memory)"
-        )
+    if note := methods.get(method).plan_note:
+        notes.append(note)
     return Plan(**{**current.__dict__, "recommended": recommended, "notes": notes})
 
 
@@ -337,9 +332,7 @@ def _dora_magnitudes(shape: Shape, attn_modules, mlp: bool) -> int:
     return shape.num_layers * per_layer
 
 
-def _check(method, seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry) -> None:
-    if method not in METHODS:
-        raise BadInputError(f"method={method!r} is not valid: expected one of {', '.join(METHODS)}")
+def _check(seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry) -> None:
     if dtype not in DTYPE_BYTES:
         raise BadInputError(f"dtype={dtype!r} is not valid: expected one of bf16, fp32")
     for name, value in (

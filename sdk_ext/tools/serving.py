@@ -36,11 +36,11 @@ from tunepack.core.workspace import (
     OUTPUT_DIR,
     in_pod,
 )
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.builder import to_yaml
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
 from tunepack.runtimes.contract import workspace_pvc
-from tunepack.trainers.args import LORA_FAMILY, parse_trainer_args
+from tunepack.trainers.args import parse_trainer_args
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 # The values vLLM accepts for --max-lora-rank (it refuses others at start-up).
@@ -98,16 +98,17 @@ def served_result(runtime: str, args: list[str]) -> Served:
     if template is None and entry.custom:
         # A checkpoint of one's own may carry any template: serve the format it was trained in.
         template = TEMPLATES[trained.chat_template]
-    if trained.method == "full":
+    method = methods.get(trained.method)
+    if not method.adapters:
         return Served(in_pod(OUTPUT_DIR, FULL_MODEL_DIR), chat_template=template)
     if trained.merge:
         return Served(in_pod(OUTPUT_DIR, MERGED_DIR), chat_template=template)
-    if trained.method == "dora":
+    if method.dora:
         raise BadInputError(
-            "method=dora: vLLM does not load DoRA adapters; train with merge=true as well and "
-            "serve the merged model (render serving with the same arguments then serves it)"
+            f"method={method.name}: vLLM does not load DoRA adapters; train with merge=true as "
+            "well and serve the merged model (render serving with the same arguments then "
+            "serves it)"
         )
-    assert trained.method in LORA_FAMILY
     return Served(
         in_pod(MODEL_DIR),
         in_pod(OUTPUT_DIR, ADAPTER_DIR),
