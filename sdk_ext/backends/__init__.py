@@ -8,7 +8,7 @@ subpackage per backend, chosen by ``TrainerClient`` from the config it is given)
   resolved from a catalog model's short name, a finished job's ``Result``, its per-step metrics,
   where its workspace is);
 - ``kubernetes.KubernetesBackend``: the SDK's Kubernetes backend, with tunepack runtimes;
-- ``local.LocalBackend``: TrainJobs as processes on this machine; ``local_steps`` is its
-  executor, which turns a runtime and a TrainJob into the steps' commands and runs them as the
-  Trainer and JobSet would.
+- ``local.LocalBackend``: TrainJobs as processes on this machine, a subpackage laid out as the
+  SDK's ``localprocess`` (``local.steps`` is its executor, which turns a runtime and a TrainJob
+  into the steps' commands and runs them as the Trainer and JobSet would).
 """

@@ -4,6 +4,6 @@
 import sys
 from pathlib import Path
 
-from tunepack.backends.local.backend import runner_main
+from tunepack.backends.local.runner import runner_main
 
 sys.exit(runner_main(Path(sys.argv[1])))

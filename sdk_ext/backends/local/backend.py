@@ -1,14 +1,14 @@
-"""tunepack's local backend for ``TrainingClient``: TrainJobs as processes on this machine.
+"""``LocalBackend``: ``TrainingClient``'s backend for TrainJobs run as processes on this machine.
 
-``train()`` writes the TrainJob under ``<root_dir>/<name>/`` and starts a detached runner process
-(``python -m tunepack.backends.local <job dir>``) that runs the runtime's steps with
-``tunepack.backends.local.steps``, recording each step's state in ``state.json``. Jobs therefore
-outlive the notebook kernel.
+A thin facade over the package's other modules: each job is a ``job.JobRecord`` under
+``<root_dir>/<name>/``; ``train()`` starts its detached runner (``runner.start``), which runs
+the runtime's steps (``steps``) and records their state; progress comes from the trainer's
+metrics (``progress``).
 
 ``tunepack train --local`` creates its jobs here too (``register``), and runs them in the
-foreground through the same ``run_job``, in the workspace it was given (``state.json`` records
-it). So the CLI (``tunepack jobs``, ``status``, ``logs``, ``result``, ``delete``) and Python
-(``list_jobs()``, ``get_job()``, ...) see the same jobs, whichever created them.
+foreground through the same ``runner.run_job``, in the workspace it was given. So the CLI
+(``tunepack jobs``, ``status``, ``logs``, ``result``, ``delete``) and Python (``list_jobs()``,
+``get_job()``, ...) see the same jobs, whichever created them.
 
     >>> from tunepack import TrainingClient, LocalBackendConfig
     >>> client = TrainingClient(LocalBackendConfig(root_dir="/tmp/tunepack-jobs"))
@@ -16,45 +16,33 @@ it). So the CLI (``tunepack jobs``, ``status``, ``logs``, ``result``, ``delete``
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 
-import yaml
 from kubeflow.trainer.constants import constants as kc
 from kubeflow.trainer.types import types as kf
 from pydantic import BaseModel
 
 from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer, sdk_step
-from tunepack.core import durable, program
-from tunepack.core.errors import BadInputError, TransientError, TunepackError
-from tunepack.core.workspace import (
-    LOGS_DIR,
-    MODEL_DIR,
-    WorkspaceLock,
-    lock_workspace,
-    metrics_file,
-    result_file,
-)
+from tunepack.backends.local import runner
+from tunepack.backends.local.job import RUNNER_CLI, TERMINAL, JobRecord
+from tunepack.backends.local.progress import read_progress
+from tunepack.backends.local.steps import order_steps
+from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.workspace import MODEL_DIR
 from tunepack.jobs import submit
 from tunepack.jobs.trainjob import export_of
-from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
+from tunepack.notebook import Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
+from tunepack.tools.planner import DEFAULT_GPU
 
 HOME_ENV = "TUNEPACK_HOME"
-STATE_FILE = "state.json"
-TRAINJOB_FILE = "trainjob.yaml"
-WORKSPACE_DIR = "workspace"
 
 
 def default_root() -> Path:
@@ -72,18 +60,8 @@ class LocalBackendConfig(BaseModel):
     """
 
     root_dir: str | None = None
-    gpu: str = "H100-80GB"
+    gpu: str = DEFAULT_GPU
     memory_check: str = "refuse"
-
-
-RUNNER_CLI = "cli"  # state["runner"]: run in the foreground by `tunepack train --local`
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat()
-
-
-_write_json = durable.write_json  # readers (other processes) never see half a state file
 
 
 class LocalBackend(TunepackBackend):
@@ -163,17 +141,8 @@ class LocalBackend(TunepackBackend):
         trainjob = submit.local_trainjob(
             self, runtime, initializer, trainer, options, name=submit.job_name()
         )
-        name = trainjob["metadata"]["name"]
-        job_dir = self.register(trainjob)
-        with (job_dir / "runner.log").open("w") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tunepack.backends.local", str(job_dir)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # survives the kernel; killed as a group by delete_job
-            )
-        (job_dir / "pid").write_text(str(proc.pid))
-        return name
+        runner.start(JobRecord(self.register(trainjob)))
+        return trainjob["metadata"]["name"]
 
     def register(
         self, trainjob: dict, workspace: Path | None = None, *, replace: bool = False
@@ -184,41 +153,33 @@ class LocalBackend(TunepackBackend):
         with ``replace=True`` (a re-run of ``tunepack train --local --name``) replaced unless it
         is still running; its workspace is left as it is. Returns the job's directory."""
         name = trainjob["metadata"]["name"]
-        job_dir = self.root / name
+        job = JobRecord(self.root / name)
         created = None
-        if (job_dir / STATE_FILE).exists():
+        if job.exists():
             if not replace:
                 raise BadInputError(f"a local TrainJob {name!r} already exists under {self.root}")
             if self.get_job(name).status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING):
                 raise TransientError(  # busy, not bad input: it can run once that one ends
-                    f"local TrainJob {name!r} is still running (pid {_pid(job_dir)}, in "
+                    f"local TrainJob {name!r} is still running (pid {job.pid()}, in "
                     f"{self.workspace(name)}); wait for it to end, or give another --name"
                 )
-            created = _created(job_dir)
+            created = job.created()  # a re-run is the same job: it keeps its creation time
         try:
-            job_dir.mkdir(parents=True, exist_ok=True)
-            for record in (STATE_FILE, TRAINJOB_FILE, "pid", "runner.log"):
-                (job_dir / record).unlink(missing_ok=True)
-            (job_dir / TRAINJOB_FILE).write_text(yaml.safe_dump(trainjob, sort_keys=False))
-            # A re-run is the same job: it keeps the time the job was first created.
-            state = {"status": kc.TRAINJOB_CREATED, "created": created or _now(), "steps": {}}
-            if workspace is not None and Path(workspace) != job_dir / WORKSPACE_DIR:
-                state["workspace"] = str(Path(workspace).resolve())
-            _write_json(job_dir / STATE_FILE, state)
+            job.create(trainjob, workspace, created)
         except OSError as err:
             raise BadInputError(
                 f"cannot record local TrainJob {name!r} under {self.root}: "
                 f"{(err.strerror or str(err)).lower()}; set TUNEPACK_HOME (or --jobs-dir) to a "
                 "directory you can write to"
             ) from None
-        return job_dir
+        return job.path
 
     def list_jobs(self, runtime: kf.Runtime | None = None) -> list[TrainJob]:
         if not self.root.is_dir():
             return []
         jobs = []
         for path in sorted(self.root.iterdir()):
-            if (path / STATE_FILE).exists():
+            if JobRecord(path).exists():
                 try:
                     jobs.append(self.get_job(path.name))
                 except (BadInputError, FileNotFoundError):
@@ -228,21 +189,24 @@ class LocalBackend(TunepackBackend):
         return sorted(jobs, key=lambda j: j.creation_timestamp)
 
     def job_dir(self, name: str) -> Path:
-        path = self.root / name
-        if not name or "/" in name or name in (".", "..") or not (path / STATE_FILE).exists():
+        """The directory of job ``name``'s record (``<root>/<name>/``)."""
+        return self._job(name).path
+
+    def _job(self, name: str) -> JobRecord:
+        """The record of job ``name``; BadInputError when there is none."""
+        job = JobRecord(self.root / name)
+        if not name or "/" in name or name in (".", "..") or not job.exists():
             missing = f"no local TrainJob {name!r} under {self.root}"
             raise BadInputError(
                 f"{missing}; see list_jobs() (tunepack jobs --local)",
                 cli_message=f"{missing}; `tunepack jobs --local` lists them",
             )
-        return path
+        return job
 
     def workspace(self, name: str) -> Path:
         """Where the job's steps run: ``<root>/<name>/workspace``, or the directory
         ``tunepack train --local --workspace`` was given."""
-        job_dir = self.job_dir(name)
-        state = json.loads((job_dir / STATE_FILE).read_text())
-        return Path(state["workspace"]) if "workspace" in state else job_dir / WORKSPACE_DIR
+        return self._job(name).workspace
 
     def workspace_of(self, name: str) -> str:
         return str(self.workspace(name))
@@ -255,12 +219,11 @@ class LocalBackend(TunepackBackend):
         """The records of the trainer's ``metrics.jsonl`` that carry a loss."""
         from tunepack.notebook_progress import read_metrics
 
-        return read_metrics(metrics_file(self.workspace(name)))
+        return read_metrics(self._job(name).metrics_path)
 
     def _result(self, name: str):
-        trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
-        workspace = self.workspace(name)
-        info = json.loads(result_file(workspace).read_text())
+        job = self._job(name)
+        trainjob, workspace, info = job.trainjob(), job.workspace, job.result()
         return Result(
             job=name,
             path=info["artifact"],
@@ -276,20 +239,12 @@ class LocalBackend(TunepackBackend):
         )
 
     def get_job(self, name: str) -> TrainJob:
-        job_dir = self.job_dir(name)
-        state = json.loads((job_dir / STATE_FILE).read_text())
-        trainjob = yaml.safe_load((job_dir / TRAINJOB_FILE).read_text())
-        workspace = self.workspace(name)
-        status = state["status"]
-        if status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING) and not _alive(job_dir):
-            status = kc.TRAINJOB_FAILED
-            state["message"] = (
-                "the `tunepack train --local` process that ran it ended before the job did"
-                if state.get("runner") == RUNNER_CLI
-                else "the local runner process ended unexpectedly; see runner.log"
-            )
+        job = self._job(name)
+        state, trainjob = job.state(), job.trainjob()
+        logs = str(job.logs_dir)
+        status, message = job.status(state)
         steps = [
-            kf.Step(name=step, status=info["status"], pod_name=str(workspace / LOGS_DIR))
+            kf.Step(name=step, status=info["status"], pod_name=logs)
             for step, info in state["steps"].items()
         ]
         return TrainJob(
@@ -299,8 +254,8 @@ class LocalBackend(TunepackBackend):
             num_nodes=trainjob["spec"]["trainer"].get("numNodes", 1),
             creation_timestamp=datetime.fromisoformat(state["created"]),
             status=status,
-            message=state.get("message"),
-            progress=read_progress(metrics_file(workspace)),
+            message=message,
+            progress=read_progress(job.metrics_path),
         )
 
     def get_job_logs(
@@ -312,7 +267,7 @@ class LocalBackend(TunepackBackend):
             raise BadInputError(
                 f"local TrainJob {name!r} has no step {step!r}; its steps are {', '.join(steps)}"
             )
-        log = _step_log(self.workspace(name), step, steps)
+        log = self._job(name).step_log(step, steps)
         position = 0
         while True:
             if log.exists():
@@ -323,10 +278,7 @@ class LocalBackend(TunepackBackend):
                             break  # a line still being written: read it whole next time
                         position = f.tell()
                         yield line.rstrip("\n")
-            if not follow or self.get_job(name).status in (
-                kc.TRAINJOB_COMPLETE,
-                kc.TRAINJOB_FAILED,
-            ):
+            if not follow or self.get_job(name).status in TERMINAL:
                 if follow and log.exists() and log.stat().st_size > position:
                     continue  # drain what was written before the job ended
                 return
@@ -335,9 +287,7 @@ class LocalBackend(TunepackBackend):
     def _step_names(self, name: str) -> list[str]:
         """The SDK names of the job's steps, whether or not they ran: the runtime's jobs in
         order, the node job as ``node-0`` .. ``node-<nodes - 1>``."""
-        from tunepack.backends.local.steps import order_steps
-
-        trainjob = yaml.safe_load((self.job_dir(name) / TRAINJOB_FILE).read_text())
+        trainjob = self._job(name).trainjob()
         runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
         nodes = (trainjob["spec"].get("trainer") or {}).get("numNodes") or runtime["spec"].get(
             "mlPolicy", {}
@@ -354,7 +304,7 @@ class LocalBackend(TunepackBackend):
 
     def get_job_events(self, name: str) -> list[kf.Event]:
         """The steps' starts and ends, in time order (what Kubernetes events show on a cluster)."""
-        state = json.loads((self.job_dir(name) / STATE_FILE).read_text())
+        state = self._job(name).state()
         events = []
         for step, info in state["steps"].items():
             if "started" in info:
@@ -410,237 +360,16 @@ class LocalBackend(TunepackBackend):
 
         A job run in the foreground by ``tunepack train --local`` is not stopped from here: it
         is refused while it runs (Ctrl-C there stops it, with a checkpoint)."""
-        job_dir = self.job_dir(name)
-        state = json.loads((job_dir / STATE_FILE).read_text())
-        workspace = self.workspace(name)
-        inside = workspace == job_dir / WORKSPACE_DIR
-        pid = _pid(job_dir)
-        if pid and _alive(job_dir) and state["status"] not in TERMINAL:
+        job = self._job(name)
+        state, workspace = job.state(), job.workspace
+        pid = job.pid()
+        if pid and job.alive() and state["status"] not in TERMINAL:
             if state.get("runner") == RUNNER_CLI:
                 raise BadInputError(
                     f"local TrainJob {name!r} is running in the foreground of `tunepack train "
                     f"--local` (pid {pid}); stop it there with Ctrl-C first"
                 )
-            try:
-                os.killpg(pid, signal.SIGTERM)  # the runner's own session: it and its steps
-            except ProcessLookupError:
-                pass
-        keep = (not inside) if keep_workspace is None else keep_workspace
-        if not keep and not inside:
-            shutil.rmtree(workspace, ignore_errors=True)
-        if keep and inside:
-            for path in job_dir.iterdir():  # the record only; <root>/<name>/workspace stays
-                if path.name != WORKSPACE_DIR:
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
-        else:
-            shutil.rmtree(job_dir)
+            runner.stop(job)
+        keep = (not job.workspace_inside) if keep_workspace is None else keep_workspace
+        job.delete(keep)
         return workspace if keep and workspace.exists() else None
-
-
-TERMINAL = (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED)
-
-
-def update_state(job_dir: Path, **fields) -> None:
-    """Set top-level fields of a job's ``state.json`` (e.g. a status and message)."""
-    state = json.loads((job_dir / STATE_FILE).read_text())
-    _write_json(job_dir / STATE_FILE, {**state, **fields})
-
-
-def _step_log(workspace: Path, step: str, steps: list[str]) -> Path:
-    """The log of an SDK step name among the job's ``steps``: ``node-0`` is the node job's
-    first replica (``node.log`` with one node, ``node-0.log`` of several), ``node-1`` its
-    second (``node-1.log``)."""
-    from tunepack.backends.local.steps import step_log
-
-    head, _, index = step.rpartition("-")
-    if head == kc.NODE and index.isdigit():
-        replicas = sum(s.startswith(f"{kc.NODE}-") for s in steps)
-        return step_log(workspace / LOGS_DIR, head, int(index), replicas)
-    return step_log(workspace / LOGS_DIR, step)
-
-
-def _created(job_dir: Path) -> str | None:
-    """When the job in ``job_dir`` was first created (None: its record cannot say)."""
-    try:
-        created = json.loads((job_dir / STATE_FILE).read_text())["created"]
-        datetime.fromisoformat(created)
-        return created
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _pid(job_dir: Path) -> int | None:
-    try:
-        return int((job_dir / "pid").read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def _alive(job_dir: Path) -> bool:
-    pid = _pid(job_dir)
-    if pid is None:
-        return True  # between mkdir and Popen: still being created
-    try:
-        finished, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
-        if finished:
-            return False
-    except ChildProcessError:
-        pass  # not our child (another process started it)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def read_progress(metrics: Path) -> Progress | None:
-    """Progress from the trainer's ``metrics.jsonl``: the last step record (one per optimizer
-    step) and the last evaluation record (runs with a validation split)."""
-    if not metrics.exists():
-        return None
-    last: dict[str, dict] = {}
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if isinstance(record, dict) and record.get("event") in ("step", "eval"):
-            last[record["event"]] = record
-    if "step" not in last:
-        return None
-    step, total = last["step"].get("step"), last["step"].get("total_steps")
-    evaluation = last.get("eval", {})
-    return Progress(
-        percent=int(100 * step / total) if step and total else None,
-        step=step,
-        total_steps=total,
-        loss=last["step"].get("loss"),
-        val_loss=evaluation.get("val_loss"),
-        val_perplexity=evaluation.get("val_perplexity"),
-        tokens_per_second=last["step"].get("tokens_per_second"),
-    )
-
-
-# --- the runner process ---------------------------------------------------------------------------
-
-
-def runner_main(job_dir: Path) -> int:
-    """The detached runner's body (``python -m tunepack.backends.local <job dir>``): run the
-    job, return the failed step's exit code or 0."""
-    try:
-        failed = run_job(job_dir).failed
-    except TunepackError as err:  # e.g. the workspace is in use: the job's state says so
-        update_state(job_dir, status=kc.TRAINJOB_FAILED, message=str(err))
-        print(program.error_line("tunepack", err), file=sys.stderr)
-        return err.exit_code
-    return failed.exit_code if failed else 0
-
-
-_TAKE_LOCK = object()
-
-
-def run_job(
-    job_dir: Path,
-    echo: Callable[[str], None] | None = None,
-    *,
-    cli: bool = False,
-    lock: WorkspaceLock | None | object = _TAKE_LOCK,
-):
-    """Run the job in ``job_dir`` step by step in its workspace, recording each step's state;
-    stop at the first failing step. ``echo`` gets each step's command and output lines.
-    ``cli=True``: run by ``tunepack train --local`` in its own process (recorded as the job's
-    runner). The workspace is locked for the whole run (``tunepack.core.workspace``): a second run
-    on it is refused with ``WorkspaceBusyError`` before anything is touched. ``lock``: the lock
-    the caller took before recording the job (None: the file system cannot lock), which it
-    releases; by default the lock is taken here.
-    Returns ``tunepack.backends.local.steps.RunOutcome``."""
-    from tunepack.backends.local.steps import (
-        keep_previous_logs,
-        resolve_steps,
-        restore_previous_logs,
-    )
-
-    state_path = job_dir / STATE_FILE
-    state = json.loads(state_path.read_text())
-    trainjob = yaml.safe_load((job_dir / TRAINJOB_FILE).read_text())
-    runtime = load_runtime(trainjob["spec"]["runtimeRef"]["name"])
-    workspace = Path(state.get("workspace") or job_dir / WORKSPACE_DIR)
-    workspace.mkdir(parents=True, exist_ok=True)
-    if cli:
-        (job_dir / "pid").write_text(str(os.getpid()))
-        state["runner"] = RUNNER_CLI
-    name = trainjob["metadata"]["name"]
-    held = (
-        nullcontext(lock)
-        if lock is not _TAKE_LOCK
-        else lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext()
-    )
-    with held as lock:
-        before = _read_bytes(result_file(workspace))
-        kept = keep_previous_logs(workspace / LOGS_DIR)
-        steps = resolve_steps(runtime, trainjob, workspace.resolve())
-        outcome = _run_steps(job_dir, state, steps, workspace, echo, lock)
-        # The trainer rewrites result.json whenever it trains: unchanged, nothing was trained.
-        if (
-            not outcome.failed
-            and before is not None
-            and _read_bytes(result_file(workspace)) == before
-        ):
-            outcome.nothing_to_do = True
-            if kept is not None:
-                restore_previous_logs(workspace / LOGS_DIR, kept)
-        return outcome
-
-
-def _read_bytes(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None
-
-
-def _run_steps(job_dir, state, steps, workspace: Path, echo, lock):
-    from tunepack.backends.local.steps import RunOutcome, describe_exit, run_step, shown_command
-
-    state_path = job_dir / STATE_FILE
-    names = {s.name: _sdk_names(s) for s in steps}
-    state["steps"] = {n: {"status": "Pending"} for s in steps for n in names[s.name]}
-    state["status"] = kc.TRAINJOB_RUNNING
-    _write_json(state_path, state)
-    outcomes = []
-    for step in steps:
-        started = _now()
-        for n in names[step.name]:
-            state["steps"][n] = {"status": "Running", "started": started}
-        _write_json(state_path, state)
-        if echo:
-            echo(f"==> {step.name}: {shown_command(step.command)}")
-        outcome = run_step(step, workspace / LOGS_DIR, echo=echo, lock=lock)
-        outcomes.append(outcome)
-        phase = "Succeeded" if outcome.exit_code == 0 else "Failed"
-        for n in names[step.name]:
-            state["steps"][n] = {
-                "status": phase,
-                "exit_code": outcome.exit_code,
-                "started": started,
-                "finished": _now(),
-            }
-        if outcome.exit_code != 0:
-            reason = outcome.error_line()
-            state["status"] = kc.TRAINJOB_FAILED
-            state["message"] = (
-                f"step {step.name!r} failed with exit code {outcome.exit_code} "
-                f"({describe_exit(outcome.exit_code)})" + (f": {reason}" if reason else "")
-            )
-            _write_json(state_path, state)
-            return RunOutcome(outcomes)
-        _write_json(state_path, state)
-    state["status"] = kc.TRAINJOB_COMPLETE
-    _write_json(state_path, state)
-    return RunOutcome(outcomes)
-
-
-def _sdk_names(step) -> list[str]:
-    if step.name == kc.NODE:
-        return [f"{kc.NODE}-{i}" for i in range(step.replicas)]
-    return [step.name]
