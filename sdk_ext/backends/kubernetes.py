@@ -43,11 +43,12 @@ from tunepack.backends.api_errors import api_message, api_status
 from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
 from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
-from tunepack.jobs import submit
+from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
+from tunepack.tools.planner import DEFAULT_GPU
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
     def __init__(
         self,
         cfg: KubernetesBackendConfig,
-        gpu: str = "H100-80GB",
+        gpu: str = DEFAULT_GPU,
         memory_check: submit.MemoryCheck = "refuse",
     ):
         gpu = submit.check_settings(gpu, memory_check)  # before the SDK reads the kubeconfig
@@ -105,6 +106,8 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         if not submit.is_tunepack_runtime(runtime):
             return super().train(runtime, initializer, trainer, options)
         fields = self._option_fields(options, trainer)
+        if fields.get("name") is None:  # no Name(...): named as the SDK names a job
+            fields["name"] = naming.random_job_name()
         trainjob = submit.build(
             runtime.name,
             initializer,
