@@ -259,7 +259,7 @@ def test_cli_prefers_the_kubeconfig_as_kubectl_does(tmp_path, monkeypatch):
     config as soon as /var/run/secrets/kubernetes.io exists on the machine)."""
     from argparse import Namespace
 
-    from tunepack.cli.commands import _backend_config
+    from tunepack.cli.cluster import backend_config as _backend_config
 
     kubeconfig = tmp_path / "config"
     _write_kubeconfig(kubeconfig, "team-a")

@@ -1,5 +1,6 @@
-"""The CLI's check that a cluster is configured and its API server answers, before any cluster
-command talks to it: one line that says what is wrong and what to do, never a traceback.
+"""The CLI's cluster: which configuration a command uses (the kubeconfig, as kubectl chooses it,
+else the in-cluster config), and the check that it is there and its API server answers, before any
+cluster command talks to it: one line that says what is wrong and what to do, never a traceback.
 
 Exit codes (``tunepack.core.errors``): no or broken Kubernetes configuration is a configuration
 error, 65 (fix it, retrying cannot help); an API server that cannot be reached is transient, 75.
@@ -7,6 +8,7 @@ error, 65 (fix it, retrying cannot help); an API server that cannot be reached i
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 from pathlib import Path
@@ -61,6 +63,41 @@ def configuration_problem(err: Exception, alternative: str) -> str:
         f"invalid Kubernetes configuration in {where}: {reason}; fix it, or choose a context "
         f"that exists{alternative}"
     )
+
+
+def backend_config(ns: argparse.Namespace):
+    """The SDK's backend config for a command's ``--namespace`` and ``--context``, choosing the
+    cluster as kubectl does: the kubeconfig (``$KUBECONFIG`` or ``~/.kube/config``) when there is
+    one, else the in-cluster config.
+
+    (The SDK alone takes the in-cluster config whenever ``/var/run/secrets/kubernetes.io``
+    exists, even where a kubeconfig was meant.)
+    """
+    from kubeflow.common.types import KubernetesBackendConfig
+    from kubernetes import config
+
+    namespace, context = getattr(ns, "namespace", None), getattr(ns, "context", None)
+    _, existing = kubeconfig_paths()
+    if not existing:
+        return KubernetesBackendConfig(namespace=namespace, context=context)
+    kubeconfig = os.pathsep.join(existing)
+    if namespace is None:
+        contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
+        chosen = next((c for c in contexts if c.get("name") == context), None) if context else None
+        namespace = ((chosen or current or {}).get("context") or {}).get("namespace") or "default"
+    return KubernetesBackendConfig(namespace=namespace, context=context, config_file=kubeconfig)
+
+
+def load_config(context: str | None = None) -> None:
+    """Load the same choice as the kubernetes client's default configuration, for a command that
+    calls the API itself (``tunepack install``)."""
+    from kubernetes import config
+
+    _, existing = kubeconfig_paths()
+    if existing:
+        config.load_kube_config(config_file=os.pathsep.join(existing), context=context)
+    else:
+        config.load_incluster_config()
 
 
 def _in_cluster() -> bool:

@@ -19,7 +19,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from tunepack.cli.cluster import check_cluster, kubeconfig_paths
+from tunepack.cli.cluster import backend_config, check_cluster, load_config
 from tunepack.runtimes import methods
 
 
@@ -436,7 +436,7 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     if ns.queue is not None:
         options.append(Labels({QUEUE_LABEL: ns.queue}))
     check_cluster(ns.context)
-    client = TrainingClient(_backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
+    client = TrainingClient(backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
     name = client.train(
         runtime=ns.runtime,
         initializer=Initializer(
@@ -453,33 +453,12 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _backend_config(ns: argparse.Namespace):
-    """The SDK's backend config, choosing the cluster as kubectl does: the kubeconfig
-    (``$KUBECONFIG`` or ``~/.kube/config``) when there is one, else the in-cluster config.
-
-    (The SDK alone takes the in-cluster config whenever ``/var/run/secrets/kubernetes.io``
-    exists, even where a kubeconfig was meant.)
-    """
-    from kubeflow.common.types import KubernetesBackendConfig
-    from kubernetes import config
-
-    namespace, context = getattr(ns, "namespace", None), getattr(ns, "context", None)
-    kubeconfig = os.environ.get("KUBECONFIG") or str(Path("~/.kube/config").expanduser())
-    if not any(Path(p).is_file() for p in kubeconfig.split(os.pathsep) if p):
-        return KubernetesBackendConfig(namespace=namespace, context=context)
-    if namespace is None:
-        contexts, current = config.list_kube_config_contexts(config_file=kubeconfig)
-        chosen = next((c for c in contexts if c.get("name") == context), None) if context else None
-        namespace = ((chosen or current or {}).get("context") or {}).get("namespace") or "default"
-    return KubernetesBackendConfig(namespace=namespace, context=context, config_file=kubeconfig)
-
-
 def _cluster_client(ns: argparse.Namespace):
     """``TrainingClient()`` on the cluster the kubeconfig names, once its API server answers."""
     from tunepack.client import TrainingClient
 
     check_cluster(ns.context)
-    return TrainingClient(_backend_config(ns))
+    return TrainingClient(backend_config(ns))
 
 
 def _local_client(ns: argparse.Namespace):
@@ -722,7 +701,7 @@ DEFAULT_PLAN_SEQ_LEN = 2048  # plan --seq-len when not given (the model's contex
 
 
 def cmd_install(ns: argparse.Namespace) -> int:
-    from kubernetes import client, config
+    from kubernetes import client
 
     from tunepack.core.errors import BadInputError
     from tunepack.jobs.trainjob import check_dns_label
@@ -737,11 +716,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
     objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
     objects += admission_objects(ns.namespace)
     check_cluster(ns.context, local_option=False)
-    _, kubeconfigs = kubeconfig_paths()
-    if kubeconfigs:
-        config.load_kube_config(config_file=os.pathsep.join(kubeconfigs), context=ns.context)
-    else:
-        config.load_incluster_config()
+    load_config(ns.context)
     api = client.ApiClient()
     for obj in objects:
         action = install(api, obj, delete_timeout=ns.delete_timeout)
