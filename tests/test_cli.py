@@ -345,7 +345,7 @@ def _commands(parser, prefix=()):
 def test_every_option_and_argument_has_help():
     import argparse
 
-    from tunepack.cli.commands import build_parser
+    from tunepack.cli.parser import build_parser
 
     missing = [
         f"tunepack {' '.join(words)} {action.option_strings or action.dest}"

@@ -159,7 +159,7 @@ def test_the_same_command_again_resumes_its_job(
 
 
 def test_the_default_name_follows_what_the_command_trains(tiny_model_dir, tiny_dataset_file):
-    from tunepack.cli.commands import stable_job_name
+    from tunepack.jobs.naming import stable_job_name
 
     data, model = str(tiny_dataset_file), f"file://{tiny_model_dir}"
 

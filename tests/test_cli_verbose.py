@@ -56,7 +56,7 @@ def test_default_run_is_quiet_and_verbose_shows_the_rest(
 def test_verbose_does_not_change_the_job(tiny_model_dir, tiny_dataset_file):
     """--verbose changes what is shown, not what is trained: the same default job."""
     from tunepack import FineTune
-    from tunepack.cli.commands import stable_job_name
+    from tunepack.jobs.naming import stable_job_name
 
     def name(**placement):
         trainer = FineTune.from_args(["max_steps=2"], **placement)

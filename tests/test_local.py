@@ -185,7 +185,7 @@ def test_each_run_keeps_its_logs(tmp_path):
 
 
 def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
-    from tunepack.cli.commands import _print_summary
+    from tunepack.cli.output import print_summary
 
     output = tmp_path / "output"
     output.mkdir()
@@ -195,7 +195,7 @@ def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
         "best_step": 20, "keep_best": True,
     }  # fmt: skip
     (output / "result.json").write_text(json.dumps(result))
-    _print_summary("job", "tunepack-tiny-llama3", tmp_path, 19.2)
+    print_summary("job", "tunepack-tiny-llama3", tmp_path, 19.2)
     out = capsys.readouterr().out
     assert "  val loss    4.7600 (last step); best 4.7000 at step 20, published\n" in out
     assert "  loss        5.9900 (first step) -> 4.7700 (last step)\n" in out

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tunepack import cli
-from tunepack.cli.commands import build_parser
+from tunepack.cli.parser import build_parser
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_TRANSIENT
 
 ROOT = Path(__file__).resolve().parents[1]

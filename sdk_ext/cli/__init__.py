@@ -39,7 +39,8 @@ import sys
 
 from tunepack.backends.api_errors import api_message
 from tunepack.cli import cluster
-from tunepack.cli.commands import _console_logging, build_parser
+from tunepack.cli.output import console_logging
+from tunepack.cli.parser import build_parser
 from tunepack.core import program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    _console_logging()
+    console_logging()
     try:
         ns = build_parser().parse_args(argv)
         return ns.func(ns)

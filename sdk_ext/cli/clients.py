@@ -1,0 +1,45 @@
+"""The ``TrainingClient`` (``tunepack.client``) a command works through, as a notebook does: the
+local backend's (``--local``) or the cluster's."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from tunepack.cli.cluster import backend_config, check_cluster
+
+
+def client(ns: argparse.Namespace):
+    """The ``TrainingClient`` a command works through: the local backend's or the cluster's."""
+    return local_client(ns) if ns.local else cluster_client(ns)
+
+
+def cluster_client(ns: argparse.Namespace):
+    """``TrainingClient()`` on the cluster the kubeconfig names, once its API server answers."""
+    from tunepack.client import TrainingClient
+
+    check_cluster(ns.context)
+    return TrainingClient(backend_config(ns))
+
+
+def local_client(ns: argparse.Namespace):
+    """``TrainingClient(LocalBackendConfig(root_dir=..., gpu=..., memory_check=...))``."""
+    from tunepack.backends.local import LocalBackendConfig
+    from tunepack.client import TrainingClient
+    from tunepack.core.errors import BadInputError
+
+    if ns.jobs_dir is not None and not ns.jobs_dir.strip():
+        raise BadInputError(
+            "--jobs-dir is empty; give a directory, or leave --jobs-dir out for the default "
+            "($TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
+        )
+    checks = {k: getattr(ns, k) for k in ("gpu", "memory_check") if hasattr(ns, k)}
+    client = TrainingClient(LocalBackendConfig(root_dir=ns.jobs_dir, **checks))
+    root = client.backend.root
+    if os.path.exists(root) and not os.path.isdir(root):  # False if unreadable
+        given = f"--jobs-dir {ns.jobs_dir}" if ns.jobs_dir else f"the jobs dir {root}"
+        raise BadInputError(
+            f"{given} is a file, not a directory; give a directory for the local jobs (or set "
+            "TUNEPACK_HOME)"
+        )
+    return client

@@ -1,0 +1,266 @@
+"""The ``tunepack`` command line's parser: every subcommand's arguments and help, and the
+``cmd_*`` function each one runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from tunepack.cli.jobs import cmd_delete, cmd_download, cmd_jobs, cmd_logs, cmd_result, cmd_status
+from tunepack.cli.render import cmd_render_serving, cmd_render_trainjob
+from tunepack.cli.runtimes import cmd_args, cmd_install, cmd_runtimes
+from tunepack.cli.tools import DEFAULT_PLAN_SEQ_LEN, cmd_plan, cmd_tiny_dataset, cmd_tiny_model
+from tunepack.cli.train import cmd_train
+from tunepack.runtimes import methods
+from tunepack.tools.planner import DEFAULT_GPU, GPUS, MEMORY_CHECKS
+
+DESCRIPTION = (
+    "Fine-tune LLMs with tunepack's Kubeflow Trainer runtimes, on a Kubernetes cluster or on "
+    "this machine; `tunepack COMMAND --help` describes each command."
+)
+URI_HELP = (
+    "hf://org/name, s3://bucket/prefix, https://host/file, file:///absolute/path or a local path"
+)
+JOBS_DIR_HELP = "local backend jobs dir (default: $TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
+GPU_HELP = (
+    f"one of {', '.join(GPUS)} (default {DEFAULT_GPU}), in any case; h100: the one size there is"
+)
+
+
+def _add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--local", action="store_true", help="jobs of the local backend")
+    parser.add_argument("--jobs-dir", help=JOBS_DIR_HELP)
+    parser.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+    parser.add_argument("--context", help="kubeconfig context")
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runtime", required=True, help="runtime name, e.g. tunepack-tiny-llama3")
+    parser.add_argument("--dataset", required=True, help=f"dataset storage URI: {URI_HELP}")
+    parser.add_argument("--model", required=True, help=f"model storage URI: {URI_HELP}")
+    parser.add_argument(
+        "--name",
+        help="TrainJob name (default, local: <model>-<digest of the dataset, model and trainer "
+        "arguments>, so the same command resumes its job; cluster: <model>-<timestamp>)",
+    )
+    parser.add_argument("--num-nodes", type=int, help="number of trainer nodes")
+    parser.add_argument(
+        "--num-proc-per-node",
+        type=int,
+        help="trainer processes per node (default: the runtime's GPUs per node, or 1)",
+    )
+    parser.add_argument(
+        "--queue", help="Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name)"
+    )
+    for what in ("dataset", "model"):
+        parser.add_argument(
+            f"--{what}-secret",
+            metavar="SECRET",
+            help=f"cluster: a Secret whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, HTTPS_USERNAME, ...) "
+            f"the {what} initializer gets",
+        )
+    parser.add_argument(
+        "--export",
+        metavar="URI",
+        help="where the result goes after training: s3://bucket/prefix, hf://org/name (a "
+        "private model repository) or a path (docs/export.md)",
+    )
+    parser.add_argument(
+        "--export-secret",
+        metavar="SECRET",
+        help="cluster: a Secret whose keys (HF_TOKEN, AWS_ACCESS_KEY_ID, ...) the exporter gets",
+    )
+    parser.add_argument(
+        "trainer_args", nargs="*", metavar="key=value", help="trainer arguments (tunepack args)"
+    )
+
+
+def _add_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu", default=DEFAULT_GPU, help=f"GPU type the memory check assumes: {GPU_HELP}"
+    )
+    parser.add_argument(
+        "--memory-check",
+        choices=MEMORY_CHECKS,
+        default="refuse",
+        help="when the planner says the job cannot fit in GPU memory (as TrainingClient's "
+        "memory_check; train on a cluster or --local, and render trainjob alike)",
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage mistake reported like any other bad input: one line, exit 65."""
+
+    def error(self, message: str):
+        from tunepack.core.errors import BadInputError
+
+        raise BadInputError(f"{message} (see `{self.prog} --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tunepack", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    sub.add_parser("runtimes", help="list tunepack runtimes").set_defaults(func=cmd_runtimes)
+    sub.add_parser("args", help="list trainer arguments").set_defaults(func=cmd_args)
+
+    p = sub.add_parser("tiny-model", help="write a tiny random Llama-3 model (offline)")
+    p.add_argument("directory", help="directory to write the model to (config, weights, tokenizer)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights (default 0: the same model)"
+    )
+    p.set_defaults(func=cmd_tiny_model)
+
+    p = sub.add_parser("tiny-dataset", help="write a small instruction dataset (offline)")
+    p.add_argument("file", help="the JSON Lines file to write (e.g. data/instructions.jsonl)")
+    p.add_argument(
+        "--preference", action="store_true", help="preference pairs for method=dpo instead"
+    )
+    p.add_argument("--rows", type=int, default=256, help="number of rows (default 256)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the rows' choice (default 0: the same rows)"
+    )
+    p.set_defaults(func=cmd_tiny_dataset)
+
+    p = sub.add_parser("train", help="fine-tune: run a TrainJob")
+    _add_job_arguments(p)
+    p.add_argument("--local", action="store_true", help="run on this machine (local backend)")
+    p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+    p.add_argument("--context", help="kubeconfig context (cluster)")
+    _add_memory_arguments(p)
+    p.add_argument(
+        "--workspace",
+        help="local workspace dir (default: the job's, .tunepack/runs/<name> when it is new; "
+        "a re-run of the same command, or of --name NAME, resumes in that job's)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the steps' third-party warnings and debug lines (TUNEPACK_VERBOSE=1), and "
+        "tunepack's own info messages",
+    )
+    p.add_argument("--jobs-dir", help=JOBS_DIR_HELP)
+    p.add_argument("--quiet", action="store_true", help="do not echo step output")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("jobs", help="list TrainJobs: name, runtime, status, created, workspace")
+    _add_backend_arguments(p)
+    p.set_defaults(func=cmd_jobs)
+
+    for cmd, func, helptext in (
+        ("status", cmd_status, "a TrainJob's status, steps and progress"),
+        ("logs", cmd_logs, "a TrainJob step's log"),
+        ("result", cmd_result, "a finished TrainJob's adapter (or model) and final loss"),
+        ("delete", cmd_delete, "delete a TrainJob (its workspace is kept)"),
+    ):
+        p = sub.add_parser(cmd, help=helptext)
+        p.add_argument("name", help="TrainJob name")
+        _add_backend_arguments(p)
+        if cmd == "logs":
+            p.add_argument(
+                "--step",
+                default="node-0",
+                help="dataset-initializer, model-initializer, node (a one-node job's trainer, as "
+                "the console and logs/node.log name it; node-0, node-1 ... of several nodes), "
+                "export (default: the first node's)",
+            )
+            p.add_argument(
+                "--follow",
+                "-f",
+                action="store_true",
+                help="keep printing new lines until the job ends (Ctrl-C stops following, "
+                "not the job)",
+            )
+        if cmd == "delete":
+            p.add_argument(
+                "--workspace-too",
+                action="store_true",
+                help="also remove the local job's workspace (default: kept)",
+            )
+        p.set_defaults(func=func)
+
+    p = sub.add_parser(
+        "download", help="fetch a TrainJob's exported result (or the export at a URI), verified"
+    )
+    p.add_argument("name", help="TrainJob name, or an export URI (s3://, hf://, a path)")
+    p.add_argument("dir", help="directory to create (it appears only when complete)")
+    _add_backend_arguments(p)
+    p.set_defaults(func=cmd_download)
+
+    p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
+    p.add_argument("--model", required=True, help="catalog model or runtime name")
+    p.add_argument("--method", default=methods.DEFAULT, help=", ".join(methods.NAMES))
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        help=f"tokens per sequence (max_seq_len; default {DEFAULT_PLAN_SEQ_LEN}, or the model's "
+        "context where shorter)",
+    )
+    p.add_argument("--batch-size", type=int, default=1, help="per device")
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP)
+    p.add_argument("--nodes", type=int, default=1, help="trainer nodes (default 1)")
+    p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
+    p.add_argument("--lora-rank", type=int, help="LoRA rank (lora, qlora, dora; default 16)")
+    p.add_argument(
+        "--activation-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default="auto",
+        help="plan with (or without) activation checkpointing, which recomputes activations "
+        "for less memory (default: with, as the trainer runs on a GPU)",
+    )
+    p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "install",
+        help="server-side apply tunepack's runtimes to the cluster",
+        epilog="Queues: with Kueue (TrainJob integration on), `kubectl apply --server-side -k "
+        "manifests/kueue` adds a ClusterQueue with GPU quota, the LocalQueue 'team' and two "
+        "priority classes; then `tunepack train --queue team ...` (docs/cluster.md, 'Gang "
+        "scheduling and queues').",
+    )
+    p.add_argument("--namespace", help="install namespace-scoped TrainingRuntimes there instead")
+    p.add_argument("--runtime", action="append", help="only this runtime (repeatable)")
+    p.add_argument("--context", help="kubeconfig context")
+    p.add_argument(
+        "--delete-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for a runtime that must be re-created to be deleted (default 60)",
+    )
+    p.set_defaults(func=cmd_install)
+
+    p = sub.add_parser("render", help="print Kubernetes objects as YAML")
+    render = p.add_subparsers(dest="kind", required=True)
+    p = render.add_parser("trainjob", help="the TrainJob for `kubectl apply -f -`")
+    _add_job_arguments(p)
+    p.add_argument("--namespace", help="metadata.namespace of the TrainJob")
+    p.add_argument(
+        "--namespaced",
+        action="store_true",
+        help="reference a TrainingRuntime in the TrainJob's namespace (tunepack install "
+        "--namespace) instead of the ClusterTrainingRuntime",
+    )
+    _add_memory_arguments(p)
+    p.set_defaults(func=cmd_render_trainjob)
+    p = render.add_parser(
+        "serving",
+        help="vLLM serving a finished TrainJob's result (give the training's runtime, name and "
+        "key=value arguments)",
+    )
+    p.add_argument("--runtime", required=True, help="the runtime the TrainJob ran")
+    p.add_argument("--name", required=True, help="the TrainJob's name (its PVC is served)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs for the vLLM pod (default 1)")
+    p.add_argument("trainer_args", nargs="*", metavar="key=value", help="the training arguments")
+    p.set_defaults(func=cmd_render_serving)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tunepack")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

@@ -1,0 +1,56 @@
+"""What tunepack ships, and installing it: ``tunepack runtimes``, ``args`` and ``install``."""
+
+from __future__ import annotations
+
+import argparse
+
+from tunepack.cli import output
+from tunepack.cli.cluster import check_cluster, load_config
+
+
+def cmd_runtimes(_: argparse.Namespace) -> int:
+    from tunepack.runtimes.store import list_runtimes
+
+    rows = [
+        [
+            r["name"],
+            ",".join(r["methods"]),
+            output.count(r["params"]) if r["params"] else "yours",
+            r["gpus"],
+            r["description"],
+        ]
+        for r in list_runtimes()
+    ]
+    print(output.table(rows, ["RUNTIME", "METHODS", "PARAMS", "GPUS", "DESCRIPTION"]))
+    return 0
+
+
+def cmd_args(_: argparse.Namespace) -> int:
+    from tunepack.trainers.args import vocabulary_table
+
+    print(output.table([list(r) for r in vocabulary_table()], ["KEY", "DEFAULT", "MEANING"]))
+    return 0
+
+
+def cmd_install(ns: argparse.Namespace) -> int:
+    from kubernetes import client
+
+    from tunepack.core.errors import BadInputError
+    from tunepack.jobs.trainjob import check_dns_label
+    from tunepack.tools.install import admission_objects, describe, install, runtime_objects
+
+    if ns.namespace is not None:
+        check_dns_label("--namespace", ns.namespace)
+    if not ns.delete_timeout > 0:
+        raise BadInputError(
+            f"--delete-timeout {ns.delete_timeout:g} is not valid: expected a number of seconds > 0"
+        )
+    objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
+    objects += admission_objects(ns.namespace)
+    check_cluster(ns.context, local_option=False)
+    load_config(ns.context)
+    api = client.ApiClient()
+    for obj in objects:
+        action = install(api, obj, delete_timeout=ns.delete_timeout)
+        print(f"{describe(obj)} {action}", flush=True)
+    return 0

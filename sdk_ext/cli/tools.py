@@ -1,0 +1,97 @@
+"""The commands that need no cluster and no job: ``tunepack tiny-model``, ``tiny-dataset`` (offline
+fixtures) and ``plan`` (the GPU memory planner)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from tunepack.runtimes import methods
+
+DEFAULT_PLAN_SEQ_LEN = 2048  # plan --seq-len when not given (the model's context if shorter)
+
+
+def cmd_tiny_model(ns: argparse.Namespace) -> int:
+    from tunepack.tiny import write_tiny_model
+
+    with _writing(ns.directory, "a directory for the tiny model"):
+        path = write_tiny_model(Path(ns.directory), seed=ns.seed)
+    print(f"tiny model ready at {path}")
+    return 0
+
+
+def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
+    from tunepack.core.errors import BadInputError
+    from tunepack.tiny import write_tiny_dataset
+    from tunepack.tiny.dataset import write_tiny_preference_dataset
+
+    if os.path.isdir(ns.file):
+        raise BadInputError(
+            f"{ns.file} is a directory; give the path of the dataset file to write "
+            f"(e.g. {os.path.join(ns.file, 'instructions.jsonl')})"
+        )
+    with _writing(ns.file, "a path for the dataset file"):
+        write = write_tiny_preference_dataset if ns.preference else write_tiny_dataset
+        path = write(Path(ns.file), rows=ns.rows, seed=ns.seed)
+    kind = "preference dataset (for method=dpo)" if ns.preference else "dataset"
+    print(f"tiny {kind} ready at {path}")
+    return 0
+
+
+class _writing:
+    """An OSError while writing ``path`` (read-only, not a directory, no space): one line."""
+
+    def __init__(self, path: str, wanted: str):
+        self.path, self.wanted = path, wanted
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        from tunepack.core.errors import BadInputError
+
+        if isinstance(err, OSError) and not isinstance(err, BlockingIOError):
+            reason = (err.strerror or str(err)).lower()
+            if err.filename and err.filename != self.path:
+                shown = str(err.filename)
+                reason = f"{shown} is a file" if os.path.isfile(shown) else f"{reason} ({shown})"
+            raise BadInputError(
+                f"cannot write {self.path}: {reason}; give {self.wanted} you can write to"
+            ) from None
+        return False
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    from tunepack.core.errors import BadInputError
+    from tunepack.tools.planner import model_entry, plan
+
+    if ns.lora_rank is not None and not methods.get(ns.method).adapters:
+        raise BadInputError(
+            f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method full trains every "
+            "weight and has no adapters; leave out --lora-rank, or use --method lora"
+        )
+    entry = model_entry(ns.model, ns.model_dir)  # a -custom runtime's config.json, read once
+    seq_len, note = ns.seq_len, None
+    if seq_len is None:
+        seq_len = min(DEFAULT_PLAN_SEQ_LEN, entry.shape.max_seq_len)
+        if seq_len < DEFAULT_PLAN_SEQ_LEN:
+            note = (
+                f"seq_len {seq_len} is {entry.name}'s context (the default "
+                f"{DEFAULT_PLAN_SEQ_LEN} is longer); --seq-len N to choose"
+            )
+    estimate = plan(
+        entry,
+        ns.method,
+        seq_len,
+        ns.batch_size,
+        ns.gpu,
+        nodes=ns.nodes,
+        gpus_per_node=ns.gpus_per_node,
+        activation_checkpointing=ns.activation_checkpointing,
+        lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
+    )
+    print(estimate.summary())
+    if note:
+        print(f"  note: {note}")
+    return 0 if estimate.fits else 1
