@@ -33,6 +33,7 @@ from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.notebook import Result
+from tunepack.tools import planner
 
 
 class TrainingClient(TrainerClient):
@@ -46,7 +47,12 @@ class TrainingClient(TrainerClient):
         memory_check: ``refuse`` (default), ``warn`` or ``off`` when a job cannot fit.
     """
 
-    def __init__(self, backend_config=None, gpu: str = "H100-80GB", memory_check: str = "refuse"):
+    def __init__(
+        self,
+        backend_config=None,
+        gpu: str = planner.DEFAULT_GPU,
+        memory_check: str = planner.DEFAULT_MEMORY_CHECK,
+    ):
         if backend_config is None:
             backend_config = KubernetesBackendConfig()
         if isinstance(backend_config, LocalBackendConfig):

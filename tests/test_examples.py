@@ -21,7 +21,7 @@ import yaml
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
 from tunepack.jobs import submit
-from tunepack.jobs.trainjob import max_name_length
+from tunepack.jobs.naming import max_name_length
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob

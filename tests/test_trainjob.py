@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from tunepack.core.errors import BadInputError
+from tunepack.jobs.naming import max_name_length
 from tunepack.jobs.trainjob import (
     TrainJobSpec,
     build_trainjob,
-    max_name_length,
     pod_resources,
     to_yaml,
 )

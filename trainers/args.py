@@ -381,6 +381,11 @@ class TrainArgs:
     # generated from VOCABULARY: end
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
 
+    def argv(self) -> list[str]:
+        """The user's arguments as ``key=value`` strings again (a TrainJob's
+        ``spec.trainer.args``): the given ones only, so the trainer fills in the same defaults."""
+        return [f"{key}={raw}" for key, raw in self.given.items()]
+
 
 def split_pairs(args: Iterable[str]) -> dict[str, str]:
     """Split ``key=value`` strings, refusing malformed and repeated keys and unknown keys."""

@@ -48,7 +48,7 @@ from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
-from tunepack.tools.planner import DEFAULT_GPU
+from tunepack.tools.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         self,
         cfg: KubernetesBackendConfig,
         gpu: str = DEFAULT_GPU,
-        memory_check: submit.MemoryCheck = "refuse",
+        memory_check: MemoryCheck = DEFAULT_MEMORY_CHECK,
     ):
         gpu = submit.check_settings(gpu, memory_check)  # before the SDK reads the kubeconfig
         super().__init__(cfg)

@@ -21,6 +21,7 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         NAMESPACED_RUNTIME_KIND,
         TrainJobSpec,
         build_trainjob,
+        parse_trainer_args_for,
     )
 
     namespaced = getattr(ns, "namespaced", False)
@@ -29,7 +30,8 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         runtime=ns.runtime,
         dataset_uri=ns.dataset,
         model_uri=ns.model,
-        trainer_args=ns.trainer_args,
+        # The CLI's words, parsed once here: the TrainJob and the memory check read the result.
+        trainer_args=parse_trainer_args_for(ns.trainer_args, ns.runtime, ns.model),
         num_nodes=ns.num_nodes,
         namespace=getattr(ns, "namespace", None),
         num_proc_per_node=ns.num_proc_per_node,

@@ -36,7 +36,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client
 
     from tunepack.core.errors import BadInputError
-    from tunepack.jobs.trainjob import check_dns_label
+    from tunepack.jobs.naming import check_dns_label
     from tunepack.tools.install import admission_objects, describe, install, runtime_objects
 
     if ns.namespace is not None:

@@ -7,8 +7,8 @@ every name meets.
   without ``--name``: ``<model>-<YYYYmmdd-HHMMSS>``;
 - ``stable_job_name``: ``tunepack train --local`` without ``--name``: ``<model>-<digest>`` of what
   the command trains, so that the same command finds (and resumes) the same job;
-- ``max_name_length``, ``check_dns_label``: the limits ``build_trainjob`` checks every TrainJob's
-  name against (defined in ``tunepack.jobs.trainjob`` for now, re-exported here).
+- ``max_name_length``, ``check_name``, ``check_dns_label``: the limits ``build_trainjob`` checks
+  every TrainJob's name (and namespace, Secret names) against.
 """
 
 from __future__ import annotations
@@ -21,19 +21,16 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tunepack.jobs.trainjob import check_dns_label, max_name_length
+from tunepack.core.errors import BadInputError
+from tunepack.runtimes import contract
 from tunepack.runtimes.catalog import RUNTIME_PREFIX
 
 if TYPE_CHECKING:
     from tunepack.finetune import FineTune
 
-__all__ = [
-    "check_dns_label",
-    "max_name_length",
-    "random_job_name",
-    "stable_job_name",
-    "timestamped_job_name",
-]
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_LABEL_MAX = 63
+_POD_SUFFIX = "-xxxxx"  # the random suffix Kubernetes appends to a Job's pod names
 
 
 def random_job_name() -> str:
@@ -56,7 +53,6 @@ def stable_job_name(
     ``--workspace`` when one is given). The same command gets the same job, hence its workspace,
     and resumes it; another dataset, model, argument value or workspace gets another job."""
     from tunepack.core.digest import json_digest
-    from tunepack.core.errors import BadInputError
     from tunepack.initializers import uri as storage_uri
 
     def canonical(uri: str) -> str:
@@ -87,3 +83,45 @@ def stable_job_name(
 def _label_chars(text: str) -> str:
     """``text`` with every character a DNS label cannot hold as ``-``."""
     return re.sub(r"[^a-z0-9-]", "-", text)
+
+
+def max_name_length(num_nodes: int = 1) -> int:
+    """The longest TrainJob name whose generated pod names stay valid.
+
+    JobSet names pods ``<trainjob>-<job>-<job index>-<pod index>-<random>`` and rejects the
+    JobSet unless each is a DNS label of at most 63 characters; ``dataset-initializer`` is the
+    longest job name, so it sets the limit (33 characters).
+    """
+    suffixes = [
+        f"-{step.job}-0-{num_nodes - 1 if step is contract.TRAINER_STEP else 0}{_POD_SUFFIX}"
+        for step in contract.STEPS
+    ]
+    return DNS_LABEL_MAX - max(len(suffix) for suffix in suffixes)
+
+
+def check_name(name: str, num_nodes: int) -> None:
+    """``BadInputError`` unless ``name`` can name a TrainJob of ``num_nodes`` nodes."""
+    check_dns_label("TrainJob name", name)
+    # The JobSet's headless Service is named after the TrainJob, and Service names must start
+    # with a letter (DNS-1035), which is stricter than a DNS-1123 label.
+    if not name[0].isalpha():
+        raise BadInputError(
+            f"TrainJob name {name!r} must start with a letter: it also names the job's "
+            "network Service"
+        )
+    limit = max_name_length(num_nodes)
+    if len(name) > limit:
+        raise BadInputError(
+            f"TrainJob name {name!r} is {len(name)} characters; at most {limit} are allowed so "
+            f"that the pod names JobSet derives from it fit in {DNS_LABEL_MAX} characters"
+        )
+
+
+def check_dns_label(what: str, value: object) -> None:
+    """``BadInputError`` unless ``value`` is a DNS-1123 label (a namespace, a Secret name)."""
+    if not isinstance(value, str) or not DNS_LABEL.match(value) or len(value) > DNS_LABEL_MAX:
+        raise BadInputError(
+            f"{what} {value!r} is not a valid DNS-1123 label: use at most {DNS_LABEL_MAX} "
+            "lowercase letters, digits and '-', starting and ending with a letter or digit "
+            "(e.g. 'llama-lora-1')"
+        )

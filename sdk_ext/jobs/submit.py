@@ -9,21 +9,20 @@ from __future__ import annotations
 
 import difflib
 import logging
-import random
-import string
-import uuid
-from typing import Literal
 
 from kubeflow.trainer.types import types as kf
 
 from tunepack.core.errors import BadInputError
+from tunepack.jobs.naming import random_job_name
 from tunepack.jobs.trainjob import (
     CLUSTER_RUNTIME_KIND,
     TrainJobSpec,
     build_trainjob,
     gpus_per_node,
+    model_entry_for,
     names_gpus,
     requested_resources,
+    trainer_args_of,
 )
 from tunepack.jobs.translate import (
     dataset_split,
@@ -37,8 +36,6 @@ from tunepack.tools import planner
 from tunepack.trainers.args import parse_trainer_args
 
 logger = logging.getLogger(__name__)
-
-MemoryCheck = Literal["refuse", "warn", "off"]
 
 
 def is_tunepack_runtime(runtime: str | kf.Runtime | None) -> bool:
@@ -75,11 +72,6 @@ def close_matches(name: str, candidates) -> list[str]:
     return difflib.get_close_matches(name, sorted(set(candidates)), n=3, cutoff=0.6)
 
 
-def job_name() -> str:
-    """A name like the SDK's: a letter and 11 hex digits."""
-    return random.choice(string.ascii_lowercase) + uuid.uuid4().hex[:11]
-
-
 def build(
     runtime: str | kf.Runtime,
     initializer,
@@ -87,8 +79,8 @@ def build(
     *,
     name: str | None = None,
     namespace: str | None = None,
-    gpu: str = "H100-80GB",
-    memory_check: MemoryCheck = "refuse",
+    gpu: str = planner.DEFAULT_GPU,
+    memory_check: planner.MemoryCheck = planner.DEFAULT_MEMORY_CHECK,
     runtime_kind: str = CLUSTER_RUNTIME_KIND,
     labels: dict[str, str] | None = None,
     annotations: dict[str, str] | None = None,
@@ -105,13 +97,14 @@ def build(
     """
     gpu = check_settings(gpu, memory_check)
     runtime_name = runtime.name if isinstance(runtime, kf.Runtime) else runtime
-    entry = catalog.get(runtime_name)
+    catalog.get(runtime_name)  # BadInputError listing the runtimes when unknown
     init = to_initializer(initializer)
     finetune = to_finetune(trainer)
-    args = finetune.to_args()
-    entry = _custom_from_local(entry, storage_uri(init.model, "model"))
+    entry = model_entry_for(runtime_name, storage_uri(init.model, "model"))
     refuse_upstream_full(trainer, entry)
-    resolved = parse_trainer_args(args, entry)  # method availability per model, seq_len limit
+    # The SDK's one parse: the FineTune's fields against the model (method availability,
+    # seq_len limit); the TrainJob is written from what it returns.
+    resolved = parse_trainer_args(finetune.to_args(), entry)
     resources = finetune.resources_per_node
     num_proc = check_plan(
         entry,
@@ -123,11 +116,11 @@ def build(
         memory_check=memory_check,
     )
     spec = TrainJobSpec(
-        name=job_name() if name is None else name,
+        name=random_job_name() if name is None else name,
         runtime=entry.runtime_name,
         dataset_uri=storage_uri(init.dataset, "dataset"),
         model_uri=storage_uri(init.model, "model"),
-        trainer_args=args,
+        trainer_args=resolved,
         num_nodes=finetune.num_nodes,
         namespace=namespace,
         num_proc_per_node=num_proc,
@@ -157,7 +150,7 @@ def check_plan(
     num_proc: int | None,
     resources: dict | None,
     gpu: str,
-    memory_check: MemoryCheck,
+    memory_check: planner.MemoryCheck,
 ) -> int | None:
     """The memory check of a job on ``entry`` with the parsed arguments ``resolved``
     (``check_memory`` on the GPUs a pod holds: ``resources`` merged into the runtime's); returns
@@ -179,39 +172,20 @@ def check_plan(
     return num_proc
 
 
-def check_spec_plan(spec: TrainJobSpec, gpu: str, memory_check: MemoryCheck) -> None:
+def check_spec_plan(spec: TrainJobSpec, gpu: str, memory_check: planner.MemoryCheck) -> None:
     """The memory check ``build`` applies, for a ``TrainJobSpec`` built otherwise (``tunepack
     render trainjob``). Raises ``BadInputError`` when it does not fit and ``memory_check`` is
     ``refuse``."""
     gpu = check_settings(gpu, memory_check)
-    entry = _custom_from_local(catalog.get(spec.runtime), spec.model_uri)
     check_plan(
-        entry,
-        parse_trainer_args(spec.trainer_args, entry),
+        model_entry_for(spec.runtime, spec.model_uri),
+        trainer_args_of(spec),
         num_nodes=spec.num_nodes,
         num_proc=spec.num_proc_per_node,
         resources=spec.resources_per_node,
         gpu=gpu,
         memory_check=memory_check,
     )
-
-
-def _custom_from_local(entry, model_uri: str | None):
-    """A bring-your-own runtime with a local checkpoint, resolved against its config.json so its
-    arguments and memory are checked now; with a remote one the trainer checks them at start."""
-    from tunepack.initializers import uri as storage
-
-    if not entry.custom or not model_uri:
-        return entry
-    parsed = storage.parse(model_uri)
-    if not parsed.is_local:
-        logger.info(
-            "%s: the model is remote, so its config.json sizes it when the trainer starts",
-            entry.runtime_name,
-        )
-        return entry
-    path = storage.resolve(parsed)
-    return custom.resolve(entry, path, f"model at {parsed.display!r}")
 
 
 def local_trainjob(
@@ -235,7 +209,7 @@ def local_trainjob(
         resolved.name,
         initializer,
         trainer,
-        name=job_name() if name is None else name,
+        name=random_job_name() if name is None else name,
         gpu=backend.cfg.gpu,
         memory_check=backend.cfg.memory_check,
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
@@ -306,7 +280,7 @@ def check_settings(gpu: object, memory_check: object) -> str:
     return planner.gpu_type(gpu)
 
 
-def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: MemoryCheck):
+def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: planner.MemoryCheck):
     """Refuse (or warn about) a shape the planner says cannot fit, with the numbers."""
     estimate = planner.plan(
         entry,

@@ -24,17 +24,25 @@ machine, and leave ``numProcPerNode`` to the launcher's ``auto`` unless it is gi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
-from tunepack.runtimes import builder, catalog, contract
+from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
+from tunepack.runtimes import builder, catalog, contract, custom
 from tunepack.runtimes.validate import validate_trainjob
+
+if TYPE_CHECKING:
+    from tunepack.trainers.args import TrainArgs
+
+logger = logging.getLogger(__name__)
 
 TRAINJOB_KIND = contract.TRAINJOB_KIND
 CLUSTER_RUNTIME_KIND = contract.KIND  # what `tunepack install` registers
@@ -43,9 +51,6 @@ RUNTIME_KINDS = (CLUSTER_RUNTIME_KIND, NAMESPACED_RUNTIME_KIND)
 # Kueue's TrainJob integration admits a TrainJob into the LocalQueue this label names.
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_LABEL_MAX = 63
-_POD_SUFFIX = "-xxxxx"  # the random suffix Kubernetes appends to a Job's pod names
 # The API's rule for storageUri (TrainJob CRD, CEL): a scheme, "://", and something after it.
 _STORAGE_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://.+$")
 # Label values and the name part of label/annotation keys (Kubernetes "qualified names").
@@ -62,7 +67,9 @@ class TrainJobSpec:
     ``train()``. Nothing here is checked yet: ``build_trainjob`` checks every field.
 
     ``runtime`` is a runtime name or model name from the catalog. ``trainer_args`` are
-    tunepack's ``key=value`` arguments; ``dataset_uri`` and ``model_uri`` become the
+    tunepack's trainer arguments, parsed (``TrainArgs``: the SDK and the CLI parse them where
+    they enter, ``parse_trainer_args_for``) or as ``key=value`` strings, which
+    ``build_trainjob`` parses once; ``dataset_uri`` and ``model_uri`` become the
     initializers' ``STORAGE_URI`` (an absolute path is written as ``file:///...``, a relative one
     refused: see the module docstring). ``resources_per_node`` takes the Kubeflow SDK's dict
     (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper).
@@ -89,7 +96,7 @@ class TrainJobSpec:
     runtime: str
     dataset_uri: str
     model_uri: str
-    trainer_args: list[str]
+    trainer_args: TrainArgs | list[str]
     num_nodes: int | None = None
     namespace: str | None = None
     num_proc_per_node: int | None = None
@@ -119,9 +126,9 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         isinstance(job.num_nodes, bool) or not isinstance(job.num_nodes, int) or job.num_nodes < 1
     ):
         raise BadInputError(f"num_nodes must be a positive integer, got {job.num_nodes!r}")
-    _check_name(job.name, job.num_nodes or 1)
+    check_name(job.name, job.num_nodes or 1)
     if job.namespace is not None:
-        _check_dns_label("namespace", job.namespace)
+        check_dns_label("namespace", job.namespace)
     if job.runtime_kind not in RUNTIME_KINDS:
         raise BadInputError(
             f"runtime_kind {job.runtime_kind!r} is not a runtime kind: expected "
@@ -129,7 +136,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
             "TrainJob's namespace)"
         )
     entry = catalog.get(job.runtime)  # BadInputError listing the runtimes when unknown
-    _check_trainer_args(job.trainer_args, entry)
+    args = trainer_args_of(job)
     uris = {}
     for what, uri in (("dataset", job.dataset_uri), ("model", job.model_uri)):
         if not isinstance(uri, str) or not uri.strip():
@@ -166,7 +173,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         ("model_secret", job.model_secret),
     ):
         if secret is not None:
-            _check_dns_label(what, secret)
+            check_dns_label(what, secret)
     metadata_labels = _labels(job.labels, job.queue)
     if job.annotations is not None:
         _check_annotations(job.annotations)
@@ -183,7 +190,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
     if num_proc_per_node is None and not job.local:
         # Never the platform's "auto": on nodes without a GPU it means the CPU request.
         num_proc_per_node = gpus_per_node(resources, entry) or 1
-    trainer: dict = {"args": list(job.trainer_args)}
+    trainer: dict = {"args": args.argv()}
     if job.num_nodes is not None:
         trainer["numNodes"] = job.num_nodes
     if num_proc_per_node is not None:
@@ -194,7 +201,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         trainer["env"] = _env(job.trainer_env)
     dataset: dict = {"storageUri": uris["dataset"]}
     model: dict = {"storageUri": uris["model"]}
-    initializer_env = _initializer_env(job.initializer_env, job.trainer_args)
+    initializer_env = _initializer_env(job.initializer_env, args.argv())
     for block, secret in ((dataset, job.dataset_secret), (model, job.model_secret)):
         if initializer_env:
             block["env"] = [dict(var) for var in initializer_env]
@@ -258,7 +265,7 @@ def export_patch(uri: str | None, secret: str | None, *, local: bool = False) ->
             )
     env: list[dict] = [{"name": EXPORT_URI_ENV, "value": uri}]
     if secret is not None:
-        _check_dns_label("export_secret", secret)
+        check_dns_label("export_secret", secret)
         env += [
             {
                 "name": key,
@@ -422,7 +429,7 @@ def _check_annotations(annotations: dict[str, str]) -> None:
 
 
 def _label_value_ok(value: str) -> bool:
-    return len(value) <= _DNS_LABEL_MAX and bool(_LABEL_NAME.match(value))
+    return len(value) <= DNS_LABEL_MAX and bool(_LABEL_NAME.match(value))
 
 
 def _check_key(what: str, key: object) -> None:
@@ -526,61 +533,39 @@ def to_yaml(obj: dict) -> str:
     return builder.to_yaml(obj)
 
 
-def max_name_length(num_nodes: int = 1) -> int:
-    """The longest TrainJob name whose generated pod names stay valid.
+def trainer_args_of(job: TrainJobSpec) -> TrainArgs:
+    """``job``'s trainer arguments, parsed: as given when they are, else parsed here once."""
+    from tunepack.trainers.args import TrainArgs
 
-    JobSet names pods ``<trainjob>-<job>-<job index>-<pod index>-<random>`` and rejects the
-    JobSet unless each is a DNS label of at most 63 characters; ``dataset-initializer`` is the
-    longest job name, so it sets the limit (33 characters).
-    """
-    suffixes = [
-        f"-{step.job}-0-{num_nodes - 1 if step is contract.TRAINER_STEP else 0}{_POD_SUFFIX}"
-        for step in contract.STEPS
-    ]
-    return _DNS_LABEL_MAX - max(len(suffix) for suffix in suffixes)
+    if isinstance(job.trainer_args, TrainArgs):
+        return job.trainer_args
+    return parse_trainer_args_for(job.trainer_args, job.runtime, job.model_uri)
 
 
-def _check_name(name: str, num_nodes: int) -> None:
-    _check_dns_label("TrainJob name", name)
-    # The JobSet's headless Service is named after the TrainJob, and Service names must start
-    # with a letter (DNS-1035), which is stricter than a DNS-1123 label.
-    if not name[0].isalpha():
-        raise BadInputError(
-            f"TrainJob name {name!r} must start with a letter: it also names the job's "
-            "network Service"
-        )
-    limit = max_name_length(num_nodes)
-    if len(name) > limit:
-        raise BadInputError(
-            f"TrainJob name {name!r} is {len(name)} characters; at most {limit} are allowed so "
-            f"that the pod names JobSet derives from it fit in {_DNS_LABEL_MAX} characters"
-        )
-
-
-def check_dns_label(what: str, value: object) -> None:
-    """``BadInputError`` unless ``value`` is a DNS-1123 label (a namespace, a Secret name)."""
-    _check_dns_label(what, value)
-
-
-def _check_dns_label(what: str, value: object) -> None:
-    if not isinstance(value, str) or not _DNS_LABEL.match(value) or len(value) > _DNS_LABEL_MAX:
-        raise BadInputError(
-            f"{what} {value!r} is not a valid DNS-1123 label: use at most {_DNS_LABEL_MAX} "
-            "lowercase letters, digits and '-', starting and ending with a letter or digit "
-            "(e.g. 'llama-lora-1')"
-        )
-
-
-def _check_trainer_args(trainer_args: list[str], entry: catalog.ModelEntry) -> None:
-    if isinstance(trainer_args, str) or not all(isinstance(a, str) for a in trainer_args):
-        raise BadInputError(
-            f"trainer_args must be a list of 'key=value' strings, got {trainer_args!r}"
-        )
+def parse_trainer_args_for(words: object, runtime: str, model_uri: str | None) -> TrainArgs:
+    """Where ``key=value`` strings enter a job (the CLI's words, a spec's strings): parsed once
+    for ``runtime``'s model (a bring-your-own runtime's from a local checkpoint's config.json)."""
+    if isinstance(words, str) or not all(isinstance(a, str) for a in words):
+        raise BadInputError(f"trainer_args must be a list of 'key=value' strings, got {words!r}")
     # Imported here so that importing tunepack.jobs.trainjob does not need the trainer package.
     from tunepack.trainers.args import parse_trainer_args
 
-    parse_trainer_args(trainer_args, entry)
-    # Arguments that contradict each other (LoRA settings with method=full): FineTune's checks.
-    from tunepack.finetune import FineTune
+    return parse_trainer_args(words, model_entry_for(runtime, model_uri))
 
-    FineTune.from_args(trainer_args)
+
+def model_entry_for(runtime: str, model_uri: str | None) -> catalog.ModelEntry:
+    """``runtime``'s catalog entry; a bring-your-own runtime with a local checkpoint resolved
+    against its config.json, so its arguments and memory are checked now (with a remote one the
+    trainer checks them when it starts)."""
+    entry = catalog.get(runtime)
+    if not entry.custom or not model_uri:
+        return entry
+    parsed = storage_uri.parse(model_uri)
+    if not parsed.is_local:
+        logger.info(
+            "%s: the model is remote, so its config.json sizes it when the trainer starts",
+            entry.runtime_name,
+        )
+        return entry
+    path = storage_uri.resolve(parsed)
+    return custom.resolve(entry, path, f"model at {parsed.display!r}")

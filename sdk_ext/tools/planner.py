@@ -35,6 +35,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, get_args
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, methods
@@ -84,7 +85,9 @@ CUDA_RESERVE_GIB = 2.0  # context + fragmentation, kept free on every device
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
 # What a job builder does with a plan that does not fit (TrainingClient memory_check=).
-MEMORY_CHECKS = ("refuse", "warn", "off")
+MemoryCheck = Literal["refuse", "warn", "off"]
+MEMORY_CHECKS: tuple[str, ...] = get_args(MemoryCheck)
+DEFAULT_MEMORY_CHECK: MemoryCheck = "refuse"
 # The GPU a plan assumes when none is named (the SDK's, the CLI's and the backends' default).
 DEFAULT_GPU = "H100-80GB"
 LORA_TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "output_proj")

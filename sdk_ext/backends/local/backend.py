@@ -34,13 +34,13 @@ from tunepack.backends.local.progress import read_progress
 from tunepack.backends.local.steps import order_steps
 from tunepack.core.errors import BadInputError, TransientError
 from tunepack.core.workspace import MODEL_DIR
-from tunepack.jobs import submit
+from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
-from tunepack.tools.planner import DEFAULT_GPU
+from tunepack.tools.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK
 
 HOME_ENV = "TUNEPACK_HOME"
 
@@ -61,7 +61,7 @@ class LocalBackendConfig(BaseModel):
 
     root_dir: str | None = None
     gpu: str = DEFAULT_GPU
-    memory_check: str = "refuse"
+    memory_check: str = DEFAULT_MEMORY_CHECK
 
 
 class LocalBackend(TunepackBackend):
@@ -139,7 +139,7 @@ class LocalBackend(TunepackBackend):
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
         # The checks `tunepack train --local` makes too: one function for both local paths.
         trainjob = submit.local_trainjob(
-            self, runtime, initializer, trainer, options, name=submit.job_name()
+            self, runtime, initializer, trainer, options, name=naming.random_job_name()
         )
         runner.start(JobRecord(self.register(trainjob)))
         return trainjob["metadata"]["name"]
