@@ -6,5 +6,10 @@
 - ``submit``: the SDK's inputs (runtime, ``Initializer``, ``FineTune`` or ``BuiltinTrainer``,
   options) to a spec, with the trainer arguments and the memory plan checked; both backends'
   ``train()`` call it;
-- ``translate``: the Kubeflow SDK's trainer and initializer types as tunepack's.
+- ``translate``: the Kubeflow SDK's trainer and initializer types as tunepack's;
+- ``naming``: the name each entry point gives a job, and the limits every TrainJob name meets.
+
+Trainer arguments enter as strings in two places (the CLI's words, a spec given strings) and as
+``FineTune`` fields in the SDK; each door parses them once (``trainjob.parse_trainer_args_for``,
+``submit.build``) into ``TrainArgs``, which the spec holds and the TrainJob is written from.
 """
