@@ -68,7 +68,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
     if ns.lora_rank is not None and not methods.get(ns.method).adapters:
         raise BadInputError(
-            f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method full trains every "
+            f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method {ns.method} trains every "
             "weight and has no adapters; leave out --lora-rank, or use --method lora"
         )
     entry = model_entry(ns.model, ns.model_dir)  # a -custom runtime's config.json, read once
