@@ -53,11 +53,11 @@ def stable_job_name(
     ``--workspace`` when one is given). The same command gets the same job, hence its workspace,
     and resumes it; another dataset, model, argument value or workspace gets another job."""
     from tunepack.core.digest import json_digest
-    from tunepack.initializers import uri as storage_uri
+    from tunepack.initializers import uri as storage
 
     def canonical(uri: str) -> str:
         try:
-            parsed = storage_uri.parse(uri)
+            parsed = storage.parse(uri)
         except BadInputError:
             return uri  # refused by the TrainJob's own checks, with the flag's name
         if parsed.is_local and parsed.options:  # file:///d?split=test: the split is the data

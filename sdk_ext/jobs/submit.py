@@ -237,9 +237,9 @@ def _check_local_source(what: str, uri: str) -> None:
     machine is the one the local backend's initializers read it on)."""
     from pathlib import Path
 
-    from tunepack.initializers import uri as storage_uri
+    from tunepack.initializers import uri as storage
 
-    parsed = storage_uri.parse(uri)
+    parsed = storage.parse(uri)
     if parsed.is_local and not Path(parsed.location).exists():
         where = "" if parsed.display == parsed.location else f" ({parsed.location})"
         raise BadInputError(
@@ -255,9 +255,9 @@ def _check_local_split(dataset: dict) -> None:
     from pathlib import Path
 
     from tunepack.initializers import splits
-    from tunepack.initializers import uri as storage_uri
+    from tunepack.initializers import uri as storage
 
-    parsed = storage_uri.parse(dataset["storageUri"])
+    parsed = storage.parse(dataset["storageUri"])
     env = {e["name"]: e.get("value") for e in dataset.get("env", [])}
     split = (
         parsed.options.get("split") or env.get("DATASET_SPLIT") or os.environ.get("DATASET_SPLIT")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import uri as storage_uri
+from tunepack.initializers import uri as storage
 from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
 from tunepack.runtimes import builder, catalog, contract, custom
 from tunepack.runtimes.validate import validate_trainjob
@@ -143,8 +143,8 @@ def build_trainjob(job: TrainJobSpec) -> dict:
             raise BadInputError(f"{what}_uri must be a non-empty storage URI, got {uri!r}")
         # The initializers' own parser: an unknown scheme fails here, before any step runs.
         # (Whether the data exists can only be known where the initializer runs.)
-        storage_uri.parse(uri)
-        storage_uri.refuse_credentials(uri, what, f"--{what}-secret, Initializer({what}_secret=)")
+        storage.parse(uri)
+        storage.refuse_credentials(uri, what, f"--{what}-secret, Initializer({what}_secret=)")
         uris[what] = uri if job.local else cluster_storage_uri(uri, what)
     dataset_env = _dataset_split_env(job)
 
@@ -251,7 +251,7 @@ def export_patch(uri: str | None, secret: str | None, *, local: bool = False) ->
     problem = export_uri_problem(uri)
     if problem:
         raise BadInputError(problem)
-    storage_uri.refuse_credentials(uri, "export", "--export-secret, FineTune(export_secret=)")
+    storage.refuse_credentials(uri, "export", "--export-secret, FineTune(export_secret=)")
     if not _STORAGE_URI.match(uri):
         if local:
             uri = os.path.abspath(os.path.expanduser(uri.removeprefix("file:")))
@@ -461,7 +461,7 @@ def _dataset_split_env(job: TrainJobSpec) -> list[dict]:
         if not isinstance(job.dataset_split, str):
             raise BadInputError(f"dataset_split must be a string, got {job.dataset_split!r}")
         named["dataset_split"] = job.dataset_split.strip()
-    uri_split = storage_uri.parse(job.dataset_uri).options.get("split")
+    uri_split = storage.parse(job.dataset_uri).options.get("split")
     if uri_split is not None:
         named["the dataset URI's ?split="] = uri_split.strip()
     env_split = (job.initializer_env or {}).get(splits.SPLIT_ENV)
@@ -560,12 +560,12 @@ def model_entry_for(runtime: str, model_uri: str | None) -> catalog.ModelEntry:
     entry = catalog.get(runtime)
     if not entry.custom or not model_uri:
         return entry
-    parsed = storage_uri.parse(model_uri)
+    parsed = storage.parse(model_uri)
     if not parsed.is_local:
         logger.info(
             "%s: the model is remote, so its config.json sizes it when the trainer starts",
             entry.runtime_name,
         )
         return entry
-    path = storage_uri.resolve(parsed)
+    path = storage.resolve(parsed)
     return custom.resolve(entry, path, f"model at {parsed.display!r}")
