@@ -1,16 +1,18 @@
 """tunepack's fine-tuning recipe: full, LoRA, QLoRA or DoRA, on one process or many (FSDP2).
 
-    python -m tunepack.trainers.recipe --config <output>/config.yaml   # a torchrun worker
+``run`` is the whole of it: the launcher (``trainers/launch.py``) calls it in-process for one
+process, each torchrun worker (``trainers/worker.py``) for more; ``trainers/distributed.py``
+hides the difference.
 
 Read it top to bottom: ``setup`` builds the tokenizer, model, data, optimizer and schedule from
 the config (see ``trainers/config.py``) and resumes from the newest complete checkpoint;
-``train`` runs the loop, logs one JSON line per logging step, checkpoints every N steps / T
-minutes and stops cleanly (checkpoint first) when the process is asked to; ``evaluate`` computes
-the validation loss; ``save_checkpoint`` writes a resumable checkpoint (``trainers/checkpoint.py``);
-``save`` hands the weights and what the run did to ``trainers/artifacts.py``, which writes the
-result (adapter, models, ``result.json``). The launcher (``trainers/launch.py``) runs it
-in-process for one process, or as torchrun's worker for more; ``trainers/distributed.py`` hides
-the difference.
+``train`` runs the loop: ``_step`` is one optimizer step (forward and backward over its
+micro-batches, one collective, the update), ``_after_step`` what follows it (one JSON line per
+logging step, evaluation, a checkpoint every N steps / T minutes, and a clean stop, checkpoint
+first, when the process is asked to); ``evaluate`` computes the validation loss;
+``save_checkpoint`` writes a resumable checkpoint (``trainers/checkpoint.py``) of the run's
+progress (``RunProgress``, ``trainers/progress.py``); ``save`` hands the weights and what the run
+did to ``trainers/artifacts.py``, which writes the result (adapter, models, ``result.json``).
 
 Why not torchtune's stock recipes (0.6.1): the distributed ones hard-code NCCL and CUDA memory
 calls, none checkpoints mid-epoch, the single-device one forgets the global step on resume, and
@@ -29,8 +31,11 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -67,6 +72,7 @@ from tunepack.trainers.config import (
     run_digest,
     run_identity,
 )
+from tunepack.trainers.progress import RunProgress
 from tunepack.trainers.tracking import Tracker
 from tunepack.trainers.trainjob_status import StatusReporter
 
@@ -86,6 +92,47 @@ class Stopped(TransientError):
     """The process was asked to stop (SIGTERM: pod eviction, preemption) and has checkpointed."""
 
 
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step, summed over every rank: what the reports and checks after it read."""
+
+    tokens: float  # tokens trained on (DPO: the real tokens of its pairs)
+    seconds: float
+    fill: float | None  # real tokens / computed positions (padding, a pack's unused tail)
+    stop: bool  # some rank was asked to stop
+    checkpoint_due: bool  # by rank 0's clock (checkpoint_every_minutes)
+
+
+@dataclass
+class _Attempt:
+    """This process's run of the training loop (a restart is the next attempt): where it
+    reports, and its clocks."""
+
+    metrics: BinaryIO | None  # metrics.jsonl, rank 0 only
+    reporter: StatusReporter | None  # the controller's status, rank 0 only
+    tracker: Tracker
+    first_step: int  # the global step it started from
+    prior_wall_time_s: float  # training time of the earlier attempts
+    started: float = field(default_factory=time.monotonic)  # moved on past each evaluation
+    last_checkpoint: float = field(default_factory=time.monotonic)
+    status: dict = field(default_factory=dict)  # the last step's, re-sent with an evaluation's
+
+    def trained_s(self) -> float:
+        """Seconds this attempt trained (evaluations left out)."""
+        return time.monotonic() - self.started
+
+    def wall_time_s(self) -> float:
+        """Training time of the run so far, earlier attempts included."""
+        return self.prior_wall_time_s + self.trained_s()
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.reporter is not None:
+            self.reporter.close()
+        self.tracker.close()
+
+
 class FineTuneRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -97,33 +144,26 @@ class FineTuneRecipe:
         self.digest = run_digest(cfg)
         # Preference tuning: the DPO loss over the LoRA model and its adapter-less reference.
         self.dpo = dpo.DPO(cfg.dpo.beta, cfg.dpo.loss) if self.method.loss is Loss.DPO else None
-        self.step_metrics: dict[str, float] = {}  # DPO's rewards of the last step
         self.stop_requested = False  # set by the SIGTERM handler; honoured after each step
-        self.compiled = False  # compile=auto decides in setup, once the planned work is known
-        # Training progress, all of it saved in checkpoints.
-        self.global_step = 0
-        self.epoch = 0
-        self.batch_in_epoch = 0  # micro-batches this rank consumed in the current epoch
-        self.tokens_seen = 0
-        self.first_loss: float | None = None
-        self.last_loss: float | None = None
-        # The fill of the last step: real tokens / computed positions (padding and a pack's
-        # unused tail are computed too); batch_fill counts both for the last micro-batch.
-        self.last_fill: float | None = None
-        self.batch_fill = (0, 0)
-        self.prior_wall_time = 0.0  # training time of earlier attempts of this run
-        self.resumed_from: int | None = None
-        self.restarts = 0
-        # Validation (val_fraction): also saved in checkpoints.
-        self.val_loss: float | None = None
-        self.val_step: int | None = None
-        self.best_val_loss: float | None = None
-        self.best_step: int | None = None
-        self.eval_time = 0.0  # seconds spent evaluating, kept out of the training throughput
-        self.eval_count = 0
+        # compile=auto decides in setup, once the planned work is known; a resume keeps the choice
+        # its checkpoint records.
+        self.compiled = False
+        self.examples_per_batch = cfg.batch_size * self.topo.world_size  # every rank's, together
+        self.progress = RunProgress()  # saved in checkpoints, restored on resume
         self.tracker_record: dict | None = None  # result.json's "tracker" (trainers/tracking.py)
         self.val_indices: list[int] = []
-        self._train_status: dict = {}  # the last step's metrics, re-sent with an evaluation's
+        # The fill of the last micro-batch: (real tokens, computed positions); padding and a
+        # pack's unused tail are computed too.
+        self.batch_fill = (0, 0)
+
+    # The two facts of the progress its callers read (tests, benchmarks/gpu_check.py).
+    @property
+    def global_step(self) -> int:
+        return self.progress.step
+
+    @property
+    def resumed_from(self) -> int | None:
+        return self.progress.resumed_from
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -176,7 +216,7 @@ class FineTuneRecipe:
                 sum(p.numel() for p in trainable),
                 len(self.dataloader.dataset),
                 self.total_steps,
-                self.global_step,
+                self.progress.step,
             )
 
     def _load_base_weights(self) -> dict[str, torch.Tensor]:
@@ -398,26 +438,9 @@ class FineTuneRecipe:
             lr_scheduler=self.lr_scheduler,
             topo=self.topo,
         )
-        self.global_step = manifest["step"]
-        self.epoch = manifest["epoch"]
-        # Stored as global samples so a run restarted with another world size resumes too.
-        self.batch_in_epoch = manifest["samples_in_epoch"] // (
-            self.cfg.batch_size * self.topo.world_size
-        )
-        self.tokens_seen = manifest["tokens_seen"]
-        self.first_loss, self.last_loss = manifest["first_loss"], manifest["last_loss"]
-        self.prior_wall_time = manifest["wall_time_s"]
-        self.restarts = manifest.get("restarts", 0) + 1
-        self.resumed_from = self.global_step
-        self.val_loss, self.val_step = manifest.get("val_loss"), manifest.get("val_step")
-        self.best_val_loss, self.best_step = (
-            manifest.get("best_val_loss"),
-            manifest.get("best_step"),
-        )
-        self.eval_time = manifest.get("eval_time_s", 0.0)
-        self.eval_count = manifest.get("eval_count", 0)
+        self.progress = RunProgress.from_manifest(manifest, self.examples_per_batch)
         if self.topo.is_main:
-            log.info("resumed from %s (step %d)", found, self.global_step)
+            log.info("resumed from %s (step %d)", found, self.progress.step)
 
     def _choose_checkpoint(self, root: Path, *, resume: bool) -> Path | None:
         """Rank 0: the checkpoint to resume from, or None after clearing the way for a fresh run."""
@@ -468,124 +491,142 @@ class FineTuneRecipe:
         return loss, n_tokens
 
     def train(self) -> None:
-        cfg, topo = self.cfg, self.topo
-        accum = cfg.gradient_accumulation_steps
-        usable = self.steps_per_epoch * accum  # micro-batches per epoch that make whole steps
-        every_steps = cfg.checkpointing.every_steps
-        every_s = cfg.checkpointing.every_minutes * 60
-        reporter = StatusReporter.from_env() if topo.is_main else None
-        metrics = self._open_metrics() if topo.is_main else None
-        tracker = Tracker.open(self._tracker_settings(), is_main=topo.is_main)
-        self.tracker_record = tracker.record
-        eval_every = int(cfg.get("eval", {}).get("every_steps", 0)) if self.val_indices else 0
-        started = last_ckpt = time.monotonic()
-        steps_at_start = self.global_step
-
+        """Optimizer steps up to the planned number, each followed by its report, evaluation,
+        checkpoint and stop request (``_after_step``)."""
+        progress = self.progress
+        attempt = self._open_attempt()
         self.model.train()
         try:
-            while self.global_step < self.total_steps and self.epoch < cfg.epochs:
+            while progress.step < self.total_steps and progress.epoch < self.cfg.epochs:
                 self.sampler.set_epoch(
-                    self.epoch, start=self.batch_in_epoch * cfg.batch_size * topo.world_size
+                    progress.epoch, start=progress.batch_in_epoch * self.examples_per_batch
                 )
-                step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
-                step_fill = [0, 0]
-                step_stats = [0.0] * len(dpo.STAT_NAMES) if self.dpo else []
-                for batch in self.dataloader:
-                    loss, n_tokens = self._loss_and_tokens(batch)
-                    loss.backward()
-                    step_loss += loss.detach().double()  # summed on the device, read once per step
-                    step_tokens += n_tokens
-                    step_fill = [a + b for a, b in zip(step_fill, self.batch_fill, strict=True)]
-                    if self.dpo is not None:
-                        step_stats = [
-                            a + b for a, b in zip(step_stats, self.dpo.batch_stats, strict=True)
-                        ]
-                    self.batch_in_epoch += 1
-                    if self.batch_in_epoch % accum:
-                        continue
-
-                    # One collective per step: the loss and token sums of every rank, whether any
-                    # rank was asked to stop, and whether rank 0's clock says a checkpoint is due.
-                    time_due = (
-                        topo.is_main and every_s > 0 and time.monotonic() - last_ckpt >= every_s
-                    )
-                    # (DPO: "tokens" are pairs here, its stats add the step's real token count.)
-                    total_loss, total_tokens, stops, due, real, computed, *stats = (
-                        distributed.all_reduce_sum(
-                            [
-                                float(step_loss),
-                                step_tokens,
-                                float(self.stop_requested),
-                                float(time_due),
-                                *step_fill,
-                                *step_stats,
-                            ],
-                            self.device,
-                        )
-                    )
-                    self.last_fill = real / computed if computed else None
-                    if not math.isfinite(total_loss):  # the same sum on every rank: all stop
-                        self._non_finite_loss(total_loss)
-                    # Normalise by every token in the step on every rank, as one big batch would.
-                    # FSDP averages gradients over ranks, hence the world size in the numerator.
-                    scale = topo.world_size / max(total_tokens, 1.0)
-                    training.scale_grads(self.model, torch.tensor(scale, device=self.device))
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.lr_scheduler.step()
-                    self.global_step += 1
-                    self.last_loss = total_loss / max(total_tokens, 1.0)
-                    if self.dpo is not None:
-                        self.step_metrics = self.dpo.metrics(stats, total_tokens)
-                        total_tokens = stats[0]
-                    self.tokens_seen += int(total_tokens)
-                    if self.first_loss is None:
-                        self.first_loss = self.last_loss
-                    if self.batch_in_epoch >= usable:  # the epoch's last whole step
-                        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-
-                    elapsed = time.monotonic() - step_started
-                    if topo.is_main:
-                        self._report(
-                            metrics, reporter, total_tokens, elapsed, started, steps_at_start
-                        )
-                        tracker.log(
-                            {
-                                "loss": self.last_loss,
-                                "lr": self.optimizer.param_groups[0]["lr"],
-                                "tokens_per_second": total_tokens / max(elapsed, 1e-9),
-                                **self.step_metrics,
-                            },
-                            self.global_step,
-                        )
-                    finished = self.global_step >= self.total_steps
-                    # Evaluated before any checkpoint of this step, so the checkpoint records it.
-                    if self.val_indices and (
-                        finished or (eval_every and self.global_step % eval_every == 0)
-                    ):
-                        self._evaluate_and_record(metrics, reporter, tracker)
-                        started += self.last_eval_s  # evaluation is not training time
-                    by_steps = every_steps > 0 and self.global_step % every_steps == 0
-                    if stops or (not finished and (by_steps or due)):
-                        self.save_checkpoint(time.monotonic() - started)
-                        last_ckpt = time.monotonic()
-                    if stops:
-                        raise Stopped(
-                            f"asked to stop (SIGTERM); checkpoint of step {self.global_step} "
-                            "written, a restart resumes from it"
-                        )
-                    if finished or self.batch_in_epoch == 0:
+                micro_batches = iter(self.dataloader)
+                while True:
+                    step = self._step(micro_batches, attempt)
+                    self._after_step(step, attempt)
+                    if progress.step >= self.total_steps or progress.batch_in_epoch == 0:
                         break  # done, or on to the next epoch (the remainder is left out)
-                    step_loss, step_tokens, step_started = 0.0, 0, time.monotonic()
-                    step_fill = [0, 0]
-                    step_stats = [0.0] * len(step_stats)
         finally:
-            self.wall_time = self.prior_wall_time + time.monotonic() - started
-            if metrics is not None:
-                metrics.close()
-            if reporter is not None:
-                reporter.close()
-            tracker.close()
+            progress.wall_time_s = attempt.wall_time_s()
+            attempt.close()
+
+    def _open_attempt(self) -> _Attempt:
+        is_main = self.topo.is_main
+        reporter = StatusReporter.from_env() if is_main else None
+        metrics = self._open_metrics() if is_main else None
+        tracker = Tracker.open(self._tracker_settings(), is_main=is_main)
+        self.tracker_record = tracker.record
+        return _Attempt(
+            metrics=metrics,
+            reporter=reporter,
+            tracker=tracker,
+            first_step=self.progress.step,
+            prior_wall_time_s=self.progress.wall_time_s,
+        )
+
+    def _step(self, micro_batches: Iterator[dict], attempt: _Attempt) -> Step:
+        """One optimizer step: this rank's micro-batches of it forward and backward, one
+        collective for the sums of every rank, then the update (never a non-finite one)."""
+        began = time.monotonic()
+        loss_sum, tokens, fill, stats = self._accumulate(micro_batches)
+        # One collective per step: the loss and token sums of every rank, whether any rank was
+        # asked to stop, and whether rank 0's clock says a checkpoint is due.
+        # (DPO: "tokens" are pairs here, its stats add the step's real token count.)
+        total_loss, total_tokens, stops, due, real, computed, *stats = distributed.all_reduce_sum(
+            [
+                float(loss_sum),
+                tokens,
+                float(self.stop_requested),
+                float(self._checkpoint_time_due(attempt)),
+                *fill,
+                *stats,
+            ],
+            self.device,
+        )
+        if not math.isfinite(total_loss):  # the same sum on every rank: all stop
+            self._non_finite_loss(total_loss)
+        self._update(total_tokens)
+        loss = total_loss / max(total_tokens, 1.0)
+        if self.dpo is not None:
+            self.progress.dpo_metrics = self.dpo.metrics(stats, total_tokens)
+            total_tokens = stats[0]
+        usable = self.steps_per_epoch * self.cfg.gradient_accumulation_steps
+        self.progress.add_step(
+            loss, int(total_tokens), epoch_done=self.progress.batch_in_epoch >= usable
+        )
+        return Step(
+            tokens=total_tokens,
+            seconds=time.monotonic() - began,
+            fill=real / computed if computed else None,
+            stop=bool(stops),
+            checkpoint_due=bool(due),
+        )
+
+    def _accumulate(
+        self, micro_batches: Iterator[dict]
+    ) -> tuple[torch.Tensor | float, int, list[int], list[float]]:
+        """Forward and backward over this rank's micro-batches of one step, the gradients adding
+        up: the summed loss (on the device, read once per step), the tokens it counts, the
+        (real, computed) positions and, for DPO, the summed stats."""
+        loss_sum, tokens, fill = 0.0, 0, [0, 0]
+        stats = [0.0] * len(dpo.STAT_NAMES) if self.dpo else []
+        # Up to the step's boundary, counted in the epoch: a run resumed with another world size
+        # may start part-way through a step.
+        for batch in micro_batches:
+            loss, n_tokens = self._loss_and_tokens(batch)
+            loss.backward()
+            loss_sum += loss.detach().double()
+            tokens += n_tokens
+            fill = [a + b for a, b in zip(fill, self.batch_fill, strict=True)]
+            if self.dpo is not None:
+                stats = [a + b for a, b in zip(stats, self.dpo.batch_stats, strict=True)]
+            self.progress.batch_in_epoch += 1
+            if self.progress.batch_in_epoch % self.cfg.gradient_accumulation_steps == 0:
+                break
+        return loss_sum, tokens, fill, stats
+
+    def _update(self, total_tokens: float) -> None:
+        """The optimizer's update, the gradients normalised by every token of the step on every
+        rank, as one big batch would be (FSDP averages gradients over ranks, hence the world size
+        in the numerator)."""
+        scale = self.topo.world_size / max(total_tokens, 1.0)
+        training.scale_grads(self.model, torch.tensor(scale, device=self.device))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+
+    def _checkpoint_time_due(self, attempt: _Attempt) -> bool:
+        """Rank 0's clock: checkpoint_every_minutes have passed since the last checkpoint."""
+        every_s = self.cfg.checkpointing.every_minutes * 60
+        return (
+            self.topo.is_main
+            and every_s > 0
+            and time.monotonic() - attempt.last_checkpoint >= every_s
+        )
+
+    def _after_step(self, step: Step, attempt: _Attempt) -> None:
+        """What follows a step: its report (rank 0), an evaluation when due, a checkpoint when
+        due or asked for, and the stop that was asked for."""
+        progress, cfg = self.progress, self.cfg
+        if self.topo.is_main:
+            self._report(step, attempt)
+        finished = progress.step >= self.total_steps
+        # Evaluated before any checkpoint of this step, so the checkpoint records it.
+        eval_every = int(cfg.get("eval", {}).get("every_steps", 0))
+        if self.val_indices and (finished or (eval_every and progress.step % eval_every == 0)):
+            attempt.started += self._evaluate_and_record(attempt)  # not training time
+        every_steps = cfg.checkpointing.every_steps
+        by_steps = every_steps > 0 and progress.step % every_steps == 0
+        if step.stop or (not finished and (by_steps or step.checkpoint_due)):
+            progress.wall_time_s = attempt.wall_time_s()
+            self.save_checkpoint()
+            attempt.last_checkpoint = time.monotonic()
+        if step.stop:
+            raise Stopped(
+                f"asked to stop (SIGTERM); checkpoint of step {progress.step} written, a restart "
+                "resumes from it"
+            )
 
     def _tracker_settings(self) -> dict:
         settings = dict(self.cfg.get("tracker") or {})
@@ -594,70 +635,85 @@ class FineTuneRecipe:
 
     def _non_finite_loss(self, loss: float) -> None:
         """Stop before the optimizer step: nothing non-finite is applied, saved or published."""
-        step = self.global_step + 1
-        if self.global_step == 0:  # before any update: the base model, the data or the settings
+        done = self.progress.step
+        if done == 0:  # before any update: the base model, the data or the settings
             raise BadInputError(
                 f"the loss is {loss} at the first step, before any update: check the base model's "
                 "weights, the data and the arguments (dtype, max_seq_len); nothing was published"
             )
         raise NonFiniteLoss(
-            f"the loss became {loss} at step {step} (the step before: {self.last_loss}): "
-            f"training diverged; lower lr (now {self.cfg.optimizer.lr}) or raise warmup_steps; "
-            "nothing was published"
+            f"the loss became {loss} at step {done + 1} (the step before: "
+            f"{self.progress.last_loss}): training diverged; lower lr (now "
+            f"{self.cfg.optimizer.lr}) or raise warmup_steps; nothing was published"
         )
 
     def _open_metrics(self):
         path = self.output_dir / METRICS_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
-        if self.resumed_from is None:
+        resumed_from = self.progress.resumed_from
+        if resumed_from is None:
             durable.write_text(path, "")
         else:
             # A resumed run appends: the file keeps the whole history of the run, each step once.
             # The steps after the checkpoint (trained before the interruption, trained again
             # now) and a line cut short by the kill are dropped first, in one atomic rewrite.
-            durable.write_text(path, "".join(_metrics_up_to(path, self.resumed_from)))
+            durable.write_text(path, "".join(_metrics_up_to(path, resumed_from)))
         return path.open("ab", buffering=0)  # unbuffered: a failed write is undone at once
 
-    def _report(self, metrics, reporter, step_tokens, step_s, started, steps_at_start) -> None:
-        """Rank 0: one JSON line per logging step, and the newest snapshot for the controller."""
+    def _report(self, step: Step, attempt: _Attempt) -> None:
+        """Rank 0: the newest snapshot for the controller, one JSON line per logging step, and
+        the step's metrics for the tracker."""
+        progress = self.progress
         lr = self.optimizer.param_groups[0]["lr"]
-        tokens_per_s = step_tokens / max(step_s, 1e-9)
-        done_here = self.global_step - steps_at_start
-        per_step = (time.monotonic() - started) / max(done_here, 1)
-        remaining = int(per_step * (self.total_steps - self.global_step))
-        if reporter is not None:
-            self._train_status = {
-                "loss": round(self.last_loss, 6),
+        tokens_per_s = step.tokens / max(step.seconds, 1e-9)
+        if attempt.reporter is not None:
+            per_step = attempt.trained_s() / max(progress.step - attempt.first_step, 1)
+            attempt.status = {
+                "loss": round(progress.last_loss, 6),
                 "learning_rate": lr,
                 "tokens_per_second": round(tokens_per_s, 1),
                 "peak_memory_gib": round(peak_memory_gib(self.device), 3),
-                "step": self.global_step,
-                **self.step_metrics,
+                "step": progress.step,
+                **progress.dpo_metrics,
             }
-            reporter.update(
-                100 * self.global_step // self.total_steps,
-                remaining,
-                {**self._train_status, **self._status_metrics()},
+            attempt.reporter.update(
+                100 * progress.step // self.total_steps,
+                int(per_step * (self.total_steps - progress.step)),
+                {**attempt.status, **self._status_metrics()},
             )
-        if self.global_step % self.cfg.log_every_n_steps and self.global_step != self.total_steps:
-            return
-        record = {
-            "event": "step",
-            "step": self.global_step,
-            "total_steps": self.total_steps,
-            "epoch": self.epoch + 1 if self.batch_in_epoch else self.epoch,  # 1-based
-            "loss": round(self.last_loss, 6),
-            "lr": lr,
-            "tokens": int(step_tokens),
-            "tokens_per_second": round(tokens_per_s, 1),
-            "peak_memory_gib": round(peak_memory_gib(self.device), 3),
-            "elapsed_s": round(self.prior_wall_time + time.monotonic() - started, 3),
-            **self.step_metrics,
-        }
-        if self.last_fill is not None:
-            record["fill"] = round(self.last_fill, 4)
-        _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
+        if progress.step % self.cfg.log_every_n_steps == 0 or progress.step == self.total_steps:
+            record = {
+                "event": "step",
+                "step": progress.step,
+                "total_steps": self.total_steps,
+                # 1-based: the epoch this step belongs to
+                "epoch": progress.epoch + 1 if progress.batch_in_epoch else progress.epoch,
+                "loss": round(progress.last_loss, 6),
+                "lr": lr,
+                "tokens": int(step.tokens),
+                "tokens_per_second": round(tokens_per_s, 1),
+                "peak_memory_gib": round(peak_memory_gib(self.device), 3),
+                "elapsed_s": round(attempt.wall_time_s(), 3),
+                **progress.dpo_metrics,
+            }
+            if step.fill is not None:
+                record["fill"] = round(step.fill, 4)
+            self._write_line(attempt, record)
+        attempt.tracker.log(
+            {
+                "loss": progress.last_loss,
+                "lr": lr,
+                "tokens_per_second": tokens_per_s,
+                **progress.dpo_metrics,
+            },
+            progress.step,
+        )
+
+    def _write_line(self, attempt: _Attempt, record: dict) -> None:
+        """Rank 0: one record in metrics.jsonl, and on stdout."""
+        line = json.dumps(record)
+        _append_line(attempt.metrics, self.output_dir / METRICS_FILE, line + "\n")
+        print(line, flush=True)
 
     # ---------------------------------------------------------------- evaluate
     def evaluate(self) -> float:
@@ -691,54 +747,54 @@ class FineTuneRecipe:
         )
         return total_loss / max(total_tokens, 1.0)
 
-    def _evaluate_and_record(self, metrics, reporter, tracker) -> None:
+    def _evaluate_and_record(self, attempt: _Attempt) -> float:
+        """Evaluate, and record it: the progress, the best weights (keep_best), and on rank 0 the
+        metrics line, the tracker and the controller's status. Returns the seconds it took."""
         began = time.monotonic()
         val_loss = self.evaluate()
-        self.val_loss, self.val_step = val_loss, self.global_step
-        self.eval_count += 1
-        improved = math.isfinite(val_loss) and (
-            self.best_val_loss is None or val_loss < self.best_val_loss
+        if self.progress.add_evaluation(val_loss) and self.cfg.get("eval", {}).get("keep_best"):
+            self._save_best()
+        seconds = time.monotonic() - began
+        self.progress.eval_time_s += seconds
+        if self.topo.is_main:
+            self._report_evaluation(val_loss, seconds, attempt)
+        return seconds
+
+    def _report_evaluation(self, val_loss: float, seconds: float, attempt: _Attempt) -> None:
+        progress = self.progress
+        best = progress.best_val_loss
+        self._write_line(
+            attempt,
+            {
+                "event": "eval",
+                "step": progress.step,
+                "total_steps": self.total_steps,
+                "val_loss": round(val_loss, 6),
+                "val_perplexity": round(_perplexity(val_loss), 4),
+                "best_val_loss": round(best, 6) if best is not None else None,
+                "best_step": progress.best_step,
+                "val_rows": len(self.val_indices),
+                "eval_s": round(seconds, 3),
+            },
         )
-        if improved:
-            self.best_val_loss, self.best_step = val_loss, self.global_step
-            if self.cfg.get("eval", {}).get("keep_best"):
-                self._save_best()
-        self.last_eval_s = time.monotonic() - began
-        self.eval_time += self.last_eval_s
-        if not self.topo.is_main:
-            return
-        record = {
-            "event": "eval",
-            "step": self.global_step,
-            "total_steps": self.total_steps,
-            "val_loss": round(val_loss, 6),
-            "val_perplexity": round(_perplexity(val_loss), 4),
-            "best_val_loss": round(self.best_val_loss, 6)
-            if self.best_val_loss is not None
-            else None,
-            "best_step": self.best_step,
-            "val_rows": len(self.val_indices),
-            "eval_s": round(self.last_eval_s, 3),
-        }
-        _append_line(metrics, self.output_dir / METRICS_FILE, json.dumps(record) + "\n")
-        print(json.dumps(record), flush=True)
-        tracker.log(
-            {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}, self.global_step
+        attempt.tracker.log(
+            {"val_loss": val_loss, "val_perplexity": _perplexity(val_loss)}, progress.step
         )
-        if reporter is not None:
-            reporter.update(
-                100 * self.global_step // self.total_steps,
-                0 if self.global_step >= self.total_steps else None,
-                {**self._train_status, **self._status_metrics()},
+        if attempt.reporter is not None:
+            attempt.reporter.update(
+                100 * progress.step // self.total_steps,
+                0 if progress.step >= self.total_steps else None,
+                {**attempt.status, **self._status_metrics()},
             )
 
     def _status_metrics(self) -> dict:
         """Validation metrics for the controller's status (empty before the first evaluation)."""
-        if self.val_loss is None:
+        val_loss = self.progress.val_loss
+        if val_loss is None:
             return {}
         return {
-            "val_loss": round(self.val_loss, 6),
-            "val_perplexity": round(_perplexity(self.val_loss), 4),
+            "val_loss": round(val_loss, 6),
+            "val_perplexity": round(_perplexity(val_loss), 4),
         }
 
     def _save_best(self) -> None:
@@ -750,29 +806,19 @@ class FineTuneRecipe:
             artifacts.write_best(
                 self.output_dir,
                 state,
-                step=self.global_step,
-                val_loss=self.best_val_loss,
+                step=self.progress.step,
+                val_loss=self.progress.best_val_loss,
                 digest=self.digest,
             )
         distributed.barrier()
 
     # ---------------------------------------------------------------- checkpoint
-    def save_checkpoint(self, wall_time_s: float) -> Path:
+    def save_checkpoint(self) -> Path:
+        """A resumable checkpoint of the progress as it stands (a collective: every rank)."""
         manifest = {
-            "step": self.global_step,
-            "epoch": self.epoch,
-            "samples_in_epoch": self.batch_in_epoch * self.cfg.batch_size * self.topo.world_size,
-            "tokens_seen": self.tokens_seen,
-            "first_loss": self.first_loss,
-            "last_loss": self.last_loss,
-            "wall_time_s": round(self.prior_wall_time + wall_time_s, 3),
-            "restarts": self.restarts,
-            "val_loss": self.val_loss,
-            "val_step": self.val_step,
-            "best_val_loss": self.best_val_loss,
-            "best_step": self.best_step,
-            "eval_time_s": round(self.eval_time, 3),
-            "eval_count": self.eval_count,
+            **self.progress.to_manifest(self.examples_per_batch),
+            # What a resume reads beside the progress: compile=auto's choice, whether the RNG
+            # states fit (world size), and which run wrote it.
             "compiled": self.compiled,
             "world_size": self.topo.world_size,
             "method": self.method.name,
@@ -790,7 +836,7 @@ class FineTuneRecipe:
         )
         if self.topo.is_main:
             print(
-                json.dumps({"event": "checkpoint", "step": self.global_step, "path": str(path)}),
+                json.dumps({"event": "checkpoint", "step": self.progress.step, "path": str(path)}),
                 flush=True,
             )
         return path
@@ -803,46 +849,53 @@ class FineTuneRecipe:
             self.model, trainable_only=self.is_lora, sharded=self.topo.distributed
         )
         artifact = artifacts.weights_dir(self.output_dir, self.method.name)
-        published_step = self.global_step
+        step, best_step = self.progress.step, self.progress.best_step
+        published_step = step
         keep_best = bool(self.cfg.get("eval", {}).get("keep_best"))
-        if self.topo.is_main and keep_best and self.best_step not in (None, self.global_step):
-            best = artifacts.read_best(self.output_dir, step=self.best_step, digest=self.digest)
+        if self.topo.is_main and keep_best and best_step not in (None, step):
+            best = artifacts.read_best(self.output_dir, step=best_step, digest=self.digest)
             if best is None:  # cannot happen unless the output was tampered with
                 raise RuntimeError(
-                    f"keep_best: the weights of step {self.best_step} are missing from "
+                    f"keep_best: the weights of step {best_step} are missing from "
                     f"{self.output_dir / artifacts.BEST_DIR}"
                 )
-            state, published_step = best, self.best_step
+            state, published_step = best, best_step
         if self.topo.is_main:
             artifacts.publish_weights(state, self.cfg, self.output_dir)
-            outcome = artifacts.Outcome(
-                steps=self.global_step,
-                first_loss=self.first_loss,
-                final_loss=self.last_loss,
-                tokens_seen=self.tokens_seen,
-                wall_time_s=getattr(self, "wall_time", 0.0),
-                world_size=self.topo.world_size,
-                device=self.device.type,
-                peak_memory_gib=peak_memory_gib(self.device),
-                resumed_from_step=self.resumed_from,
-                restarts=self.restarts,
-                val_loss=self.val_loss,
-                val_perplexity=None if self.val_loss is None else _perplexity(self.val_loss),
-                best_val_loss=self.best_val_loss,
-                best_step=self.best_step,
-                val_rows=len(self.val_indices),
-                keep_best=keep_best,
-                published_step=published_step,
-                eval_time_s=self.eval_time,
-                evaluations=self.eval_count,
-                dpo_metrics=self.step_metrics if self.dpo else {},
-            )
+            outcome = self._outcome(keep_best=keep_best, published_step=published_step)
             tracked = {"tracker": self.tracker_record} if self.tracker_record else {}
             artifacts.write_result(
                 self.output_dir, self.cfg, outcome, artifact, {**tracked, **(extra or {})}
             )
         distributed.barrier()  # no rank exits before the result is complete
         return artifact
+
+    def _outcome(self, *, keep_best: bool, published_step: int) -> artifacts.Outcome:
+        """What the run did, for result.json: its progress and where it ran."""
+        progress = self.progress
+        val_loss = progress.val_loss
+        return artifacts.Outcome(
+            steps=progress.step,
+            first_loss=progress.first_loss,
+            final_loss=progress.last_loss,
+            tokens_seen=progress.tokens_seen,
+            wall_time_s=progress.wall_time_s,
+            world_size=self.topo.world_size,
+            device=self.device.type,
+            peak_memory_gib=peak_memory_gib(self.device),
+            resumed_from_step=progress.resumed_from,
+            restarts=progress.restarts,
+            val_loss=val_loss,
+            val_perplexity=None if val_loss is None else _perplexity(val_loss),
+            best_val_loss=progress.best_val_loss,
+            best_step=progress.best_step,
+            val_rows=len(self.val_indices),
+            keep_best=keep_best,
+            published_step=published_step,
+            eval_time_s=progress.eval_time_s,
+            evaluations=progress.eval_count,
+            dpo_metrics=progress.dpo_metrics,
+        )
 
 
 def cut_rows_line(lengths: list[int], kept: int, max_seq_len: int) -> str | None:
