@@ -709,7 +709,7 @@ def fsdp_worker(argv: list[str]) -> int:
     from tunepack.trainers import distributed, noise
 
     noise.quiet()
-    from tunepack.trainers import recipe
+    from tunepack.trainers import recipe, worker
 
     distributed.Topology.distributed = property(lambda self: True)
     setup_model = recipe.FineTuneRecipe._setup_model
@@ -738,7 +738,7 @@ def fsdp_worker(argv: list[str]) -> int:
                 os.kill(os.getpid(), signal.SIGTERM)
 
         recipe.FineTuneRecipe._report = report_then_stop
-    return recipe.main(argv)
+    return worker.main(argv)
 
 
 def plain_loss_child(argv: list[str]) -> None:

@@ -1,4 +1,5 @@
-"""Process-group plumbing for the recipe: who am I, which device, and the few collectives it uses.
+"""Process-group plumbing for the recipe: who am I, which device, the few collectives it uses,
+and how a collective fails when another process of the group died first (``peer_failed``).
 
 A worker started by torchrun has ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` in its environment;
 a run without them (the launcher's in-process path for world size 1, or a test) is rank 0 of 1
@@ -84,3 +85,22 @@ def broadcast_from_main(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# What a collective raises in the processes left behind when one process of the group has died
+# (gloo on CPU, NCCL on GPU).
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "NCCL communicator was aborted",
+    "Broken pipe",
+)
+
+
+def peer_failed(err: BaseException) -> bool:
+    """Whether ``err`` is this worker's collective failing because another process of the run
+    failed first (a guess from the backend's message: neither gloo nor NCCL says it otherwise)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not isinstance(err, RuntimeError):
+        return False
+    return any(sign in str(err) for sign in _PEER_GONE)

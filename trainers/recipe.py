@@ -22,7 +22,6 @@ is not a copy there). This recipe keeps their components and never merges into l
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -52,7 +51,7 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 
-from tunepack.core import durable, lifetime, program
+from tunepack.core import durable, lifetime
 from tunepack.core.errors import BadInputError, TransientError, TunepackError
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
 from tunepack.runtimes import methods
@@ -986,13 +985,13 @@ def install_stop_handler(recipe: FineTuneRecipe) -> None:
             os.kill(os.getpid(), signum)
             return
         recipe.stop_requested = True
-        _say(f"trainer: got {lifetime.signal_name(signum)}; stopping after this step")
+        say(f"trainer: got {lifetime.signal_name(signum)}; stopping after this step")
 
     for sig in lifetime.STOP_SIGNALS:
         signal.signal(sig, handle)
 
 
-def _say(line: str) -> None:
+def say(line: str) -> None:
     """A line on stderr that cannot fail: the reader of the pipe may be gone (a killed CLI), and
     a write error must not break the checkpoint the signal asked for."""
     try:
@@ -1027,61 +1026,3 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
         result = json.loads((recipe.output_dir / RESULT_FILE).read_text())
     distributed.shutdown()
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    """torchrun's worker: train from a config file and leave the exit code for the launcher."""
-    parser = argparse.ArgumentParser(prog="python -m tunepack.trainers.worker")
-    parser.add_argument("--config", required=True, type=Path)
-    parser.add_argument("--digest", default=None, help="recorded as config_digest in result.json")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    exit_dir = os.environ.get(program.EXIT_DIR_ENV)
-    rank = os.environ.get("RANK", "0")
-    if exit_dir:  # lets the launcher make sure no worker outlives it
-        Path(exit_dir, f"pid-{rank}").write_text(str(os.getpid()))
-    code = 0
-    try:
-        cfg = OmegaConf.load(args.config)
-        run(cfg, extra={"config_digest": args.digest} if args.digest else None)
-    except TunepackError as err:
-        print(program.error_line("trainer", err), file=sys.stderr, flush=True)
-        code = err.exit_code
-    except BaseException as err:
-        code = 1
-        if not _peer_failed(err):
-            raise
-        # The process that failed says why; this one only says that it followed. Its code (1)
-        # does not hide the other's: the launcher prefers 65 and 75 over it.
-        _say(
-            program.error_line(
-                "trainer",
-                f"process {rank} stopped because another process of the run failed first (its "
-                "error is above)",
-            )
-        )
-    finally:
-        if exit_dir:
-            Path(exit_dir, f"rank-{rank}").write_text(str(code))
-    return code
-
-
-# What a collective raises in the processes left behind when one process of the group has died
-# (gloo on CPU, NCCL on GPU).
-_PEER_GONE = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "remote worker crashing",
-    "NCCL communicator was aborted",
-    "Broken pipe",
-)
-
-
-def _peer_failed(err: BaseException) -> bool:
-    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or not isinstance(err, RuntimeError):
-        return False
-    return any(sign in str(err) for sign in _PEER_GONE)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
