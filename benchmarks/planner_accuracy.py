@@ -1,11 +1,13 @@
-"""Measure real peak GPU memory of one training step and compare it with the planner.
+"""Measure the real peak GPU memory of training steps and compare it with the planner.
 
     python benchmarks/planner_accuracy.py                 # on a CUDA GPU: the configs below
     python benchmarks/planner_accuracy.py --dry           # on CPU: tiny model, no measurement
 
 For each config it builds the catalog model with its torchtune builder (random weights, bf16),
-runs forward + cross-entropy + backward + AdamW step on random tokens, and reads
-``torch.cuda.max_memory_allocated``. Target: the estimate within 10% of the measurement.
+trains it as tunepack's trainer does (activation checkpointing per layer, the fused loss of
+``tunepack.trainers.vocab_loss``, AdamW) for two steps on random tokens, the second one with the
+optimizer's states as every later step has them, and reads ``torch.cuda.max_memory_allocated``.
+Target: the estimate within 10% of the measurement.
 ``--dry`` runs the same code path on CPU with the tiny model (what CI can do); it cannot measure
 GPU memory and says so (``measured_bytes: null``).
 """
@@ -20,10 +22,13 @@ import time
 import torch
 from omegaconf import OmegaConf
 from torchtune import config as tt_config
+from torchtune import training
+from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from tunepack.runtimes import catalog, methods
 from tunepack.tools.planner import estimate
+from tunepack.trainers import vocab_loss
 from tunepack.trainers.config import model_component
 
 GPU_CONFIGS = [  # model, method, seq_len, batch size
@@ -34,6 +39,7 @@ GPU_CONFIGS = [  # model, method, seq_len, batch size
 ]
 DRY_CONFIGS = [("tiny-llama3", "lora", 128, 2)]
 LORA_RANK = 16
+STEPS = 2  # the second step holds the optimizer's states through its forward and backward
 
 
 def build(entry: catalog.ModelEntry, method: str) -> torch.nn.Module:
@@ -49,31 +55,50 @@ def build(entry: catalog.ModelEntry, method: str) -> torch.nn.Module:
 
 
 def one_step(entry, method, seq_len, batch, device, dtype) -> dict:
+    """``STEPS`` training steps as the trainer takes them; the peak over all of them."""
     with torch.device(device):
         torch.set_default_dtype(dtype)
         model = build(entry, method)
         torch.set_default_dtype(torch.float32)
     if methods.get(method).adapters:
         set_trainable_params(model, get_adapter_params(model))
+    training.set_activation_checkpointing(
+        model, auto_wrap_policy={TransformerSelfAttentionLayer}
+    )  # the trainer's default on a GPU
+    fused = vocab_loss.supports(model)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
-    tokens = torch.randint(0, entry.shape.vocab_size, (batch, seq_len), device=device)
+    # Every position but each row's last predicts the next token.
+    rows = torch.arange(batch * seq_len, device=device).view(batch, seq_len)[:, :-1].reshape(-1)
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    logits = model(tokens)
-    loss = torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.size(-1)).float(), tokens[:, 1:].reshape(-1)
-    )
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    for _ in range(STEPS):
+        tokens = torch.randint(0, entry.shape.vocab_size, (batch, seq_len), device=device)
+        targets = tokens[:, 1:].reshape(-1)
+        if fused:
+            with vocab_loss.loss_instead_of_logits(model, rows, targets):
+                loss = model(tokens) / targets.numel()
+        else:
+            logits = model(tokens)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)).float(), targets
+            )
+            del logits
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     measured = None
     if device == "cuda":
         torch.cuda.synchronize()
         measured = torch.cuda.max_memory_allocated()
-    return {"loss": loss.item(), "seconds": time.perf_counter() - started, "measured": measured}
+    return {
+        "loss": loss.item(),
+        "seconds": time.perf_counter() - started,
+        "measured": measured,
+        "fused_loss": fused,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,11 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for model, method, seq_len, batch in DRY_CONFIGS if args.dry else GPU_CONFIGS:
         entry = catalog.get(model)
-        # one_step keeps every activation: no checkpointing, whatever the trainer's default.
-        plan = estimate(entry, method, seq_len, batch, lora_rank=LORA_RANK,
-                        dtype="fp32" if args.dry else "bf16",
-                        activation_checkpointing=False)  # fmt: skip
         step = one_step(entry, method, seq_len, batch, device, dtype)
+        plan = estimate(entry, method, seq_len, batch, lora_rank=LORA_RANK,
+                        dtype="fp32" if args.dry else "bf16", activation_checkpointing=True,
+                        fused_loss=step["fused_loss"])  # fmt: skip
         error = None
         if step["measured"]:
             error = (plan.peak_bytes - step["measured"]) / step["measured"]
@@ -106,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 "estimate_bytes": plan.peak_bytes,
                 "measured_bytes": step["measured"],
                 "relative_error": error,
-                "steps_run": 1,
+                "steps_run": STEPS,
+                "fused_loss": step["fused_loss"],
                 "loss": step["loss"],
             }
         )

@@ -150,7 +150,7 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
         "llama3.1-8b qlora, seq_len 8192, batch 64/device, 1 node(s) x 1 H100-80GB, activation "
         "checkpointing\n"
     )
-    assert "peak          590.27 GiB" in refused.stderr
+    assert "peak          261.69 GiB" in refused.stderr
     assert "(--memory-check warn to tunepack train or render trainjob)" in refused.stderr
     # The very message `train` gives for the same run.
     train = tunepack(
@@ -160,10 +160,10 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
     assert (train.returncode, train.stderr) == (65, refused.stderr)
 
     # --gpu names the GPU type planned for.
-    small = tunepack("render", "trainjob", *job, "max_seq_len=4096", "--gpu", "l4")
+    small = tunepack("render", "trainjob", *job, "max_seq_len=8192", "--gpu", "l4")
     assert small.returncode == 65
     assert "1 node(s) x 1 L4-24GB" in small.stderr
-    assert tunepack("render", "trainjob", *job, "max_seq_len=4096").returncode == 0  # H100
+    assert tunepack("render", "trainjob", *job, "max_seq_len=8192").returncode == 0  # H100
 
     # warn: the TrainJob is printed, the plan said on stderr; off: printed, nothing said.
     warned = tunepack("render", "trainjob", *job, *big, "--memory-check", "warn")

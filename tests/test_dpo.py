@@ -475,8 +475,10 @@ def test_planner_counts_two_sequences_per_example():
         lora.gradients,
         lora.optimizer,
     )
-    # Same tokens per sequence, twice the sequences: chosen and rejected.
-    assert (dpo.activations, dpo.logits) == (2 * lora.activations, 2 * lora.logits)
+    # Same tokens per sequence, twice the sequences: chosen and rejected. DPO needs the whole
+    # logits, where LoRA's cross-entropy is fused with the output projection.
+    whole = plan("llama3.1-8b", "lora", 1024, 2, lora_rank=8, fused_loss=False)
+    assert (dpo.activations, dpo.logits) == (2 * lora.activations, 2 * whole.logits)
     assert dpo.peak_bytes > lora.peak_bytes
     assert any("reference forward pass" in note for note in dpo.notes)
     assert not any("reference" in note for note in lora.notes)

@@ -1006,7 +1006,7 @@ def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli)
     assert post.body["spec"]["runtimeRef"]["kind"] == "TrainingRuntime"
 
     # The memory planner applies to the CLI too; --memory-check warn submits anyway.
-    big = ["method=full", "max_seq_len=8192", "batch_size=32"]
+    big = ["method=full", "max_seq_len=8192", "batch_size=64"]
     done = cli("train", "--runtime", RUNTIME, "--name", "j2", *args, *big)
     assert done.returncode == 65
     assert "tunepack: error: this fine-tune is estimated not to fit in GPU memory" in done.stderr
@@ -1015,7 +1015,7 @@ def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli)
     post = [r for r in fake.requests if r.method == "POST"][-1]
     assert post.body["spec"]["trainer"]["args"] == [
         "method=full",
-        "batch_size=32",
+        "batch_size=64",
         "max_seq_len=8192",
     ]
 

@@ -2,23 +2,36 @@
 
 ``plan()`` estimates the peak GPU memory one device needs for a catalog model, a method, a sequence
 length and a per-device batch size, from the model's shape in the catalog (``Shape``); it then
-recommends the smallest nodes x GPUs layout that fits. The formulas are in ``docs/planner.md``;
-``benchmarks/planner_accuracy.py`` measures the real peak on a GPU to check them.
+recommends the smallest nodes x GPUs layout that fits. The terms are those of tunepack's trainer
+(torchtune 0.6.1's layers, activation checkpointing per layer, the fused loss, AdamW); each is
+derived in ``docs/planner.md`` and checked against the H100 measurements in
+``benchmarks/results/`` (``tests/test_planner.py``).
 
     >>> from tunepack.tools.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)
     >>> p.fits, round(p.peak_gib, 1)            # one H100-80GB, activation checkpointing
-    (True, 19.8)
+    (True, 17.3)
     >>> print(p.summary())                       # the breakdown, in GiB
 
-Terms (per device, ``N`` = devices the model is sharded over, FSDP when ``N > 1``):
+Per device (``N`` devices share the model with FSDP when ``N > 1``; ``w`` bytes per value of the
+training dtype), what is always held:
 
-- weights: ``P * bytes(dtype) / N`` (QLoRA: the frozen base in NF4, ``NF4_BYTES`` per parameter);
-- gradients: ``T * bytes(dtype) / N`` for the ``T`` trainable parameters;
-- optimizer (AdamW, two states in the parameters' dtype): ``2 * T * bytes(dtype) / N``;
-- activations: per token per layer ``(6d + 2kv + 4i)`` values saved for backward, or only the
-  layer input ``d`` with activation checkpointing (plus one layer's worth while recomputing);
-- logits: ``s * b * V`` values in the dtype plus their float32 copy for the loss.
+- weights: the base in the dtype (QLoRA: its adapted projections in NF4, ``NF4_BYTES`` a value)
+  and the trainable weights, over ``N``; plus the RoPE table (context x head_dim fp32);
+- AdamW's two states ``2 * T * w / N`` for the ``T`` trainable weights, and their gradients
+  ``T * w / N`` (at the loss only with gradient accumulation: the update drops them);
+
+and what one moment of the step holds on top, of which the peak takes the largest:
+
+- ``activations``, the backward of the first layer it reaches: each layer's input (activation
+  checkpointing; without it every layer's saved tensors), that layer's recomputed tensors and the
+  gradients in flight in its MLP (or, if larger, a QLoRA weight dequantized / DoRA's weight
+  norm);
+- ``logits``, the loss, with the activations the forward kept: the fused loss (every method
+  whose loss is cross-entropy) holds one chunk of fp32 logits, the gradient w.r.t. the hidden
+  states and, when the output weight trains, its fp32 gradient; DPO holds the whole logits, 12
+  bytes each (three fp32 tensors in the backward of its log-softmax);
+- ``update``, the optimizer step: AdamW's temporary square root of the second moments.
 
 DPO (``dpo``) trains LoRA adapters on two sequences per example (chosen and rejected): its
 activations and logits count ``2 * s * b`` tokens. Its reference forward pass (adapters off, no
@@ -83,7 +96,20 @@ def gpu_type(gpu: object) -> str:
 
 CUDA_RESERVE_GIB = 2.0  # context + fragmentation, kept free on every device
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-NF4_BYTES = 0.5 + 4 / 64  # 4-bit values plus one fp32 scale per block of 64
+FP32 = 4
+# torchao's NF4 (torchtune's to_nf4 defaults): 4 bits a value, an int8 scale per block of 64
+# values, and an fp32 factor per 256 of those scales (double quantization).
+NF4_BYTES = 0.5 + 1 / 64 + FP32 / (64 * 256)
+# Dequantizing an NF4 weight (torchao's get_original_weight, pure PyTorch) holds, per value, its
+# two 4-bit halves as int64 indices (8 bytes), their looked-up values and their scaled values (one
+# value each in the dtype) and the two stacked together (one more): 8 + 3w bytes.
+NF4_DEQUANT_INDEX_BYTES = 8
+# The whole logits in the backward of log_softmax(logits.float()) (DPO): the fp32 log-probabilities
+# it saved, the fp32 gradient of the loss w.r.t. them and the fp32 gradient it returns.
+WHOLE_LOGIT_BYTES = 3 * FP32
+# tunepack.trainers.vocab_loss.CHUNK_ELEMENTS: the logits the fused loss computes at once (a test
+# checks the two agree; the planner does not import the trainer, which needs torch).
+LOSS_CHUNK_ELEMENTS = 8 * 2**20
 # What a job builder does with a plan that does not fit (TrainingClient memory_check=).
 MemoryCheck = Literal["refuse", "warn", "off"]
 MEMORY_CHECKS: tuple[str, ...] = get_args(MemoryCheck)
@@ -96,7 +122,15 @@ LAYOUTS = tuple((n, g) for n in (1, 2, 4, 8, 16) for g in (1, 2, 4, 8))
 
 @dataclass(frozen=True)
 class Plan:
-    """The estimate for one layout. Byte counts are per device."""
+    """The estimate for one layout. Byte counts are per device.
+
+    ``weights`` and ``optimizer`` are held all along, ``gradients`` from the backward to the
+    update; ``activations`` (the backward), ``logits`` (the loss) and ``update`` (the optimizer
+    step) are what three moments of a step add, and the peak is the largest moment
+    (``peak_moment``). At the loss the forward's ``kept`` activations are held too, and the
+    gradients only where gradient accumulation keeps them from the micro-batch before
+    (``gradients_at_loss``).
+    """
 
     model: str
     method: str
@@ -113,12 +147,29 @@ class Plan:
     optimizer: float
     activations: float
     logits: float
+    update: float
+    kept: float  # the part of ``activations`` the forward keeps, also held at the loss
+    gradients_at_loss: bool
     recommended: tuple[int, int] | None = None  # (nodes, gpus per node) that fits, if any
     notes: list[str] = field(default_factory=list)
 
+    def moments(self) -> dict[str, float]:
+        """What each moment of a step holds on top of the weights and the optimizer's states."""
+        at_loss = self.gradients if self.gradients_at_loss else 0.0
+        return {
+            "backward": self.gradients + self.activations,
+            "loss": at_loss + self.kept + self.logits,
+            "update": self.gradients + self.update,
+        }
+
+    @property
+    def peak_moment(self) -> str:
+        moments = self.moments()
+        return max(moments, key=moments.__getitem__)
+
     @property
     def peak_bytes(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+        return self.weights + self.optimizer + max(self.moments().values())
 
     @property
     def peak_gib(self) -> float:
@@ -139,7 +190,7 @@ class Plan:
             ("optimizer", self.optimizer),
             ("activations", self.activations),
             ("logits", self.logits),
-            ("peak", self.peak_bytes),
+            ("update", self.update),
         ]
         head = (
             f"{self.model} {self.method}, seq_len {self.seq_len}, batch {self.batch_size}/device, "
@@ -148,6 +199,16 @@ class Plan:
         )
         unit, scale = _unit(self.peak_bytes)
         lines = [head] + [f"  {name:<12}{value / scale:8.2f} {unit}" for name, value in rows]
+        moment = self.peak_moment
+        if moment == "loss":
+            parts = "weights + optimizer + " + ("gradients + " if self.gradients_at_loss else "")
+            parts += f"the kept activations ({self.kept / scale:.2f} {unit}) + logits"
+        else:
+            parts = "weights + gradients + optimizer + "
+            parts += "activations" if moment == "backward" else "update"
+        where = {"backward": "in the backward", "loss": "at the loss", "update": "at the update"}
+        peak = f"{self.peak_bytes / scale:8.2f} {unit}"
+        lines.append(f"  {'peak':<12}{peak} {where[moment]}: {parts}")
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  {verdict} in {self.capacity_gib:.1f} GiB usable per device")
         if self.recommended:
@@ -166,26 +227,67 @@ def _unit(size: float) -> tuple[str, int]:
     return "KiB", 1024
 
 
+def _projections(shape: Shape) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection of a layer, by torchtune's LoRA target name."""
+    d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
+    q, i = shape.num_heads * shape.head_dim, shape.intermediate_dim
+    return {
+        "q_proj": (d, q),
+        "k_proj": (d, kv),
+        "v_proj": (d, kv),
+        "output_proj": (q, d),
+        "w1": (d, i),  # gate
+        "w3": (d, i),  # up
+        "w2": (i, d),  # down
+    }
+
+
+def _adapted(shape: Shape, attn_modules, mlp: bool) -> list[tuple[int, int]]:
+    """(in, out) of the projections of a layer that carry adapters."""
+    chosen = [*attn_modules, *(("w1", "w3", "w2") if mlp else ())]
+    return [dims for name, dims in _projections(shape).items() if name in chosen]
+
+
 def lora_parameters(shape: Shape, rank: int, attn_modules=LORA_TARGETS_ALL, mlp=True) -> int:
     """Trainable LoRA parameters: ``rank * (in + out)`` for every adapted projection."""
-    d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
-    q = shape.num_heads * shape.head_dim
-    dims = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "output_proj": (q, d)}
-    per_layer = sum(rank * (i + o) for name, (i, o) in dims.items() if name in attn_modules)
-    if mlp:
-        i = shape.intermediate_dim
-        per_layer += 3 * rank * (d + i)  # gate (w1), up (w3): d->i; down (w2): i->d
+    per_layer = sum(rank * (i + o) for i, o in _adapted(shape, attn_modules, mlp))
     return shape.num_layers * per_layer
 
 
-def activation_values_per_token(shape: Shape, checkpointing: bool) -> int:
-    """Values kept for the backward pass, per token, over all layers."""
-    d, i = shape.embed_dim, shape.intermediate_dim
-    kv = shape.num_kv_heads * shape.head_dim
-    full_layer = 6 * d + 2 * kv + 4 * i
-    if checkpointing:
-        return shape.num_layers * d + full_layer  # layer inputs + one layer being recomputed
-    return shape.num_layers * full_layer
+def layer_saved_bytes(shape: Shape, width: int, *, dora: bool = False, adapted=()) -> int:
+    """Bytes per token one layer keeps for its backward (torchtune 0.6.1's layer, flash attention):
+
+    - each RMSNorm keeps its input as fp32 (torchtune normalises ``x.float()``), and the two before
+      attention and MLP pass on an output in the dtype that the projections keep;
+    - attention keeps q after RoPE, k and v expanded to every query head (torchtune repeats the
+      KV heads before ``scaled_dot_product_attention``) and its output; Qwen 3's q/k norms also
+      keep their fp32 inputs;
+    - the MLP keeps its gate and up projections, the activation of the gate and their product;
+    - DoRA keeps each adapted projection's base output and adapter output, which the gradient of
+      its magnitude needs (``adapted``: their (in, out)).
+    """
+    d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
+    q, i = shape.num_heads * shape.head_dim, shape.intermediate_dim
+    saved = shape.norms_per_layer * FP32 * d + 2 * width * d
+    saved += 4 * width * q + (FP32 * (q + kv) if shape.qk_norm else 0)
+    saved += 4 * width * i
+    if dora:
+        saved += 2 * width * sum(out for _, out in adapted)
+    return saved
+
+
+def _weight_transient(how: methods.Method, width: int, adapted) -> float:
+    """The largest weight-sized temporary of a layer's forward or backward: a QLoRA projection's
+    weight dequantized from NF4, DoRA's weight norm (an identity of the input size pushed through
+    the adapter, the adapter's weight, and the base weight plus it scaled)."""
+    largest = 0.0
+    if how.quantize_base:
+        largest += max((i * o for i, o in adapted), default=0) * (
+            NF4_DEQUANT_INDEX_BYTES + 3 * width
+        )
+    if how.dora:
+        largest += max(((i * i + 3 * i * o) * width for i, o in adapted), default=0)
+    return largest
 
 
 def estimate(
@@ -202,12 +304,17 @@ def estimate(
     lora_rank: int = 16,
     lora_attn_modules: tuple[str, ...] = LORA_TARGETS_ALL,
     lora_mlp: bool = True,
+    grad_accum: int = 1,
+    fused_loss: bool | None = None,
     model_dir: str | Path | None = None,
 ) -> Plan:
     """The per-device estimate for one layout (no recommendation). A bring-your-own runtime
     (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json.
     ``activation_checkpointing`` is the trainer argument's: ``auto`` is what the trainer does on
-    a GPU (on)."""
+    a GPU (on). ``grad_accum`` is the trainer's: more than one micro-batch a step keeps the
+    gradients through the next loss. ``fused_loss`` is None for what the trainer does (the fused
+    loss for a cross-entropy method, the whole logits for DPO); False plans the whole logits for a
+    cross-entropy method too (the trainer's plain loss, torchtune's recipes)."""
     entry = model_entry(model, model_dir)
     if activation_checkpointing not in ("auto", True, False):
         raise BadInputError(
@@ -222,21 +329,55 @@ def estimate(
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
     ):
         raise BadInputError(f"lora_rank={lora_rank!r} is not valid: expected an integer >= 1")
+    if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
+        raise BadInputError(f"grad_accum={grad_accum!r} is not valid: expected an integer >= 1")
+    if fused_loss is None:
+        fused_loss = how.loss is methods.Loss.CROSS_ENTROPY
+    elif fused_loss and how.loss is not methods.Loss.CROSS_ENTROPY:
+        raise BadInputError(f"method={method} needs the whole logits: its loss cannot be fused")
     shape = entry.shape
     devices = nodes * gpus_per_node
     p = shape.parameter_count()
     width = DTYPE_BYTES[dtype]
+    d, vocab = shape.embed_dim, shape.vocab_size
+    adapted = _adapted(shape, lora_attn_modules, lora_mlp) if how.adapters else []
     if not how.adapters:
         trainable = p
     else:
         trainable = lora_parameters(shape, lora_rank, lora_attn_modules, lora_mlp)
         if how.dora:
             # DoRA adds one magnitude vector per adapted projection (its output size).
-            trainable += _dora_magnitudes(shape, lora_attn_modules, lora_mlp)
-    base_bytes = NF4_BYTES if how.quantize_base else width
-    frozen = p if how.adapters else 0
-    weights = (frozen * base_bytes + trainable * width) / devices
+            trainable += shape.num_layers * sum(out for _, out in adapted)
+    # The frozen base: QLoRA stores its adapted projections in NF4 (torchtune's LoRALinear with
+    # quantize_base); embeddings, output and norms stay in the dtype. Projections without
+    # adapters are counted in the dtype: torchtune's Llama, Mistral, Gemma and Phi-3 builders
+    # store them in NF4 too (FrozenNF4Linear), its Qwen 2 builders do not.
+    nf4 = shape.num_layers * sum(i * o for i, o in adapted) if how.quantize_base else 0
+    frozen = (nf4 * NF4_BYTES + (p - nf4) * width) if how.adapters else 0
+    rope = shape.max_seq_len * shape.head_dim * FP32  # cos and sin of head_dim / 2 frequencies
+    weights = (frozen + trainable * width) / devices + rope
+
     tokens = seq_len * batch_size * how.sequences
+    layer = layer_saved_bytes(shape, width, dora=how.dora, adapted=adapted)
+    kept = shape.num_layers * (width * d if activation_checkpointing else layer)
+    in_backward = kept + (layer if activation_checkpointing else 0) + width * d  # + its gradient
+    # In the MLP's backward: three intermediate-size gradients while its product is freed, or a
+    # weight-sized temporary of the layer (QLoRA, DoRA) with everything it saved.
+    mlp_gradients = 2 * width * shape.intermediate_dim
+    activations = tokens * in_backward + max(
+        tokens * mlp_gradients, _weight_transient(how, width, adapted)
+    )
+    if fused_loss:
+        # The last hidden states, the final norm's fp32 input and output, the counted rows'
+        # copy and the gradient w.r.t. them; one chunk of logits in fp32 and in the dtype.
+        chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), tokens) * vocab
+        logits = tokens * (FP32 + 4 * width) * d + chunk * (FP32 + width)
+        if not how.adapters:
+            # The output weight's gradient accumulated in fp32, then, in the backward, its
+            # product with the loss's gradient (fp32) and that in the dtype.
+            logits += vocab * d * (2 * FP32 + width)
+    else:
+        logits = tokens * ((FP32 + width) * d + vocab * WHOLE_LOGIT_BYTES)
     return Plan(
         model=entry.name,
         method=method,
@@ -251,8 +392,13 @@ def estimate(
         weights=weights,
         gradients=trainable * width / devices,
         optimizer=2 * trainable * width / devices,
-        activations=tokens * activation_values_per_token(shape, activation_checkpointing) * width,
-        logits=tokens * shape.vocab_size * (width + 4),
+        activations=activations,
+        logits=logits,
+        # AdamW (foreach, the default on a GPU) takes the square root of every second moment
+        # into a new tensor before dividing by it.
+        update=trainable * width / devices,
+        kept=tokens * kept,
+        gradients_at_loss=grad_accum > 1,
     )
 
 
@@ -323,16 +469,6 @@ def model_entry(model: str | catalog.ModelEntry, model_dir: str | Path | None = 
             "plan(..., model_dir=DIR)); without it the trainer checks the shape when it starts"
         )
     return entry
-
-
-def _dora_magnitudes(shape: Shape, attn_modules, mlp: bool) -> int:
-    d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
-    q = shape.num_heads * shape.head_dim
-    outs = {"q_proj": q, "k_proj": kv, "v_proj": kv, "output_proj": d}
-    per_layer = sum(o for name, o in outs.items() if name in attn_modules)
-    if mlp:
-        per_layer += 2 * shape.intermediate_dim + d
-    return shape.num_layers * per_layer
 
 
 def _check(seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry) -> None:
