@@ -303,16 +303,20 @@ def prepare(ctx: Context, size: Size) -> Path:
     return template
 
 
-def plan(ctx: Context, size: Size, method: str, template: Path, checkpointing: bool) -> dict:
-    """The memory planner's estimate of the same job (tunepack.tools.planner.estimate)."""
+def plan(
+    ctx: Context, size: Size, method: str, template: Path, checkpointing: bool, fused_loss: bool
+) -> dict:
+    """The memory planner's estimate of the same job (tunepack.tools.planner.estimate); with
+    ``fused_loss=False`` for the runs that hold the whole logits (the stock recipe, tunepack's
+    plain loss)."""
     from tunepack.tools.planner import estimate
 
     p = estimate(
         MODEL, method, size.seq_len, size.batch_size, dtype=ctx.dtype,
         activation_checkpointing=checkpointing, lora_rank=size.lora_rank,
-        model_dir=template / "model",
+        model_dir=template / "model", fused_loss=fused_loss,
     )  # fmt: skip
-    parts = ("weights", "gradients", "optimizer", "activations", "logits")
+    parts = ("weights", "gradients", "optimizer", "activations", "logits", "update")
     return {
         "peak_gib": p.peak_gib,
         **{f"{k}_gib": getattr(p, k) / 2**30 for k in parts},
@@ -495,7 +499,8 @@ def method_workloads(
             flops = model_flops_per_token(
                 size.entry.shape, size.seq_len, method=method, lora_rank=size.lora_rank
             )
-            planned = plan(ctx, size, method, template, checkpointing)
+            whole_logits = system in ("torchtune-stock", "tunepack-plain-loss")
+            planned = plan(ctx, size, method, template, checkpointing, not whole_logits)
             entry.update(finish(ctx, figures, flops, planned))
         except Exception as err:  # recorded; the other runs go on
             entry["skipped"] = f"failed: {type(err).__name__}: {err}"

@@ -295,6 +295,7 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: pl
         lora_rank=args.lora_rank,
         lora_attn_modules=tuple(args.lora_attn_modules),
         lora_mlp=args.lora_mlp,
+        grad_accum=args.grad_accum,
     )
     if estimate.fits:
         return estimate

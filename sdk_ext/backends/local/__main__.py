@@ -6,4 +6,5 @@ from pathlib import Path
 
 from tunepack.backends.local.runner import runner_main
 
-sys.exit(runner_main(Path(sys.argv[1])))
+if __name__ == "__main__":
+    sys.exit(runner_main(Path(sys.argv[1])))
