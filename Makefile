@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?=
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: FORCE venv install dev quickstart test test-cluster controlplane lint runtimes images images-local push-images clean
+.PHONY: FORCE venv install dev quickstart test test-unit test-cluster controlplane lint runtimes images images-local push-images clean
 
 venv: $(BIN)/python
 $(BIN)/python:
@@ -21,7 +21,7 @@ $(BIN)/python:
 # Editable installs are strict: build/__editable__.* is a tree of links laid out as the import
 # package, which static tools (IDEs, type checkers) follow; setuptools' default import hook they
 # cannot. A module added later enters that tree at the next install: $(VENV)/.sources changes
-# with the set of source files, and the install reruns (tests/test_packaging.py).
+# with the set of source files, and the install reruns (tests/integration/test_packaging.py).
 EDITABLE := --config-settings editable_mode=strict
 SOURCE_FILES := $(sort $(shell find sdk_ext runtimes initializers trainers -name '*.py' -o -name '*.yaml'))
 
@@ -51,10 +51,15 @@ quickstart: install
 		method=lora epochs=3
 
 # Test files run in parallel, one worker per CPU, each file's tests on one worker (their module
-# fixtures are built once). A single test: $(BIN)/pytest -q tests/test_x.py -k name
+# fixtures are built once): tests/unit and tests/integration (tests/__init__.py says which holds
+# what). A single test: $(BIN)/pytest -q tests/unit/test_x.py -k name
 test: dev
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -n auto --dist loadfile
+
+# The quick loop while changing code: pure-Python tests only (about a minute).
+test-unit: dev
+	$(BIN)/pytest -q tests/unit
 
 # The real control plane (etcd, Kubernetes 1.36, Kubeflow Trainer v2.3.0, JobSet, KWOK), built from
 # the Go module proxy with Go 1.26 and cached outside the checkout by version (tests/controlplane).

@@ -4,7 +4,8 @@ The repository's top level is the design's layout: sdk_ext/, runtimes/, initiali
 trainers/ are one import package, ``tunepack``. pyproject.toml can map those
 directories but cannot compute the package list over several roots, and a list kept by hand once
 left ``tunepack.initializers.sources`` out of the wheel. Here every package below each root is
-found, so a new subpackage ships without an edit (tests/test_wheel.py checks the built wheel).
+found, so a new subpackage ships without an edit (tests/integration/test_wheel.py checks the
+built wheel).
 """
 
 from setuptools import find_packages, setup

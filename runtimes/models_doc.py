@@ -1,6 +1,6 @@
 """The model table of docs/models.md, rendered from the catalog.
 
-``python -m tunepack.runtimes.models_doc`` rewrites docs/models.md; tests/test_catalog.py fails
+``python -m tunepack.runtimes.models_doc`` rewrites docs/models.md; tests/unit/test_catalog.py fails
 when the file differs from what the catalog renders, so the table cannot go stale.
 """
 
@@ -20,9 +20,10 @@ _HEADER = """\
 Generated from `runtimes/catalog.py` by `python -m tunepack.runtimes.models_doc`; do not edit.
 A test fails when this page and the catalog differ.
 
-Every runtime trains the checkpoint's own model: `tests/test_families.py` compares each family's
-logits with transformers' on a tiny random checkpoint, and the exported PEFT adapter with the
-trained model. Qwen 3 is not in torchtune 0.6.1: tunepack builds it on torchtune's components
+Every runtime trains the checkpoint's own model: `tests/integration/test_families.py` compares
+each family's logits with transformers' on a tiny random checkpoint, and the exported PEFT
+adapter with the trained model. Qwen 3 is not in torchtune 0.6.1: tunepack builds it on
+torchtune's components
 (`trainers/qwen3.py`: q/k RMSNorm per head before RoPE, as Hugging Face's Qwen 3) and converts
 its checkpoints with a checkpointer that knows the q/k norms.
 

@@ -19,8 +19,8 @@ with torchtune 0.6.1, would train a different model than the Hugging Face checkp
   adapt). The recipe still reads the setting, so ``build`` checks it is off instead of passing
   it on.
 
-``tests/test_families.py`` proves the result against transformers for every family, and
-``tests/test_catalog.py`` checks the corrections on every published size.
+``tests/integration/test_families.py`` proves the result against transformers for every family, and
+``tests/unit/test_catalog.py`` checks the corrections on every published size.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Mistral, Gemma), but wrong for the others:
   ``A = [A_q; A_k; A_v]`` and ``B = blockdiag(B_q, B_k, B_v)``, so ``B @ A`` stacks the parts'
   updates. ``rank_pattern``/``alpha_pattern`` keep each module's ``alpha / r`` scale unchanged.
 
-tests/test_families.py loads every family's exported adapter with peft and compares logits with
-the trained torchtune model.
+tests/integration/test_families.py loads every family's exported adapter with peft and compares
+logits with the trained torchtune model.
 """
 
 from __future__ import annotations

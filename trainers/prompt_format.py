@@ -7,7 +7,7 @@ through them would be prompted one way in training and another by vLLM or transf
 apply the chat template of the model's ``tokenizer_config.json``. tunepack trains in that
 template instead: ``FormattedTokenizer`` wraps the family's torchtune tokenizer (which still
 encodes the text) and lays each conversation out as the template does, token for token
-(tests/test_prompt_format.py renders the same conversations with transformers'
+(tests/integration/test_prompt_format.py renders the same conversations with transformers'
 ``apply_chat_template`` on every family's tiny model and compares the ids).
 
 A format is a name (``runtimes/chat_templates.py`` holds the published Jinja of each); a run may

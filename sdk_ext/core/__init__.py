@@ -11,7 +11,7 @@ the SDK agree on, written once.
 - ``digest``: the one way a configuration is hashed.
 
 This package imports only the standard library: nothing of tunepack outside it, no torch, no
-Kubernetes client, no Kubeflow SDK (tests/test_architecture.py checks it).
+Kubernetes client, no Kubeflow SDK (tests/integration/test_architecture.py checks it).
 """
 
 # The version of tunepack's programs; the runtimes name the images tagged with it. ``tunepack``

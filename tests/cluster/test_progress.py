@@ -5,7 +5,7 @@ name, which resolves to 127.0.0.1 in the pod), a CA and a projected service-acco
 TrainJob's audience; the trainer posts progress, ETA and metrics there; the Trainer's status
 server checks the token against the apiserver's OIDC discovery and writes
 ``status.trainerStatus``, from which ``kubectl``, ``tunepack status``, ``tunepack jobs`` and the
-notebook's progress bar read it. (Without the gate: tests/test_sdk_kubernetes.py.)
+notebook's progress bar read it. (Without the gate: tests/integration/test_sdk_kubernetes.py.)
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import run_program, setup_recipe
-from tests.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
+from tests.integration.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
@@ -193,7 +193,7 @@ def test_eval_under_every_method(initialized_workspace, tmp_path, method, model)
 def test_two_processes_evaluate_the_same_loss_as_one(initialized_workspace, tmp_path):
     """Under torchrun each rank evaluates its share (26 rows over 2 ranks of batch 8: one rank
     runs a discarded batch); the summed loss is the one-process loss of the same weights."""
-    from tests.test_trainer_processes import _env, _free_port, _launch, _workspace
+    from tests.integration.test_trainer_processes import _env, _free_port, _launch, _workspace
 
     args = ["method=full", "val_fraction=0.1", "eval_every_steps=2", "max_steps=2"]
     args += ["warmup_steps=0", "lr=1e-3", "batch_size=8", "keep_best=true", "tracker=tensorboard"]
@@ -225,7 +225,7 @@ def test_two_processes_evaluate_the_same_loss_as_one(initialized_workspace, tmp_
 
 
 def test_kill_9_with_eval_resumes_bit_identical(initialized_workspace, tmp_path):
-    from tests.test_trainer_processes import (
+    from tests.integration.test_trainer_processes import (
         RESUME_ARGS,
         _adapter,
         _env,

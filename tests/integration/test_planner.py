@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.tools.planner import LOSS_CHUNK_ELEMENTS, estimate, plan
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 # Llama 3.1 8B: d=4096, 32 layers, 32 heads (head_dim 128), 8 KV heads (kv=1024),
 # i=14336, V=128256, untied embeddings.

@@ -1,7 +1,7 @@
 """The Kubeflow SDK's own type tests (``kubeflow/trainer/types/types_test.py``) run against the
 types as ``tunepack`` re-exports them: each ``types.X`` the upstream tests use is looked up in
 ``tunepack``, so a type a notebook cannot import from ``tunepack`` fails here. See
-tests/test_sdk_upstream_client.py."""
+tests/unit/test_sdk_upstream_client.py."""
 
 from __future__ import annotations
 

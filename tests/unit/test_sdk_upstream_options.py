@@ -1,7 +1,7 @@
 """The Kubeflow SDK's own option tests (``kubeflow/trainer/options/kubernetes_test.py``) run
 against ``tunepack.options`` and tunepack's Kubernetes backend (the class ``TrainingClient``
 builds for a cluster): every option name the upstream tests use is ``tunepack.options``'s, and
-the mocked backend is tunepack's. See tests/test_sdk_upstream_client.py."""
+the mocked backend is tunepack's. See tests/unit/test_sdk_upstream_client.py."""
 
 from __future__ import annotations
 

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.schemas import SCHEMAS
 from tunepack.runtimes import catalog, methods
 from tunepack.trainers import args as vocab
 
-REPO = Path(__file__).resolve().parents[1]
 SOURCE_DIRS = ("sdk_ext", "trainers", "runtimes", "initializers", "benchmarks")
 REGISTRY = REPO / "runtimes" / "methods.py"
 # A benchmark's choice of workload, not a method's behaviour: gpu_check runs its extra systems

@@ -2,7 +2,7 @@
 (``kubeflow/trainer/backends/localprocess/backend_test.py``) run against the backend
 ``TrainingClient(LocalProcessBackendConfig())`` builds: tunepack's client passes the SDK's other
 backend configs through unchanged, so a notebook that used the SDK's local backend keeps it. See
-tests/test_sdk_upstream_client.py."""
+tests/unit/test_sdk_upstream_client.py."""
 
 from __future__ import annotations
 

@@ -10,14 +10,14 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tunepack.runtimes.catalog import Shape
 from tunepack.trainers import compiling
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_check  # noqa: E402

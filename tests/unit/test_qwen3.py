@@ -1,5 +1,5 @@
-"""Qwen 3 specifics beyond tests/test_families.py: the q/k norms matter, in HF's order, and the
-checkpoint conversion is exact both ways.
+"""Qwen 3 specifics beyond tests/integration/test_families.py: the q/k norms matter, in HF's
+order, and the checkpoint conversion is exact both ways.
 """
 
 from __future__ import annotations

@@ -27,11 +27,11 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
+from tests import REPO
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.runtimes.contract import containers, replicated_jobs
 from tunepack.runtimes.contract import env as env_of
 
-REPO = Path(__file__).resolve().parents[1]
 # The repository's top-level directories and the import package each one is (setup.py maps them).
 ROOTS = {
     "sdk_ext": "tunepack",

@@ -4,7 +4,7 @@ types and options as ``tunepack`` re-exports them, the backends ``TrainingClient
 
 Each upstream module is imported in its own test module (tests/test_sdk_upstream_*.py: their
 test names collide); the names the upstream tests look up in their module's globals are
-replaced before the tests run, as tests/test_sdk_upstream.py does for the Kubernetes backend's
+replaced before the tests run, as tests/unit/test_sdk_upstream.py does for the Kubernetes backend's
 tests. Differences are listed in docs/sdk.md, "The SDK's own tests".
 
 This module: ``kubeflow/trainer/api/trainer_client_test.py`` (which backend a config selects).

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import REPO
 from tests.helpers import TINY, lines_held_back, run_program, setup_recipe
-from tests.test_dataset_schemas import jsonl, output, run_dataset
+from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.tiny.dataset import write_tiny_preference_dataset
@@ -491,7 +492,7 @@ def test_readme_method_table_is_generated_from_the_vocabulary():
     from tunepack.runtimes.methods import NAMES
     from tunepack.trainers.args import methods_table
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
     block = readme.split("<!-- methods:begin -->\n")[1].split("<!-- methods:end -->")[0]
     assert block == methods_table(), "README.md is stale: python -m tunepack.trainers.args methods"
     assert all(f"| `{method}` |" in block for method in NAMES)

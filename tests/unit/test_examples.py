@@ -13,11 +13,11 @@ they pass, strict turns the XPASS into a failure, and the entry in PENDING below
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
 from tunepack.jobs import submit
@@ -27,7 +27,7 @@ from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainers.args import parse_trainer_args
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES_DIR = REPO / "examples"
 
 # Example -> the GPU type its comments size it for (tunepack.tools.planner.GPUS).
 EXAMPLES = {

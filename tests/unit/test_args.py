@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers import args as args_module
@@ -149,7 +150,7 @@ def test_every_vocabulary_key_has_help():
 
 
 def test_docs_list_every_argument_in_the_generated_table():
-    doc = (Path(__file__).parent.parent / "docs" / "trainer.md").read_text()
+    doc = (REPO / "docs" / "trainer.md").read_text()
     block = doc.split("<!-- vocabulary:begin -->\n")[1].split("<!-- vocabulary:end -->")[0]
     assert block == markdown_table(), (
         "docs/trainer.md is stale: run python -m tunepack.trainers.args"

@@ -1,7 +1,7 @@
 """The Kubeflow SDK's own container backend tests
 (``kubeflow/trainer/backends/container/backend_test.py``, Docker/Podman adapters mocked) run
 against the backend ``TrainingClient(ContainerBackendConfig())`` builds: tunepack's client passes
-the SDK's other backend configs through unchanged. See tests/test_sdk_upstream_client.py."""
+the SDK's other backend configs through unchanged. See tests/unit/test_sdk_upstream_client.py."""
 
 from __future__ import annotations
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 import argparse
 import re
 import signal
-from pathlib import Path
 
 import pytest
 
+from tests import REPO
 from tunepack import cli
 from tunepack.cli.parser import build_parser
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_TRANSIENT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 README = (ROOT / "README.md").read_text()
 
 

@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import REPO
 from tunepack.runtimes import catalog
 from tunepack.tools import admission, install
 from tunepack.trainers import args as vocab
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 MANIFESTS = ROOT / "manifests"
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
 

@@ -13,7 +13,13 @@ import tomllib
 import pytest
 import yaml
 
-from tests.test_manifests import MANIFESTS, ROOT, RUNTIME_KINDS, render, write_kustomization
+from tests.integration.test_manifests import (
+    MANIFESTS,
+    ROOT,
+    RUNTIME_KINDS,
+    render,
+    write_kustomization,
+)
 from tunepack import __version__
 from tunepack.runtimes.contract import containers, replicated_jobs
 

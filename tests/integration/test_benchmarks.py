@@ -10,17 +10,17 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.tiny import tiny_corpus, train_bpe
 from tunepack.tiny.bpe import TiktokenFormat
 from tunepack.trainers.recipe import real_positions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import sbs_workload  # noqa: E402

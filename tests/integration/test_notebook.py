@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "examples" / "quickstart.ipynb"
+from tests import REPO
+
+NOTEBOOK = REPO / "examples" / "quickstart.ipynb"
 KERNEL = "tunepack-test"
 
 

@@ -21,12 +21,13 @@ import pytest
 import yaml
 from kubernetes import client
 
+from tests import REPO
 from tunepack.runtimes import contract, validate
 from tunepack.runtimes.contract import jobset_spec, pod_spec, replicated_job, workspace_pvc
 from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_runtime, validate_strict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 MANIFESTS = ROOT / "manifests"
 
 
@@ -49,7 +50,7 @@ pytestmark = pytest.mark.skipif(
 CORE_MODELS = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("v1", "Service"): "V1Service",
-    # the admission component (tests/test_admission.py)
+    # the admission component (tests/integration/test_admission.py)
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): "V1ValidatingAdmissionPolicy",
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (
         "V1ValidatingAdmissionPolicyBinding"
@@ -127,7 +128,7 @@ def test_every_kustomization_and_component_is_tested():
         "base", "serving", "overlays/gang-coscheduling", "overlays/gpu-nodes", "overlays/gpu-rwx",
         "overlays/namespaced", "overlays/registry-mirror", "overlays/storage-rwx", "kueue",
     }  # fmt: skip
-    # admission: in the base itself, not an overlay's concern (tests/test_admission.py)
+    # admission: in the base itself, not an overlay's concern (tests/integration/test_admission.py)
     assert {d.name for d in COMPONENTS} == {*CONCERNS, "admission"}
     assert all(d.parent == MANIFESTS / "components" for d in COMPONENTS)
 
@@ -312,7 +313,8 @@ def _runtimes(name: str) -> list[dict]:
 
 @functools.cache
 def _rendered(name: str) -> list[dict]:
-    """The runtimes ``name`` renders (the admission objects are tests/test_admission.py's)."""
+    """The runtimes ``name`` renders (the admission objects are
+    tests/integration/test_admission.py's)."""
     return [o for o in render(MANIFESTS / name) if o["kind"] in RUNTIME_KINDS]
 
 

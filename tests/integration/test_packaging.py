@@ -23,7 +23,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests import REPO
+
 SOURCES = ["sdk_ext", "runtimes", "initializers", "trainers", "setup.py", "pyproject.toml"]
 # What jedi is asked: where the name an import statement binds is defined.
 QUERY = "import tunepack.core.errors\ntunepack.core.errors.BadInputError\n"
