@@ -46,8 +46,8 @@ from tunepack.trainers.args import (
     lora_with_full_message,
     merge_with_full_message,
     split_pairs,
-    write_block,
 )
+from tunepack.trainers.args_docs import write_block
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields), then where
 # the result goes after training (the exporter step; docs/export.md). (name, type, meaning)

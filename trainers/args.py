@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import methods
@@ -339,7 +338,7 @@ _BY_NAME = {arg.name: arg for arg in VOCABULARY}
 class TrainArgs:
     """The trainer's arguments, every one resolved (the user's, the catalog's or the default)."""
 
-    # generated from VOCABULARY by `python -m tunepack.trainers.args --write`: begin
+    # generated from VOCABULARY by `python -m tunepack.trainers.args_docs --write`: begin
     method: str
     epochs: int
     max_steps: int | None
@@ -566,84 +565,3 @@ def available_methods(entry: ModelEntry) -> tuple[str, ...]:
 def builder_for(entry: ModelEntry, method: str) -> str:
     """The torchtune builder for a method (the LoRA variants share the LoRA builder)."""
     return entry.builders[methods.get(method).builder]
-
-
-def vocabulary_table() -> list[tuple[str, str, str]]:
-    """(key, default, description) rows for docs and ``tunepack args``."""
-    rows = []
-    for arg in VOCABULARY:
-        default = arg.default
-        if isinstance(default, tuple):
-            default = ",".join(default)
-        elif isinstance(default, bool):
-            default = str(default).lower()
-        rows.append((arg.name, "catalog/method" if default is None else str(default), arg.help))
-    return rows
-
-
-def markdown_table() -> str:
-    """The vocabulary as the Markdown table in docs/trainer.md (``python -m`` this module)."""
-    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in vocabulary_table()]
-    return "\n".join(lines) + "\n"
-
-
-def methods_table() -> str:
-    """The methods as the Markdown table in README.md (``python -m`` this module ``methods``)."""
-    lines = ["| method | trains | default lr |", "| --- | --- | --- |"]
-    lines += [f"| `{m.name}` | {m.help} | {m.lr:g} |" for m in methods.METHODS.values()]
-    return "\n".join(lines) + "\n"
-
-
-# ---------------------------------------------------------------- generated source
-# Typed classes of the vocabulary (TrainArgs here, the SDK's FineTune) declare their fields in
-# a block of their source file written from VOCABULARY; a test fails while a block is stale.
-_BLOCK_BEGIN = "# generated from VOCABULARY by `python -m {command} --write`: begin\n"
-_BLOCK_END = "# generated from VOCABULARY: end\n"
-
-
-def replace_block(source: str, command: str, lines: list[str]) -> str:
-    """``source`` with its generated block's body replaced by ``lines`` (indented as the
-    block's begin marker is)."""
-    begin = _BLOCK_BEGIN.format(command=command)
-    head, found, rest = source.partition(begin)
-    body, found_end, tail = rest.partition(_BLOCK_END)
-    if not found or not found_end:
-        raise ValueError(f"no block between {begin.strip()!r} and {_BLOCK_END.strip()!r}")
-    indent = head[head.rindex("\n") + 1 :]
-    text = "".join(f"{indent}{line}\n" if line else "\n" for line in lines)
-    return f"{head}{begin}{text}{indent}{_BLOCK_END}{tail}"
-
-
-def write_block(path: str | Path, command: str, lines: list[str]) -> bool:
-    """Rewrite the generated block of the file ``path``; whether it changed."""
-    path = Path(path)
-    source = path.read_text(encoding="utf-8")
-    updated = replace_block(source, command, lines)
-    if updated != source:
-        path.write_text(updated, encoding="utf-8")
-    return updated != source
-
-
-def train_args_fields() -> list[str]:
-    """TrainArgs' field declarations: every argument, with the type its parser returns."""
-    return [
-        f"{arg.name}: {arg.annotation}{' | None' if arg.optional else ''}" for arg in VOCABULARY
-    ]
-
-
-def main(argv: list[str]) -> int:
-    """Print the vocabulary table (docs/trainer.md) or, with ``methods``, the methods table
-    (README.md); with ``--write``, rewrite TrainArgs' generated fields in this file."""
-    if argv == ["--write"]:
-        changed = write_block(__file__, "tunepack.trainers.args", train_args_fields())
-        print(f"{__file__}: {'rewritten' if changed else 'up to date'}")
-        return 0
-    print(methods_table() if argv == ["methods"] else markdown_table(), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main(sys.argv[1:]))

@@ -490,11 +490,13 @@ def test_planner_counts_two_sequences_per_example():
 
 def test_readme_method_table_is_generated_from_the_vocabulary():
     from tunepack.runtimes.methods import NAMES
-    from tunepack.trainers.args import methods_table
+    from tunepack.trainers.args_docs import methods_table
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     block = readme.split("<!-- methods:begin -->\n")[1].split("<!-- methods:end -->")[0]
-    assert block == methods_table(), "README.md is stale: python -m tunepack.trainers.args methods"
+    assert block == methods_table(), (
+        "README.md is stale: python -m tunepack.trainers.args_docs methods"
+    )
     assert all(f"| `{method}` |" in block for method in NAMES)
 
 
