@@ -191,17 +191,10 @@ def _local_trainjob(ns: argparse.Namespace, backend, workspace: Path | None) -> 
     ``--workspace`` given (absolute), part of the default name."""
     from tunepack.jobs.naming import stable_job_name
     from tunepack.jobs.submit import local_trainjob
-    from tunepack.jobs.translate import Initializer
 
     trainer = _finetune(ns)
     runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
-    initializer = Initializer(
-        dataset=ns.dataset,
-        model=ns.model,
-        env=_verbose_env(ns) or {},
-        dataset_secret=ns.dataset_secret,
-        model_secret=ns.model_secret,
-    )
+    initializer = _initializer(ns)
     name = (
         ns.name
         if ns.name is not None
@@ -218,7 +211,6 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     from tunepack.client import TrainingClient
     from tunepack.jobs.naming import timestamped_job_name
     from tunepack.jobs.trainjob import QUEUE_LABEL
-    from tunepack.jobs.translate import Initializer
 
     trainer = _finetune(ns)
     options = [Name(ns.name if ns.name is not None else timestamped_job_name(ns.runtime))]
@@ -228,18 +220,26 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     client = TrainingClient(backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
     name = client.train(
         runtime=ns.runtime,
-        initializer=Initializer(
-            dataset=ns.dataset,
-            model=ns.model,
-            env=_verbose_env(ns) or {},
-            dataset_secret=ns.dataset_secret,
-            model_secret=ns.model_secret,
-        ),
+        initializer=_initializer(ns),
         trainer=trainer,
         options=options,
     )
     print(f"tunepack: submitted TrainJob {client.backend.namespace}/{name}")
     return 0
+
+
+def _initializer(ns: argparse.Namespace):
+    """The initializers of ``train`` (local or cluster): the storage URIs and Secret references
+    of its flags."""
+    from tunepack.jobs.translate import Initializer
+
+    return Initializer(
+        dataset=ns.dataset,
+        model=ns.model,
+        env=_verbose_env(ns) or {},
+        dataset_secret=ns.dataset_secret,
+        model_secret=ns.model_secret,
+    )
 
 
 def _finetune(ns: argparse.Namespace):

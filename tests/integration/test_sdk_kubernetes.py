@@ -9,6 +9,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from tests.fake_apiserver import GROUP_PATH, FakeApiServer
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
@@ -22,8 +23,6 @@ from tunepack.tools.install import (
     install,
     runtime_objects,
 )
-
-from .fake_apiserver import GROUP_PATH, FakeApiServer
 
 NS = "team-a"
 RUNTIME = "tunepack-llama3.2-1b"
