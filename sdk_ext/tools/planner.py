@@ -337,10 +337,43 @@ def estimate(
         raise BadInputError(f"method={method} needs the whole logits: its loss cannot be fused")
     shape = entry.shape
     devices = nodes * gpus_per_node
-    p = shape.parameter_count()
     width = DTYPE_BYTES[dtype]
-    d, vocab = shape.embed_dim, shape.vocab_size
     adapted = _adapted(shape, lora_attn_modules, lora_mlp) if how.adapters else []
+    trainable, weights = _weights(
+        shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp
+    )
+    tokens = seq_len * batch_size * how.sequences
+    checkpointing = activation_checkpointing
+    kept, activations = _activations(shape, how, width, adapted, tokens, checkpointing)
+    logits = _logits(shape, how, width, tokens, fused_loss)
+    return Plan(
+        model=entry.name,
+        method=method,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        gpu=gpu,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        activation_checkpointing=activation_checkpointing,
+        parameters=shape.parameter_count(),
+        trainable=trainable,
+        # + the RoPE table on every device: cos and sin of head_dim / 2 frequencies
+        weights=weights / devices + shape.max_seq_len * shape.head_dim * FP32,
+        gradients=trainable * width / devices,
+        optimizer=2 * trainable * width / devices,
+        activations=activations,
+        logits=logits,
+        # AdamW (foreach, the default on a GPU) takes the square root of every second moment
+        # into a new tensor before dividing by it.
+        update=trainable * width / devices,
+        kept=kept,
+        gradients_at_loss=grad_accum > 1,
+    )
+
+
+def _weights(shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp):
+    """(trainable parameters, the weights' bytes on one device before sharding)."""
+    p = shape.parameter_count()
     if not how.adapters:
         trainable = p
     else:
@@ -354,52 +387,38 @@ def estimate(
     # store them in NF4 too (FrozenNF4Linear), its Qwen 2 builders do not.
     nf4 = shape.num_layers * sum(i * o for i, o in adapted) if how.quantize_base else 0
     frozen = (nf4 * NF4_BYTES + (p - nf4) * width) if how.adapters else 0
-    rope = shape.max_seq_len * shape.head_dim * FP32  # cos and sin of head_dim / 2 frequencies
-    weights = (frozen + trainable * width) / devices + rope
+    return trainable, frozen + trainable * width
 
-    tokens = seq_len * batch_size * how.sequences
+
+def _activations(shape, how, width, adapted, tokens, checkpointing) -> tuple[float, float]:
+    """(what the forward keeps, what the backward holds at its peak), in bytes."""
     layer = layer_saved_bytes(shape, width, dora=how.dora, adapted=adapted)
-    kept = shape.num_layers * (width * d if activation_checkpointing else layer)
-    in_backward = kept + (layer if activation_checkpointing else 0) + width * d  # + its gradient
+    kept = shape.num_layers * (width * shape.embed_dim if checkpointing else layer)
+    # + one recomputed layer under checkpointing, and the incoming gradient
+    in_backward = kept + (layer if checkpointing else 0) + width * shape.embed_dim
     # In the MLP's backward: three intermediate-size gradients while its product is freed, or a
     # weight-sized temporary of the layer (QLoRA, DoRA) with everything it saved.
     mlp_gradients = 2 * width * shape.intermediate_dim
-    activations = tokens * in_backward + max(
+    held = tokens * in_backward + max(
         tokens * mlp_gradients, _weight_transient(how, width, adapted)
     )
-    if fused_loss:
-        # The last hidden states, the final norm's fp32 input and output, the counted rows'
-        # copy and the gradient w.r.t. them; one chunk of logits in fp32 and in the dtype.
-        chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), tokens) * vocab
-        logits = tokens * (FP32 + 4 * width) * d + chunk * (FP32 + width)
-        if not how.adapters:
-            # The output weight's gradient accumulated in fp32, then, in the backward, its
-            # product with the loss's gradient (fp32) and that in the dtype.
-            logits += vocab * d * (2 * FP32 + width)
-    else:
-        logits = tokens * ((FP32 + width) * d + vocab * WHOLE_LOGIT_BYTES)
-    return Plan(
-        model=entry.name,
-        method=method,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        gpu=gpu,
-        nodes=nodes,
-        gpus_per_node=gpus_per_node,
-        activation_checkpointing=activation_checkpointing,
-        parameters=p,
-        trainable=trainable,
-        weights=weights,
-        gradients=trainable * width / devices,
-        optimizer=2 * trainable * width / devices,
-        activations=activations,
-        logits=logits,
-        # AdamW (foreach, the default on a GPU) takes the square root of every second moment
-        # into a new tensor before dividing by it.
-        update=trainable * width / devices,
-        kept=tokens * kept,
-        gradients_at_loss=grad_accum > 1,
-    )
+    return tokens * kept, held
+
+
+def _logits(shape, how, width, tokens, fused_loss: bool) -> float:
+    """What the loss holds, in bytes: the fused loss's one chunk, or the whole logits."""
+    d, vocab = shape.embed_dim, shape.vocab_size
+    if not fused_loss:
+        return tokens * ((FP32 + width) * d + vocab * WHOLE_LOGIT_BYTES)
+    # The last hidden states, the final norm's fp32 input and output, the counted rows' copy
+    # and the gradient w.r.t. them; one chunk of logits in fp32 and in the dtype.
+    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), tokens) * vocab
+    logits = tokens * (FP32 + 4 * width) * d + chunk * (FP32 + width)
+    if not how.adapters:
+        # The output weight's gradient accumulated in fp32, then, in the backward, its product
+        # with the loss's gradient (fp32) and that in the dtype.
+        logits += vocab * d * (2 * FP32 + width)
+    return logits
 
 
 def plan(
