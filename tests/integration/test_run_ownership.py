@@ -299,10 +299,13 @@ def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resu
             time.sleep(1.0)
             survivors = _alive(seen)
             time.sleep(4.0)  # the old behaviour: a checkpoint written seconds after the kill
+            # The workers are in torchrun's sessions, not the group: they die with their parents
+            # (tunepack.core.lifetime), which on a loaded machine takes up to the second that
+            # survivors are checked at; a line they log while dying is no write after the kill.
             written = sorted(
                 str(path.relative_to(workspace))
                 for path, mtime in _files(workspace).items()
-                if before.get(path) != mtime and mtime > killed_at + 0.1
+                if before.get(path) != mtime and mtime > killed_at + 1.0
             )
             created = sorted(
                 str(p.relative_to(workspace))
