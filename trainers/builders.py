@@ -73,10 +73,11 @@ def build(
             f"{builder} cannot apply LoRA to the output projection: it is tied to the "
             "embeddings; train without output LoRA"
         )
-    if "rope_base" in takes:
-        kwargs["rope_base"] = rope_base
-    model = build_fn(**kwargs)
-    set_rope_base(model, rope_base)
+    model = build_fn(**kwargs, **({"rope_base": rope_base} if "rope_base" in takes else {}))
+    if "rope_base" not in takes:
+        # A builder that takes the base builds it (Gemma 3's, two bases, where its local layers
+        # keep their own); one that does not gets it here.
+        set_rope_base(model, rope_base)
     if softcapping is not None:
         match_hf_gemma2(model, *softcapping)
     return model

@@ -181,6 +181,22 @@ def _gemma(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     return out
 
 
+def _gemma3(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    system, rest = _split_system(turns)
+    _alternating("gemma3", rest)
+    out = [_tok(BOS)]
+    for position, (i, turn) in enumerate(rest):
+        role = "model" if turn.role == "assistant" else turn.role
+        out += [_tok("<start_of_turn>", i), _text(f"{role}\n", i)]
+        if position == 0 and system is not None:  # the system text, untrimmed, opens the turn
+            out.append(_text(system.content + "\n\n", 0, "body"))
+        out += [_text(turn.content.strip(), i, "body"), _tok("<end_of_turn>", i, "end")]
+        out.append(_text("\n", i, "tail"))
+    if generation:
+        out += [_tok("<start_of_turn>"), _text("model\n")]
+    return out
+
+
 def _phi3(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     out: list[Piece] = []
     for i, turn in enumerate(turns):
@@ -271,6 +287,7 @@ FORMATS = {
     "llama3.1": _llama3_1,
     "llama3.2": _llama3_1,  # the fixed date: training does not depend on the day it ran
     "gemma": _gemma,
+    "gemma3": _gemma3,
     "phi3": _phi3,
     "phi4": _phi4,
     "qwen2": _chatml(QWEN2_SYSTEM),
@@ -475,7 +492,7 @@ def build_tokenizer(
 
 # Formats whose published templates refuse some conversations (turns out of order; Gemma: a
 # system message).
-STRICT = ("llama2", "mistral", "gemma")
+STRICT = ("llama2", "mistral", "gemma", "gemma3")
 
 
 def check_conversations(path: Path, chat_template: str, system_prompt: str | None) -> None:
