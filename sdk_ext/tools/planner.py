@@ -152,6 +152,10 @@ class Plan:
     gradients_at_loss: bool
     recommended: tuple[int, int] | None = None  # (nodes, gpus per node) that fits, if any
     notes: list[str] = field(default_factory=list)
+    # A mixture of experts: the parameters one token uses, and every expert's weights (part of
+    # ``weights``: all are held, whichever tokens use them), per device. None/0 for dense ones.
+    active_parameters: int | None = None
+    expert_weights: float = 0.0
 
     def moments(self) -> dict[str, float]:
         """What each moment of a step holds on top of the weights and the optimizer's states."""
@@ -214,6 +218,13 @@ class Plan:
         if self.recommended:
             n, g = self.recommended
             lines.append(f"  recommended: {n} node(s) x {g} GPU(s)")
+        if self.active_parameters is not None:
+            lines.append(
+                f"  note: mixture of experts: {self.parameters / 1e9:.2f}B parameters, "
+                f"{self.active_parameters / 1e9:.2f}B active per token; every expert's weights "
+                f"are held ({self.expert_weights / scale:.2f} {unit} of the weights per device), "
+                "activations follow the active ones"
+            )
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -248,10 +259,17 @@ def _adapted(shape: Shape, attn_modules, mlp: bool) -> list[tuple[int, int]]:
     return [dims for name, dims in _projections(shape).items() if name in chosen]
 
 
+def _adapted_count(shape: Shape, attn_modules, mlp: bool, size) -> int:
+    """``size(in, out)`` summed over the adapted projections of every layer. A mixture of
+    experts has no MLP projections with adapters: only its dense layers do (trainers/moe.py)."""
+    attention = sum(size(i, o) for i, o in _adapted(shape, attn_modules, False))
+    mlps = sum(size(i, o) for i, o in _adapted(shape, (), mlp))
+    return shape.num_layers * attention + (shape.num_layers - shape.sparse_layers) * mlps
+
+
 def lora_parameters(shape: Shape, rank: int, attn_modules=LORA_TARGETS_ALL, mlp=True) -> int:
     """Trainable LoRA parameters: ``rank * (in + out)`` for every adapted projection."""
-    per_layer = sum(rank * (i + o) for i, o in _adapted(shape, attn_modules, mlp))
-    return shape.num_layers * per_layer
+    return _adapted_count(shape, attn_modules, mlp, lambda i, o: rank * (i + o))
 
 
 def layer_saved_bytes(shape: Shape, width: int, *, dora: bool = False, adapted=()) -> int:
@@ -267,13 +285,25 @@ def layer_saved_bytes(shape: Shape, width: int, *, dora: bool = False, adapted=(
       its magnitude needs (``adapted``: their (in, out)).
     """
     d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
-    q, i = shape.num_heads * shape.head_dim, shape.intermediate_dim
+    q, i = shape.num_heads * shape.head_dim, mlp_width(shape)
     saved = shape.norms_per_layer * FP32 * d + 2 * width * d
     saved += 4 * width * q + (FP32 * (q + kv) if shape.qk_norm else 0)
     saved += 4 * width * i
+    if shape.sparse_layers:
+        # A mixture of experts: the router's logits and fp32 probabilities, and for each of the
+        # token's experts the gathered input and the output it weights.
+        saved += (width + FP32) * shape.num_experts + 2 * width * shape.experts_per_token * d
     if dora:
         saved += 2 * width * sum(out for _, out in adapted)
     return saved
+
+
+def mlp_width(shape: Shape) -> int:
+    """The MLP width one token's activations follow: the dense MLP's, or in a mixture of experts
+    the widths of the experts it is sent to (whichever is larger where a model has both)."""
+    sparse = shape.experts_per_token * shape.moe_intermediate_dim if shape.sparse_layers else 0
+    dense = shape.intermediate_dim if shape.sparse_layers < shape.num_layers else 0
+    return max(sparse, dense)
 
 
 def _weight_transient(how: methods.Method, width: int, adapted) -> float:
@@ -368,7 +398,19 @@ def estimate(
         update=trainable * width / devices,
         kept=kept,
         gradients_at_loss=grad_accum > 1,
+        **_experts(shape, how, width, devices),
     )
+
+
+def _experts(shape: Shape, how: methods.Method, width: int, devices: int) -> dict:
+    """A mixture of experts' active parameters and its experts' weights per device (FSDP shards
+    the stacked expert weights along the experts, so each device holds 1/N of them)."""
+    if not shape.num_experts:
+        return {}
+    return {
+        "active_parameters": shape.active_parameter_count(),
+        "expert_weights": shape.expert_parameter_count() * width / devices,
+    }
 
 
 def _weights(shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp):
@@ -380,7 +422,7 @@ def _weights(shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp)
         trainable = lora_parameters(shape, lora_rank, lora_attn_modules, lora_mlp)
         if how.dora:
             # DoRA adds one magnitude vector per adapted projection (its output size).
-            trainable += shape.num_layers * sum(out for _, out in adapted)
+            trainable += _adapted_count(shape, lora_attn_modules, lora_mlp, lambda i, o: o)
     # The frozen base: QLoRA stores its adapted projections in NF4 (torchtune's LoRALinear with
     # quantize_base); embeddings, output and norms stay in the dtype. Projections without
     # adapters are counted in the dtype: torchtune's Llama, Mistral, Gemma and Phi-3 builders
@@ -398,7 +440,7 @@ def _activations(shape, how, width, adapted, tokens, checkpointing) -> tuple[flo
     in_backward = kept + (layer if checkpointing else 0) + width * shape.embed_dim
     # In the MLP's backward: three intermediate-size gradients while its product is freed, or a
     # weight-sized temporary of the layer (QLoRA, DoRA) with everything it saved.
-    mlp_gradients = 2 * width * shape.intermediate_dim
+    mlp_gradients = 2 * width * mlp_width(shape)
     held = tokens * in_backward + max(
         tokens * mlp_gradients, _weight_transient(how, width, adapted)
     )

@@ -243,6 +243,35 @@ def test_qwen3_by_hand_head_dim_wider_than_the_model_and_q_k_norms():
     assert plan("qwen3-0.6b", "lora", 2048, 1, lora_rank=r).trainable == lora
 
 
+def test_qwen3_moe_by_hand_total_and_active_parameters_and_expert_weights():
+    # Qwen3-30B-A3B (config.json of Qwen/Qwen3-30B-A3B): d=2048, 48 layers, 32 heads of 128
+    # (q=4096), 4 KV heads (kv=512), 128 experts of width 768, 8 per token, every layer sparse,
+    # V=151936 untied.
+    d, q, kv, e, w, k, layers = 2048, 4096, 512, 128, 768, 8, 48
+    attention = d * q + 2 * d * kv + q * d + 2 * d + 2 * 128
+    experts = e * 3 * d * w + e * d  # and the router
+    params = 2 * 151_936 * d + layers * (attention + experts) + d
+    active = params - layers * (e - k) * 3 * d * w
+    lora = plan("qwen3-30b-a3b", "lora", 2048, 1, lora_rank=16)
+    assert (lora.parameters, lora.active_parameters) == (params, active)
+    assert lora.expert_weights == layers * experts * 2  # bf16, all of them held
+    # LoRA on attention only: lora_mlp cannot add adapters where every MLP is experts.
+    r = 16
+    assert lora.trainable == layers * r * ((d + q) + 2 * (d + kv) + (q + d))
+    # Activations follow the 8 experts a token uses (8 x 768 wide), not all 128.
+    assert lora.activations < plan("qwen3-32b", "lora", 2048, 1).activations
+    # Sharding divides the experts' weights; the 235B model needs more than one device.
+    assert estimate("qwen3-30b-a3b", "lora", 2048, 1, gpus_per_node=4).expert_weights == (
+        lora.expert_weights / 4
+    )
+    big = plan("qwen3-235b-a22b", "lora", 2048, 1, gpu="h200")
+    assert 234e9 < big.parameters < 236e9 and 21.5e9 < big.active_parameters < 22.5e9
+    assert not big.fits and big.recommended is not None
+    assert "22.19B active per token" in big.summary()
+    dense = plan("qwen3-8b", "lora", 2048, 1)
+    assert dense.active_parameters is None and dense.expert_weights == 0
+
+
 def _cli(capsys, *argv: str) -> tuple[int, str, str]:
     from tunepack.cli import main
 

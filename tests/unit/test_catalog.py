@@ -44,7 +44,9 @@ def test_parameter_count_is_torchtunes(entry):
 
 @pytest.mark.parametrize("entry", EVERY, ids=lambda e: e.name)
 def test_lora_builder_takes_the_shape_and_lora_settings(entry):
-    lora = {"lora_attn_modules": ["q_proj", "v_proj"], "apply_lora_to_mlp": True}
+    # Where every MLP is a mixture of experts (Qwen3-MoE), LoRA adapts attention only.
+    experts_only = entry.shape.sparse_layers == entry.shape.num_layers
+    lora = {"lora_attn_modules": ["q_proj", "v_proj"], "apply_lora_to_mlp": not experts_only}
     module, function = entry.builders["lora"].rsplit(".", 1)
     signature = inspect.signature(getattr(importlib.import_module(module), function))
     assert ("apply_lora_to_output" in signature.parameters) == entry.lora_output
@@ -53,7 +55,12 @@ def test_lora_builder_takes_the_shape_and_lora_settings(entry):
     model = _instantiate(entry, "lora", **lora, lora_rank=4, lora_alpha=8)
     adapters = [name for name, _ in model.named_parameters() if "lora_" in name]
     # q, v and the three MLP projections, A and B each, in every layer.
-    assert len(adapters) == entry.shape.num_layers * 5 * 2
+    assert len(adapters) == entry.shape.num_layers * (2 if experts_only else 5) * 2
+    if experts_only:
+        assert entry.defaults["lora_mlp"] is False
+        with pytest.raises(BadInputError, match="lora_mlp=true"):
+            _instantiate(entry, "lora", **lora | {"apply_lora_to_mlp": True}, lora_rank=4,
+                         lora_alpha=8)  # fmt: skip
 
 
 def test_every_family_has_published_sizes_and_a_tiny_variant():
