@@ -142,3 +142,62 @@ def test_side_by_side_smoke_report(tmp_path):
         assert report["versions"][package], package
     assert report["parameters"] == dataclasses.replace(sbs_workload.SMOKE).entry().parameter_count
     assert len(report["loadavg_before"]) == 3
+
+
+@pytest.mark.slow
+def test_grpo_side_by_side_smoke_report(tmp_path):
+    """The GRPO side by side (benchmarks/grpo_side_by_side.py) at the smoke size: tunepack and
+    TRL's GRPOTrainer each run and the report has every figure (steps and answer tokens per
+    second and per CPU second, peak memory, CPU time, reward over the first and last steps) and
+    the ratios. TRL runs where its environment was created earlier; otherwise it is skipped."""
+    import grpo_side_by_side
+
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/grpo_side_by_side.py",
+            "--size",
+            "smoke",
+            "--trl",
+            "if-ready",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    ran, skipped = report["systems"], report["skipped"]
+    assert set(ran) | set(skipped) == set(grpo_side_by_side.SYSTEMS) and "tunepack" in ran
+    for name, why in skipped.items():
+        assert name == "trl" and "TRL" in why, (name, why)
+        assert f"{name:<10}skipped: {why}" in done.stdout
+    steps, warmup = report["settings"]["steps"], report["settings"]["warmup"]
+    for name, row in ran.items():
+        for key in ("steps_per_s", "steps_per_cpu_s", "tokens_per_s", "tokens_per_cpu_s"):
+            assert row[key] > 0, (name, key)
+        assert row["peak_rss_gib"] > 0 and row["process_cpu_s"] > 0, name
+        assert 0 <= row["reward_first"] <= 1 and 0 <= row["reward_last"] <= 1, name
+        assert row["steady_steps"] == steps - warmup and not row["notes"], name
+        run = report["runs"][0][name]
+        assert len(run["rewards"]) == steps and run["answer_tokens"] > 0, name
+        assert 0 < run["completion_length"] <= report["settings"]["max_new_tokens"], name
+        assert row["system"] in done.stdout
+    if "trl" in ran:
+        assert report["ratio"]["steps_per_s"] == pytest.approx(
+            ran["tunepack"]["steps_per_s"] / ran["trl"]["steps_per_s"]
+        )
+        assert "tunepack / TRL: steps/s" in done.stdout
+        assert report["versions"]["trl_env"]["trl"] == side_by_side.TRL_VERSION
+        resolved = report["runs"][0]["trl"]["resolved"]
+        assert (resolved["loss_type"], resolved["scale_rewards"]) == ("grpo", "group")
+    # The LoRA targets TRL gets are tunepack's own for the model (its config.yaml).
+    lora = report["tunepack_lora"]
+    mlp = ("w1", "w2", "w3") if lora["apply_lora_to_mlp"] else ()
+    assert (*lora["lora_attn_modules"], *mlp) == tuple(report["settings"]["lora_modules"])
+    assert (lora["lora_rank"], lora["lora_alpha"]) == (8, 16)
+    assert len(report["loadavg_before"]) == 3
