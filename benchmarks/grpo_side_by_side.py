@@ -47,6 +47,7 @@ import runpy
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -98,12 +99,20 @@ def log(line: str) -> None:
 
 
 # ----------------------------------------------------------------------------- the workload
-def _tree_digest(root: Path) -> str:
+def _tree_digest(root: Path, pattern: str = "*") -> str:
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(p for p in root.rglob(pattern) if p.is_file()):
         digest.update(str(path.relative_to(root)).encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
+
+
+def tunepack_source() -> str:
+    """A digest of the tunepack package's Python files as a trainer process will import them:
+    runs of one report that differ here ran different code (a working tree being edited)."""
+    import tunepack
+
+    return _tree_digest(Path(tunepack.__file__).parent, "*.py")[:16]
 
 
 def _jsonl(rows: list[dict]) -> str:
@@ -319,6 +328,7 @@ class Bench:
         for part in ("dataset", "model"):
             (ws / part).symlink_to(self.template / part)
         stamps = run / "stamps.jsonl"
+        source = tunepack_source()
         cmd = [sys.executable, __file__, "--child-tunepack", stamps, *self.tunepack_args()]
         usage = _measure(cmd, {**self.env, "TUNEPACK_WORKSPACE": str(ws)}, run / "train.log")
         lines = (ws / "output" / "metrics.jsonl").read_text().splitlines()
@@ -335,6 +345,7 @@ class Bench:
             for m in steps
         ]
         result = summarize(name, per_step, _stamps(stamps), self.settings, usage)
+        result["tunepack_source"] = source
         # The trainer's own clock, as a cross-check of the stamps: elapsed_s at each step's end.
         elapsed = [m["elapsed_s"] for m in steps]
         w = self.settings.warmup
@@ -428,6 +439,15 @@ def versions(trl_runs: list[dict]) -> dict:
         found["trl_env_paths"] = run["paths"]
         break
     found["python"] = platform.python_version()
+    git = ["git", "-C", str(HERE.parent)]
+    try:
+        found["commit"] = subprocess.check_output([*git, "rev-parse", "HEAD"], text=True).strip()
+        changed = subprocess.check_output(
+            [*git, "status", "--porcelain", "--", "trainers", "runtimes", "sdk_ext"], text=True
+        )
+        found["uncommitted_tunepack_files"] = len(changed.splitlines())
+    except (OSError, subprocess.CalledProcessError):
+        found["commit"] = None
     return found
 
 
@@ -475,6 +495,12 @@ def render(report: dict) -> str:
                 )
             )
             + " (above 1: tunepack faster)"
+        )
+    sources = report["tunepack_sources"]
+    if len(sources) > 1:
+        lines.append(
+            f"warning: tunepack's source changed between its runs ({len(sources)} different "
+            "digests): the rounds ran different code"
         )
     v = report["versions"]
     lines.append(
@@ -558,6 +584,9 @@ def main(argv: list[str] | None = None) -> int:
             "runs": rounds,
             "skipped": skipped,
             "versions": versions([r["trl"] for r in rounds if "trl" in r]),
+            "tunepack_sources": sorted(
+                {r["tunepack"]["tunepack_source"] for r in rounds if "tunepack" in r}
+            ),
             "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()),
             "cpu_count": os.cpu_count(),

@@ -201,3 +201,4 @@ def test_grpo_side_by_side_smoke_report(tmp_path):
     assert (*lora["lora_attn_modules"], *mlp) == tuple(report["settings"]["lora_modules"])
     assert (lora["lora_rank"], lora["lora_alpha"]) == (8, 16)
     assert len(report["loadavg_before"]) == 3
+    assert len(report["tunepack_sources"]) >= 1 and report["versions"]["commit"]
