@@ -451,6 +451,16 @@ def versions(trl_runs: list[dict]) -> dict:
     return found
 
 
+def cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def render(report: dict) -> str:
     s = report["settings"]
     lines = [
@@ -573,6 +583,9 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(results)
         table, ratio = combine(rounds, systems)
         report = {
+            "tool": "benchmarks/grpo_side_by_side.py",
+            "mode": "cpu",
+            "cpu_model": cpu_model(),
             "model": MODEL,
             "workload_key": bench.key,
             "settings": dataclasses.asdict(settings),
