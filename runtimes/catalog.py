@@ -25,7 +25,7 @@ arguments only fill in values such as the LoRA rank.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tunepack.runtimes import methods as registry  # the name `methods` is ModelEntry's property
@@ -62,6 +62,13 @@ class Shape:
     sliding_window: int | None = None
     # Qwen 3's RMSNorm over each head's query and key (one head_dim-wide scale each per layer).
     qk_norm: bool = False
+    # Mixture of experts (Qwen3-MoE): experts per sparse layer, how many each token uses, their
+    # MLP width, and the layers that keep a dense MLP of ``intermediate_dim`` instead (0 and
+    # () for a dense model).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_dim: int = 0
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -79,8 +86,31 @@ class Shape:
             "down_proj": (self.embed_dim, self.intermediate_dim),
         }
 
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts."""
+        return self.num_layers - len(self.dense_layers) if self.num_experts else 0
+
+    def expert_parameter_count(self) -> int:
+        """Every expert's weights (router included): held by the model, whichever tokens use."""
+        per_layer = self.num_experts * (3 * self.embed_dim * self.moe_intermediate_dim)
+        return self.sparse_layers * (per_layer + self.num_experts * self.embed_dim)
+
+    def active_parameter_count(self) -> int:
+        """The parameters one token's forward pass uses: of the experts, the router and the
+        ``experts_per_token`` it is sent to (the whole model for a dense one)."""
+        if not self.num_experts:
+            return self.parameter_count()
+        used = self.experts_per_token * 3 * self.embed_dim * self.moe_intermediate_dim
+        unused = self.expert_parameter_count() - self.sparse_layers * (
+            used + self.num_experts * self.embed_dim
+        )
+        return self.parameter_count() - unused
+
     def nf4_obstacle(self) -> str | None:
         """Why NF4 (QLoRA) cannot quantize this shape's weights, or None when it can."""
+        if self.num_experts:
+            return "its experts are stacked weights, which tunepack does not quantize to NF4"
         for name, (rows, cols) in self.projections().items():
             if rows * cols % NF4_BLOCK:
                 return (
@@ -98,7 +128,14 @@ class Shape:
         mlp = 3 * d * self.intermediate_dim
         norms = self.norms_per_layer * d + (2 * hd if self.qk_norm else 0)
         embeddings = self.vocab_size * d * (1 if self.tied_embeddings else 2)
-        return embeddings + self.num_layers * (attention + mlp + norms) + d
+        dense = self.num_layers - self.sparse_layers
+        return (
+            embeddings
+            + self.num_layers * (attention + norms)
+            + dense * mlp
+            + self.expert_parameter_count()
+            + d
+        )
 
 
 @dataclass(frozen=True)
@@ -285,6 +322,10 @@ _SHAPE_FIELD = {
     "head_dim": "head_dim",
     "tie_word_embeddings": "tied_embeddings",
     "sliding_window_size": "sliding_window",
+    "num_experts": "num_experts",
+    "experts_per_token": "experts_per_token",
+    "moe_intermediate_dim": "moe_intermediate_dim",
+    "dense_layers": "dense_layers",
 }
 
 
@@ -326,6 +367,11 @@ def _tokenizer(family: str, files: dict[str, str], builder: str | None = None) -
 
 
 _LLAMA2_TOKENIZER = _tokenizer("llama2", _SENTENCEPIECE)
+# Gemma 3's builder options at every size (the sizes' own values are in GEMMA3_SIZES): global
+# layers' rope_theta, local layers' rope_local_base_freq, no RoPE scaling (1B), one global layer
+# in sliding_window_pattern (transformers' default layer_types).
+GEMMA3_OPTIONS = {"rope_base": 1_000_000.0, "norm_eps": 1e-6, "rope_local_base": 10_000.0,
+                  "rope_scaling_factor": 1.0, "sliding_window_pattern": 6}  # fmt: skip
 _LLAMA3_TOKENIZER = _tokenizer("llama3", _TIKTOKEN)
 
 FAMILIES: dict[str, Family] = {
@@ -413,6 +459,27 @@ FAMILIES: dict[str, Family] = {
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
                 shape_keywords=("head_dim", "tie_word_embeddings"),
                 checkpointer="tunepack.trainers.qwen3.Qwen3HFCheckpointer"),
+        # Gemma 3 (text): not in torchtune 0.6.1, so built by tunepack on its components
+        # (trainers/gemma3.py): Gemma 2's four norms per layer without its soft-capping, q/k
+        # RMSNorm per head, five sliding-window layers to one global layer, separate RoPE bases
+        # for the two kinds. Gemma's SentencePiece vocabulary and turn markers.
+        _family("gemma3", "Gemma 3", "gemma3_text", "Gemma3ForCausalLM",
+                tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA3",
+                builders="tunepack.trainers.gemma3.gemma3",
+                options=GEMMA3_OPTIONS, shape_keywords=("head_dim", "sliding_window_size"),
+                lora_output=False, checkpointer="tunepack.trainers.gemma3.Gemma3HFCheckpointer"),
+        # Qwen3-MoE: Qwen 3's attention with a mixture-of-experts MLP (router, top-k SwiGLU
+        # experts), built by tunepack (trainers/qwen3_moe.py, trainers/moe.py). The options are
+        # config.json's norm_topk_prob and router_aux_loss_coef (the load-balancing loss's
+        # weight, added to the training loss when above 0).
+        _family("qwen3_moe", "Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM",
+                tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
+                builders="tunepack.trainers.qwen3_moe.qwen3_moe",
+                options={"rope_base": 1_000_000.0, "norm_eps": 1e-6, "norm_topk_prob": True,
+                         "router_aux_loss_coef": 0.001},
+                shape_keywords=("head_dim", "tie_word_embeddings", "num_experts",
+                                "experts_per_token", "moe_intermediate_dim", "dense_layers"),
+                checkpointer="tunepack.trainers.qwen3_moe.Qwen3MoeHFCheckpointer"),
     )
 }  # fmt: skip
 
@@ -532,6 +599,89 @@ def _qwen3_entry(size: str, label: str, checkpoint: tuple[str, ...]) -> ModelEnt
                   lora_output=not QWEN3_SIZES[size][-1])  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Gemma3Size:
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    intermediate: int
+    head_dim: int
+    query_pre_attn_scalar: int
+    sliding_window: int
+    vocab: int
+    context: int
+    rope_scaling: float  # linear RoPE scaling of the global layers (1: none)
+
+
+# Gemma 3 text sizes, from the config.json of google/gemma-3-<size>-it on the Hugging Face Hub (as
+# remembered: this machine has no network; the parameter counts below give the published 1B, 4B,
+# 12B and 27B less the vision tower): 1B is a Gemma3ForCausalLM (vocab_size 262144,
+# max_position_embeddings 32768, sliding_window 512, no rope_scaling); 4B, 12B and 27B are
+# Gemma3ForConditionalGeneration whose text_config leaves most fields to Gemma3TextConfig's
+# defaults (vocab_size 262208, 8 heads, 4 KV heads, head_dim 256, query_pre_attn_scalar 256,
+# max_position_embeddings 131072) and sets sliding_window 1024 and rope_scaling linear, factor 8.
+# Every size: rope_theta 1e6, rope_local_base_freq 1e4, sliding_window_pattern 6, rms_norm_eps
+# 1e-6, tied embeddings, no soft-capping. trainers/gemma3.py builds them.
+GEMMA3_SIZES = {
+    "1b": Gemma3Size(26, 4, 1, 1152, 6912, 256, 256, 512, 262_144, 32_768, 1.0),
+    "4b": Gemma3Size(34, 8, 4, 2560, 10_240, 256, 256, 1024, 262_208, 131_072, 8.0),
+    "12b": Gemma3Size(48, 16, 8, 3840, 15_360, 256, 256, 1024, 262_208, 131_072, 8.0),
+    "27b": Gemma3Size(62, 32, 16, 5376, 21_504, 128, 168, 1024, 262_208, 131_072, 8.0),
+}
+
+
+def gemma3_shape(size: str) -> Shape:
+    s = GEMMA3_SIZES[size]
+    return Shape(s.vocab, s.layers, s.heads, s.kv_heads, s.hidden, s.intermediate, s.context,
+                 tied_embeddings=True, head_dim=s.head_dim, norms_per_layer=4,
+                 sliding_window=s.sliding_window, qk_norm=True)  # fmt: skip
+
+
+def _gemma3_entry(size: str, checkpoint: tuple[str, ...]) -> ModelEntry:
+    label = size.upper()
+    kind = "" if size == "1b" else "; text weights of the image-text checkpoint"
+    return _entry("gemma3", f"gemma3-{size}", f"google/gemma-3-{size}-it",
+                  f"Gemma 3 {label} Instruct{kind}", gemma3_shape(size), f"gemma3_{size}",
+                  checkpoint, module="tunepack.trainers.gemma3")  # fmt: skip
+
+
+# Qwen3-MoE sizes, from the config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the
+# Hugging Face Hub (as remembered: this machine has no network; the parameter counts they give,
+# 30.53B total / 3.35B active and 235.09B / 22.16B, are the published 30.5B/3.3B and
+# 235B/22B): both have head_dim 128, vocab_size 151936, 128 experts of which 8 per token with
+# norm_topk_prob true, decoder_sparse_step 1 and no mlp_only_layers (every layer sparse),
+# router_aux_loss_coef 0.001, rope_theta 1e6, rms_norm_eps 1e-6, untied embeddings and
+# max_position_embeddings 40960 (we plan for the 32768 native context). trainers/qwen3_moe.py
+# builds them. name: (layers, heads, kv heads, hidden, dense intermediate_size, experts,
+# experts per token, moe_intermediate_size, router_aux_loss_coef)
+QWEN3_MOE_SIZES = {
+    "30b_a3b": (48, 32, 4, 2048, 6144, 128, 8, 768, 0.001),
+    "235b_a22b": (94, 64, 4, 4096, 12_288, 128, 8, 1536, 0.001),
+}
+
+
+def qwen3_moe_shape(size: str) -> Shape:
+    layers, heads, kv, dim, ffn, experts, per_token, width, _ = QWEN3_MOE_SIZES[size]
+    return Shape(QWEN3_VOCAB, layers, heads, kv, dim, ffn, QWEN3_CONTEXT, head_dim=QWEN3_HEAD_DIM,
+                 qk_norm=True, num_experts=experts, experts_per_token=per_token,
+                 moe_intermediate_dim=width)  # fmt: skip
+
+
+def _qwen3_moe_entry(size: str, label: str) -> ModelEntry:
+    entry = _entry("qwen3_moe", f"qwen3-{label.lower()}", f"Qwen/Qwen3-{label}",
+                   f"Qwen3-MoE {label} (mixture of experts)", qwen3_moe_shape(size),
+                   f"qwen3_moe_{size}", _INDEXED, module="tunepack.trainers.qwen3_moe")  # fmt: skip
+    # LoRA adapts attention only: the experts are frozen (trainers/qwen3_moe.py).
+    entry.defaults["lora_mlp"] = False
+    if entry.resources.nodes > 1:
+        # 235B-A22B: LoRA's frozen bf16 base (438 GiB) fits one node of eight 80 GB GPUs (the
+        # planner: 55 GiB a device); the host memory is the two-node tier's, for rank 0 reads
+        # the checkpoint and stacks each layer's experts beside it.
+        entry = replace(entry, resources=replace(entry.resources, nodes=1))
+    return entry
+
+
 # Shapes are copied from torchtune 0.6.1's model builders; test_catalog builds each one.
 _PUBLISHED = (
     # Llama 2 / Code Llama: torchtune has no separate chat builders; we pick the chat/instruct
@@ -636,6 +786,12 @@ _PUBLISHED = (
     _qwen3_entry("8b", "8B", _INDEXED),
     _qwen3_entry("14b", "14B", _INDEXED),
     _qwen3_entry("32b", "32B", _INDEXED),
+    _gemma3_entry("1b", _SINGLE),
+    _gemma3_entry("4b", _INDEXED),
+    _gemma3_entry("12b", _INDEXED),
+    _gemma3_entry("27b", _INDEXED),
+    _qwen3_moe_entry("30b_a3b", "30B-A3B"),
+    _qwen3_moe_entry("235b_a22b", "235B-A22B"),
 )  # fmt: skip
 
 
@@ -644,6 +800,11 @@ _PUBLISHED = (
 _TINY_RESOURCES = Resources(gpus=0, cpu="2", memory="4Gi", workspace_storage="1Gi")
 # A random base learns only through the adapter, so it wants a higher rate than real ones.
 _TINY_DEFAULTS = {"max_seq_len": 256, "batch_size": 8, "lora_rank": 8, "lora_alpha": 16, "lr": 3e-3}
+
+
+def _moe_defaults(shape: Shape) -> dict[str, object]:
+    """LoRA on the MLPs is off where every MLP is a mixture of experts (trainers/qwen3_moe.py)."""
+    return {"lora_mlp": False} if shape.num_experts and not shape.dense_layers else {}
 
 
 def _tiny(family: str, name: str, shape: Shape, description: str = "") -> ModelEntry:
@@ -664,7 +825,7 @@ def _tiny(family: str, name: str, shape: Shape, description: str = "") -> ModelE
         checkpoint_files=_SINGLE,
         lora_output=fam.lora_output,
         resources=_TINY_RESOURCES,
-        defaults=dict(_TINY_DEFAULTS),
+        defaults=dict(_TINY_DEFAULTS) | _moe_defaults(shape),
     )
 
 
@@ -713,6 +874,16 @@ TINY: dict[str, ModelEntry] = {
         _tiny("qwen2_5", "tiny-qwen2.5", _tiny_shape(qkv_bias=True)),
         # head_dim twice embed_dim // num_heads, as Qwen 3 0.6B's query is twice its width.
         _tiny("qwen3", "tiny-qwen3", _tiny_shape(tied_embeddings=True, head_dim=32, qk_norm=True)),
+        # Six layers (five local, one global, as the published pattern) and a window shorter
+        # than the test sequences.
+        _tiny("gemma3", "tiny-gemma3",
+              Shape(384, num_layers=6, num_heads=4, num_kv_heads=2, embed_dim=64,
+                    intermediate_dim=128, max_seq_len=512, tied_embeddings=True, head_dim=32,
+                    norms_per_layer=4, sliding_window=32, qk_norm=True)),
+        # Four experts of which two per token, every layer sparse as in the published sizes.
+        _tiny("qwen3_moe", "tiny-qwen3-moe",
+              _tiny_shape(head_dim=32, qk_norm=True, num_experts=4, experts_per_token=2,
+                          moe_intermediate_dim=48)),
     )
 }  # fmt: skip
 assert set(TINY) == set(FAMILIES), "every family needs a tiny variant"
@@ -734,6 +905,8 @@ def _custom(arch: str) -> ModelEntry:
         head_dim=64 if "head_dim" in fam.shape_keywords else 0,
         norms_per_layer=tiny.norms_per_layer,
         sliding_window=tiny.sliding_window if "sliding_window_size" in fam.shape_keywords else None,
+        qk_norm=tiny.qk_norm, num_experts=tiny.num_experts,
+        experts_per_token=tiny.experts_per_token, moe_intermediate_dim=tiny.moe_intermediate_dim,
     )  # fmt: skip
     return ModelEntry(
         name=custom.runtime_model_name(arch),
@@ -747,14 +920,23 @@ def _custom(arch: str) -> ModelEntry:
         lora_output=fam.lora_output,
         tokenizer_files={"path": custom.TOKENIZER_JSON},
         resources=_TIERS[1].resources,
-        defaults={"batch_size": 2, "lora_rank": 16, "lora_alpha": 32, "max_seq_len": 2048},
+        defaults={
+            "batch_size": 2,
+            "lora_rank": 16,
+            "lora_alpha": 32,
+            "max_seq_len": 2048,
+            **_moe_defaults(placeholder),
+        },
         custom=arch,
     )
 
 
 CUSTOM: dict[str, ModelEntry] = {
     entry.name: entry
-    for entry in (_custom(a) for a in ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3"))
+    for entry in (
+        _custom(a)
+        for a in ("llama", "mistral", "qwen2", "gemma", "gemma2", "phi3", "qwen3_moe", "gemma3")
+    )
 }
 
 # The published runtimes: every real size, the quickstart's tiny model and one bring-your-own

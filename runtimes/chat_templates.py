@@ -137,6 +137,38 @@ GEMMA = (
     "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
 )
 
+# google/gemma-3-1b-it (and the 4B/12B/27B -it models, whose template also renders images): a
+# system message is folded into the first user turn, its text untrimmed and followed by a blank
+# line. Written from memory of the published file (no network here); the image branch is left
+# out, as tunepack trains text conversations.
+GEMMA3 = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    '    {%- set first_user_prefix = "" -%}\n'
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    '        {{ raise_exception("Conversation roles must alternate '
+    'user/assistant/user/assistant/...") }}\n'
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    '        {%- set role = "model" -%}\n'
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{- message['content'] | trim -}}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+
 # microsoft/Phi-3-mini-4k-instruct (the template of its July 2024 update).
 PHI3 = (
     "{% for message in messages %}{% if message['role'] == 'system' %}"
@@ -252,6 +284,7 @@ TEMPLATES: dict[str, str] = {
     "llama3.1": LLAMA3_1,
     "llama3.2": LLAMA3_2,
     "gemma": GEMMA,
+    "gemma3": GEMMA3,
     "phi3": PHI3,
     "phi4": PHI4,
     "qwen2": QWEN2,
@@ -270,11 +303,13 @@ FAMILY_FORMAT: dict[str, str] = {
     "llama3_3": "llama3.1",
     "gemma": "gemma",
     "gemma2": "gemma",
+    "gemma3": "gemma3",
     "phi3": "phi3",
     "phi4": "phi4",
     "qwen2": "qwen2",
     "qwen2_5": "qwen2.5",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3",
 }
 
 # Catalog models whose published template is not their family's format. tunepack trains them in
@@ -288,7 +323,7 @@ OWN_TEMPLATE_DIFFERS: frozenset[str] = frozenset({"meta-llama/CodeLlama-70b-Inst
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("llama2", "mistral"),
     ("llama3", "llama3.1", "llama3.2"),
-    ("gemma",),
+    ("gemma", "gemma3"),
     ("phi3",),
     ("phi4",),
     ("qwen2", "qwen2.5", "qwen3"),

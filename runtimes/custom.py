@@ -45,7 +45,8 @@ class Architecture:
     # The config.json field transformers reads it from, and legacy values it takes for the same.
     activation_field: str = "hidden_act"
     activation_aliases: tuple[str, ...] = ()
-    # "derived": the builders compute head_dim as hidden_size // heads; "free": config.json's.
+    # "derived": the builders compute head_dim as hidden_size // heads; "free": config.json's;
+    # "optional": config.json's, hidden_size // heads where it has none (as transformers reads it).
     head_dim: str = "derived"
     # Tied input/output embeddings: "never", "always" or "either" (a builder keyword).
     tied: str = "never"
@@ -57,6 +58,9 @@ class Architecture:
     softcapping: bool = False  # Gemma 2's attention and final-logit tanh soft-capping
     # HF class defaults of the fields an older config.json may leave out.
     defaults: tuple[tuple[str, object], ...] = ()
+    qk_norm: bool = False  # Qwen 3's RMSNorm over each head's query and key
+    moe: bool = False  # Qwen3-MoE's experts (read_moe)
+    gemma3: bool = False  # Gemma 3's local/global layers and their two RoPE tables (read_gemma3)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -89,6 +93,25 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("phi3", "phi3", "phi3", "silu", window="limit",
                      defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096),
                                ("tie_word_embeddings", False))),
+        # Qwen3MoeConfig's defaults (transformers 5.24) for what a config.json may leave out.
+        Architecture("qwen3_moe", "qwen3_moe", "qwen3_moe", "silu", head_dim="optional",
+                     tied="either", qk_norm=True, moe=True,
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 32_768),
+                               ("tie_word_embeddings", False), ("decoder_sparse_step", 1),
+                               ("mlp_only_layers", []), ("norm_topk_prob", False),
+                               ("router_aux_loss_coef", 0.001),
+                               ("num_experts_per_tok", 8), ("moe_intermediate_size", 768))),
+        # Gemma3TextConfig's defaults (transformers 5.24) for what a config.json may leave out,
+        # as the text_config of google/gemma-3-4b-it does (heads, vocabulary, head_dim).
+        Architecture("gemma3", "gemma3", "gemma3_text", "gelu_pytorch_tanh", head_dim="free",
+                     activation_field="hidden_activation", tied="always", window="model",
+                     gemma3=True,
+                     defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 131_072),
+                               ("tie_word_embeddings", True), ("head_dim", 256),
+                               ("hidden_activation", "gelu_pytorch_tanh"),
+                               ("num_attention_heads", 8), ("num_key_value_heads", 4),
+                               ("vocab_size", 262_208), ("sliding_window", 4096),
+                               ("query_pre_attn_scalar", 256))),
     )
 }  # fmt: skip
 
@@ -100,7 +123,9 @@ FORMAT_TOKENS: dict[str, tuple[str, ...]] = {
     "llama3.2": ("<bos>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "mistral": ("<bos>", "<eos>"),
     "qwen2.5": ("<|im_start|>", "<|im_end|>"),
+    "qwen3": ("<|im_start|>", "<|im_end|>"),
     "gemma": ("<bos>", "<start_of_turn>", "<end_of_turn>"),
+    "gemma3": ("<bos>", "<start_of_turn>", "<end_of_turn>"),
     "phi3": ("<eos>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
 }
 
@@ -173,6 +198,8 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
     arch = ARCHITECTURES[arch_name]
     if not isinstance(config, dict):
         raise BadInputError(f"{where}: config.json is not a JSON object")
+    if arch.gemma3:
+        config = text_config(config)
     config = dict(arch.defaults) | config
     model_type = config.get("model_type")
     if model_type != arch.model_type:
@@ -207,6 +234,8 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
                 "builders derive it",
             )  # fmt: skip
         head_dim = width // heads
+    elif arch.head_dim == "optional" and config.get("head_dim") is None:
+        head_dim = width // heads
     else:
         head_dim = _positive_int(where, config, "head_dim")
     if head_dim % 2:
@@ -224,6 +253,8 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
     if tied not in allowed:
         raise _fail(where, "tie_word_embeddings", tied, " or ".join(map(str, allowed)).lower())
 
+    if arch.gemma3:
+        return read_gemma3(where, config, dims, kv_heads, head_dim)
     rope, scaling = _rope(config)
     rope_base = _positive_number(where, {"rope_theta": rope.get("rope_theta", 10_000.0)},
                                  "rope_theta")  # fmt: skip
@@ -282,6 +313,10 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
         if scalar != head_dim:
             raise _fail(where, "query_pre_attn_scalar", scalar, f"head_dim ({head_dim})")
 
+    moe = read_moe(where, config, dims["num_hidden_layers"]) if arch.moe else {}
+    if arch.moe:
+        options["norm_topk_prob"] = moe.pop("norm_topk_prob")
+        options["router_aux_loss_coef"] = moe.pop("router_aux_loss_coef")
     shape = Shape(
         vocab_size=dims["vocab_size"],
         num_layers=dims["num_hidden_layers"],
@@ -295,8 +330,154 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
         head_dim=head_dim,
         norms_per_layer=4 if arch.softcapping else 2,
         sliding_window=window,
+        qk_norm=arch.qk_norm,
+        **moe,
     )
     return Built(shape=shape, options=options, softcapping=softcapping)
+
+
+def text_config(config: dict) -> dict:
+    """The text model's ``config.json`` of a Gemma 3 checkpoint: itself (``Gemma3ForCausalLM``),
+    or a ``Gemma3ForConditionalGeneration``'s ``text_config`` (model_type ``gemma3``: 4B, 12B,
+    27B), as a ``Gemma3ForCausalLM`` of those weights would say it."""
+    if config.get("model_type") != "gemma3" or not isinstance(config.get("text_config"), dict):
+        return config
+    text = dict(config["text_config"])
+    text["model_type"] = "gemma3_text"
+    text["architectures"] = ["Gemma3ForCausalLM"]
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
+    for key in ("torch_dtype", "dtype", "transformers_version"):
+        if key in config:
+            text.setdefault(key, config[key])
+    return text
+
+
+_GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def read_gemma3(where: str, config: dict, dims: dict, kv_heads: int, head_dim: int) -> Built:
+    """Gemma 3's own fields as trainers/gemma3.py builds them: the two RoPE tables (either
+    layout: transformers 5's ``rope_parameters`` by layer type, or ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling``), which layers are global (``layer_types``, or
+    ``sliding_window_pattern``), the window and the query scale; soft-capping is refused."""
+    from tunepack.runtimes.catalog import Shape
+
+    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(field) is not None:
+            raise _fail(where, field, config[field], "null (Gemma 3 has no soft-capping)")
+    if config.get("use_bidirectional_attention"):
+        raise _fail(where, "use_bidirectional_attention", config["use_bidirectional_attention"],
+                    "false (a causal language model)")  # fmt: skip
+    params = config.get("rope_parameters")
+    if params is None:
+        params = {}
+    if not isinstance(params, dict) or not set(params) <= set(_GEMMA3_LAYER_TYPES):
+        expected = "RoPE parameters by layer type (sliding_attention, full_attention)"
+        raise _fail(where, "rope_parameters", params, expected)
+    full = dict(params.get("full_attention") or {})
+    if isinstance(config.get("rope_scaling"), dict):
+        full |= config["rope_scaling"]
+    full.setdefault("rope_theta", config.get("rope_theta", 1_000_000.0))
+    local = dict(params.get("sliding_attention") or {})
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", 10_000.0))
+    scaling = 1.0
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind == "linear":
+        scaling = _positive_number(where, {"rope_scaling.factor": full.get("factor")},
+                                   "rope_scaling.factor")  # fmt: skip
+    elif kind != "default":
+        raise _fail(where, "rope_scaling.rope_type", kind, "none, 'default' or 'linear'")
+    local_kind = local.get("rope_type", local.get("type", "default"))
+    if local_kind != "default":
+        raise _fail(where, "rope_parameters.sliding_attention.rope_type", local_kind,
+                    "'default' (local layers take no RoPE scaling)")  # fmt: skip
+    for rope in (full, local):
+        partial = rope.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise _fail(where, "partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
+    layers = dims["num_hidden_layers"]
+    types = config.get("layer_types")
+    if types is None:
+        pattern = config.get("sliding_window_pattern", config.get("_sliding_window_pattern", 6))
+        pattern = _positive_int(where, {"sliding_window_pattern": pattern},
+                                "sliding_window_pattern")  # fmt: skip
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers)]  # fmt: skip
+    if not isinstance(types, list) or len(types) != layers:
+        types_ok = False
+    else:
+        types_ok = all(isinstance(t, str) and t in _GEMMA3_LAYER_TYPES for t in types)
+    if not types_ok:
+        raise _fail(where, "layer_types", types,
+                    f"{layers} of 'sliding_attention' or 'full_attention'")  # fmt: skip
+    options: dict[str, object] = {
+        "rope_base": _positive_number(where, {"rope_theta": full["rope_theta"]}, "rope_theta"),
+        "norm_eps": _positive_number(where, config, "rms_norm_eps"),
+        "rope_local_base": _positive_number(
+            where, {"rope_local_base_freq": local["rope_theta"]}, "rope_local_base_freq"
+        ),
+        "rope_scaling_factor": scaling,
+        "query_pre_attn_scalar": _positive_number(where, config, "query_pre_attn_scalar"),
+        "sliding_window_pattern": 6,  # unused: global_layers says which layers are global
+        "global_layers": [i for i, kind in enumerate(types) if kind == "full_attention"],
+    }
+    shape = Shape(
+        vocab_size=dims["vocab_size"],
+        num_layers=layers,
+        num_heads=dims["num_attention_heads"],
+        num_kv_heads=kv_heads,
+        embed_dim=dims["hidden_size"],
+        intermediate_dim=dims["intermediate_size"],
+        max_seq_len=dims["max_position_embeddings"],
+        tied_embeddings=True,
+        head_dim=head_dim,
+        norms_per_layer=4,
+        sliding_window=_positive_int(where, config, "sliding_window"),
+        qk_norm=True,
+    )
+    return Built(shape=shape, options=options)
+
+
+def read_moe(where: str, config: dict, num_layers: int) -> dict[str, object]:
+    """Qwen3-MoE's expert fields as Shape and builder options take them: which layers are sparse
+    (transformers: layer i unless it is in ``mlp_only_layers`` or ``(i + 1) %
+    decoder_sparse_step``), the experts, the top-k renormalisation and the auxiliary loss."""
+    # The Hub's config.json says num_experts; transformers 5 saves it as num_local_experts.
+    named = [f for f in ("num_experts", "num_local_experts") if f in config]
+    experts = _positive_int(where, config, named[0]) if named else 128  # the class default
+    if len(named) == 2 and config["num_local_experts"] != experts:
+        raise _fail(where, "num_local_experts", config["num_local_experts"],
+                    f"num_experts ({experts}): both name the number of experts")  # fmt: skip
+    per_token = _positive_int(where, config, "num_experts_per_tok")
+    if per_token > experts:
+        raise _fail(where, "num_experts_per_tok", per_token, f"at most num_experts ({experts})")
+    width = _positive_int(where, config, "moe_intermediate_size")
+    step = _positive_int(where, config, "decoder_sparse_step")
+    only = config.get("mlp_only_layers")
+    if not isinstance(only, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers for i in only
+    ):
+        raise _fail(where, "mlp_only_layers", only, f"a list of layer indices below {num_layers}")
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    if len(dense) == num_layers:
+        raise _fail(where, "decoder_sparse_step", step,
+                    "a value that leaves at least one layer a mixture of experts")  # fmt: skip
+    norm = config.get("norm_topk_prob")
+    if not isinstance(norm, bool):
+        raise _fail(where, "norm_topk_prob", norm, "true or false")
+    coef = config.get("router_aux_loss_coef")
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
+        raise _fail(where, "router_aux_loss_coef", coef, "a finite number >= 0")
+    if config.get("output_router_logits") not in (None, False, True):
+        raise _fail(where, "output_router_logits", config["output_router_logits"], "a boolean")
+    return {
+        "num_experts": experts,
+        "experts_per_token": per_token,
+        "moe_intermediate_dim": width,
+        "dense_layers": dense,
+        "norm_topk_prob": norm,
+        "router_aux_loss_coef": float(coef),
+    }
 
 
 def load_config(path: Path, where: str) -> dict:

@@ -25,7 +25,16 @@ each family's logits with transformers' on a tiny random checkpoint, and the exp
 adapter with the trained model. Qwen 3 is not in torchtune 0.6.1: tunepack builds it on
 torchtune's components
 (`trainers/qwen3.py`: q/k RMSNorm per head before RoPE, as Hugging Face's Qwen 3) and converts
-its checkpoints with a checkpointer that knows the q/k norms.
+its checkpoints with a checkpointer that knows the q/k norms. Gemma 3 is not in torchtune 0.6.1
+either (`trainers/gemma3.py`: five sliding-window layers to one global one, each kind with its
+own RoPE base, q/k norms before RoPE). Gemma 3 4B, 12B and 27B are published as image-text
+checkpoints (`Gemma3ForConditionalGeneration`): tunepack trains their text weights (the vision
+tower is not read) and saves a text-only `Gemma3ForCausalLM` (`model/`, `merged/`); their LoRA
+adapter is for that text model. Qwen3-MoE is not in torchtune 0.6.1 either
+(`trainers/qwen3_moe.py`, `trainers/moe.py`: Qwen 3's attention, a router sending each token to
+its top experts, transformers' load-balancing loss added to the training loss): its parameter
+count is the total, every expert held; `tunepack plan` also shows the parameters a token uses.
+Its LoRA adapts attention (and dense MLP layers, where a checkpoint has them), not the experts.
 
 "Chat template" is the format a runtime trains chat and instruction data in by default: the
 published chat template of the checkpoint's `tokenizer_config.json`, token for token
@@ -38,7 +47,7 @@ encoded by the checkpoint's own `tokenizer.json`, in the chat format shown. What
 cannot reproduce is refused by the model initializer with the field and its value
 (`runtimes/custom.py`; docs/trainer.md, "Models"). Mistral's and Phi-3's sliding window caps
 `max_seq_len` (torchtune's models attend over the whole sequence, which agrees with the window
-up to its length); Gemma 2's is built in.
+up to its length); Gemma 2's and Gemma 3's are built in.
 
 
 | Custom runtime | Architecture | Built with | Default chat template | Refused |
@@ -69,11 +78,17 @@ def _custom_rows() -> str:
         refused.append(
             {"never": "tied embeddings", "always": "untied embeddings", "either": ""}[arch.tied]
         )
-        refused.append("RoPE scaling other than llama3" if arch.llama3_rope else "RoPE scaling")
+        if arch.gemma3:
+            refused.append("RoPE scaling other than linear on the global layers")
+            refused.append("soft-capping")
+        else:
+            refused.append("RoPE scaling other than llama3" if arch.llama3_rope else "RoPE scaling")
         if arch.qkv_bias:  # Qwen 2's config has the switch
             refused.append("use_sliding_window=true")
         if arch.softcapping:
             refused.append("query_pre_attn_scalar other than head_dim")
+        if arch.moe:
+            refused.append("use_sliding_window=true; no sparse layer (decoder_sparse_step)")
         rows.append(
             f"| `{e.runtime_name}` | {arch.model_type} | {e.family.title}'s builders"
             f" | {FAMILY_FORMAT[e.family.name]} | {'; '.join(r for r in refused if r)} |"

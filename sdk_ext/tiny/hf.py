@@ -44,6 +44,32 @@ def _gemma2_extra(entry: ModelEntry) -> dict:
     }
 
 
+def _gemma3_extra(entry: ModelEntry) -> dict:
+    """Gemma3ForCausalLM's own fields, in transformers 5's layout (RoPE by layer type), from the
+    family's builder options."""
+    options, s = entry.family.options, entry.shape
+    pattern = options["sliding_window_pattern"]
+    full = {"rope_type": "default", "rope_theta": options["rope_base"]}
+    if options["rope_scaling_factor"] != 1.0:
+        full = {**full, "rope_type": "linear", "factor": options["rope_scaling_factor"]}
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": s.head_dim,
+        "sliding_window": s.sliding_window,
+        "layer_types": [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(s.num_layers)
+        ],
+        "rope_parameters": {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": options["rope_local_base"]},
+        },
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "attention_bias": False,
+    }
+
+
 @dataclass(frozen=True)
 class HfFormat:
     hidden_act: str = "silu"
@@ -107,6 +133,17 @@ class HfFormat:
                 f"{attn}.o_proj.weight": normal(d, q_out),
                 f"{mlp}.down_proj.weight": normal(d, s.intermediate_dim),
             }
+            if s.num_experts and n not in s.dense_layers:
+                # A mixture of experts instead of the dense MLP, per expert as the Hub's files
+                # and save_pretrained hold it; the router scaled up so routing is not uniform.
+                del layer[f"{mlp}.down_proj.weight"]
+                gate = up = None
+                w = s.moe_intermediate_dim
+                layer[f"{mlp}.gate.weight"] = normal(s.num_experts, d) * 25
+                for e in range(s.num_experts):
+                    layer[f"{mlp}.experts.{e}.gate_proj.weight"] = normal(w, d)
+                    layer[f"{mlp}.experts.{e}.up_proj.weight"] = normal(w, d)
+                    layer[f"{mlp}.experts.{e}.down_proj.weight"] = normal(d, w)
             if self.fused:
                 layer[f"{attn}.qkv_proj.weight"] = torch.cat([q, k, v])
                 layer[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up])
@@ -115,7 +152,8 @@ class HfFormat:
                     f"{attn}.{name}_proj.weight": w
                     for name, w in zip("qkv", (q, k, v), strict=True)
                 }
-                layer |= {f"{mlp}.gate_proj.weight": gate, f"{mlp}.up_proj.weight": up}
+                if gate is not None:
+                    layer |= {f"{mlp}.gate_proj.weight": gate, f"{mlp}.up_proj.weight": up}
             if s.qkv_bias:
                 sizes = {"q": q_out, "k": kv_out, "v": kv_out}
                 layer |= {f"{attn}.{name}_proj.bias": normal(size) for name, size in sizes.items()}
@@ -152,6 +190,12 @@ GEMMA2 = HfFormat(
     ),
     extra=_gemma2_extra,
 )
+GEMMA3 = HfFormat(
+    hidden_act="gelu_pytorch_tanh",
+    offset_norms=True,
+    layer_norms=GEMMA2.layer_norms,
+    extra=_gemma3_extra,
+)
 PHI3 = HfFormat(
     fused=True,
     extra=lambda entry: {
@@ -174,5 +218,23 @@ QWEN3 = HfFormat(
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": entry.shape.num_layers,
+    }
+)
+
+QWEN3_MOE = HfFormat(
+    extra=lambda entry: {
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": entry.shape.num_layers,
+        "num_experts": entry.shape.num_experts,
+        "num_experts_per_tok": entry.shape.experts_per_token,
+        "moe_intermediate_size": entry.shape.moe_intermediate_dim,
+        # Sparse layers as the shape has them: those not listed as dense.
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(entry.shape.dense_layers),
+        "norm_topk_prob": entry.family.options["norm_topk_prob"],
+        "router_aux_loss_coef": entry.family.options["router_aux_loss_coef"],
+        "output_router_logits": False,
     }
 )

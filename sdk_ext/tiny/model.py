@@ -72,6 +72,7 @@ FORMATS: dict[str, FamilyFormat] = {
     "mistral": FamilyFormat(hf.MISTRAL, _LLAMA_SPM_FORMAT),
     "gemma": FamilyFormat(hf.GEMMA, _GEMMA_SPM),
     "gemma2": FamilyFormat(hf.GEMMA2, _GEMMA_SPM),
+    "gemma3": FamilyFormat(hf.GEMMA3, _GEMMA_SPM),
     # Like the real Phi-3 (32000 pieces, chat tokens from 32000, 32064 embeddings): 32 ids are
     # left for the special tokens and padding.
     "phi3": FamilyFormat(hf.PHI3, SentencePieceFormat(
@@ -89,6 +90,10 @@ FORMATS: dict[str, FamilyFormat] = {
     # Qwen 3 keeps Qwen 2.5's vocabulary and special tokens and adds four (Qwen/Qwen3-8B's
     # tokenizer.json, ids 151665-151668), among them the <think> markers of its chat template.
     "qwen3": FamilyFormat(hf.QWEN3, GptBpeFormat(
+        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN,
+        added=("<tool_response>", "</tool_response>", "<think>", "</think>"))),
+    # Qwen3-MoE shares Qwen 3's tokenizer (Qwen/Qwen3-30B-A3B's tokenizer.json).
+    "qwen3_moe": FamilyFormat(hf.QWEN3_MOE, GptBpeFormat(
         canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN,
         added=("<tool_response>", "</tool_response>", "<think>", "</think>"))),
 }  # fmt: skip

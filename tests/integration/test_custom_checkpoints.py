@@ -69,9 +69,24 @@ CASES = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
         "query_pre_attn_scalar": 24, "sliding_window": 24, "attn_logit_softcapping": 40.0,
         "final_logit_softcapping": 20.0, **_rope(20_000.0)}),
+    # Local and global layers out of the published order, each kind with its own RoPE base, the
+    # global one linearly scaled, a query scale other than head_dim's.
+    "gemma3": ("gemma3", "Gemma3TextConfig", "gemma3", {
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24,
+        "query_pre_attn_scalar": 20, "sliding_window": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 40_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 7000.0}}}),
     "phi3": ("phi3", "Phi3Config", "phi3", {
         "num_attention_heads": 5, "num_key_value_heads": 1, "sliding_window": 700,
         **_rope(20_000.0)}),
+    # Six experts, two per token, layer 1 dense (its MLP adapted by lora_mlp), the auxiliary
+    # load-balancing loss on.
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeConfig", "qwen3", {
+        "num_attention_heads": 5, "num_key_value_heads": 1, "head_dim": 24, "num_experts": 6,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 40, "mlp_only_layers": [1],
+        "norm_topk_prob": True, "router_aux_loss_coef": 0.01, **_rope(20_000.0)}),
 }  # fmt: skip
 
 
@@ -264,10 +279,19 @@ def test_a_config_is_read_into_the_builders_shape():
                     "head_dim": 24, "tie_word_embeddings": True,
                     "attn_logit_softcapping": None},
          "attn_logit_softcapping=None"),
+        ("gemma3", {"model_type": "gemma3_text", "head_dim": 24, "query_pre_attn_scalar": 24,
+                    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                    "final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
         ("phi3", {"model_type": "phi3", "rope_scaling": {"type": "longrope"}},
          "rope_scaling.rope_type='longrope'"),
         ("phi3", {"model_type": "phi3", "partial_rotary_factor": 0.5},
          "partial_rotary_factor=0.5"),
+        ("qwen3_moe", {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 6},
+         "num_experts_per_tok=6"),
+        ("qwen3_moe", {"model_type": "qwen3_moe", "decoder_sparse_step": 4},
+         "decoder_sparse_step=4"),
+        ("qwen3_moe", {"model_type": "qwen3_moe", "num_experts": 4, "num_local_experts": 8},
+         "num_local_experts=8"),
     ],
 )  # fmt: skip
 def test_what_the_builders_cannot_reproduce_is_refused_with_field_and_value(arch, change, message):
