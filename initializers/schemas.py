@@ -9,6 +9,10 @@ sharegpt              conversations: [{from, value}, ...]     {"messages": [...]
 text                  text                                    {"text": ...} (text)
 preference            prompt, chosen, rejected (strings), or  {"chosen": [...], "rejected":
                       chosen, rejected as message arrays      [...]} as messages (preference)
+prompt                prompt (a string or turns ending with   {"messages": [...], "answer":
+                      a user turn), optional answer           ...} (prompt, method=grpo)
+unpaired              prompt, completion (strings), label     {"messages": [...], "label":
+                      (true: a desirable answer)              ...} (unpaired, method=kto)
 ====================  ======================================  ================================
 
 ``DATASET_SCHEMA`` picks one; otherwise the first row decides. ``COLUMN_MAP`` renames columns
@@ -225,6 +229,60 @@ def _preference(row: dict, text_cells: bool) -> Normalized:
     return {"chosen": chosen, "rejected": rejected}, None
 
 
+def _prompt(row: dict, text_cells: bool) -> Normalized:
+    """A prompt to sample answers to (a string, or turns that end with the user's), and an
+    optional reference answer (a string or a number) for the rewards that check it."""
+    if "prompt" not in row:
+        return None, "field 'prompt' is missing"
+    if isinstance(row["prompt"], str):
+        if not row["prompt"].strip():
+            return None, "field 'prompt' is empty"
+        messages = [{"role": "user", "content": row["prompt"]}]
+    else:
+        turns, problem = _turns(row, "prompt", text_cells)
+        if problem:
+            return None, problem
+        normalized, problem = _chat_turns(turns, "prompt")
+        if problem:
+            return None, problem
+        messages = normalized["messages"]
+        if messages[-1]["role"] != "user":
+            return None, "field 'prompt' must end with a user turn (the answer is sampled)"
+    answer = row.get("answer")
+    if isinstance(answer, bool) or not (answer is None or isinstance(answer, str | int | float)):
+        return None, f"field 'answer' must be a string or a number, got {json_type(answer)}"
+    if isinstance(answer, float) and answer != answer:
+        return None, "field 'answer' is NaN"
+    return {"messages": messages, "answer": None if answer is None else str(answer)}, None
+
+
+_LABELS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def _unpaired(row: dict, text_cells: bool) -> Normalized:
+    """One answer to a prompt and whether it is desirable: a conversation ending with the
+    answer, and its label."""
+    for field in ("prompt", "completion"):
+        if problem := _string_field(row, field):
+            return None, problem
+        if not row[field].strip():
+            return None, f"field {field!r} is empty"
+    if "label" not in row:
+        return None, "field 'label' is missing"
+    label = row["label"]
+    if text_cells and isinstance(label, str) and label.strip().lower() in _LABELS:
+        label = _LABELS[label.strip().lower()]  # a CSV cell
+    if not isinstance(label, bool):
+        return None, (
+            f"field 'label' must be true (a desirable answer) or false, got {json_type(label)}"
+        )
+    messages = [
+        {"role": "user", "content": row["prompt"]},
+        {"role": "assistant", "content": row["completion"]},
+    ]
+    return {"messages": messages, "label": label}, None
+
+
 def _holds_prompt(conversation: list, prompt: list, single: bool) -> bool:
     """Whether a conversation already holds ``prompt``: a prompt string as one of its user turns,
     prompt turns as its first turns."""
@@ -274,10 +332,28 @@ SCHEMAS: dict[str, Schema] = {
             "'content' that share every turn but their last, an assistant turn",
             _preference,
         ),
+        Schema(
+            "prompt",
+            "prompt",
+            "prompt",
+            "each row must hold 'prompt', a string or an array of objects with 'role' (system, "
+            "user or assistant) and string 'content' ending with a user turn, and optionally "
+            "'answer', a string or a number",
+            _prompt,
+        ),
+        Schema(
+            "unpaired",
+            "unpaired",
+            "label",
+            "each row must hold string fields 'prompt' and 'completion' and a boolean 'label' "
+            "(true: the completion is a desirable answer)",
+            _unpaired,
+        ),
     )
 }
-# Detection order: the most specific marker first ("text" is a common extra column).
-_DETECT = ("preference", "chat", "sharegpt", "instruction", "text")
+# Detection order: the most specific marker first ("text" is a common extra column; preference
+# rows have a 'prompt' too).
+_DETECT = ("preference", "chat", "sharegpt", "instruction", "unpaired", "prompt", "text")
 
 
 def requested() -> Schema | None:
@@ -306,8 +382,9 @@ def detect(row: object, source: str) -> Schema:
         problem = f"its first row is a JSON {json_type(row)}, not an object"
     raise BadInputError(
         f"cannot tell the schema of dataset {source!r}: {problem}. Rows need 'instruction' and "
-        f"'output' (instruction), 'messages' (chat), 'conversations' (sharegpt), 'text', or "
-        f"'chosen' and 'rejected' (preference); "
+        f"'output' (instruction), 'messages' (chat), 'conversations' (sharegpt), 'text', "
+        f"'chosen' and 'rejected' (preference), 'prompt' and 'completion' and 'label' "
+        f"(unpaired), or 'prompt' (prompt); "
         f"rename columns with {COLUMN_MAP_ENV}=from:to,... or set {SCHEMA_ENV}"
     )
 

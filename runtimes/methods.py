@@ -24,6 +24,11 @@ class Loss(Enum):
 
     CROSS_ENTROPY = "cross_entropy"  # next-token cross-entropy on the trained tokens
     DPO = "dpo"  # the preference loss against the model with its adapters switched off
+    # The clipped policy objective on sampled completions scored by rewards, with a KL penalty
+    # against the model with its adapters switched off (trainers/grpo.py).
+    GRPO = "grpo"
+    ORPO = "orpo"  # the chosen answer's likelihood plus an odds-ratio term, no reference
+    KTO = "kto"  # unpaired answers against a reference point, the model without its adapters
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,19 @@ PREFERENCE = Data(
     "rows with 'prompt', 'chosen' and 'rejected'",
     "chosen/rejected pairs",
 )
-DATA = (SUPERVISED, PREFERENCE)
+PROMPTS = Data(
+    "prompt",
+    ("prompt",),
+    "rows with a 'prompt' (a string or chat turns) and, for rewards that check it, an 'answer'",
+    "prompts to answer",
+)
+UNPAIRED = Data(
+    "unpaired",
+    ("unpaired",),
+    "rows with 'prompt', 'completion' and a boolean 'label' (whether the answer is desirable)",
+    "answers labelled desirable or undesirable",
+)
+DATA = (SUPERVISED, PREFERENCE, PROMPTS, UNPAIRED)
 
 
 @dataclass(frozen=True)
@@ -68,7 +85,13 @@ class Method:
     # Defaults that are the method's rather than the model's: a catalog entry's lr is a
     # supervised rate, while a preference loss sets its own scale, so there the method's wins.
     owns: tuple[str, ...] = ()
-    keys: tuple[str, ...] = ()  # trainer arguments only this method takes
+    keys: tuple[str, ...] = ()  # trainer arguments only the methods listing them take
+    # Its defaults for keys of its own whose vocabulary default is another method's (beta).
+    defaults: tuple[tuple[str, object], ...] = ()
+    # The trainer argument that says how many sequences each example puts through the model,
+    # where the method's number (``sequences``) is not fixed ("": it is).
+    sequences_key: str = ""
+    validates: bool = True  # has a validation loss (held-out rows are next-token losses)
     plan_note: str = ""  # what the planner adds to a plan of this method
 
     @property
@@ -105,6 +128,64 @@ METHODS: dict[str, Method] = {
             plan_note="dpo: each example is two sequences (chosen, rejected) and each step adds "
             "a reference forward pass without gradients (compute, not memory)",
         ),
+        Method(
+            "orpo",
+            "preference tuning without a reference model (ORPO) of LoRA adapters on a "
+            "preference dataset: the chosen answer's likelihood plus an odds-ratio term",
+            "reference-free preference tuning",
+            5e-5,
+            data=PREFERENCE,
+            loss=Loss.ORPO,
+            sequences=2,
+            no_packing="each preference pair is its own sequence",
+            owns=("lr",),
+            keys=("beta",),
+            plan_note="orpo: each example is two sequences (chosen, rejected); no reference pass",
+        ),
+        Method(
+            "kto",
+            "preference tuning on unpaired answers labelled desirable or undesirable (KTO) of "
+            "LoRA adapters; the reference is the base with the adapters switched off",
+            "unpaired preference tuning",
+            5e-5,
+            data=UNPAIRED,
+            loss=Loss.KTO,
+            sequences=2,
+            no_packing="each answer is its own sequence, scored against mismatched pairs",
+            owns=("lr",),
+            keys=("beta", "desirable_weight", "undesirable_weight"),
+            plan_note="kto: each example is two sequences (its answer, and a mismatched answer "
+            "for the reference point) and each step adds reference forward passes without "
+            "gradients (compute, not memory)",
+        ),
+        Method(
+            "grpo",
+            "reinforcement learning from verifiable rewards (GRPO) of LoRA adapters on a prompt "
+            "dataset: groups of sampled answers scored by built-in rewards; the KL reference is "
+            "the base with the adapters switched off",
+            "reinforcement learning",
+            2e-5,
+            data=PROMPTS,
+            loss=Loss.GRPO,
+            no_packing="each prompt's answers are generated and scored on their own",
+            owns=("lr",),
+            keys=(
+                "beta",
+                "num_generations",
+                "max_new_tokens",
+                "temperature",
+                "top_p",
+                "epsilon",
+                "rewards",
+                "reward_pattern",
+            ),
+            defaults=(("beta", 0.04),),
+            sequences_key="num_generations",
+            validates=False,
+            plan_note="grpo: each prompt is num_generations sequences of up to max_seq_len "
+            "tokens (prompt and answer), generated with a KV cache that is held during generation "
+            "only; each step adds a reference forward pass without gradients",
+        ),
     )
 }
 NAMES = tuple(METHODS)
@@ -129,9 +210,23 @@ def get(name: str) -> Method:
         raise BadInputError(invalid_method_message(name)) from None
 
 
-def owner_of(key: str) -> Method | None:
-    """The method that alone takes trainer argument ``key`` (None: every method takes it)."""
-    return next((m for m in METHODS.values() if key in m.keys), None)
+def takers(key: str) -> tuple[Method, ...]:
+    """The methods that take trainer argument ``key`` (empty: every method takes it)."""
+    return tuple(m for m in METHODS.values() if key in m.keys)
+
+
+def key_groups() -> dict[tuple[str, ...], tuple[str, ...]]:
+    """The method-only keys grouped by the methods that take them: {method names: keys}."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for key in dict.fromkeys(k for m in METHODS.values() for k in m.keys):
+        groups.setdefault(tuple(m.name for m in takers(key)), []).append(key)
+    return {names: tuple(keys) for names, keys in groups.items()}
+
+
+def either(names: tuple[str, ...]) -> str:
+    """``dpo``, or ``dpo, orpo or grpo``: the methods of a key group, as messages name them
+    (after ``method=``)."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
 def learning_from(schema: str) -> tuple[Method, ...]:
@@ -139,16 +234,20 @@ def learning_from(schema: str) -> tuple[Method, ...]:
     return tuple(m for m in METHODS.values() if schema in m.data.schemas)
 
 
+def _a(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 def wrong_data_message(method: Method, schema: str) -> str:
     """Why ``method`` cannot train on a dataset of ``schema``."""
     if len(method.data.schemas) == 1:
         return (
-            f"method={method.name} needs a {method.data.name} dataset ({method.data.rows}), "
+            f"method={method.name} needs {_a(method.data.name)} dataset ({method.data.rows}), "
             f"but the dataset's schema is {schema!r}"
         )
     data = next(d for d in DATA if schema in d.schemas)
     others = " or ".join(f"method={m.name}" for m in learning_from(schema))
     return (
-        f"the dataset is a {data.name} dataset ({data.holds}), which method={method.name} "
+        f"the dataset is {_a(data.name)} dataset ({data.holds}), which method={method.name} "
         f"cannot learn from: use {others}"
     )

@@ -64,7 +64,10 @@ EXPORT = (
 PLACEMENT_FIELDS = tuple(name for name, _, _ in PLACEMENT)
 EXPORT_FIELDS = tuple(name for name, _, _ in EXPORT)
 # What FineTune takes for a parsed type, where it takes more than the parser returns.
-_ACCEPTED = {"tuple[str, ...]": "tuple[str, ...] | list[str] | str"}
+_ACCEPTED = {
+    "tuple[str, ...]": "tuple[str, ...] | list[str] | str",
+    "tuple[Weighted, ...]": "tuple[str, ...] | list[str] | str",  # rewards: names[:weight]
+}
 COMMAND = "tunepack.finetune"
 
 
@@ -74,7 +77,9 @@ class FineTune:
     """tunepack trainer arguments (``None`` = the runtime's default).
 
     Args:
-        method (str): lora, qlora (NF4-quantized base), dora, full or dpo (preference tuning)
+        method (str): lora, qlora (NF4-quantized base), dora, full, dpo (preference tuning), orpo
+            (reference-free preference tuning), kto (unpaired preference tuning) or grpo
+            (reinforcement learning)
         epochs (int): passes over the dataset
         max_steps (int): stop after this many optimizer steps (default: no limit)
         batch_size (int): examples per device per step (default: catalog)
@@ -117,8 +122,24 @@ class FineTune:
         tracker (str): experiment tracker: none, tensorboard, mlflow or wandb
         tracker_uri (str): MLflow tracking URI (http, https or file)
         tracker_project (str): MLflow experiment / W&B project name (default: tunepack)
-        beta (float): method=dpo: how far from the reference (KL weight)
+        beta (float): method=dpo, orpo, kto or grpo: the weight of the preference or KL term (grpo's
+            default is 0.04)
         dpo_loss (str): method=dpo: the loss, sigmoid, ipo or hinge
+        desirable_weight (float): method=kto: the loss weight of desirable answers
+        undesirable_weight (float): method=kto: the loss weight of undesirable answers
+        num_generations (int): method=grpo: answers sampled per prompt (a group; advantages are
+            relative to it)
+        max_new_tokens (int): method=grpo: the longest answer sampled, in tokens (within
+            max_seq_len)
+        temperature (float): method=grpo: sampling temperature of the answers
+        top_p (float): method=grpo: nucleus sampling, the smallest set of tokens holding this
+            probability (1: all)
+        epsilon (float): method=grpo: the clip range of the policy ratio (1 - epsilon, 1 + epsilon)
+        rewards (tuple): method=grpo: the rewards an answer is scored by, name[:weight] summed:
+            exact, match, numeric, format (reward_pattern), length, or an installed plugin's
+            (docs/trainer.md)
+        reward_pattern (str): method=grpo: the regular expression the format reward searches the
+            answer for
         chat_template (str): chat format of chat and instruction data: model (the base model's own
             Hugging Face template) or another format with the same special tokens (docs/trainer.md)
         system_prompt (str): system message for conversations that have none (default: the
@@ -170,6 +191,15 @@ class FineTune:
     tracker_project: str | None = None
     beta: float | None = None
     dpo_loss: str | None = None
+    desirable_weight: float | None = None
+    undesirable_weight: float | None = None
+    num_generations: int | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    epsilon: float | None = None
+    rewards: tuple[str, ...] | list[str] | str | None = None
+    reward_pattern: str | None = None
     chat_template: str | None = None
     system_prompt: str | None = None
     num_nodes: int | None = None

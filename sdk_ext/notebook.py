@@ -131,6 +131,7 @@ class Progress:
     val_loss: float | None = None  # the latest validation loss (runs with val_fraction)
     val_perplexity: float | None = None
     tokens_per_second: float | None = None  # of the latest optimizer step
+    reward: float | None = None  # method=grpo: the latest step's mean reward
 
 
 @dataclass

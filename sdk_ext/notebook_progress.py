@@ -44,6 +44,8 @@ class ProgressBar:
             postfix["loss"] = f"{progress.loss:.4f}"
         if progress and progress.val_loss is not None:
             postfix["val_loss"] = f"{progress.val_loss:.4f}"
+        if progress and progress.reward is not None:
+            postfix["reward"] = f"{progress.reward:.3f}"
         self.bar.set_postfix(**postfix, status=job.status)
 
     def _total(self, total: int, unit: str) -> None:

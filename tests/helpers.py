@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +107,79 @@ def lines_held_back(fd: int):
         if byte == b"\n":
             yield line
             line = b""
+
+
+# ---------------------------------------------------------------- the trainer as its own process
+LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
+
+
+def initialize_workspace(root: Path, dataset: Path, model_dir: Path, model: str = "tiny-llama3"):
+    """Both initializers, as their own processes, from local files into workspace ``root``."""
+    env = {"TUNEPACK_WORKSPACE": str(root), "TUNEPACK_MODEL": model}
+    for module, uri in (
+        ("tunepack.initializers.dataset", dataset),
+        ("tunepack.initializers.model", model_dir),
+    ):
+        done = run_program(module, {**env, "STORAGE_URI": f"file://{uri}"})
+        assert done.returncode == 0, done.stderr
+    return root
+
+
+def trainer_env(workspace: Path, **pet: object) -> dict[str, str]:
+    """The launcher's environment for tiny-llama3 in ``workspace``; ``pet``: torchrun's PET_*
+    settings (nproc_per_node=2 ...). One thread per process: the tests' numbers are the same on
+    every machine."""
+    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update({f"PET_{k.upper()}": str(v) for k, v in pet.items()})
+    return env
+
+
+def launch_trainer(env: dict, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*LAUNCH, *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def step_records(output: Path) -> list[dict]:
+    """The step lines of a run's metrics.jsonl."""
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == "step"]
+
+
+def result_of(workspace: Path) -> dict:
+    return json.loads((workspace / "output" / "result.json").read_text())
+
+
+def adapter_of(workspace: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(workspace / "output" / "adapter" / "adapter_model.safetensors")
+
+
+def kill_9_and_resume(workspace: Path, args: list[str], *, at_step: int, every: int) -> int:
+    """Train in ``workspace`` with a checkpoint every ``every`` steps, SIGKILL the trainer once
+    it reports step ``at_step``, check it left no result, and train again to the end; returns
+    the step of the newest checkpoint the second run resumed from."""
+    args = [*args, f"checkpoint_every_steps={every}"]
+    proc = subprocess.Popen(
+        [*LAUNCH, *args], env=trainer_env(workspace), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    for line in lines_held_back(proc.stdout.fileno()):
+        if line.startswith(b"{") and json.loads(line).get("step", 0) >= at_step:
+            break
+    proc.kill()  # SIGKILL: nothing runs on the way out
+    proc.wait()
+    assert not (workspace / "output" / "result.json").exists()
+    newest = max(int(p.name[5:]) for p in (workspace / "checkpoints").glob("step-*"))
+    assert newest % every == 0 and every <= newest
+    again = launch_trainer(trainer_env(workspace), *args)
+    assert again.returncode == 0, again.stderr
+    return newest

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field, fields
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import methods
 from tunepack.runtimes.catalog import ModelEntry
+from tunepack.trainers import rewards
 from tunepack.trainers.prompt_format import check_chat_template, check_system_prompt
+from tunepack.trainers.rewards import Weighted
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
@@ -50,7 +52,9 @@ class Rule:
     """What a parser accepts, as data. The parser's message ends in ``expected``; the admission
     policy (``tunepack.tools.admission``) writes its CEL checks and messages from the rest."""
 
-    kind: str  # int, float, bool, auto_bool, choice, subset, uri, name, or model (see parse_...)
+    # int, float, bool, auto_bool, choice, subset, uri, name, rewards (name[:weight],...),
+    # pattern (a regular expression: its length) or model (checked in parse_trainer_args)
+    kind: str
     expected: str = ""  # "<key>=<value> is not valid: expected <this>"
     lo: float | None = None
     hi: float | None = None
@@ -313,9 +317,76 @@ VOCABULARY: tuple[Arg, ...] = (
         "tunepack",
     ),
     Arg(
-        "beta", _float(0.0, lo_open=True), "method=dpo: how far from the reference (KL weight)", 0.1
+        "beta",
+        _float(0.0, lo_open=True),
+        "method=dpo, orpo, kto or grpo: the weight of the preference or KL term (grpo's "
+        "default is 0.04)",
+        0.1,
     ),
     Arg("dpo_loss", _choice(DPO_LOSSES), "method=dpo: the loss, sigmoid, ipo or hinge", "sigmoid"),
+    Arg(
+        "desirable_weight",
+        _float(0.0, lo_open=True),
+        "method=kto: the loss weight of desirable answers",
+        1.0,
+    ),
+    Arg(
+        "undesirable_weight",
+        _float(0.0, lo_open=True),
+        "method=kto: the loss weight of undesirable answers",
+        1.0,
+    ),
+    Arg(
+        "num_generations",
+        _int(2, 64),
+        "method=grpo: answers sampled per prompt (a group; advantages are relative to it)",
+        4,
+    ),
+    Arg(
+        "max_new_tokens",
+        _int(1, 32768),
+        "method=grpo: the longest answer sampled, in tokens (within max_seq_len)",
+        64,
+    ),
+    Arg(
+        "temperature",
+        _float(0.0, 10.0, lo_open=True),
+        "method=grpo: sampling temperature of the answers",
+        1.0,
+    ),
+    Arg(
+        "top_p",
+        _float(0.0, 1.0001, lo_open=True),
+        "method=grpo: nucleus sampling, the smallest set of tokens holding this probability "
+        "(1: all)",
+        1.0,
+    ),
+    Arg(
+        "epsilon",
+        _float(0.0, 1.0, lo_open=True),
+        "method=grpo: the clip range of the policy ratio (1 - epsilon, 1 + epsilon)",
+        0.2,
+    ),
+    Arg(
+        "rewards",
+        _ruled(rewards.parse, Rule("rewards", rewards.EXPECTED)),
+        "method=grpo: the rewards an answer is scored by, name[:weight] summed: exact, match, "
+        "numeric, format (reward_pattern), length, or an installed plugin's (docs/trainer.md)",
+        (rewards.Weighted(rewards.DEFAULT, 1.0),),
+    ),
+    Arg(
+        "reward_pattern",
+        _ruled(
+            rewards.parse_pattern,
+            Rule(
+                "pattern",
+                f"a regular expression of at most {rewards.PATTERN_MAX} characters",
+                hi=rewards.PATTERN_MAX,
+            ),
+        ),
+        "method=grpo: the regular expression the format reward searches the answer for",
+        "",
+    ),
     Arg(
         "chat_template",
         _as_given,
@@ -375,6 +446,15 @@ class TrainArgs:
     tracker_project: str
     beta: float
     dpo_loss: str
+    desirable_weight: float
+    undesirable_weight: float
+    num_generations: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    epsilon: float
+    rewards: tuple[Weighted, ...]
+    reward_pattern: str
     chat_template: str
     system_prompt: str
     # generated from VOCABULARY: end
@@ -514,6 +594,7 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     # for a key the method owns (Method.owns), the method's before the catalog entry's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
     resolved["lr"] = method.lr
+    resolved.update(method.defaults)
     resolved.update(
         {k: v for k, v in entry.defaults.items() if k in resolved and k not in method.owns}
     )
@@ -528,11 +609,11 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         )
     if resolved["packed"] and entry.family.no_packing:
         raise BadInputError(no_packing_message(entry.name, entry.family.no_packing))
-    for owner in methods.METHODS.values():
-        if owner is not method and (only := [k for k in owner.keys if k in values]):
+    for owners, keys in methods.key_groups().items():
+        if method.name not in owners and (only := [k for k in keys if k in values]):
             given = ", ".join(f"{k}={pairs[k]}" for k in only)
             raise BadInputError(
-                method_only_message(given, " and ".join(only), owner.name, method.name)
+                method_only_message(given, " and ".join(only), methods.either(owners), method.name)
             )
     if resolved["packed"] and values.get("group_by_length"):
         raise BadInputError(PACKED_WITH_GROUP_BY_LENGTH)
@@ -541,6 +622,14 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     resolved["chat_template"] = check_chat_template(entry.family.name, resolved["chat_template"])
     if "system_prompt" in pairs:
         check_system_prompt(resolved["system_prompt"], resolved["chat_template"])
+    if method.sequences_key:
+        _check_generation(resolved, entry)
+    if method.loss is methods.Loss.KTO and resolved["batch_size"] < 2:
+        raise BadInputError(
+            f"batch_size={resolved['batch_size']} is too small for method=kto: its reference "
+            "point comes from each batch's prompts paired with other rows' answers; use "
+            "batch_size=2 or more"
+        )
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
         raise BadInputError(unused_tracker_uri_message(resolved["tracker"]))
     names = {f.name for f in fields(TrainArgs)} - {"given"}
@@ -548,6 +637,34 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     if missing:  # a catalog entry without a default for a required key is a tunepack bug
         raise RuntimeError(f"catalog entry {entry.name} has no default for {missing}")
     return TrainArgs(**{n: resolved[n] for n in names}, given=pairs)
+
+
+def _check_generation(resolved: dict, entry: ModelEntry) -> None:
+    """A generating method's arguments against each other: the answers fit max_seq_len, and the
+    format reward has its pattern."""
+    if resolved["max_new_tokens"] >= resolved["max_seq_len"]:
+        raise BadInputError(
+            f"max_new_tokens={resolved['max_new_tokens']} leaves no room for the prompt in "
+            f"max_seq_len={resolved['max_seq_len']} (a prompt and its answer share it): lower "
+            "max_new_tokens or raise max_seq_len"
+        )
+    if resolved["compile"] is True:
+        raise BadInputError(
+            f"compile=true is not available with method={resolved['method']}: answers are "
+            "generated one token at a time into a growing cache, a new shape for torch.compile "
+            "at every token; leave compile out"
+        )
+    named = {w.name for w in resolved["rewards"]}
+    if "format" in named and not resolved["reward_pattern"]:
+        raise BadInputError(
+            "rewards=format needs reward_pattern, the regular expression an answer must match "
+            "(for example reward_pattern='^\\d+$')"
+        )
+    if resolved["reward_pattern"] and "format" not in named:
+        raise BadInputError(
+            f"reward_pattern is only read by the format reward, but rewards="
+            f"{rewards.spelled(resolved['rewards'])}: add format to rewards or drop reward_pattern"
+        )
 
 
 def activation_checkpointing_on(setting: str | bool, device: str) -> bool:

@@ -22,7 +22,7 @@ def vocabulary_table() -> list[tuple[str, str, str]]:
     for arg in VOCABULARY:
         default = arg.default
         if isinstance(default, tuple):
-            default = ",".join(default)
+            default = ",".join(map(str, default))
         elif isinstance(default, bool):
             default = str(default).lower()
         rows.append((arg.name, "catalog/method" if default is None else str(default), arg.help))

@@ -213,7 +213,16 @@ class Outcome:
     published_step: int
     eval_time_s: float
     evaluations: int
-    dpo_metrics: dict  # DPO's rewards of the last step (empty for the other methods)
+    method_metrics: dict  # DPO's or GRPO's metrics of the last step (empty for the others)
+
+
+def _method_section(cfg: DictConfig, run: Outcome) -> dict:
+    """A method with a loss of its own (DPO, GRPO): its settings and last step's metrics, under
+    the loss's name (the config node of the same name holds the settings)."""
+    loss = methods.get(cfg.method).loss
+    if loss is methods.Loss.CROSS_ENTROPY:
+        return {}
+    return {loss.value: {**OmegaConf.to_container(cfg[loss.value]), **run.method_metrics}}
 
 
 def write_result(
@@ -252,11 +261,7 @@ def write_result(
         # the vLLM manifest prompt the model the same way.
         "chat_template": cfg.tokenizer.get("chat_template"),
         "system_prompt": cfg.tokenizer.get("system_prompt"),
-        **(
-            {"dpo": {**OmegaConf.to_container(cfg.dpo), **run.dpo_metrics}}
-            if methods.get(cfg.method).loss is methods.Loss.DPO
-            else {}
-        ),
+        **_method_section(cfg, run),
         "config_digest": result_digest(cfg),
         "identity": result_identity(cfg),
         **(extra or {}),

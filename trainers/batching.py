@@ -187,3 +187,12 @@ def _pack(samples: list[dict], max_seq_len: int, padding_idx: int) -> dict[str, 
         "input_pos": input_pos,
         "seq_lens": torch.tensor(seq_lens),
     }
+
+
+def real_positions(labels: torch.Tensor) -> int:
+    """The positions of a batch that hold example tokens: each row up to its last labelled one
+    (padding, and a pack's unused tail, is unlabelled and comes last; an example ends with its
+    labelled end-of-turn token). ``labels`` as collated, before the shift."""
+    labelled = labels != CROSS_ENTROPY_IGNORE_IDX
+    from_end = labelled.flip(1).int().argmax(dim=1)  # unlabelled positions after the last label
+    return int(torch.where(labelled.any(dim=1), labels.size(1) - from_end, 0).sum())

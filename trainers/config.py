@@ -19,6 +19,7 @@ from tunepack.core.errors import BadInputError
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
+from tunepack.trainers import rewards
 from tunepack.trainers.args import (
     TrainArgs,
     activation_checkpointing_on,
@@ -31,6 +32,8 @@ DATASET_BUILDERS = {
     "chat": "torchtune.datasets.chat_dataset",
     "text": "torchtune.datasets.text_completion_dataset",
     "preference": "torchtune.datasets.preference_dataset",
+    "prompt": "tunepack.trainers.grpo.prompt_dataset",  # prompts to sample answers to
+    "unpaired": "tunepack.trainers.kto.unpaired_dataset",  # answers labelled good or bad
 }
 # Builder keywords per schema: the initializer writes chat rows as OpenAI-style "messages" and
 # text rows as "text"; text completion has no prompt to mask, so no train_on_input.
@@ -43,6 +46,8 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
     },
     "text": {"column": "text"},
     "preference": {"train_on_input": True},  # chosen/rejected conversations
+    "prompt": {},
+    "unpaired": {},
 }
 
 
@@ -288,9 +293,29 @@ def build_config(
     if methods.get(args.method).loss is methods.Loss.DPO:
         # only here: other methods' run identities stay as they were
         cfg["dpo"] = {"beta": args.beta, "loss": args.dpo_loss}
+    if methods.get(args.method).loss is methods.Loss.ORPO:
+        cfg["orpo"] = {"beta": args.beta}
+    if methods.get(args.method).loss is methods.Loss.KTO:
+        cfg["kto"] = {
+            "beta": args.beta,
+            "desirable_weight": args.desirable_weight,
+            "undesirable_weight": args.undesirable_weight,
+        }
+    if methods.get(args.method).loss is methods.Loss.GRPO:
+        cfg["grpo"] = {
+            "num_generations": args.num_generations,
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "beta": args.beta,
+            "epsilon": args.epsilon,
+            "rewards": rewards.spelled(args.rewards),
+            "reward_pattern": args.reward_pattern,
+        }
+        cfg["dataset"]["max_new_tokens"] = args.max_new_tokens
     # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
     # content is in dataset_sha256 already).
-    if own_validation:
+    if own_validation and has_validation:
         cfg["validation"] = {"data_files": [str(dataset_dir / val_file)]}
     elif has_validation:
         cfg["validation"] = {"fraction": args.val_fraction}
@@ -299,6 +324,20 @@ def build_config(
 
 def _check_validation(args: TrainArgs, own_validation: dict | None) -> bool:
     """Whether the run evaluates on held-out rows; refuses settings that contradict the data."""
+    method = methods.get(args.method)
+    if not method.validates:
+        given = [
+            f"{k}={args.given[k]}"
+            for k in ("val_fraction", "eval_every_steps", "keep_best")
+            if k in args.given
+        ]
+        if given:
+            raise BadInputError(
+                f"{', '.join(given)}: method={method.name} has no validation loss to compute "
+                "(its progress is the reward in each step's metrics); leave "
+                f"{'it' if len(given) == 1 else 'them'} out"
+            )
+        return False  # a dataset's own validation split is not read
     if own_validation and args.val_fraction > 0:
         raise BadInputError(
             f"val_fraction={args.val_fraction} would hold out training rows, but the dataset has "

@@ -65,6 +65,10 @@ class DPO:
         if self.loss not in LOSSES:  # the argument parser allows only these
             raise ValueError(f"unknown DPO loss {self.loss!r}")
         self.batch_stats: list[float] = [0.0] * len(STAT_NAMES)
+        self.stat_names = STAT_NAMES
+
+    def start_step(self, step: int) -> None:
+        """Nothing depends on the step here (GRPO's sampling does)."""
 
     def _logps(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor):
         summed, counted = answer_logps(model(tokens), labels)

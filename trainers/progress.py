@@ -35,8 +35,9 @@ class RunProgress:
     best_step: int | None = None
     eval_time_s: float = 0.0
     eval_count: int = 0
-    # DPO's reward metrics of the last step; not saved: the next step sets them again.
-    dpo_metrics: dict[str, float] = field(default_factory=dict)
+    # The method's own metrics of the last step (DPO's and GRPO's rewards); not saved: the next
+    # step sets them again.
+    method_metrics: dict[str, float] = field(default_factory=dict)
 
     def add_step(self, loss: float, tokens: int, *, epoch_done: bool) -> None:
         """Count one optimizer step: its loss per token and the tokens it trained on."""

@@ -57,14 +57,20 @@ from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
 from tunepack.runtimes import methods
 from tunepack.runtimes.methods import Loss
 from tunepack.trainers import (
+    adapter_init,
     artifacts,
     batching,
     checkpoint,
     compiling,
     distributed,
     dpo,
+    grpo,
+    kto,
+    moe,
+    orpo,
     vocab_loss,
 )
+from tunepack.trainers.batching import real_positions
 from tunepack.trainers.config import (
     DATASET_BUILDERS,
     identity_changes,
@@ -81,6 +87,12 @@ TEXT_BUILDER = DATASET_BUILDERS["text"]  # torchtune keeps max_seq_len - 1 token
 # The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
 # seed= says, on every rank and every restart.
 VALIDATION_SEED = 0x5EED
+
+
+# A method's loss of its own, over the LoRA model (and, but for ORPO, its adapter-less
+# reference): ``forward`` gives a micro-batch's summed loss and its count (pairs, answers) and
+# leaves the sums its ``metrics`` are made of in ``batch_stats``.
+Objective = dpo.DPO | orpo.ORPO | kto.KTO | grpo.GRPO
 
 
 class NonFiniteLoss(TransientError):
@@ -141,8 +153,9 @@ class FineTuneRecipe:
         self.method = methods.get(cfg.method)
         self.is_lora = self.method.adapters
         self.digest = run_digest(cfg)
-        # Preference tuning: the DPO loss over the LoRA model and its adapter-less reference.
-        self.dpo = dpo.DPO(cfg.dpo.beta, cfg.dpo.loss) if self.method.loss is Loss.DPO else None
+        # The method's own loss (Objective), set up with the tokenizer; None: next-token
+        # cross-entropy.
+        self.objective: Objective | None = None
         self.stop_requested = False  # set by the SIGTERM handler; honoured after each step
         # compile=auto decides in setup, once the planned work is known; a resume keeps the choice
         # its checkpoint records.
@@ -169,6 +182,7 @@ class FineTuneRecipe:
         cfg = self.cfg
         training.set_seed(seed=cfg.seed)  # seed + rank on each rank, as torchtune does
         self.tokenizer = config.instantiate(cfg.tokenizer)
+        self.objective = self._objective()
         self.dataloader = self._setup_data()
 
         # Micro-batches that make whole optimizer steps; a ragged remainder is left out.
@@ -191,8 +205,8 @@ class FineTuneRecipe:
         self.model = self._setup_model(self._load_base_weights())
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
         # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
-        # allows it; DPO reads log-probabilities from the logits.
-        self.fused_loss = self.dpo is None and vocab_loss.supports(self.model)
+        # allows it; the methods with a loss of their own read log-probabilities from the logits.
+        self.fused_loss = self.objective is None and vocab_loss.supports(self.model)
         if self.compiled and not self.fused_loss:
             self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
 
@@ -217,6 +231,20 @@ class FineTuneRecipe:
                 self.total_steps,
                 self.progress.step,
             )
+
+    def _objective(self) -> Objective | None:
+        cfg = self.cfg
+        if self.method.loss is Loss.DPO:
+            return dpo.DPO(cfg.dpo.beta, cfg.dpo.loss)
+        if self.method.loss is Loss.ORPO:
+            return orpo.ORPO(cfg.orpo.beta)
+        if self.method.loss is Loss.KTO:
+            node = cfg.kto
+            return kto.KTO(node.beta, node.desirable_weight, node.undesirable_weight)
+        if self.method.loss is Loss.GRPO:
+            settings = grpo.Settings.from_config(cfg.grpo, cfg.seed)
+            return grpo.GRPO(settings, self.tokenizer, distributed=self.topo.distributed)
+        return None
 
     def _load_base_weights(self) -> dict[str, torch.Tensor]:
         """The base model's full state dict, on the ranks that need it.
@@ -313,6 +341,8 @@ class FineTuneRecipe:
             base_missing=missing,
             base_unexpected=unexpected,
         )
+        # The same fresh adapters on one process or many (trainers/adapter_init.py).
+        adapter_init.initialize(model, self.cfg.seed)
         # DoRA's magnitude starts as the norm of the base weight it scales: only now known.
         for module in model.modules():
             if hasattr(module, "initialize_dora_magnitude"):
@@ -338,8 +368,14 @@ class FineTuneRecipe:
             self.val_indices = list(range(len(self.val_dataset)))
         elif validation:
             dataset = self._hold_out(dataset, float(validation.fraction))
-        if self.dpo is not None:
+        if self.method.data is methods.PREFERENCE:
             collate = partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
+        elif self.method.data is methods.UNPAIRED:
+            collate = partial(kto.collate, padding_idx=self.tokenizer.pad_id)
+        elif self.method.data is methods.PROMPTS:
+            collate = grpo.collate
+            if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
+                raise BadInputError(problem)
         else:
             collate = partial(
                 padded_collate_sft,
@@ -405,6 +441,8 @@ class FineTuneRecipe:
         """compile=true/false as given; compile=auto from the planned work (trainers/compiling.py),
         or as the checkpoint resumed from records."""
         cfg = self.cfg
+        if self.method.sequences_key:  # generation: a new shape at every token (args refuse true)
+            return False
         if cfg.compile == "auto" and found is not None:
             recorded = checkpoint.read_manifest(found).get("compiled")
             if recorded is not None:
@@ -464,11 +502,15 @@ class FineTuneRecipe:
     # ---------------------------------------------------------------- train
     def _loss_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Summed next-token loss over the batch, on the device, and the number of tokens it
-        counts, counted on the host from the collated batch (DPO: the summed loss of its pairs
-        and their number). Nothing here waits for the device."""
+        counts, counted on the host from the collated batch (a method's own loss: the summed loss
+        of its pairs or answers, and their number). Nothing here waits for the device."""
+        if isinstance(self.objective, grpo.GRPO):
+            loss_and_count = self.objective.forward(self.model, batch, self.device)
+            self.batch_fill = self.objective.fill
+            return loss_and_count
         self.batch_fill = (real_positions(batch["labels"]), batch["tokens"].numel())
-        if self.dpo is not None:
-            return self.dpo.forward(self.model, batch, self.device)
+        if self.objective is not None:
+            return self.objective.forward(self.model, batch, self.device)
         # Predict token t+1 from position t: shift labels left, ignore the last position.
         labels = batch["labels"]
         ignore = torch.full_like(labels[:, :1], CROSS_ENTROPY_IGNORE_IDX)
@@ -531,7 +573,8 @@ class FineTuneRecipe:
         loss_sum, tokens, fill, stats = self._accumulate(micro_batches)
         # One collective per step: the loss and token sums of every rank, whether any rank was
         # asked to stop, and whether rank 0's clock says a checkpoint is due.
-        # (DPO: "tokens" are pairs here, its stats add the step's real token count.)
+        # (A method's own loss: "tokens" are pairs or answers here; its stats start with the real
+        # token count.)
         total_loss, total_tokens, stops, due, real, computed, *stats = distributed.all_reduce_sum(
             [
                 float(loss_sum),
@@ -547,8 +590,8 @@ class FineTuneRecipe:
             self._non_finite_loss(total_loss)
         self._update(total_tokens)
         loss = total_loss / max(total_tokens, 1.0)
-        if self.dpo is not None:
-            self.progress.dpo_metrics = self.dpo.metrics(stats, total_tokens)
+        if self.objective is not None:
+            self.progress.method_metrics = self.objective.metrics(stats, total_tokens)
             total_tokens = stats[0]
         usable = self.steps_per_epoch * self.cfg.gradient_accumulation_steps
         self.progress.add_step(
@@ -567,19 +610,23 @@ class FineTuneRecipe:
     ) -> tuple[torch.Tensor | float, int, list[int], list[float]]:
         """Forward and backward over this rank's micro-batches of one step, the gradients adding
         up: the summed loss (on the device, read once per step), the tokens it counts, the
-        (real, computed) positions and, for DPO, the summed stats."""
+        (real, computed) positions and, for a method's own loss, the summed stats."""
         loss_sum, tokens, fill = 0.0, 0, [0, 0]
-        stats = [0.0] * len(dpo.STAT_NAMES) if self.dpo else []
+        stats = [0.0] * len(self.objective.stat_names) if self.objective else []
+        if self.objective is not None:
+            self.objective.start_step(self.progress.step)
         # Up to the step's boundary, counted in the epoch: a run resumed with another world size
         # may start part-way through a step.
         for batch in micro_batches:
             loss, n_tokens = self._loss_and_tokens(batch)
+            # Qwen3-MoE: + its routers' load-balancing loss (trainers/moe.py; 0 for other models).
+            loss = loss + moe.router_aux_loss(self.model, batch.get("labels"), n_tokens)
             loss.backward()
             loss_sum += loss.detach().double()
             tokens += n_tokens
             fill = [a + b for a, b in zip(fill, self.batch_fill, strict=True)]
-            if self.dpo is not None:
-                stats = [a + b for a, b in zip(stats, self.dpo.batch_stats, strict=True)]
+            if self.objective is not None:
+                stats = [a + b for a, b in zip(stats, self.objective.batch_stats, strict=True)]
             self.progress.batch_in_epoch += 1
             if self.progress.batch_in_epoch % self.cfg.gradient_accumulation_steps == 0:
                 break
@@ -673,7 +720,7 @@ class FineTuneRecipe:
                 "tokens_per_second": round(tokens_per_s, 1),
                 "peak_memory_gib": round(peak_memory_gib(self.device), 3),
                 "step": progress.step,
-                **progress.dpo_metrics,
+                **progress.method_metrics,
             }
             attempt.reporter.update(
                 100 * progress.step // self.total_steps,
@@ -693,7 +740,7 @@ class FineTuneRecipe:
                 "tokens_per_second": round(tokens_per_s, 1),
                 "peak_memory_gib": round(peak_memory_gib(self.device), 3),
                 "elapsed_s": round(attempt.wall_time_s(), 3),
-                **progress.dpo_metrics,
+                **progress.method_metrics,
             }
             if step.fill is not None:
                 record["fill"] = round(step.fill, 4)
@@ -703,7 +750,7 @@ class FineTuneRecipe:
                 "loss": progress.last_loss,
                 "lr": lr,
                 "tokens_per_second": tokens_per_s,
-                **progress.dpo_metrics,
+                **progress.method_metrics,
             },
             progress.step,
         )
@@ -893,7 +940,7 @@ class FineTuneRecipe:
             published_step=published_step,
             eval_time_s=progress.eval_time_s,
             evaluations=progress.eval_count,
-            dpo_metrics=progress.dpo_metrics,
+            method_metrics=progress.method_metrics,
         )
 
 
@@ -945,15 +992,6 @@ def _metrics_up_to(path: Path, step: int) -> list[str]:
             continue
         kept.append(line)
     return kept
-
-
-def real_positions(labels: torch.Tensor) -> int:
-    """The positions of a batch that hold example tokens: each row up to its last labelled one
-    (padding, and a pack's unused tail, is unlabelled and comes last; an example ends with its
-    labelled end-of-turn token). ``labels`` as collated, before the shift."""
-    labelled = labels != CROSS_ENTROPY_IGNORE_IDX
-    from_end = labelled.flip(1).int().argmax(dim=1)  # unlabelled positions after the last label
-    return int(torch.where(labelled.any(dim=1), labels.size(1) - from_end, 0).sum())
 
 
 def _perplexity(loss: float) -> float:

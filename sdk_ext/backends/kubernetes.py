@@ -386,6 +386,7 @@ def progress_from_status(trainer_status: dict | None) -> Progress | None:
         val_loss=_number(metrics.get("val_loss")),
         val_perplexity=_number(metrics.get("val_perplexity")),
         tokens_per_second=_number(metrics.get("tokens_per_second")),
+        reward=_number(metrics.get("reward_mean")),
     )
 
 

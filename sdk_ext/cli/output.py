@@ -39,6 +39,8 @@ def progress_line(p, finished: bool) -> str:
         line += f"  loss {p.loss:.4f}"
     if p.val_loss is not None:
         line += f"  val_loss {p.val_loss:.4f}"
+    if p.reward is not None:
+        line += f"  reward {p.reward:.3f}"
     if p.tokens_per_second is not None:
         line += f"  {p.tokens_per_second:.0f} tokens/s"
     if p.estimated_remaining_seconds is not None and not finished:
@@ -89,6 +91,12 @@ def print_summary(
         print(
             f"  rewards     margin {dpo['reward_margin']:.4f}, accuracy "
             f"{dpo['reward_accuracy']:.2f} (last step)"
+        )
+    grpo = result.get("grpo") or {}
+    if "reward_mean" in grpo:  # method=grpo: how its answers score
+        print(
+            f"  rewards     {grpo['reward_mean']:.3f} mean, {grpo['reward_std']:.3f} std, answers "
+            f"{grpo['completion_length']:.1f} tokens (last step; every step in metrics.jsonl)"
         )
     if result.get("val_loss") is not None:
         kept = ", published" if result.get("keep_best") else ""

@@ -113,8 +113,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-dataset", help="write a small instruction dataset (offline)")
     p.add_argument("file", help="the JSON Lines file to write (e.g. data/instructions.jsonl)")
-    p.add_argument(
-        "--preference", action="store_true", help="preference pairs for method=dpo instead"
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument(
+        "--preference",
+        action="store_true",
+        help="preference pairs for method=dpo or orpo instead",
+    )
+    kind.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="answers labelled desirable or undesirable for method=kto instead",
+    )
+    kind.add_argument(
+        "--prompts",
+        action="store_true",
+        help="prompts with verifiable answers (sums) for method=grpo instead",
     )
     p.add_argument("--rows", type=int, default=256, help="number of rows (default 256)")
     p.add_argument(
@@ -207,6 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="plan with (or without) activation checkpointing, which recomputes activations "
         "for less memory (default: with, as the trainer runs on a GPU)",
+    )
+    p.add_argument(
+        "--num-generations",
+        type=int,
+        help="answers sampled per prompt (method grpo; default 4)",
     )
     p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
     p.set_defaults(func=cmd_plan)

@@ -24,7 +24,11 @@ def cmd_tiny_model(ns: argparse.Namespace) -> int:
 def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
     from tunepack.tiny import write_tiny_dataset
-    from tunepack.tiny.dataset import write_tiny_preference_dataset
+    from tunepack.tiny.dataset import (
+        write_tiny_preference_dataset,
+        write_tiny_prompt_dataset,
+        write_tiny_unpaired_dataset,
+    )
 
     if os.path.isdir(ns.file):
         raise BadInputError(
@@ -32,9 +36,15 @@ def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
             f"(e.g. {os.path.join(ns.file, 'instructions.jsonl')})"
         )
     with _writing(ns.file, "a path for the dataset file"):
-        write = write_tiny_preference_dataset if ns.preference else write_tiny_dataset
+        if ns.preference:
+            write, kind = write_tiny_preference_dataset, "preference dataset (for method=dpo)"
+        elif ns.unpaired:
+            write, kind = write_tiny_unpaired_dataset, "unpaired dataset (for method=kto)"
+        elif ns.prompts:
+            write, kind = write_tiny_prompt_dataset, "prompt dataset (for method=grpo)"
+        else:
+            write, kind = write_tiny_dataset, "dataset"
         path = write(Path(ns.file), rows=ns.rows, seed=ns.seed)
-    kind = "preference dataset (for method=dpo)" if ns.preference else "dataset"
     print(f"tiny {kind} ready at {path}")
     return 0
 
@@ -71,6 +81,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method {ns.method} trains every "
             "weight and has no adapters; leave out --lora-rank, or use --method lora"
         )
+    if ns.num_generations is not None and not methods.get(ns.method).sequences_key:
+        raise BadInputError(
+            f"--num-generations {ns.num_generations} is a setting of method grpo, but --method "
+            f"{ns.method} samples no answers; leave it out, or use --method grpo"
+        )
     entry = model_entry(ns.model, ns.model_dir)  # a -custom runtime's config.json, read once
     seq_len, note = ns.seq_len, None
     if seq_len is None:
@@ -90,6 +105,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         gpus_per_node=ns.gpus_per_node,
         activation_checkpointing=ns.activation_checkpointing,
         lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
+        num_generations=4 if ns.num_generations is None else ns.num_generations,
     )
     print(estimate.summary())
     if note:

@@ -296,6 +296,7 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: pl
         lora_attn_modules=tuple(args.lora_attn_modules),
         lora_mlp=args.lora_mlp,
         grad_accum=args.grad_accum,
+        num_generations=args.num_generations,
     )
     if estimate.fits:
         return estimate

@@ -101,6 +101,35 @@ def tiny_preference_rows(rows: int = 64, seed: int = 0) -> list[dict[str, str]]:
     return pairs
 
 
+def tiny_unpaired_rows(rows: int = 64, seed: int = 0) -> list[dict[str, object]]:
+    """The tiny preference pairs as unpaired rows for method=kto (``prompt``, ``completion``,
+    ``label``): the right answer (desirable) and the subject repeated (undesirable) take turns,
+    each prompt appearing once."""
+    out = []
+    for i, pair in enumerate(tiny_preference_rows(rows, seed)):
+        good = i % 2 == 0
+        answer = pair["chosen"] if good else pair["rejected"]
+        out.append({"prompt": pair["prompt"], "completion": answer, "label": good})
+    return out
+
+
+def tiny_prompt_rows(rows: int = 64, seed: int = 0) -> list[dict[str, str]]:
+    """Prompts with verifiable answers for method=grpo (``prompt``, ``answer``): sums of two
+    numbers from 0 to 20, asked to be answered with the number alone. ``rewards=numeric`` checks
+    the sum; ``rewards=format`` with ``reward_pattern='^[0-9]'`` checks that an answer starts with
+    a number, which a tiny random model does now and then, so GRPO has a signal from its first
+    steps."""
+    check_int("rows", rows, minimum=1)
+    rng = random.Random(check_int("seed", seed))
+    out = []
+    for _ in range(rows):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        out.append(
+            {"prompt": f"What is {a} plus {b}? Answer with the number.", "answer": str(a + b)}
+        )
+    return out
+
+
 def _rows(rows: int, seed: int) -> list[dict[str, str]]:
     check_int("rows", rows, minimum=1)
     rng = random.Random(check_int("seed", seed))
@@ -128,8 +157,20 @@ def write_tiny_dataset(path: Path, rows: int = 256, seed: int = 0) -> Path:
 
 def write_tiny_preference_dataset(path: Path, rows: int = 64, seed: int = 0) -> Path:
     """Write ``tiny_preference_rows`` as JSONL at ``path`` (atomically) and return the path."""
-    path = Path(path)
-    records = tiny_preference_rows(rows, seed)
+    return _write_rows(Path(path), tiny_preference_rows(rows, seed))
+
+
+def write_tiny_prompt_dataset(path: Path, rows: int = 64, seed: int = 0) -> Path:
+    """Write ``tiny_prompt_rows`` as JSONL at ``path`` (atomically) and return the path."""
+    return _write_rows(Path(path), tiny_prompt_rows(rows, seed))
+
+
+def write_tiny_unpaired_dataset(path: Path, rows: int = 64, seed: int = 0) -> Path:
+    """Write ``tiny_unpaired_rows`` as JSONL at ``path`` (atomically) and return the path."""
+    return _write_rows(Path(path), tiny_unpaired_rows(rows, seed))
+
+
+def _write_rows(path: Path, records: list[dict]) -> Path:
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     _write_atomic(path, text.encode("utf-8"))
     return path

@@ -36,12 +36,14 @@ import argparse
 import re
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import yaml
 
 from tunepack.runtimes import catalog, methods
 from tunepack.trainers import args as vocab
+from tunepack.trainers import rewards
 
 POLICY_NAME = "tunepack-trainjob-arguments"
 API_VERSION = "admissionregistration.k8s.io/v1"
@@ -93,6 +95,10 @@ def _first(where: str, of: str = "variables.kv", pick: str = "p[1]") -> str:
     return f"{of}.filter(p, {where}).map(p, {pick})[0]"
 
 
+def _method_only(owners: str, given: str, keys: str, method: str) -> str:
+    return vocab.method_only_message(given, keys, owners, method)
+
+
 def value_check(rule: vocab.Rule, v: str) -> str | None:
     """CEL, in parentheses: whether the string ``v`` is a value ``rule`` accepts (None: not
     checked here)."""
@@ -134,6 +140,13 @@ def _value_check(rule: vocab.Rule, v: str) -> str | None:
         # str.isalnum(), '-', '_', '.'
         pattern = r"^[\pL\pN._-]{" + f"{int(rule.lo)},{int(rule.hi)}" + "}$"
         return f"{v}.matches({q(pattern)})"
+    if rule.kind == "rewards":  # the names' and weights' shape; the trainer resolves the names
+        name = rewards.NAME_PATTERN
+        weight = r"(\s*:\s*[-+]?[0-9._eE+-]+)?"
+        one = rf"\s*{name}{weight}\s*"
+        return f"{v}.matches({q('^' + one + '(,' + one + ')*$')})"
+    if rule.kind == "pattern":  # Python's regular expressions are not CEL's: the length only
+        return f"{v}.size() <= {int(rule.hi)}"
     if rule.kind == "model":
         return None
     raise ValueError(f"no CEL check for rule kind {rule.kind!r}")
@@ -353,15 +366,13 @@ def _validations() -> list[dict]:
             ),
         )
     )
-    for owner in (m for m in methods.METHODS.values() if m.keys):
-        only = f"p[0] in {cel_list(owner.keys)}"
+    for owners, keys in methods.key_groups().items():
+        only = f"p[0] in {cel_list(keys)}"
         out.append(
             _check(
-                f"variables.method == {q(owner.name)} || !variables.kv.exists(p, {only})",
+                f"variables.method in {cel_list(owners)} || !variables.kv.exists(p, {only})",
                 cel_message(
-                    lambda given, keys, method, owner=owner.name: vocab.method_only_message(
-                        given, keys, owner, method
-                    ),
+                    partial(_method_only, methods.either(owners)),
                     f"variables.kv.filter(p, {only}).map(p, p[0] + '=' + p[1]).join(', ')",
                     f"variables.kv.filter(p, {only}).map(p, p[0]).join(' and ')",
                     "variables.method",

@@ -38,6 +38,14 @@ activations and logits count ``2 * s * b`` tokens. Its reference forward pass (a
 gradient) keeps no activations and is reduced to one number per sequence before the policy's
 pass starts, so it adds compute (about a third more per sequence), not peak memory.
 
+GRPO (``grpo``) trains on ``num_generations`` sampled answers per prompt, each a sequence of up
+to ``s`` tokens (prompt and answer): its activations and logits count ``G * s * b`` tokens, the
+whole logits (log-probabilities of the sampled tokens). It adds a fourth moment, ``generation``:
+the KV cache of every answer being sampled (keys and values of each layer for ``G * b``
+sequences of ``s`` tokens, in the dtype) and one position's fp32 logits per answer with what
+sampling makes of them (probabilities, their sorted copy and its cumulative sum, the order);
+the cache is freed before the loss's forward passes. Its reference pass, as DPO's, adds compute.
+
 The estimate is what ``torch.cuda.max_memory_allocated`` measures; for "fits" it is compared with
 the GPU's memory less ``CUDA_RESERVE_GIB`` (CUDA context, allocator fragmentation).
 """
@@ -156,15 +164,20 @@ class Plan:
     # ``weights``: all are held, whichever tokens use them), per device. None/0 for dense ones.
     active_parameters: int | None = None
     expert_weights: float = 0.0
+    # A generating method (GRPO): its KV cache and sampling buffers, while answers are sampled.
+    generation: float = 0.0
 
     def moments(self) -> dict[str, float]:
         """What each moment of a step holds on top of the weights and the optimizer's states."""
         at_loss = self.gradients if self.gradients_at_loss else 0.0
-        return {
+        moments = {
             "backward": self.gradients + self.activations,
             "loss": at_loss + self.kept + self.logits,
             "update": self.gradients + self.update,
         }
+        if self.generation:  # between micro-batches: gradients only with gradient accumulation
+            moments["generation"] = at_loss + self.generation
+        return moments
 
     @property
     def peak_moment(self) -> str:
@@ -195,6 +208,7 @@ class Plan:
             ("activations", self.activations),
             ("logits", self.logits),
             ("update", self.update),
+            *([("generation", self.generation)] if self.generation else []),
         ]
         head = (
             f"{self.model} {self.method}, seq_len {self.seq_len}, batch {self.batch_size}/device, "
@@ -207,10 +221,18 @@ class Plan:
         if moment == "loss":
             parts = "weights + optimizer + " + ("gradients + " if self.gradients_at_loss else "")
             parts += f"the kept activations ({self.kept / scale:.2f} {unit}) + logits"
+        elif moment == "generation":
+            parts = "weights + optimizer + " + ("gradients + " if self.gradients_at_loss else "")
+            parts += "the KV cache and sampling of the answers"
         else:
             parts = "weights + gradients + optimizer + "
             parts += "activations" if moment == "backward" else "update"
-        where = {"backward": "in the backward", "loss": "at the loss", "update": "at the update"}
+        where = {
+            "backward": "in the backward",
+            "loss": "at the loss",
+            "update": "at the update",
+            "generation": "while sampling answers",
+        }
         peak = f"{self.peak_bytes / scale:8.2f} {unit}"
         lines.append(f"  {'peak':<12}{peak} {where[moment]}: {parts}")
         verdict = "fits" if self.fits else "does NOT fit"
@@ -337,6 +359,7 @@ def estimate(
     grad_accum: int = 1,
     fused_loss: bool | None = None,
     model_dir: str | Path | None = None,
+    num_generations: int = 4,
 ) -> Plan:
     """The per-device estimate for one layout (no recommendation). A bring-your-own runtime
     (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json.
@@ -344,7 +367,8 @@ def estimate(
     a GPU (on). ``grad_accum`` is the trainer's: more than one micro-batch a step keeps the
     gradients through the next loss. ``fused_loss`` is None for what the trainer does (the fused
     loss for a cross-entropy method, the whole logits for DPO); False plans the whole logits for a
-    cross-entropy method too (the trainer's plain loss, torchtune's recipes)."""
+    cross-entropy method too (the trainer's plain loss, torchtune's recipes).
+    ``num_generations`` is GRPO's: the answers sampled per prompt."""
     entry = model_entry(model, model_dir)
     if activation_checkpointing not in ("auto", True, False):
         raise BadInputError(
@@ -372,7 +396,18 @@ def estimate(
     trainable, weights = _weights(
         shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp
     )
-    tokens = seq_len * batch_size * how.sequences
+    sequences = how.sequences
+    if how.sequences_key:
+        if (
+            isinstance(num_generations, bool)
+            or not isinstance(num_generations, int)
+            or (num_generations < 2)
+        ):
+            raise BadInputError(
+                f"num_generations={num_generations!r} is not valid: expected an integer >= 2"
+            )
+        sequences = num_generations
+    tokens = seq_len * batch_size * sequences
     checkpointing = activation_checkpointing
     kept, activations = _activations(shape, how, width, adapted, tokens, checkpointing)
     logits = _logits(shape, how, width, tokens, fused_loss)
@@ -399,7 +434,22 @@ def estimate(
         kept=kept,
         gradients_at_loss=grad_accum > 1,
         **_experts(shape, how, width, devices),
+        generation=_generation(shape, width, batch_size * sequences, seq_len)
+        if how.sequences_key
+        else 0.0,
     )
+
+
+# What sampling holds per answer and vocabulary entry besides the cache: the fp32 logits, their
+# probabilities, the sorted probabilities and their cumulative sum (fp32), the order (int64).
+SAMPLING_BYTES_PER_LOGIT = 4 * FP32 + 8
+
+
+def _generation(shape: Shape, width: int, answers: int, seq_len: int) -> float:
+    """The KV cache of ``answers`` sequences of ``seq_len`` tokens and one position's sampling
+    buffers per answer, in bytes (trainers/grpo.py: ``generate``)."""
+    cache = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * seq_len * width
+    return answers * (cache + shape.vocab_size * SAMPLING_BYTES_PER_LOGIT)
 
 
 def _experts(shape: Shape, how: methods.Method, width: int, devices: int) -> dict:

@@ -126,7 +126,16 @@ def test_lora_variants_are_available_where_lora_is():
         args = parse_trainer_args([f"method={method}"], LLAMA_8B)
         assert args.method == method and args.lr == 3e-4
         assert builder_for(LLAMA_8B, method) == LLAMA_8B.builders["lora"]
-    assert available_methods(LLAMA_8B) == ("lora", "qlora", "dora", "full", "dpo")
+    assert available_methods(LLAMA_8B) == (
+        "lora",
+        "qlora",
+        "dora",
+        "full",
+        "dpo",
+        "orpo",
+        "kto",
+        "grpo",
+    )
     only_full = dataclasses.replace(LLAMA_8B, builders={"full": LLAMA_8B.builders["full"]})
     assert available_methods(only_full) == ("full",)
     with pytest.raises(BadInputError, match="method='dora' is not available for llama3.1-8b"):

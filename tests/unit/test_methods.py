@@ -94,14 +94,14 @@ def test_the_vocabulary_offers_the_registrys_methods_and_keys():
 def test_an_unknown_method_names_the_known_ones():
     with pytest.raises(BadInputError) as err:
         methods.get("sft")
-    assert (
-        str(err.value) == "method='sft' is not valid: expected one of lora, qlora, dora, full, dpo"
+    assert str(err.value) == (
+        "method='sft' is not valid: expected one of lora, qlora, dora, full, dpo, orpo, kto, grpo"
     )
 
 
 def test_a_catalog_model_offers_each_method_its_builders_build():
     entry = catalog.get("llama3.2-1b")
-    assert entry.methods == ("full", "lora", "qlora", "dora", "dpo")
+    assert entry.methods == ("full", "lora", "qlora", "dora", "dpo", "orpo", "kto", "grpo")
     assert {vocab.builder_for(entry, m) for m in entry.methods} == set(entry.builders.values())
     # A model NF4 cannot quantize offers every LoRA method but qlora, and says why not.
     tiny = catalog.get("tiny-llama3")
@@ -115,14 +115,24 @@ def test_a_method_only_key_is_refused_with_another_method_naming_its_owner():
     entry = catalog.get("llama3.2-1b")
     with pytest.raises(BadInputError) as err:
         vocab.parse_trainer_args(["method=lora", "beta=0.2"], entry)
-    assert str(err.value) == "beta=0.2: only method=dpo uses beta, but method=lora"
+    assert (
+        str(err.value) == "beta=0.2: only method=dpo, orpo, kto or grpo uses beta, but method=lora"
+    )
 
 
 def test_wrong_data_says_which_method_learns_from_it():
     lora, dpo = methods.get("lora"), methods.get("dpo")
     assert methods.wrong_data_message(lora, "preference") == (
         "the dataset is a preference dataset (chosen/rejected pairs), which method=lora cannot "
-        "learn from: use method=dpo"
+        "learn from: use method=dpo or method=orpo"
+    )
+    assert methods.wrong_data_message(dpo, "unpaired") == (
+        "method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and 'rejected'), "
+        "but the dataset's schema is 'unpaired'"
+    )
+    assert methods.wrong_data_message(lora, "unpaired") == (
+        "the dataset is an unpaired dataset (answers labelled desirable or undesirable), which "
+        "method=lora cannot learn from: use method=kto"
     )
     assert methods.wrong_data_message(dpo, "chat") == (
         "method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and 'rejected'), "

@@ -103,7 +103,9 @@ def test_metadata(entry):
     # Every real model takes every method; the tiny one is too small for NF4 (QLoRA), and
     # Qwen3-MoE's stacked experts are not quantized (trainers/qwen3_moe.py).
     no_nf4 = entry.name == "tiny-llama3" or entry.shape.num_experts
-    methods = "full,lora,dora,dpo" if no_nf4 else "full,lora,qlora,dora,dpo"
+    methods = (
+        "full,lora,dora,dpo,orpo,kto,grpo" if no_nf4 else "full,lora,qlora,dora,dpo,orpo,kto,grpo"
+    )
     assert notes["tunepack.dev/methods"] == methods
     # A bring-your-own runtime's size is its checkpoint's: no annotation.
     assert notes.get("tunepack.dev/parameters") == (
@@ -307,7 +309,15 @@ def test_list_runtimes():
     assert sorted(rows) == sorted(entry.runtime_name for entry in ENTRIES)
     tiny = rows[TINY.runtime_name]
     assert tiny["model"] == "tiny-llama3"
-    assert tiny["methods"] == ["full", "lora", "dora", "dpo"]  # too small for NF4: no qlora
+    assert tiny["methods"] == [
+        "full",
+        "lora",
+        "dora",
+        "dpo",
+        "orpo",
+        "kto",
+        "grpo",
+    ]  # too small for NF4: no qlora
     assert tiny["params"] == TINY.parameter_count
     assert tiny["gpus"] == 0
 

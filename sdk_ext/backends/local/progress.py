@@ -34,4 +34,5 @@ def read_progress(metrics: Path) -> Progress | None:
         val_loss=evaluation.get("val_loss"),
         val_perplexity=evaluation.get("val_perplexity"),
         tokens_per_second=last["step"].get("tokens_per_second"),
+        reward=last["step"].get("reward_mean"),
     )

@@ -243,6 +243,8 @@ def progress_line(line: str, verbose: bool | None = None) -> str | None:
     )
     if "reward_margin" in record:  # method=dpo
         line += f"  margin {record['reward_margin']:.4f}  accuracy {record['reward_accuracy']:.2f}"
+    if "reward_mean" in record:  # method=grpo
+        line += f"  reward {record['reward_mean']:.3f}  kl {record['kl']:.4f}"
     return line
 
 

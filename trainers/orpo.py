@@ -1,0 +1,85 @@
+"""Odds Ratio Preference Optimization (``method=orpo``) over LoRA adapters: preference tuning
+without a reference model.
+
+Batches are DPO's (``trainers/dpo.py``: the chosen conversations, then the rejected ones, padded
+together); one forward pass gives the mean log-probability per answer token of each answer,
+``l = log p(y|x) / |y|``, and its log-odds ``log(p / (1 - p)) = l - log(1 - exp(l))``. The loss
+per pair is the chosen answer's negative log-likelihood (mean per token, as supervised tuning)
+plus ``beta`` times the odds-ratio term:
+
+    loss = -l_chosen - beta * log sigmoid(log_odds(chosen) - log_odds(rejected))
+
+The rewards in the metrics are ``beta * l`` of each answer (ORPO's reference-free rewards); the
+margin and accuracy compare them per pair, as DPO's do; ``log_odds_ratio`` and ``nll`` are the
+two terms.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+
+from tunepack.trainers.dpo import answer_logps
+
+STAT_NAMES = ("tokens", "reward_chosen", "reward_rejected", "correct", "log_odds_ratio", "nll")
+
+
+def log_odds(mean_logps: torch.Tensor) -> torch.Tensor:
+    """``log(p / (1 - p))`` of a mean per-token probability given as its log (< 0)."""
+    return mean_logps - torch.log1p(-torch.exp(mean_logps.clamp(max=-1e-6)))
+
+
+def pair_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per pair, from the mean per-token log-probabilities of the answers: the loss, the log odds
+    ratio and the chosen answer's negative log-likelihood."""
+    ratio = log_odds(chosen) - log_odds(rejected)
+    nll = -chosen
+    return nll - beta * F.logsigmoid(ratio), ratio, nll
+
+
+class ORPO:
+    def __init__(self, beta: float) -> None:
+        self.beta = beta
+        self.stat_names = STAT_NAMES
+        self.batch_stats: list[float] = [0.0] * len(STAT_NAMES)
+
+    def start_step(self, step: int) -> None:
+        """Nothing depends on the step here."""
+
+    def forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
+    ) -> tuple[torch.Tensor, int]:
+        """The summed loss over the batch's pairs and their number."""
+        tokens = batch["tokens"].to(device)
+        labels = batch["labels"].to(device)
+        pairs = tokens.size(0) // 2
+        summed, counted = answer_logps(model(tokens), labels)
+        mean = summed / counted.clamp(min=1)
+        losses, ratio, nll = pair_losses(mean[:pairs], mean[pairs:], self.beta)
+        rewards = self.beta * mean.detach()
+        chosen, rejected = rewards[:pairs], rewards[pairs:]
+        self.batch_stats = [
+            float((labels != CROSS_ENTROPY_IGNORE_IDX).sum()),
+            chosen.sum().item(),
+            rejected.sum().item(),
+            (chosen > rejected).sum().item(),
+            ratio.detach().sum().item(),
+            nll.detach().sum().item(),
+        ]
+        return losses.sum(), pairs
+
+    def metrics(self, stats: list[float], pairs: float) -> dict[str, float]:
+        _, chosen, rejected, correct, ratio, nll = stats
+        n = max(pairs, 1.0)
+        return {
+            "reward_chosen": round(chosen / n, 6),
+            "reward_rejected": round(rejected / n, 6),
+            "reward_margin": round((chosen - rejected) / n, 6),
+            "reward_accuracy": round(correct / n, 6),
+            "log_odds_ratio": round(ratio / n, 6),
+            "nll": round(nll / n, 6),
+        }
