@@ -39,7 +39,7 @@ from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.peft import disable_adapter
 
 from tunepack.core.errors import BadInputError
-from tunepack.trainers import rewards
+from tunepack.trainers import rewards, vocab_loss
 from tunepack.trainers.rewards import Sample, Weighted
 
 _STD_FLOOR = 1e-4  # added to a group's reward standard deviation (all-equal groups: A = 0)
@@ -172,6 +172,10 @@ def sample_tokens(
     return order.gather(-1, picked).squeeze(-1)
 
 
+# Positions: a left-padded row's tokens keep the positions of their columns (its prompt starts
+# after the padding), one set of positions for the whole batch. Rotary embeddings make attention
+# depend on the distance between two tokens only, so this computes what positions counted from
+# each row's first token would, while the model takes torchtune's fast path (no per-row lookup).
 @dataclass
 class Generated:
     """Prompts (left-padded) and their sampled answers, as one batch of sequences."""
@@ -180,10 +184,6 @@ class Generated:
     prompt_len: int  # P
     answer_mask: torch.Tensor  # [N, T]: the answer's tokens, its end-of-turn token included
     real: torch.Tensor  # [N, P + T]: positions holding a prompt or answer token
-
-
-def _positions(real: torch.Tensor) -> torch.Tensor:
-    return (real.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def _attention(real: torch.Tensor) -> torch.Tensor:
@@ -195,10 +195,22 @@ def _attention(real: torch.Tensor) -> torch.Tensor:
     return mask | torch.eye(length, dtype=torch.bool, device=real.device).unsqueeze(0)
 
 
+def _share_caches(model: nn.Module, group: int) -> None:
+    """Each prompt's KV cache, filled once, copied for every answer of its group (consecutive
+    rows): the prompt's positions are computed once per group, not once per answer."""
+    for module in model.modules():
+        cache = getattr(module, "kv_cache", None)
+        if cache is not None and hasattr(cache, "k_cache"):
+            cache.k_cache = cache.k_cache.repeat_interleave(group, dim=0)
+            cache.v_cache = cache.v_cache.repeat_interleave(group, dim=0)
+            cache.batch_size = cache.k_cache.size(0)
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
     prompts: list[list[int]],
+    group: int,
     seeds: list[int],
     settings: Settings,
     *,
@@ -208,16 +220,17 @@ def generate(
     device: torch.device,
     every_step: bool,
 ) -> Generated:
-    """Sample one answer per prompt (``prompts`` repeats each prompt once per answer), each
-    with the generator seeded by its ``seeds`` entry. ``every_step``: run all
+    """Sample ``group`` answers to each of ``prompts``, answer ``i`` (prompt ``i // group``) with
+    the generator seeded by ``seeds[i]``. The prompts go through the model once each (left-padded
+    to one length); their caches are then shared by their answers. ``every_step``: run all
     ``max_new_tokens`` forward passes even once every answer has ended (sharded runs)."""
-    n, new = len(prompts), settings.max_new_tokens
+    new = settings.max_new_tokens
     prompt_len = max(len(p) for p in prompts)
     length = prompt_len + new
-    tokens = torch.full((n, length), pad_id, dtype=torch.long)
-    real = torch.zeros((n, length), dtype=torch.bool)
+    unique = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    real = torch.zeros((len(prompts), length), dtype=torch.bool)
     for i, prompt in enumerate(prompts):
-        tokens[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
+        unique[i, prompt_len - len(prompt) : prompt_len] = torch.tensor(prompt)
         real[i, prompt_len - len(prompt) : prompt_len] = True
     uniforms = torch.stack(
         [
@@ -225,21 +238,25 @@ def generate(
             for s in seeds
         ]
     ).float()
-    tokens, real = tokens.to(device), real.to(device)
     real[:, prompt_len:] = True  # answer positions are real until their answer has ended
-    mask, positions = _attention(real), _positions(real)
+    unique, real = unique.to(device), real.to(device)
+    mask = _attention(real)
+    tokens = unique.repeat_interleave(group, dim=0)
+    n = tokens.size(0)
+    mask = mask.repeat_interleave(group, dim=0)
     ended = torch.zeros(n, dtype=torch.bool, device=device)
     answer_mask = torch.zeros((n, new), dtype=torch.bool, device=device)
     stops = torch.tensor(sorted(stop_ids), device=device)
     was_training = model.training
     model.eval()
-    model.setup_caches(n, dtype, decoder_max_seq_len=length)
+    model.setup_caches(len(prompts), dtype, decoder_max_seq_len=length)
     try:
         logits = model(
-            tokens[:, :prompt_len],
-            mask=mask[:, :prompt_len],
-            input_pos=positions[:, :prompt_len],
-        )[:, -1]
+            unique[:, :prompt_len],
+            mask=mask[::group, :prompt_len],
+            input_pos=torch.arange(prompt_len, device=device).unsqueeze(0),
+        )[:, -1].repeat_interleave(group, dim=0)
+        _share_caches(model, group)
         for t in range(new):
             picked = sample_tokens(logits, uniforms[:, t], settings.temperature, settings.top_p)
             picked = torch.where(ended, torch.full_like(picked, pad_id), picked)
@@ -248,16 +265,13 @@ def generate(
             ended |= torch.isin(picked, stops)
             if t == new - 1 or (ended.all() and not every_step):
                 break
-            at = prompt_len + t
-            logits = model(
-                tokens[:, at : at + 1],
-                mask=mask[:, at : at + 1],
-                input_pos=positions[:, at : at + 1],
-            )[:, -1]
+            at = slice(prompt_len + t, prompt_len + t + 1)
+            where = torch.tensor([[prompt_len + t]], device=device)
+            logits = model(tokens[:, at], mask=mask[:, at], input_pos=where)[:, -1]
     finally:
         delete_kv_caches(model)
         model.train(was_training)
-    real = real.clone()
+    real = real.repeat_interleave(group, dim=0)
     real[:, prompt_len:] = answer_mask
     return Generated(tokens=tokens, prompt_len=prompt_len, answer_mask=answer_mask, real=real)
 
@@ -265,12 +279,48 @@ def generate(
 # ------------------------------------------------------------------------------------ the loss
 def answer_logps(model: nn.Module, generated: Generated, temperature: float) -> torch.Tensor:
     """Per answer token: its log-probability under ``model``'s tempered distribution [N, T]."""
-    mask, positions = _attention(generated.real), _positions(generated.real)
-    logits = model(generated.tokens, mask=mask, input_pos=positions)
+    mask = _attention(generated.real)
     start = generated.prompt_len
-    predicting = logits[:, start - 1 : -1].float() / temperature
+    # The logits of the positions that predict answer tokens only (the last one predicts none).
+    tokens = generated.tokens[:, :-1]
+    with vocab_loss.logits_from(model, start - 1):
+        logits = model(tokens, mask=mask[:, :-1, :-1])
+    predicting = logits / temperature
     targets = generated.tokens[:, start:]
     return torch.log_softmax(predicting, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()
+def shared_prompt_logps(
+    model: nn.Module, generated: Generated, group: int, temperature: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``answer_logps`` without gradient (the reference's), computing each prompt once: the
+    prompts fill a KV cache, shared by their answers, whose tokens then go through the model
+    together. [N, T], as ``answer_logps`` gives them."""
+    start, length = generated.prompt_len, generated.tokens.size(1)
+    mask = _attention(generated.real)
+    device = generated.tokens.device
+    model.setup_caches(generated.tokens.size(0) // group, dtype, decoder_max_seq_len=length)
+    try:
+        first = model(
+            generated.tokens[::group, :start],
+            mask=mask[::group, :start],
+            input_pos=torch.arange(start, device=device).unsqueeze(0),
+        )[:, -1:].repeat_interleave(group, dim=0)
+        _share_caches(model, group)
+        logits = first
+        if length - 1 > start:  # the answer tokens but the last predict the ones after them
+            rest = model(
+                generated.tokens[:, start:-1],
+                mask=mask[:, start:-1],
+                input_pos=torch.arange(start, length - 1, device=device).unsqueeze(0),
+            )
+            logits = torch.cat([first, rest], dim=1)
+    finally:
+        delete_kv_caches(model)
+    targets = generated.tokens[:, start:]
+    scaled = logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def group_advantages(scores: torch.Tensor) -> torch.Tensor:
@@ -296,7 +346,7 @@ def policy_loss(
     adv = advantages.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon) * adv
-    gap = ref_logps - logps
+    gap = (ref_logps - logps).masked_fill(~mask, 0.0)  # past an answer's end: nothing
     kl = torch.exp(gap) - gap - 1
     per_token = -torch.minimum(unclipped, clipped) + beta * kl
     counted = mask.float()
@@ -360,7 +410,7 @@ class GRPO:
     ) -> tuple[torch.Tensor, int]:
         s = self.settings
         group = s.num_generations
-        prompts = [p for p in batch["prompts"] for _ in range(group)]
+        prompts = batch["prompts"]
         seeds = [
             answer_seed(s.seed, self.step, row, k) for row in batch["rows"] for k in range(group)
         ]
@@ -368,6 +418,7 @@ class GRPO:
         generated = generate(
             model,
             prompts,
+            group,
             seeds,
             s,
             pad_id=self.tokenizer.pad_id,
@@ -378,8 +429,8 @@ class GRPO:
         )
         scores, parts = self._scores(generated, batch)
         advantages = group_advantages(scores.view(-1, group)).view(-1).to(device).float()
-        with torch.no_grad(), disable_adapter(model):
-            ref = answer_logps(model, generated, s.temperature)
+        with disable_adapter(model):
+            ref = shared_prompt_logps(model, generated, group, s.temperature, dtype)
         logps = answer_logps(model, generated, s.temperature)
         losses, kl, clipped = policy_loss(
             logps,
@@ -395,7 +446,7 @@ class GRPO:
         by_reward = [sum(values[j] for values in parts) for j in range(len(self.functions))]
         self.batch_stats = [
             float(mask.sum()),
-            float(len(prompts)),
+            float(len(prompts) * group),
             float(scores.sum()),
             float((scores**2).sum()),
             float(kl[mask].sum()),
@@ -405,7 +456,7 @@ class GRPO:
             *by_reward,
         ]
         self.fill = (int(generated.real.sum()), generated.real.numel())
-        return losses.sum(), len(prompts)
+        return losses.sum(), len(prompts) * group
 
     def metrics(self, stats: list[float], answers: float) -> dict[str, float]:
         """A step's metrics from its summed stats (every rank's) and answer count."""

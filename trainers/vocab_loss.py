@@ -119,3 +119,19 @@ def loss_instead_of_logits(model: TransformerDecoder, rows: torch.Tensor, target
         yield
     finally:
         del model.unembed  # back to the class's own
+
+
+@contextmanager
+def logits_from(model: TransformerDecoder, start: int):
+    """Within the block, ``model(tokens)`` returns the fp32 logits of positions ``start`` and
+    after only: the output projection is spent on those alone (GRPO's answer positions), not on
+    every position as the class's ``unembed`` does."""
+
+    def unembed(self: TransformerDecoder, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h[:, start:])).float()
+
+    model.unembed = types.MethodType(unembed, model)
+    try:
+        yield
+    finally:
+        del model.unembed

@@ -322,9 +322,9 @@ SETTINGS = grpo.Settings(
 )  # fmt: skip
 
 
-def _generate(model, prompts, seeds, settings=SETTINGS, every_step=False):
+def _generate(model, prompts, group, seeds, settings=SETTINGS, every_step=False):
     return grpo.generate(
-        model, prompts, seeds, settings, pad_id=0, stop_ids={39}, dtype=torch.float32,
+        model, prompts, group, seeds, settings, pad_id=0, stop_ids={39}, dtype=torch.float32,
         device=torch.device("cpu"), every_step=every_step,
     )  # fmt: skip
 
@@ -334,20 +334,22 @@ def _answer(generated, i):
 
 
 def test_an_answer_depends_on_its_prompt_and_seed_not_on_its_batch(small_model):
-    alone = _generate(small_model, [[5, 6, 7]], [11])
-    batched = _generate(small_model, [[1, 2, 3, 4, 8, 9], [5, 6, 7], [5, 6, 7]], [3, 11, 12])
-    # The short prompt is left-padded in the batch: padding, positions and the cache hide that.
-    assert _answer(batched, 1) == _answer(alone, 0)
-    assert _answer(batched, 2) != _answer(batched, 1)  # another seed, another answer
-    again = _generate(small_model, [[5, 6, 7]], [11], every_step=True)
+    alone = _generate(small_model, [[5, 6, 7]], 1, [11])
+    batched = _generate(small_model, [[1, 2, 3, 4, 8, 9], [5, 6, 7]], 2, [3, 4, 11, 12])
+    # The short prompt is left-padded in the batch, and its cache is shared by its two answers:
+    # padding, positions and the copied cache hide that.
+    assert _answer(batched, 2) == _answer(alone, 0)
+    assert _answer(batched, 3) != _answer(batched, 2)  # another seed, another answer
+    again = _generate(small_model, [[5, 6, 7]], 1, [11], every_step=True)
     assert _answer(again, 0) == _answer(alone, 0)
+    assert batched.tokens[2, :6].tolist() == batched.tokens[3, :6].tolist() == [0, 0, 0, 5, 6, 7]
 
 
 def test_cached_generation_scores_like_a_full_forward(small_model):
     """With a temperature close to 0 sampling picks the likeliest token: each answer token is
     the argmax of a full forward pass over the sequence so far, without a cache."""
     cold = grpo.Settings(**{**SETTINGS.__dict__, "temperature": 1e-4})
-    generated = _generate(small_model, [[1, 2, 3, 4, 8, 9], [5, 6, 7]], [0, 1], cold)
+    generated = _generate(small_model, [[1, 2, 3, 4, 8, 9], [5, 6, 7]], 1, [0, 1], cold)
     logps = grpo.answer_logps(small_model, generated, 1.0)
     start = generated.prompt_len
     with torch.no_grad():
@@ -366,6 +368,16 @@ def test_cached_generation_scores_like_a_full_forward(small_model):
     assert generated.answer_mask[:, 0].all() and start == 6  # every answer has a first token
 
 
+def test_the_reference_scores_answers_from_shared_prompt_caches(small_model):
+    generated = _generate(small_model, [[1, 2, 3, 4, 8, 9], [5, 6, 7]], 3, list(range(6)))
+    with torch.no_grad():
+        whole = grpo.answer_logps(small_model, generated, 0.7)
+    shared = grpo.shared_prompt_logps(small_model, generated, 3, 0.7, torch.float32)
+    mask = generated.answer_mask
+    assert torch.allclose(shared[mask], whole[mask], atol=1e-5)
+    assert not small_model.caches_are_setup()  # the caches are gone: training goes on
+
+
 def test_an_answer_ends_at_its_stop_token(small_model, monkeypatch):
     # Make the stop token the only likely one after the first answer token.
     real_sample = grpo.sample_tokens
@@ -377,7 +389,7 @@ def test_an_answer_ends_at_its_stop_token(small_model, monkeypatch):
         return torch.full_like(picked, 39) if len(calls) == 2 else picked
 
     monkeypatch.setattr(grpo, "sample_tokens", stop_second)
-    generated = _generate(small_model, [[5, 6, 7]], [11])
+    generated = _generate(small_model, [[5, 6, 7]], 1, [11])
     assert len(calls) == 2  # no forward pass after every answer has ended
     assert generated.answer_mask[0].tolist() == [True, True, False, False, False, False]
     assert _answer(generated, 0)[-1] == 39
