@@ -358,7 +358,12 @@ _DETECT = ("preference", "chat", "sharegpt", "instruction", "unpaired", "prompt"
 
 def requested() -> Schema | None:
     """The schema named by ``DATASET_SCHEMA``, or None to detect it."""
-    raw = os.environ.get(SCHEMA_ENV, "").strip().lower()
+    return parse_schema(os.environ.get(SCHEMA_ENV, ""))
+
+
+def parse_schema(raw: str) -> Schema | None:
+    """A ``DATASET_SCHEMA`` value: the schema it names, or None (``auto``, empty) to detect it."""
+    raw = raw.strip().lower()
     if raw in ("", "auto"):
         return None
     if raw == "alpaca":
@@ -391,7 +396,12 @@ def detect(row: object, source: str) -> Schema:
 
 def column_map() -> dict[str, str]:
     """``COLUMN_MAP`` as {source column: schema field}."""
-    raw = os.environ.get(COLUMN_MAP_ENV, "").strip()
+    return parse_column_map(os.environ.get(COLUMN_MAP_ENV, ""))
+
+
+def parse_column_map(raw: str) -> dict[str, str]:
+    """A ``COLUMN_MAP`` value as {source column: schema field}."""
+    raw = raw.strip()
     if not raw:
         return {}
     bad = BadInputError(

@@ -377,7 +377,10 @@ class GRPO:
         self.fill = (0, 0)
         self.step = 0  # the optimizer step being taken (seeds the sampling); set by the recipe
         self.every_step = distributed
+        # The tokenizer's stop tokens and the chat format's end of an assistant's turn.
         self.stop_ids = set(getattr(tokenizer, "stop_tokens", None) or ()) | {tokenizer.eos_id}
+        if hasattr(tokenizer, "turn_end_ids"):
+            self.stop_ids |= tokenizer.turn_end_ids()
 
     def start_step(self, step: int) -> None:
         self.step = step

@@ -361,6 +361,15 @@ class FormattedTokenizer:
             "tokenizer does not have: pick the model's own chat_template"
         )
 
+    def turn_end_ids(self) -> set[int]:
+        """The special tokens that close an assistant's turn in this format (``<|eot_id|>``,
+        ``<end_of_turn>``, ``</s>``...): where a sampled answer ends."""
+        turns = [Turn("user", "q"), Turn("assistant", "a")]
+        pieces = render(self.chat_template, turns)
+        return {
+            self.special_id(p.text) for p in pieces if p.special and p.turn == 1 and p.kind == "end"
+        }
+
     # --- conversations --------------------------------------------------------------------------
 
     def turns(self, messages: Sequence[Any]) -> list[Turn]:

@@ -59,6 +59,18 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
             f"the {what} initializer gets",
         )
     parser.add_argument(
+        "--column-map",
+        metavar="MAP",
+        help="rename the dataset's columns to a schema's fields first: from:to,... (e.g. "
+        "question:instruction,answer:output; the dataset initializer's COLUMN_MAP)",
+    )
+    parser.add_argument(
+        "--dataset-schema",
+        metavar="SCHEMA",
+        help="the dataset's schema instead of detecting it from the first row: instruction, chat, "
+        "sharegpt, text, preference, prompt or unpaired (DATASET_SCHEMA)",
+    )
+    parser.add_argument(
         "--export",
         metavar="URI",
         help="where the result goes after training: s3://bucket/prefix, hf://org/name (a "

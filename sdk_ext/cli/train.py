@@ -231,12 +231,21 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
 def _initializer(ns: argparse.Namespace):
     """The initializers of ``train`` (local or cluster): the storage URIs and Secret references
     of its flags."""
+    from tunepack.initializers import schemas
     from tunepack.jobs.translate import Initializer
 
+    env = _verbose_env(ns) or {}
+    # Checked here, before anything starts: the dataset initializer reads them again.
+    if ns.column_map:
+        schemas.parse_column_map(ns.column_map)
+        env[schemas.COLUMN_MAP_ENV] = ns.column_map
+    if ns.dataset_schema:
+        schemas.parse_schema(ns.dataset_schema)
+        env[schemas.SCHEMA_ENV] = ns.dataset_schema
     return Initializer(
         dataset=ns.dataset,
         model=ns.model,
-        env=_verbose_env(ns) or {},
+        env=env,
         dataset_secret=ns.dataset_secret,
         model_secret=ns.model_secret,
     )

@@ -281,3 +281,41 @@ def test_grpo_has_no_validation_loss_and_needs_prompts(prompt_workspace, tmp_pat
         "error: the dataset is a prompt dataset (prompts to answer), which method=lora cannot "
         "learn from: use method=grpo\n"
     ), done.stderr
+
+
+def test_the_prompt_set_fine_tunes_the_model_first_with_a_column_map(tiny_model_dir, tmp_path):
+    """docs/trainer.md's first step: the prompts and their answers as instruction rows
+    (`--column-map prompt:instruction,answer:output`), a supervised run; a bad map is refused
+    before anything starts."""
+    data = write_tiny_prompt_dataset(tmp_path / "prompts.jsonl", rows=16)
+    cli = [sys.executable, "-m", "tunepack.cli", "train", "--local"]
+    common = ["--runtime", "tunepack-tiny-llama3", "--dataset", f"file://{data}"]
+    common += ["--model", f"file://{tiny_model_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    bad = subprocess.run(
+        [*cli, *common, "--workspace", str(tmp_path / "bad"), "--column-map", "prompt"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert bad.returncode == EXIT_BAD_INPUT
+    assert bad.stderr == (
+        "tunepack: error: COLUMN_MAP='prompt' is not valid: write source:target pairs "
+        "separated by commas (question:instruction,answer:output) or a JSON object of strings\n"
+    )
+    assert not (tmp_path / "bad").exists()
+    workspace = tmp_path / "sft"
+    done = subprocess.run(
+        [*cli, *common, "--workspace", str(workspace)]
+        + ["--column-map", "prompt:instruction,answer:output", "method=full", "max_steps=2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = json.loads((workspace / "dataset" / "tunepack-manifest.json").read_text())
+    assert (manifest["schema"], manifest["rows"]) == ("instruction", 16)
+    first = json.loads((workspace / "dataset" / "train.jsonl").read_text().splitlines()[0])
+    assert first == {"instruction": tiny_prompt_rows(1)[0]["prompt"], "input": "", "output": "25"}

@@ -126,6 +126,20 @@ def test_generation_prompt_equals_the_hf_chat_template(family):
         assert full[: len(ids)] == ids
 
 
+def test_a_sampled_answer_ends_where_the_assistants_turn_ends(family):
+    """GRPO stops an answer at the format's end-of-turn token (trainers/grpo.py): the special
+    token that closes an assistant's reply, as the HF template writes the reply."""
+    entry, model_dir, hf = family
+    tokenizer = _tunepack_tokenizer(entry, model_dir)
+    ends = tokenizer.turn_end_ids()
+    assert len(ends) == 1
+    reply = _hf_ids(hf, CONVERSATION[:2])
+    (end,) = ends
+    # Phi-3's template writes a newline and its end of text after <|end|>.
+    assert end in reply[-4:], hf.convert_ids_to_tokens(reply[-4:])
+    assert hf.convert_ids_to_tokens(end) in END_OF_TURN
+
+
 def test_system_prompt_is_the_first_turn(family):
     entry, model_dir, hf = family
     if FAMILY_FORMAT[entry.family.name] == "gemma":
