@@ -287,6 +287,9 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
             f"model at {source_uri.display!r} has a config.json that is not a JSON object; "
             f"replace it with the model's original config.json"
         )
+    # An image-text checkpoint whose text model the catalog entry trains (Gemma 3 4B and up):
+    # its text_config is what the entry's shape describes.
+    config = custom.text_config(config)
     mismatches = [
         f"{key}={config[key]!r} (expected {getattr(entry.shape, field)})"
         for key, field in _CONFIG_SHAPE_KEYS.items()

@@ -233,3 +233,31 @@ def test_catalog_sizes_count_the_published_parameters():
     assert 11.6 < counts["12b"] < 11.9
     assert 26.8 < counts["27b"] < 27.1
     assert catalog.CATALOG["gemma3-27b"].window_limit is None  # the window is built in
+
+
+def test_the_model_initializer_checks_an_image_text_checkpoint_by_its_text_config(tmp_path):
+    """Gemma 3 4B/12B/27B on the Hub are Gemma3ForConditionalGeneration: config.json's
+    model_type is gemma3, the text model's fields sit in text_config. The catalog entry's check
+    reads those (and still refuses a text model of another shape, naming the field)."""
+    from tunepack.initializers import uri
+    from tunepack.initializers.model import _check_config
+    from tunepack.runtimes import catalog
+
+    entry = catalog.get("gemma3-4b")
+    text = {
+        "model_type": "gemma3_text",
+        "hidden_size": entry.shape.embed_dim,
+        "num_hidden_layers": entry.shape.num_layers,
+        "num_attention_heads": entry.shape.num_heads,
+        "num_key_value_heads": entry.shape.num_kv_heads,
+        "intermediate_size": entry.shape.intermediate_dim,
+        "vocab_size": entry.shape.vocab_size,
+    }
+    path = tmp_path / "config.json"
+    source = uri.parse("hf://google/gemma-3-4b-it")
+    path.write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
+    _check_config(entry, source, path)  # accepted
+    path.write_text(json.dumps({"model_type": "gemma3", "text_config": {**text, "hidden_size": 8}}))
+    with pytest.raises(BadInputError) as err:
+        _check_config(entry, source, path)
+    assert "its config.json has hidden_size=8 (expected " in str(err.value)
