@@ -185,8 +185,9 @@ CORPUS = [
         {},
         "cannot tell the schema of dataset 'd.jsonl': its first row has 'q', 'a'. Rows need "
         "'instruction' and 'output' (instruction), 'messages' (chat), 'conversations' "
-        "(sharegpt), 'text', 'chosen' and 'rejected' (preference), or 'prompt' (prompt); rename "
-        "columns with COLUMN_MAP=from:to,... or set DATASET_SCHEMA",
+        "(sharegpt), 'text', 'chosen' and 'rejected' (preference), 'prompt' and 'completion' "
+        "and 'label' (unpaired), or 'prompt' (prompt); rename columns with "
+        "COLUMN_MAP=from:to,... or set DATASET_SCHEMA",
     ),
     (
         "column-map-malformed",
@@ -211,7 +212,7 @@ CORPUS = [
         "d.jsonl",
         {"DATASET_SCHEMA": "dpo"},
         "DATASET_SCHEMA='dpo' is not a dataset schema; use one of instruction, chat, sharegpt, "
-        "text, preference, prompt or auto",
+        "text, preference, prompt, unpaired or auto",
     ),
     (
         "schema-forced-mismatch",

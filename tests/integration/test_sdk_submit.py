@@ -194,7 +194,7 @@ def test_torchtune_config_without_peft_on_a_runtime_without_full_says_why(monkey
     assert str(refused.value) == (
         "TorchTuneConfig without peft_config means a full fine-tune (as upstream's runtimes "
         "run it), but method='full' is not available for llama3.2-1b: expected one of lora, "
-        "qlora, dora, dpo; pass peft_config=LoraConfig(...) for LoRA"
+        "qlora, dora, dpo, orpo, kto, grpo; pass peft_config=LoraConfig(...) for LoRA"
     )
 
 

@@ -83,9 +83,11 @@ def test_result_has_validation_and_eval_time(evaluated):
 
 
 def test_keep_best_publishes_the_best_step(initialized_workspace, tmp_path):
-    """lr=0.05 overshoots at step 2: step 1 has the best validation loss, and the published
-    adapter is bit for bit the one a run that stopped after step 1 publishes."""
-    common = ["val_fraction=0.1", "eval_every_steps=1", "lr=0.05", "warmup_steps=0"]
+    """lr=0.1 overshoots at step 2 (Adam's first steps move every adapter weight by about lr;
+    measured: validation loss 5.973 after step 1, 5.998 after step 2): step 1 has the best
+    validation loss, and the published adapter is bit for bit the one a run that stopped after
+    step 1 publishes."""
+    common = ["val_fraction=0.1", "eval_every_steps=1", "lr=0.1", "warmup_steps=0"]
     common.append("batch_size=4")
     best_run = _recipe(
         initialized_workspace, tmp_path / "best", [*common, "max_steps=2", "keep_best=true"]
