@@ -6,17 +6,27 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests import REPO
-from tests.helpers import TINY, lines_held_back, run_program, setup_recipe
+from tests.helpers import (
+    TINY,
+    adapter_of,
+    free_port,
+    initialize_workspace,
+    kill_9_and_resume,
+    launch_trainer,
+    result_of,
+    run_program,
+    setup_recipe,
+    step_records,
+    trainer_env,
+)
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
@@ -265,31 +275,15 @@ def test_dpo_arguments_and_their_errors():
 # ------------------------------------------------------------------ training
 
 
-def _initialize(root: Path, dataset: Path, model_dir: Path) -> Path:
-    env = {"TUNEPACK_WORKSPACE": str(root), "TUNEPACK_MODEL": "tiny-llama3"}
-    for module, uri in (
-        ("tunepack.initializers.dataset", dataset),
-        ("tunepack.initializers.model", model_dir),
-    ):
-        done = run_program(module, {**env, "STORAGE_URI": f"file://{uri}"})
-        assert done.returncode == 0, done.stderr
-    return root
-
-
 @pytest.fixture(scope="module")
 def preference_workspace(tmp_path_factory, tiny_model_dir) -> Path:
     """Both initializers run over 8 tiny preference pairs (read-only: copy before writing)."""
     data = write_tiny_preference_dataset(tmp_path_factory.mktemp("pref") / "pairs.jsonl", rows=8)
-    return _initialize(tmp_path_factory.mktemp("pref-ws"), data, tiny_model_dir)
+    return initialize_workspace(tmp_path_factory.mktemp("pref-ws"), data, tiny_model_dir)
 
 
 # Every step sees all 8 pairs (one batch): the margin should grow step after step.
 TRAIN = ["method=dpo", "batch_size=8", "epochs=12", "lr=3e-3", "warmup_steps=0"]
-
-
-def _steps(output: Path) -> list[dict]:
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == "step"]
 
 
 def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace, tmp_path):
@@ -304,7 +298,7 @@ def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace
     )
     recipe.train()
     recipe.save()
-    steps = _steps(tmp_path)
+    steps = step_records(tmp_path)
     margins = [s["reward_margin"] for s in steps]
     accuracy = [s["reward_accuracy"] for s in steps]
     assert len(steps) == 12 and steps[0]["loss"] == pytest.approx(0.693147, abs=1e-5)
@@ -358,7 +352,6 @@ def test_method_and_dataset_must_match(preference_workspace, initialized_workspa
 
 # ------------------------------------------------------------------ exact resume, FSDP2
 
-LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
 # 12 epochs of 2 steps of 2 micro-batches of 2 pairs (8 pairs): 24 steps; LoRA dropout makes
 # the result depend on the restored random state too.
 RESUME = [
@@ -373,65 +366,27 @@ RESUME = [
 ]
 
 
-def _env(workspace: Path, **pet: object) -> dict[str, str]:
-    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
-    env["OMP_NUM_THREADS"] = "1"
-    env.update({f"PET_{k.upper()}": str(v) for k, v in pet.items()})
-    return env
-
-
-def _launch(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*LAUNCH, *args], env=env, capture_output=True, text=True, timeout=600)
-
-
-def _adapter(workspace: Path) -> dict[str, torch.Tensor]:
-    return load_file(workspace / "output" / "adapter" / "adapter_model.safetensors")
-
-
-def _result(workspace: Path) -> dict:
-    return json.loads((workspace / "output" / "result.json").read_text())
-
-
 def test_kill_9_then_restart_ends_bit_identical(preference_workspace, tmp_path):
     reference = shutil.copytree(preference_workspace, tmp_path / "reference")
-    done = _launch(_env(reference), *RESUME)
+    done = launch_trainer(trainer_env(reference), *RESUME)
     assert done.returncode == 0, done.stderr
-
     interrupted = shutil.copytree(preference_workspace, tmp_path / "interrupted")
-    args = [*RESUME, "checkpoint_every_steps=3"]
-    proc = subprocess.Popen(
-        [*LAUNCH, *args], env=_env(interrupted), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    for line in lines_held_back(proc.stdout.fileno()):
-        if line.startswith(b"{") and json.loads(line).get("step", 0) >= 5:
-            break
-    proc.kill()  # SIGKILL: nothing runs on the way out
-    proc.wait()
-    assert not (interrupted / "output" / "result.json").exists()
     # The trainer may have run up to a page of output past step 5, never to the end.
-    newest = max(int(p.name[5:]) for p in (interrupted / "checkpoints").glob("step-*"))
-    assert newest % 3 == 0 and 3 <= newest < 24
+    newest = kill_9_and_resume(interrupted, RESUME, at_step=5, every=3)
+    assert newest < 24
 
-    again = _launch(_env(interrupted), *args)
-    assert again.returncode == 0, again.stderr
-    result, expected = _result(interrupted), _result(reference)
+    result, expected = result_of(interrupted), result_of(reference)
     assert result["resumed_from_step"] == newest and result["restarts"] == 1
     assert (result["steps"], result["tokens_seen"]) == (24, expected["tokens_seen"])
     assert result["dpo"] == expected["dpo"]  # the last step's rewards, to the last digit
-    want, got = _adapter(reference), _adapter(interrupted)
+    want, got = adapter_of(reference), adapter_of(interrupted)
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) for k in want)
     # metrics.jsonl lists each step once, the resumed run's steps after the checkpoint's.
-    assert [s["step"] for s in _steps(interrupted / "output")] == list(range(1, 25))
-    assert [s["reward_margin"] for s in _steps(interrupted / "output")] == [
-        s["reward_margin"] for s in _steps(reference / "output")
+    assert [s["step"] for s in step_records(interrupted / "output")] == list(range(1, 25))
+    assert [s["reward_margin"] for s in step_records(interrupted / "output")] == [
+        s["reward_margin"] for s in step_records(reference / "output")
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_path):
@@ -443,15 +398,17 @@ def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_pat
     0.002 while the run still learns visibly)."""
     common = ["method=dpo", "epochs=6", "lr=1e-3", "warmup_steps=0", "checkpoint_every_minutes=0"]
     one = shutil.copytree(preference_workspace, tmp_path / "one")
-    done = _launch(_env(one), *common, "batch_size=8")
+    done = launch_trainer(trainer_env(one), *common, "batch_size=8")
     assert done.returncode == 0, done.stderr
     two = shutil.copytree(preference_workspace, tmp_path / "two")
-    env = _env(two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
-    done = _launch(env, *common, "batch_size=4")
+    env = trainer_env(
+        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
+    )
+    done = launch_trainer(env, *common, "batch_size=4")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert _result(two)["world_size"] == 2 and _result(two)["method"] == "dpo"
+    assert result_of(two)["world_size"] == 2 and result_of(two)["method"] == "dpo"
 
-    single, sharded = _steps(one / "output"), _steps(two / "output")
+    single, sharded = step_records(one / "output"), step_records(two / "output")
     assert len(single) == len(sharded) == 6
     for a, b in zip(single, sharded, strict=True):
         assert a["tokens"] == b["tokens"]
@@ -542,7 +499,7 @@ def test_quickstart_size_cli_run_learns_and_shows_the_rewards(tiny_model_dir, tm
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    steps = _steps(workspace / "output")
+    steps = step_records(workspace / "output")
     last = steps[-1]
     shown = [line for line in done.stdout.splitlines() if f"step {len(steps)}/" in line]
     margin, accuracy = f"{last['reward_margin']:.4f}", f"{last['reward_accuracy']:.2f}"
@@ -568,7 +525,7 @@ def test_other_losses_train_too(preference_workspace, tmp_path, loss, at_start):
         output=tmp_path,
     )
     recipe.train()
-    steps = _steps(tmp_path)
+    steps = step_records(tmp_path)
     assert steps[0]["loss"] == pytest.approx(at_start, rel=1e-6)  # h = 0 before any update
     assert steps[-1]["loss"] < steps[1]["loss"] < steps[0]["loss"]
     assert steps[-1]["reward_margin"] > steps[1]["reward_margin"] > 0
