@@ -43,19 +43,24 @@ from torchtune.models.gemma.gemma_norm_embedding import GemmaNormEmbeddings
 from torchtune.models.gemma.rms_norm import GemmaRMSNorm
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import (
-    FeedForward,
     MultiHeadAttention,
     TiedLinear,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
-from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
-from torchtune.modules.low_precision import FrozenNF4Linear
-from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import GEMMA3_SIZES
 from tunepack.runtimes.custom import text_config
+from tunepack.trainers.decoder_parts import (
+    attention_projections,
+    gated_mlp,
+    linear,
+    lora_decoder_args,
+    project_qkv,
+    save_nf4_in_model_dtype,
+    sized,
+)
 
 # The checkpointer's model type: not one of torchtune's ModelType names (it has no Gemma 3), so
 # nothing treats these checkpoints as another family's (the PEFT export leaves q/k rows as they
@@ -118,23 +123,8 @@ class Gemma3Attention(MultiHeadAttention):
         )
 
     def forward(self, x, y=None, *, mask=None, input_pos=None):
-        if y is None:
-            y = x
         b, s_x, _ = x.shape
-        s_y = y.shape[1]
-        q = self.q_proj(x).view(b, s_x, self.num_heads, self.head_dim)
-        k = self.k_proj(y).view(b, s_y, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(y).view(b, s_y, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q = self.pos_embeddings(q, input_pos=input_pos).transpose(1, 2)
-        k = self.pos_embeddings(k, input_pos=input_pos).transpose(1, 2)
-        v = v.transpose(1, 2)
-        if self.kv_cache is not None and self.cache_enabled:
-            k, v = self.kv_cache.update(k, v)
-        if self.num_heads != self.num_kv_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+        q, k, v = project_qkv(self, x, y, input_pos)
         mask = self._window_mask(mask, s_x, k.shape[2], x.device)
         dropout = self.attn_dropout if self.training else 0.0
         if mask is None or isinstance(mask, torch.Tensor):
@@ -151,15 +141,6 @@ class Gemma3Attention(MultiHeadAttention):
             q = q * (self.scaling * math.sqrt(self.head_dim))
             output = self._attention_call(q, k, v, mask=mask, dropout_p=dropout, is_causal=False)
         return self.output_proj(output.transpose(1, 2).contiguous().view(b, s_x, -1))
-
-
-def _linear(in_dim, out_dim, *, lora: bool, quantize_base: bool, use_dora: bool, **lora_args):
-    if lora:
-        cls = DoRALinear if use_dora else LoRALinear
-        return cls(in_dim, out_dim, quantize_base=quantize_base, **lora_args)
-    if quantize_base:
-        return FrozenNF4Linear(in_dim, out_dim, bias=False)
-    return nn.Linear(in_dim, out_dim, bias=False)
 
 
 def global_layer_indices(num_layers: int, sliding_window_pattern: int) -> list[int]:
@@ -201,8 +182,7 @@ def _decoder(
     # One table per kind of layer, shared by the layers of that kind (as torchtune shares one).
     local_rope = Gemma3RoPE(head_dim, max_seq_len, rope_local_base)
     global_rope = Gemma3RoPE(head_dim, max_seq_len, rope_base, rope_scaling_factor)
-    lin = partial(_linear, quantize_base=quantize_base, use_dora=use_dora, **lora_args)
-    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+    lin = partial(linear, quantize_base=quantize_base, use_dora=use_dora, **lora_args)
     layers = nn.ModuleList()
     for index in range(num_layers):
         is_global = index in global_layers
@@ -211,10 +191,14 @@ def _decoder(
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=lin(embed_dim, q_out, lora="q_proj" in lora_attn_modules),
-            k_proj=lin(embed_dim, kv_out, lora="k_proj" in lora_attn_modules),
-            v_proj=lin(embed_dim, kv_out, lora="v_proj" in lora_attn_modules),
-            output_proj=lin(q_out, embed_dim, lora="output_proj" in lora_attn_modules),
+            **attention_projections(
+                lin,
+                embed_dim=embed_dim,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                lora_attn_modules=lora_attn_modules,
+            ),
             pos_embeddings=global_rope if is_global else local_rope,
             q_norm=GemmaRMSNorm(head_dim, eps=norm_eps),
             k_norm=GemmaRMSNorm(head_dim, eps=norm_eps),
@@ -223,10 +207,11 @@ def _decoder(
             sliding_window=None if is_global else sliding_window_size,
             query_pre_attn_scalar=scalar,
         )
-        mlp = FeedForward(
-            gate_proj=lin(embed_dim, intermediate_dim, lora=apply_lora_to_mlp),
-            down_proj=lin(intermediate_dim, embed_dim, lora=apply_lora_to_mlp),
-            up_proj=lin(embed_dim, intermediate_dim, lora=apply_lora_to_mlp),
+        mlp = gated_mlp(
+            lin,
+            embed_dim,
+            intermediate_dim,
+            lora=apply_lora_to_mlp,
             activation=nn.GELU(approximate="tanh"),
         )
         layers.append(
@@ -250,14 +235,7 @@ def _decoder(
         output=TiedLinear(tok_embeddings),
     )
     if quantize_base:
-        # As torchtune's QLoRA builders: NF4 weights are saved in the model's dtype.
-        model._register_state_dict_hook(
-            partial(
-                reparametrize_as_dtype_state_dict_post_hook,
-                dtype=tok_embeddings.weight.dtype,
-                offload_to_cpu=True,
-            )
-        )
+        save_nf4_in_model_dtype(model, tok_embeddings)
     return model
 
 
@@ -318,14 +296,7 @@ def lora_gemma3(
 ) -> TransformerDecoder:
     """Gemma 3 with LoRA (DoRA with ``use_dora``, QLoRA with ``quantize_base``) adapters. The
     output projection is the embedding matrix: LoRA cannot adapt it (no apply_lora_to_output)."""
-    args = dict(locals())
-    args["lora_attn_modules"] = tuple(lora_attn_modules)
-    args["rank"], args["alpha"], args["dropout"] = (
-        args.pop("lora_rank"),
-        args.pop("lora_alpha"),
-        args.pop("lora_dropout"),
-    )
-    return _decoder(**args)
+    return _decoder(**lora_decoder_args(locals()))
 
 
 # --- published sizes --------------------------------------------------------------------------
@@ -349,95 +320,18 @@ def _size_kwargs(size: str) -> dict:
     }
 
 
-def _full(size: str, rope_base: float) -> TransformerDecoder:
-    return gemma3(**_size_kwargs(size), rope_base=rope_base)
-
-
-def _lora(size: str, lora_attn_modules, apply_lora_to_mlp: bool, **kwargs) -> TransformerDecoder:
-    return lora_gemma3(lora_attn_modules, apply_lora_to_mlp, **_size_kwargs(size), **kwargs)
-
-
 # One full and one LoRA builder per size, as torchtune names its own (gemma2_9b, lora_gemma2_9b).
+# The LoRA builders take no apply_lora_to_output: the output projection is the embedding.
 
 
-def gemma3_1b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("1b", rope_base)
+def _sized(size: str):
+    return sized(gemma3, lora_gemma3, size, _size_kwargs, lora_output=False)
 
 
-def lora_gemma3_1b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora("1b", lora_attn_modules, apply_lora_to_mlp, rope_base=rope_base,
-                 lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                 use_dora=use_dora, quantize_base=quantize_base)  # fmt: skip
-
-
-def gemma3_4b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("4b", rope_base)
-
-
-def lora_gemma3_4b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora("4b", lora_attn_modules, apply_lora_to_mlp, rope_base=rope_base,
-                 lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                 use_dora=use_dora, quantize_base=quantize_base)  # fmt: skip
-
-
-def gemma3_12b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("12b", rope_base)
-
-
-def lora_gemma3_12b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora("12b", lora_attn_modules, apply_lora_to_mlp, rope_base=rope_base,
-                 lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                 use_dora=use_dora, quantize_base=quantize_base)  # fmt: skip
-
-
-def gemma3_27b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("27b", rope_base)
-
-
-def lora_gemma3_27b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora("27b", lora_attn_modules, apply_lora_to_mlp, rope_base=rope_base,
-                 lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                 use_dora=use_dora, quantize_base=quantize_base)  # fmt: skip
+gemma3_1b, lora_gemma3_1b = _sized("1b")
+gemma3_4b, lora_gemma3_4b = _sized("4b")
+gemma3_12b, lora_gemma3_12b = _sized("12b")
+gemma3_27b, lora_gemma3_27b = _sized("27b")
 
 
 # --- checkpoint conversion ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -30,42 +31,33 @@ from torch import nn
 from torchtune.models.qwen2 import _convert_weights as qwen2_convert
 from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
 from torchtune.modules import (
-    FeedForward,
     MultiHeadAttention,
     RMSNorm,
     TiedLinear,
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
-from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
-from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import QWEN3_CONTEXT, QWEN3_HEAD_DIM, QWEN3_SIZES, QWEN3_VOCAB
+from tunepack.trainers.decoder_parts import (
+    attention_projections,
+    gated_mlp,
+    linear,
+    lora_decoder_args,
+    project_qkv,
+    save_nf4_in_model_dtype,
+    sized,
+)
 
 
 class Qwen3Attention(MultiHeadAttention):
     """torchtune's attention with q/k RMSNorm per head applied before RoPE, as HF's Qwen 3."""
 
     def forward(self, x, y=None, *, mask=None, input_pos=None):
-        if y is None:
-            y = x
         b, s_x, _ = x.shape
-        s_y = y.shape[1]
-        q = self.q_proj(x).view(b, s_x, self.num_heads, self.head_dim)
-        k = self.k_proj(y).view(b, s_y, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(y).view(b, s_y, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q = self.pos_embeddings(q, input_pos=input_pos).transpose(1, 2)
-        k = self.pos_embeddings(k, input_pos=input_pos).transpose(1, 2)
-        v = v.transpose(1, 2)
-        if self.kv_cache is not None and self.cache_enabled:
-            k, v = self.kv_cache.update(k, v)
-        if self.num_heads != self.num_kv_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+        q, k, v = project_qkv(self, x, y, input_pos)
         output = self._attention_call(
             q,
             k,
@@ -75,15 +67,6 @@ class Qwen3Attention(MultiHeadAttention):
             is_causal=self.kv_cache is None and mask is None and self.is_causal,
         )
         return self.output_proj(output.transpose(1, 2).contiguous().view(b, s_x, -1))
-
-
-def _linear(in_dim, out_dim, *, lora: bool, quantize_base: bool, use_dora: bool, **lora_args):
-    if lora:
-        cls = DoRALinear if use_dora else LoRALinear
-        return cls(in_dim, out_dim, quantize_base=quantize_base, **lora_args)
-    if quantize_base:
-        return FrozenNF4Linear(in_dim, out_dim, bias=False)
-    return nn.Linear(in_dim, out_dim, bias=False)
 
 
 def _decoder(
@@ -105,35 +88,42 @@ def _decoder(
     apply_lora_to_output: bool = False,
     quantize_base: bool = False,
     use_dora: bool = False,
+    sparse_mlp: Callable[[], nn.Module] | None = None,
+    dense_layers=(),
     **lora_args,
 ) -> TransformerDecoder:
+    # With ``sparse_mlp`` (Qwen3-MoE, trainers/qwen3_moe.py), the MLP of every layer but
+    # ``dense_layers`` is ``sparse_mlp()``.
     head_dim = head_dim or embed_dim // num_heads
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
-    lin = partial(_linear, quantize_base=quantize_base, use_dora=use_dora, **lora_args)
-    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+    lin = partial(linear, quantize_base=quantize_base, use_dora=use_dora, **lora_args)
     layers = nn.ModuleList()
-    for _ in range(num_layers):
+    for index in range(num_layers):
         attn = Qwen3Attention(
             embed_dim=embed_dim,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            q_proj=lin(embed_dim, q_out, lora="q_proj" in lora_attn_modules),
-            k_proj=lin(embed_dim, kv_out, lora="k_proj" in lora_attn_modules),
-            v_proj=lin(embed_dim, kv_out, lora="v_proj" in lora_attn_modules),
-            output_proj=lin(q_out, embed_dim, lora="output_proj" in lora_attn_modules),
+            **attention_projections(
+                lin,
+                embed_dim=embed_dim,
+                num_heads=num_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                lora_attn_modules=lora_attn_modules,
+            ),
             pos_embeddings=rope,
             q_norm=RMSNorm(dim=head_dim, eps=norm_eps),
             k_norm=RMSNorm(dim=head_dim, eps=norm_eps),
             max_seq_len=max_seq_len,
             attn_dropout=attn_dropout,
         )
-        mlp = FeedForward(
-            gate_proj=lin(embed_dim, intermediate_dim, lora=apply_lora_to_mlp),
-            down_proj=lin(intermediate_dim, embed_dim, lora=apply_lora_to_mlp),
-            up_proj=lin(embed_dim, intermediate_dim, lora=apply_lora_to_mlp),
-            activation=nn.SiLU(),
-        )
+        if sparse_mlp is None or index in dense_layers:
+            mlp = gated_mlp(
+                lin, embed_dim, intermediate_dim, lora=apply_lora_to_mlp, activation=nn.SiLU()
+            )
+        else:
+            mlp = sparse_mlp()
         layers.append(
             TransformerSelfAttentionLayer(
                 attn=attn,
@@ -162,14 +152,7 @@ def _decoder(
         output=output,
     )
     if quantize_base:
-        # As torchtune's QLoRA builders: NF4 weights are saved in the model's dtype.
-        model._register_state_dict_hook(
-            partial(
-                reparametrize_as_dtype_state_dict_post_hook,
-                dtype=tok_embeddings.weight.dtype,
-                offload_to_cpu=True,
-            )
-        )
+        save_nf4_in_model_dtype(model, tok_embeddings)
     return model
 
 
@@ -216,14 +199,7 @@ def lora_qwen3(
     quantize_base: bool = False,
 ) -> TransformerDecoder:
     """Qwen 3 with LoRA (DoRA with ``use_dora``, QLoRA with ``quantize_base``) adapters."""
-    args = dict(locals())
-    args["lora_attn_modules"] = tuple(lora_attn_modules)
-    args["rank"], args["alpha"], args["dropout"] = (
-        args.pop("lora_rank"),
-        args.pop("lora_alpha"),
-        args.pop("lora_dropout"),
-    )
-    return _decoder(**args)
+    return _decoder(**lora_decoder_args(locals()))
 
 
 # --- published sizes --------------------------------------------------------------------------
@@ -245,190 +221,20 @@ def _size_kwargs(size: str) -> dict:
     }
 
 
-def _full(size: str, rope_base: float) -> TransformerDecoder:
-    return qwen3(**_size_kwargs(size), rope_base=rope_base)
-
-
-def _lora(size: str, lora_attn_modules, apply_lora_to_mlp: bool, **kwargs) -> TransformerDecoder:
-    return lora_qwen3(lora_attn_modules, apply_lora_to_mlp, **_size_kwargs(size), **kwargs)
-
-
 # One full and one LoRA builder per size, as torchtune names its own (qwen2_5_7b_instruct, ...).
 # The tied sizes' LoRA builders take no apply_lora_to_output: their output is the embedding.
 
 
-def qwen3_0_6b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("0_6b", rope_base)
+def _sized(size: str):
+    return sized(qwen3, lora_qwen3, size, _size_kwargs, lora_output=not QWEN3_SIZES[size][-1])
 
 
-def lora_qwen3_0_6b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora(
-        "0_6b",
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        rope_base=rope_base,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-    )
-
-
-def qwen3_1_7b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("1_7b", rope_base)
-
-
-def lora_qwen3_1_7b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora(
-        "1_7b",
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        rope_base=rope_base,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-    )
-
-
-def qwen3_4b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("4b", rope_base)
-
-
-def lora_qwen3_4b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora(
-        "4b",
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        rope_base=rope_base,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-    )
-
-
-def qwen3_8b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("8b", rope_base)
-
-
-def lora_qwen3_8b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora(
-        "8b",
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output=apply_lora_to_output,
-        rope_base=rope_base,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-    )
-
-
-def qwen3_14b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("14b", rope_base)
-
-
-def lora_qwen3_14b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora(
-        "14b",
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output=apply_lora_to_output,
-        rope_base=rope_base,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-    )
-
-
-def qwen3_32b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return _full("32b", rope_base)
-
-
-def lora_qwen3_32b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return _lora(
-        "32b",
-        lora_attn_modules,
-        apply_lora_to_mlp,
-        apply_lora_to_output=apply_lora_to_output,
-        rope_base=rope_base,
-        lora_rank=lora_rank,
-        lora_alpha=lora_alpha,
-        lora_dropout=lora_dropout,
-        use_dora=use_dora,
-        quantize_base=quantize_base,
-    )
+qwen3_0_6b, lora_qwen3_0_6b = _sized("0_6b")
+qwen3_1_7b, lora_qwen3_1_7b = _sized("1_7b")
+qwen3_4b, lora_qwen3_4b = _sized("4b")
+qwen3_8b, lora_qwen3_8b = _sized("8b")
+qwen3_14b, lora_qwen3_14b = _sized("14b")
+qwen3_32b, lora_qwen3_32b = _sized("32b")
 
 
 # --- checkpoint conversion ----------------------------------------------------------------------
@@ -462,14 +268,11 @@ def qwen3_tune_to_hf(state_dict: dict[str, torch.Tensor], **kwargs) -> dict[str,
 
 
 @contextlib.contextmanager
-def _qwen3_conversion():
-    # torchtune's checkpointer imports the Qwen 2 conversion from its module when it runs, so
-    # for the duration of one load or save that module's functions are the Qwen 3 ones.
+def qwen2_conversion(to_tune, to_hf):
+    """torchtune's checkpointer imports the Qwen 2 conversion from its module when it runs, so
+    for the duration of one load or save that module's functions are ``to_tune`` and ``to_hf``."""
     saved = qwen2_convert.qwen2_hf_to_tune, qwen2_convert.qwen2_tune_to_hf
-    qwen2_convert.qwen2_hf_to_tune, qwen2_convert.qwen2_tune_to_hf = (
-        qwen3_hf_to_tune,
-        qwen3_tune_to_hf,
-    )
+    qwen2_convert.qwen2_hf_to_tune, qwen2_convert.qwen2_tune_to_hf = to_tune, to_hf
     try:
         yield
     finally:
@@ -479,10 +282,13 @@ def _qwen3_conversion():
 class Qwen3HFCheckpointer(FullModelHFCheckpointer):
     """torchtune's HF checkpointer (``model_type=QWEN2``) that also converts the q/k norms."""
 
+    def _conversion(self):
+        return qwen2_conversion(qwen3_hf_to_tune, qwen3_tune_to_hf)
+
     def load_checkpoint(self, *args, **kwargs):
-        with _qwen3_conversion():
+        with self._conversion():
             return super().load_checkpoint(*args, **kwargs)
 
     def save_checkpoint(self, *args, **kwargs):
-        with _qwen3_conversion():
+        with self._conversion():
             return super().save_checkpoint(*args, **kwargs)

@@ -24,59 +24,41 @@ writes every key into the file it came from).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from functools import partial
 
 import torch
-from torch import nn
-from torchtune.models.qwen2 import _convert_weights as qwen2_convert
-from torchtune.models.qwen2._positional_embeddings import Qwen2RotaryPositionalEmbeddings
-from torchtune.modules import (
-    FeedForward,
-    RMSNorm,
-    TiedLinear,
-    TransformerDecoder,
-    TransformerSelfAttentionLayer,
-)
-from torchtune.modules.peft import DoRALinear, LoRALinear
-from torchtune.training import FullModelHFCheckpointer
+from torchtune.modules import TransformerDecoder
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import QWEN3_MOE_SIZES
+from tunepack.trainers.decoder_parts import lora_decoder_args, sized
 from tunepack.trainers.moe import MoEFeedForward
-from tunepack.trainers.qwen3 import Qwen3Attention, _linear, qwen3_hf_to_tune, qwen3_tune_to_hf
+from tunepack.trainers.qwen3 import (
+    Qwen3HFCheckpointer,
+    qwen2_conversion,
+    qwen3_hf_to_tune,
+    qwen3_tune_to_hf,
+)
+from tunepack.trainers.qwen3 import _decoder as _qwen3_decoder
 
 
 def _decoder(
     *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
     embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int,
     num_experts: int,
     experts_per_token: int,
     moe_intermediate_dim: int,
     dense_layers=(),
     norm_topk_prob: bool = True,
     router_aux_loss_coef: float = 0.0,
-    rope_base: float = 1_000_000.0,
-    norm_eps: float = 1e-6,
-    tie_word_embeddings: bool = False,
-    attn_dropout: float = 0.0,
-    lora_attn_modules: tuple[str, ...] = (),
     apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
     quantize_base: bool = False,
-    use_dora: bool = False,
-    **lora_args,
+    **kwargs,
 ) -> TransformerDecoder:
-    dense = {int(i) for i in dense_layers}
-    if apply_lora_to_mlp and not dense:
+    """Qwen 3's decoder (trainers/qwen3.py) whose MLPs but ``dense_layers``' are experts."""
+    dense_layers = {int(i) for i in dense_layers}
+    if apply_lora_to_mlp and not dense_layers:
         raise BadInputError(
             "lora_mlp=true: every layer of this Qwen3-MoE model is a mixture of experts, and "
             "tunepack applies LoRA to attention only there (not to the experts); set "
@@ -87,70 +69,22 @@ def _decoder(
             "quantize_base: Qwen3-MoE's experts are stacked weights that tunepack does not "
             "quantize to NF4; use method=lora"
         )
-    rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)
-    lin = partial(_linear, quantize_base=False, use_dora=use_dora, **lora_args)
-    q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
-    layers = nn.ModuleList()
-    for index in range(num_layers):
-        attn = Qwen3Attention(
-            embed_dim=embed_dim,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            q_proj=lin(embed_dim, q_out, lora="q_proj" in lora_attn_modules),
-            k_proj=lin(embed_dim, kv_out, lora="k_proj" in lora_attn_modules),
-            v_proj=lin(embed_dim, kv_out, lora="v_proj" in lora_attn_modules),
-            output_proj=lin(q_out, embed_dim, lora="output_proj" in lora_attn_modules),
-            pos_embeddings=rope,
-            q_norm=RMSNorm(dim=head_dim, eps=norm_eps),
-            k_norm=RMSNorm(dim=head_dim, eps=norm_eps),
-            max_seq_len=max_seq_len,
-            attn_dropout=attn_dropout,
-        )
-        if index in dense:
-            mlp = FeedForward(
-                gate_proj=lin(embed_dim, intermediate_dim, lora=apply_lora_to_mlp),
-                down_proj=lin(intermediate_dim, embed_dim, lora=apply_lora_to_mlp),
-                up_proj=lin(embed_dim, intermediate_dim, lora=apply_lora_to_mlp),
-                activation=nn.SiLU(),
-            )
-        else:
-            mlp = MoEFeedForward(
-                dim=embed_dim,
-                hidden_dim=moe_intermediate_dim,
-                num_experts=num_experts,
-                experts_per_token=experts_per_token,
-                norm_topk_prob=norm_topk_prob,
-                aux_loss_coef=router_aux_loss_coef,
-            )
-        layers.append(
-            TransformerSelfAttentionLayer(
-                attn=attn,
-                mlp=mlp,
-                sa_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-                mlp_norm=RMSNorm(dim=embed_dim, eps=norm_eps),
-            )
-        )
-    tok_embeddings = nn.Embedding(vocab_size, embed_dim)
-    if tie_word_embeddings:
-        if apply_lora_to_output:
-            raise ValueError("LoRA cannot adapt an output projection tied to the embeddings")
-        output = TiedLinear(tok_embeddings)
-    elif apply_lora_to_output:
-        cls = DoRALinear if use_dora else LoRALinear
-        output = cls(embed_dim, vocab_size, **lora_args)
-    else:
-        output = nn.Linear(embed_dim, vocab_size, bias=False)
-    model = TransformerDecoder(
-        tok_embeddings=tok_embeddings,
-        layers=layers,
-        max_seq_len=max_seq_len,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        norm=RMSNorm(embed_dim, eps=norm_eps),
-        output=output,
+    sparse_mlp = partial(
+        MoEFeedForward,
+        dim=embed_dim,
+        hidden_dim=moe_intermediate_dim,
+        num_experts=num_experts,
+        experts_per_token=experts_per_token,
+        norm_topk_prob=norm_topk_prob,
+        aux_loss_coef=router_aux_loss_coef,
     )
-    return model
+    return _qwen3_decoder(
+        embed_dim=embed_dim,
+        apply_lora_to_mlp=apply_lora_to_mlp,
+        sparse_mlp=sparse_mlp,
+        dense_layers=dense_layers,
+        **kwargs,
+    )
 
 
 def qwen3_moe(
@@ -208,14 +142,7 @@ def lora_qwen3_moe(
     quantize_base: bool = False,
 ) -> TransformerDecoder:
     """Qwen3-MoE with LoRA (DoRA with ``use_dora``) on attention (and the dense MLPs)."""
-    args = dict(locals())
-    args["lora_attn_modules"] = tuple(lora_attn_modules)
-    args["rank"], args["alpha"], args["dropout"] = (
-        args.pop("lora_rank"),
-        args.pop("lora_alpha"),
-        args.pop("lora_dropout"),
-    )
-    return _decoder(**args)
+    return _decoder(**lora_decoder_args(locals()))
 
 
 # --- published sizes --------------------------------------------------------------------------
@@ -244,52 +171,12 @@ def _size_kwargs_of(name: str) -> dict:
     }
 
 
-def qwen3_moe_30b_a3b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return qwen3_moe(**_size_kwargs_of("30b_a3b"), rope_base=rope_base)
-
-
-def lora_qwen3_moe_30b_a3b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return lora_qwen3_moe(
-        lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,
-        **_size_kwargs_of("30b_a3b"), rope_base=rope_base, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora,
-        quantize_base=quantize_base,
-    )  # fmt: skip
-
-
-def qwen3_moe_235b_a22b(rope_base: float = 1_000_000.0) -> TransformerDecoder:
-    return qwen3_moe(**_size_kwargs_of("235b_a22b"), rope_base=rope_base)
-
-
-def lora_qwen3_moe_235b_a22b(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    return lora_qwen3_moe(
-        lora_attn_modules, apply_lora_to_mlp, apply_lora_to_output,
-        **_size_kwargs_of("235b_a22b"), rope_base=rope_base, lora_rank=lora_rank,
-        lora_alpha=lora_alpha, lora_dropout=lora_dropout, use_dora=use_dora,
-        quantize_base=quantize_base,
-    )  # fmt: skip
+qwen3_moe_30b_a3b, lora_qwen3_moe_30b_a3b = sized(
+    qwen3_moe, lora_qwen3_moe, "30b_a3b", _size_kwargs_of, lora_output=True
+)
+qwen3_moe_235b_a22b, lora_qwen3_moe_235b_a22b = sized(
+    qwen3_moe, lora_qwen3_moe, "235b_a22b", _size_kwargs_of, lora_output=True
+)
 
 
 # --- checkpoint conversion ----------------------------------------------------------------------
@@ -368,16 +255,13 @@ def qwen3_moe_tune_to_hf(
     return qwen3_tune_to_hf(rest, **kwargs) | converted
 
 
-class Qwen3MoeHFCheckpointer(FullModelHFCheckpointer):
+class Qwen3MoeHFCheckpointer(Qwen3HFCheckpointer):
     """torchtune's HF checkpointer (``model_type=QWEN2``) converting Qwen3-MoE's experts, router
     and q/k norms; it writes the experts in the layout it read (see the module doc)."""
 
     _fused_experts = False
 
-    @contextlib.contextmanager
     def _conversion(self):
-        # torchtune's checkpointer imports the Qwen 2 conversion from its module when it runs,
-        # so for one load or save that module's functions are these.
         def to_tune(state_dict, **kwargs):
             self._fused_experts = has_fused_experts(state_dict)
             return qwen3_moe_hf_to_tune(state_dict, **kwargs)
@@ -385,17 +269,4 @@ class Qwen3MoeHFCheckpointer(FullModelHFCheckpointer):
         def to_hf(state_dict, **kwargs):
             return qwen3_moe_tune_to_hf(state_dict, fused_experts=self._fused_experts, **kwargs)
 
-        saved = qwen2_convert.qwen2_hf_to_tune, qwen2_convert.qwen2_tune_to_hf
-        qwen2_convert.qwen2_hf_to_tune, qwen2_convert.qwen2_tune_to_hf = to_tune, to_hf
-        try:
-            yield
-        finally:
-            qwen2_convert.qwen2_hf_to_tune, qwen2_convert.qwen2_tune_to_hf = saved
-
-    def load_checkpoint(self, *args, **kwargs):
-        with self._conversion():
-            return super().load_checkpoint(*args, **kwargs)
-
-    def save_checkpoint(self, *args, **kwargs):
-        with self._conversion():
-            return super().save_checkpoint(*args, **kwargs)
+        return qwen2_conversion(to_tune, to_hf)
