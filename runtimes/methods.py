@@ -100,6 +100,18 @@ class Method:
         return "lora" if self.adapters else "full"
 
 
+# The arguments of both GRPO methods.
+GRPO_KEYS = (
+    "beta",
+    "num_generations",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "epsilon",
+    "rewards",
+    "reward_pattern",
+)
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -169,22 +181,31 @@ METHODS: dict[str, Method] = {
             loss=Loss.GRPO,
             no_packing="each prompt's answers are generated and scored on their own",
             owns=("lr",),
-            keys=(
-                "beta",
-                "num_generations",
-                "max_new_tokens",
-                "temperature",
-                "top_p",
-                "epsilon",
-                "rewards",
-                "reward_pattern",
-            ),
+            keys=GRPO_KEYS,
             defaults=(("beta", 0.04),),
             sequences_key="num_generations",
             validates=False,
             plan_note="grpo: each prompt is num_generations sequences of up to max_seq_len "
             "tokens (prompt and answer), generated with a KV cache that is held during generation "
             "only; each step adds a reference forward pass without gradients",
+        ),
+        Method(
+            "grpo_full",
+            "GRPO training every weight; the KL reference is a frozen copy of the base (none with "
+            "beta=0)",
+            "reinforcement learning, every weight",
+            1e-6,
+            adapters=False,
+            data=PROMPTS,
+            loss=Loss.GRPO,
+            no_packing="each prompt's answers are generated and scored on their own",
+            owns=("lr",),
+            keys=GRPO_KEYS,
+            defaults=(("beta", 0.04),),
+            sequences_key="num_generations",
+            validates=False,
+            plan_note="grpo_full: as grpo, and the KL reference is a second, frozen copy of the "
+            "weights (counted in weights; beta=0 needs none)",
         ),
     )
 }

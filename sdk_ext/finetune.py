@@ -78,8 +78,8 @@ class FineTune:
 
     Args:
         method (str): lora, qlora (NF4-quantized base), dora, full, dpo (preference tuning), orpo
-            (reference-free preference tuning), kto (unpaired preference tuning) or grpo
-            (reinforcement learning)
+            (reference-free preference tuning), kto (unpaired preference tuning), grpo
+            (reinforcement learning) or grpo_full (reinforcement learning, every weight)
         epochs (int): passes over the dataset
         max_steps (int): stop after this many optimizer steps (default: no limit)
         batch_size (int): examples per device per step (default: catalog)
@@ -219,9 +219,11 @@ class FineTune:
             lora = [f"{k}={getattr(self, k)!r}" for k in LORA_KEYS if getattr(self, k) is not None]
             if lora:
                 given = ", ".join(lora)
-                raise BadInputError(f"FineTune: {lora_with_full_message(given, len(lora))}")
+                message = lora_with_full_message(given, len(lora), self.method)
+                raise BadInputError(f"FineTune: {message}")
             if self.merge:
-                raise BadInputError(f"FineTune: {merge_with_full_message('merge=True')}")
+                message = merge_with_full_message("merge=True", self.method)
+                raise BadInputError(f"FineTune: {message}")
         nodes, procs = self.num_nodes, self.num_proc_per_node
         for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
             bad_type = not isinstance(value, int) or isinstance(value, bool)

@@ -525,19 +525,21 @@ def unavailable_method_message(entry: ModelEntry, method: str) -> str:
     )
 
 
-def lora_with_full_message(given: str, count: int) -> str:
-    """``given``: the ``lora_*=value`` pairs, ``count`` of them."""
+def lora_with_full_message(given: str, count: int, method: str = "full") -> str:
+    """``given``: the ``lora_*=value`` pairs, ``count`` of them; ``method``: one that trains every
+    weight."""
     return (
-        f"{given} set{'s' if count == 1 else ''} LoRA adapters, but method=full trains "
+        f"{given} set{'s' if count == 1 else ''} LoRA adapters, but method={method} trains "
         f"every weight and has none; leave {'it' if count == 1 else 'them'} out, or use "
         "method=lora"
     )
 
 
-def merge_with_full_message(given: str) -> str:
-    """``given``: the ``merge=value`` pair (a true value)."""
+def merge_with_full_message(given: str, method: str = "full") -> str:
+    """``given``: the ``merge=value`` pair (a true value); ``method``: one that trains every
+    weight."""
     return (
-        f"{given} merges a LoRA adapter into the base, but method=full trains every weight and "
+        f"{given} merges a LoRA adapter into the base, but method={method} trains every weight and "
         "has none (output/model/ is the whole model already); leave it out, or use method=lora"
     )
 
@@ -587,9 +589,9 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
         raise BadInputError(unavailable_method_message(entry, method.name))
     if not method.adapters and (lora := [k for k in values if k in LORA_KEYS]):
         given = ", ".join(f"{k}={pairs[k]}" for k in lora)
-        raise BadInputError(lora_with_full_message(given, len(lora)))
+        raise BadInputError(lora_with_full_message(given, len(lora), method.name))
     if not method.adapters and values.get("merge"):
-        raise BadInputError(merge_with_full_message(f"merge={pairs['merge']}"))
+        raise BadInputError(merge_with_full_message(f"merge={pairs['merge']}", method.name))
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's;
     # for a key the method owns (Method.owns), the method's before the catalog entry's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}

@@ -5,7 +5,9 @@ adapters) samples a group of ``num_generations`` answers, one token at a time wi
 the rewards (``trainers/rewards.py``) score each answer, and an answer's advantage is its reward
 relative to its group: ``A = (r - mean(group)) / (std(group) + 1e-4)`` (the sample standard
 deviation). The loss per answer token ``t`` is the clipped policy objective with a KL penalty
-against the reference, the same model with its adapters switched off (no second copy):
+against the reference, the same model with its adapters switched off (no second copy;
+``method=grpo_full`` trains every weight and keeps a frozen copy of the base as its reference;
+with ``beta=0`` there is no KL term and no reference pass):
 
     ratio = exp(logp_t - old_logp_t)
     loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon) * A) + beta * KL_t
@@ -377,6 +379,9 @@ class GRPO:
         self.fill = (0, 0)
         self.step = 0  # the optimizer step being taken (seeds the sampling); set by the recipe
         self.every_step = distributed
+        # The KL reference: None for the adapters' methods (the model with its adapters off);
+        # a frozen copy of the base for grpo_full (the recipe sets it).
+        self.reference: nn.Module | None = None
         # The tokenizer's stop tokens and the chat format's end of an assistant's turn.
         self.stop_ids = set(getattr(tokenizer, "stop_tokens", None) or ()) | {tokenizer.eos_id}
         if hasattr(tokenizer, "turn_end_ids"):
@@ -432,9 +437,17 @@ class GRPO:
         )
         scores, parts = self._scores(generated, batch)
         advantages = group_advantages(scores.view(-1, group)).view(-1).to(device).float()
-        with disable_adapter(model):
-            ref = shared_prompt_logps(model, generated, group, s.temperature, dtype)
+        # The reference first (no gradient): its logits are gone before the policy's
+        # activations pile up. beta=0 has no KL term and needs no reference pass.
+        ref = None
+        if s.beta > 0 and self.reference is not None:
+            ref = shared_prompt_logps(self.reference, generated, group, s.temperature, dtype)
+        elif s.beta > 0:
+            with disable_adapter(model):
+                ref = shared_prompt_logps(model, generated, group, s.temperature, dtype)
         logps = answer_logps(model, generated, s.temperature)
+        if ref is None:
+            ref = logps.detach()
         losses, kl, clipped = policy_loss(
             logps,
             logps.detach(),

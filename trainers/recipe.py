@@ -203,6 +203,12 @@ class FineTuneRecipe:
         found = self._find_checkpoint()
         self.compiled = self._choose_compile(found)
         self.model = self._setup_model(self._load_base_weights())
+        if isinstance(self.objective, grpo.GRPO) and not self.is_lora and cfg.grpo.beta > 0:
+            # GRPO of every weight: its KL reference is a frozen copy of the base, built and
+            # sharded as the model is (the adapters' methods switch their adapters off instead).
+            self.objective.reference = self._setup_model(self._load_base_weights())
+            self.objective.reference.requires_grad_(False)
+            self.objective.reference.eval()
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
         # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
         # allows it; the methods with a loss of their own read log-probabilities from the logits.

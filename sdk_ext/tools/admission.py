@@ -95,6 +95,13 @@ def _first(where: str, of: str = "variables.kv", pick: str = "p[1]") -> str:
     return f"{of}.filter(p, {where}).map(p, {pick})[0]"
 
 
+def _lora_with_full(count: int) -> Callable[[str, str], str]:
+    def message(given: str, method: str) -> str:
+        return vocab.lora_with_full_message(given, count, method)
+
+    return message
+
+
 def _method_only(owners: str, given: str, keys: str, method: str) -> str:
     return vocab.method_only_message(given, keys, owners, method)
 
@@ -315,8 +322,8 @@ def _validations() -> list[dict]:
         _check(
             f"variables.method in {adapters} || !variables.kv.exists(p, {lora})",
             f"variables.kv.filter(p, {lora}).size() == 1 ? "
-            f"{cel_message(lambda given: vocab.lora_with_full_message(given, 1), lora_given)} : "
-            f"{cel_message(lambda given: vocab.lora_with_full_message(given, 2), lora_given)}",
+            f"{cel_message(_lora_with_full(1), lora_given, 'variables.method')} : "
+            f"{cel_message(_lora_with_full(2), lora_given, 'variables.method')}",
         )
     )
     merge_rule = next(a.rule for a in vocab.VOCABULARY if a.name == "merge")
@@ -328,6 +335,7 @@ def _validations() -> list[dict]:
             cel_message(
                 vocab.merge_with_full_message,
                 f"variables.kv.filter(p, {merge}).map(p, p[0] + '=' + p[1])[0]",
+                "variables.method",
             ),
         )
     )

@@ -45,6 +45,8 @@ the KV cache of every answer being sampled (keys and values of each layer for ``
 sequences of ``s`` tokens, in the dtype) and one position's fp32 logits per answer with what
 sampling makes of them (probabilities, their sorted copy and its cumulative sum, the order);
 the cache is freed before the loss's forward passes. Its reference pass, as DPO's, adds compute.
+``grpo_full`` trains every weight and holds a frozen copy of them as its KL reference (counted
+in ``weights``).
 
 The estimate is what ``torch.cuda.max_memory_allocated`` measures; for "fits" it is compared with
 the GPU's memory less ``CUDA_RESERVE_GIB`` (CUDA context, allocator fragmentation).
@@ -479,6 +481,8 @@ def _weights(shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp)
     # store them in NF4 too (FrozenNF4Linear), its Qwen 2 builders do not.
     nf4 = shape.num_layers * sum(i * o for i, o in adapted) if how.quantize_base else 0
     frozen = (nf4 * NF4_BYTES + (p - nf4) * width) if how.adapters else 0
+    if not how.adapters and how.loss is methods.Loss.GRPO:
+        frozen = p * width  # grpo_full's KL reference: a frozen copy of the weights
     return trainable, frozen + trainable * width
 
 

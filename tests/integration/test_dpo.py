@@ -255,7 +255,10 @@ def test_dpo_arguments_and_their_errors():
     assert parse_trainer_args(["method=dpo", "lr=1e-3"], TINY).lr == 1e-3
     assert parse_trainer_args(["method=lora"], TINY).lr == TINY.defaults["lr"] == 3e-3
     for argv, message in (
-        (["beta=0.3"], "beta=0.3: only method=dpo, orpo, kto or grpo uses beta, but method=lora"),
+        (
+            ["beta=0.3"],
+            "beta=0.3: only method=dpo, orpo, kto, grpo or grpo_full uses beta, but method=lora",
+        ),
         (["method=dpo", "beta=0"], "beta='0' is not valid: expected a number > 0.0"),
         (
             ["method=dpo", "dpo_loss=kto"],

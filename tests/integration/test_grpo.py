@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tests.helpers import (
     TINY,
@@ -74,8 +75,8 @@ def answering_model(tmp_path_factory, tiny_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def prompt_workspace(tmp_path_factory, answering_model) -> Path:
-    """Both initializers over 64 tiny prompts and the answering model (read-only: copy it)."""
-    data = write_tiny_prompt_dataset(tmp_path_factory.mktemp("prompts") / "p.jsonl", rows=64)
+    """Both initializers over the 256 tiny prompts and the answering model (read-only: copy)."""
+    data = write_tiny_prompt_dataset(tmp_path_factory.mktemp("prompts") / "p.jsonl", rows=256)
     return initialize_workspace(tmp_path_factory.mktemp("grpo-ws"), data, answering_model)
 
 
@@ -243,6 +244,71 @@ def test_two_processes_with_fsdp_follow_one_process(prompt_workspace, tmp_path):
     assert single[-1]["kl"] > 0
 
 
+# ------------------------------------------------------------------ every weight: grpo_full
+
+
+def test_grpo_full_raises_the_reward_against_a_frozen_copy(prompt_workspace, tmp_path):
+    """method=grpo_full trains every weight, with a frozen copy of the base as its KL reference:
+    the reward rises (measured: 0.43 over the first 4 steps, 0.80 over the last 8) and the
+    result is a whole model."""
+    workspace = shutil.copytree(prompt_workspace, tmp_path / "ws")
+    args = ["method=grpo_full", "max_steps=24", "batch_size=8", "num_generations=8"]
+    args += ["max_new_tokens=4", "lr=3e-4", "warmup_steps=0", "checkpoint_every_minutes=0"]
+    done = launch_trainer(trainer_env(workspace), *args, *EVEN)
+    assert done.returncode == 0, done.stderr
+    steps = step_records(workspace / "output")
+    rewards = [s["reward_mean"] for s in steps]
+    first, last = _mean(rewards[:4]), _mean(rewards[-8:])
+    assert last > 1.5 * first and last > first + 0.2, rewards
+    assert steps[0]["kl"] == 0 and steps[-1]["kl"] > 0  # the copy is the model's start
+    result = result_of(workspace)
+    assert result["method"] == "grpo_full" and result["grpo"]["beta"] == 0.04
+    assert (workspace / "output" / "model" / "config.json").is_file()
+    assert not (workspace / "output" / "adapter").exists()
+
+
+def test_grpo_full_resumes_bit_identically_and_follows_on_two_processes(prompt_workspace, tmp_path):
+    """The frozen reference is rebuilt from the base on resume (it is not in the checkpoint) and
+    sharded like the model on two processes."""
+    args = [
+        "method=grpo_full",
+        "max_steps=6",
+        "batch_size=4",
+        "num_generations=4",
+        "max_new_tokens=4",
+        "lr=3e-4",
+        "warmup_steps=0",
+        "checkpoint_every_minutes=0",
+        *EVEN,
+    ]
+    reference = shutil.copytree(prompt_workspace, tmp_path / "reference")
+    done = launch_trainer(trainer_env(reference), *args)
+    assert done.returncode == 0, done.stderr
+    interrupted = shutil.copytree(prompt_workspace, tmp_path / "interrupted")
+    newest = kill_9_and_resume(interrupted, args, at_step=3, every=2)
+    assert newest < 6
+    straight, resumed = step_records(reference / "output"), step_records(interrupted / "output")
+    keys = ("reward_mean", "kl", "loss", "tokens")
+    assert [[s[k] for k in keys] for s in resumed] == [[s[k] for k in keys] for s in straight]
+    assert result_of(interrupted)["grpo"] == result_of(reference)["grpo"]
+    want = load_file(reference / "output" / "model" / "model-00001-of-00001.safetensors")
+    got = load_file(interrupted / "output" / "model" / "model-00001-of-00001.safetensors")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+    two = shutil.copytree(prompt_workspace, tmp_path / "two")
+    env = trainer_env(
+        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
+    )
+    done = launch_trainer(env, *[a.replace("batch_size=4", "batch_size=2") for a in args])
+    assert done.returncode == 0, done.stdout + done.stderr
+    sharded = step_records(two / "output")
+    assert result_of(two)["world_size"] == 2
+    for a, b in zip(straight, sharded, strict=True):
+        assert (a["reward_mean"], a["tokens"]) == (b["reward_mean"], b["tokens"])
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+        assert b["kl"] == pytest.approx(a["kl"], abs=1e-5)
+
+
 # ------------------------------------------------------------------ what a user gets wrong
 
 
@@ -279,7 +345,7 @@ def test_grpo_has_no_validation_loss_and_needs_prompts(prompt_workspace, tmp_pat
     assert done.returncode == EXIT_BAD_INPUT
     assert done.stderr.endswith(
         "error: the dataset is a prompt dataset (prompts to answer), which method=lora cannot "
-        "learn from: use method=grpo\n"
+        "learn from: use method=grpo or method=grpo_full\n"
     ), done.stderr
 
 

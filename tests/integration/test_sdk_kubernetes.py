@@ -124,7 +124,7 @@ def test_install_train_status_logs_delete(server, capsys):
     assert (one_b.model, one_b.default_gpus, one_b.methods) == (
         "llama3.2-1b",
         1,
-        ("full", "lora", "qlora", "dora", "dpo", "orpo", "kto", "grpo"),
+        ("full", "grpo_full", "lora", "qlora", "dora", "dpo", "orpo", "kto", "grpo"),
     )
 
     name = tc.train(

@@ -47,7 +47,7 @@ def test_list_runtimes_is_a_table_of_tunepack_runtimes(client):
     assert isinstance(tiny, TunepackRuntime)
     assert (tiny.model, tiny.methods, tiny.default_gpus) == (
         "tiny-llama3",
-        ("full", "lora", "dora", "dpo", "orpo", "kto", "grpo"),
+        ("full", "grpo_full", "lora", "dora", "dpo", "orpo", "kto", "grpo"),
         0,
     )
     html = runtimes._repr_html_()

@@ -135,9 +135,10 @@ def test_lora_variants_are_available_where_lora_is():
         "orpo",
         "kto",
         "grpo",
+        "grpo_full",
     )
     only_full = dataclasses.replace(LLAMA_8B, builders={"full": LLAMA_8B.builders["full"]})
-    assert available_methods(only_full) == ("full",)
+    assert available_methods(only_full) == ("full", "grpo_full")
     with pytest.raises(BadInputError, match="method='dora' is not available for llama3.1-8b"):
         parse_trainer_args(["method=dora"], only_full)
 

@@ -182,11 +182,12 @@ def test_grpo_defaults_and_the_methods_own_beta():
     [
         (
             ["method=lora", "num_generations=8"],
-            "num_generations=8: only method=grpo uses num_generations, but method=lora",
+            "num_generations=8: only method=grpo or grpo_full uses num_generations, but "
+            "method=lora",
         ),
         (
             ["method=dpo", "rewards=match"],
-            "rewards=match: only method=grpo uses rewards, but method=dpo",
+            "rewards=match: only method=grpo or grpo_full uses rewards, but method=dpo",
         ),
         (
             ["method=grpo", "num_generations=1"],
@@ -452,3 +453,22 @@ def test_the_planner_refuses_a_group_of_one():
     with pytest.raises(BadInputError) as err:
         estimate("llama3.1-8b", "grpo", 1024, 1, num_generations=1)
     assert str(err.value) == "num_generations=1 is not valid: expected an integer >= 2"
+
+
+def test_grpo_full_trains_every_weight_and_plans_a_reference_copy():
+    from tunepack.tools.planner import plan
+
+    args = parse_trainer_args(["method=grpo_full"], TINY)
+    assert (args.lr, args.beta, args.num_generations) == (1e-6, 0.04, 4)
+    with pytest.raises(BadInputError) as err:
+        parse_trainer_args(["method=grpo_full", "lora_rank=8"], TINY)
+    assert str(err.value) == (
+        "lora_rank=8 sets LoRA adapters, but method=grpo_full trains every weight and has none; "
+        "leave it out, or use method=lora"
+    )
+    full = plan("llama3.1-8b", "full", 1024, 1, fused_loss=False, gpus_per_node=8)
+    grpo_full = plan("llama3.1-8b", "grpo_full", 1024, 1, num_generations=4, gpus_per_node=8)
+    # The weights and their frozen copy (the KL reference), in bf16, sharded over 8 devices.
+    assert grpo_full.trainable == full.trainable == full.parameters
+    assert grpo_full.weights - full.weights == pytest.approx(full.parameters * 2 / 8)
+    assert (grpo_full.optimizer, grpo_full.logits) == (full.optimizer, 4 * full.logits)

@@ -95,13 +95,16 @@ def test_an_unknown_method_names_the_known_ones():
     with pytest.raises(BadInputError) as err:
         methods.get("sft")
     assert str(err.value) == (
-        "method='sft' is not valid: expected one of lora, qlora, dora, full, dpo, orpo, kto, grpo"
+        "method='sft' is not valid: expected one of lora, qlora, dora, full, dpo, orpo, kto, "
+        "grpo, grpo_full"
     )
 
 
 def test_a_catalog_model_offers_each_method_its_builders_build():
     entry = catalog.get("llama3.2-1b")
-    assert entry.methods == ("full", "lora", "qlora", "dora", "dpo", "orpo", "kto", "grpo")
+    assert entry.methods == (
+        "full", "grpo_full", "lora", "qlora", "dora", "dpo", "orpo", "kto", "grpo",
+    )  # fmt: skip
     assert {vocab.builder_for(entry, m) for m in entry.methods} == set(entry.builders.values())
     # A model NF4 cannot quantize offers every LoRA method but qlora, and says why not.
     tiny = catalog.get("tiny-llama3")
@@ -116,7 +119,8 @@ def test_a_method_only_key_is_refused_with_another_method_naming_its_owner():
     with pytest.raises(BadInputError) as err:
         vocab.parse_trainer_args(["method=lora", "beta=0.2"], entry)
     assert (
-        str(err.value) == "beta=0.2: only method=dpo, orpo, kto or grpo uses beta, but method=lora"
+        str(err.value)
+        == "beta=0.2: only method=dpo, orpo, kto, grpo or grpo_full uses beta, but method=lora"
     )
 
 

@@ -104,7 +104,9 @@ def test_metadata(entry):
     # Qwen3-MoE's stacked experts are not quantized (trainers/qwen3_moe.py).
     no_nf4 = entry.name == "tiny-llama3" or entry.shape.num_experts
     methods = (
-        "full,lora,dora,dpo,orpo,kto,grpo" if no_nf4 else "full,lora,qlora,dora,dpo,orpo,kto,grpo"
+        "full,grpo_full,lora,dora,dpo,orpo,kto,grpo"
+        if no_nf4
+        else "full,grpo_full,lora,qlora,dora,dpo,orpo,kto,grpo"
     )
     assert notes["tunepack.dev/methods"] == methods
     # A bring-your-own runtime's size is its checkpoint's: no annotation.
@@ -311,6 +313,7 @@ def test_list_runtimes():
     assert tiny["model"] == "tiny-llama3"
     assert tiny["methods"] == [
         "full",
+        "grpo_full",
         "lora",
         "dora",
         "dpo",
