@@ -131,7 +131,9 @@ FORMAT_TOKENS: dict[str, tuple[str, ...]] = {
 
 
 def runtime_model_name(arch: str) -> str:
-    return arch + CUSTOM_SUFFIX
+    """``qwen3-moe-custom`` for ``qwen3_moe``: runtime names are Kubernetes names (RFC 1123: no
+    underscore)."""
+    return arch.replace("_", "-") + CUSTOM_SUFFIX
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,7 @@ def _tokens(seed: int = 1, batch: int = 2, length: int = 40) -> torch.Tensor:
 
 def _built(model_dir, tmp_path, **lora):
     config = json.loads((model_dir / "config.json").read_text())
-    resolved = custom.with_config(catalog.CUSTOM["qwen3_moe-custom"], config, "test")
+    resolved = custom.with_config(catalog.CUSTOM["qwen3-moe-custom"], config, "test")
     kwargs = resolved.builder_kwargs()
     model = lora_qwen3_moe(**kwargs, **lora) if lora else qwen3_moe(**kwargs)
     checkpointer = Qwen3MoeHFCheckpointer(
@@ -230,7 +230,7 @@ def test_lora_adapts_attention_and_dense_mlps_not_the_experts(tmp_path):
     assert not any("experts" in n or "router" in n for n in adapted)
     # Every layer sparse: lora_mlp cannot be honoured, and says so.
     config = json.loads((model_dir / "config.json").read_text()) | {"mlp_only_layers": []}
-    resolved = custom.with_config(catalog.CUSTOM["qwen3_moe-custom"], config, "test")
+    resolved = custom.with_config(catalog.CUSTOM["qwen3-moe-custom"], config, "test")
     assert resolved.defaults["lora_mlp"] is False
     with pytest.raises(BadInputError, match="lora_mlp=true"):
         lora_qwen3_moe(**resolved.builder_kwargs(), apply_lora_to_mlp=True, **lora)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import yaml
@@ -401,3 +402,15 @@ def test_trainer_pod_outlasts_torchruns_checkpoint_grace(entry):
     pods = {job["name"]: pod_spec(job) for job in replicated_jobs(build_runtime(entry))}
     assert pods["node"]["terminationGracePeriodSeconds"] > 30
     assert "terminationGracePeriodSeconds" not in pods["dataset-initializer"]
+
+
+# RFC 1123 subdomain: what the API server accepts as a cluster-scoped object's name.
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: e.name)
+def test_every_runtime_name_is_a_kubernetes_name(entry):
+    """An underscore (tunepack-qwen3_moe-custom) made the API server refuse the whole install;
+    only the control-plane tier saw it."""
+    name = build_runtime(entry)["metadata"]["name"]
+    assert _SUBDOMAIN.fullmatch(name) and len(name) <= 253, name
