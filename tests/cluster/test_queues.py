@@ -269,10 +269,16 @@ def test_the_second_job_waits_whole_until_the_first_has_finished(
         f"message: queued in Kueue LocalQueue {LOCAL_QUEUE}: waiting (Pending): "
         "couldn't assign flavors to pod set node: insufficient unused quota for nvidia.com/gpu"
     ) in status.stdout, status.stdout
-    while api.condition(namespace, "first", "Complete") is None:
-        assert _suspended(api, namespace, "second")
-        assert not _job_pods(api, namespace, "second")
-        assert not _true(_workload(api, namespace, "second"), "Admitted")
+    # The second's state is read first, the first's completion after: what was read counts only
+    # if the first was still running then (read the other way round, the first could finish and
+    # Kueue admit the second between the two reads: a fresh-clone tier run failed so).
+    while True:
+        suspended = _suspended(api, namespace, "second")
+        pods = _job_pods(api, namespace, "second")
+        admitted = _true(_workload(api, namespace, "second"), "Admitted")
+        if api.condition(namespace, "first", "Complete") is not None:
+            break
+        assert suspended and not pods and not admitted, (suspended, pods, admitted)
         time.sleep(1)
     second = _assert_admitted_whole(api, namespace, "second")
     assert api.wait_finished(namespace, "second", timeout=120) == "Complete"
