@@ -23,21 +23,26 @@ from torchtune.modules.peft import DoRALinear, LoRALinear
 # --- builders of the published sizes ----------------------------------------------------------
 
 
-def _lora_signature(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    rope_base: float = 1_000_000.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    """The signature of a size's LoRA builder (without ``apply_lora_to_output`` where the
-    output projection is tied to the embeddings)."""
-    raise NotImplementedError
+def _lora_parameters(lora_output: bool) -> inspect.Signature:
+    """The signature of a size's LoRA builder: ``apply_lora_to_output`` only where the output
+    projection is the model's own (not tied to the embeddings)."""
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    empty = inspect.Parameter.empty
+    specs = [
+        ("lora_attn_modules", positional, empty),
+        ("apply_lora_to_mlp", positional, False),
+        *([("apply_lora_to_output", positional, False)] if lora_output else []),
+        ("rope_base", keyword, 1_000_000.0),
+        ("lora_rank", keyword, empty),
+        ("lora_alpha", keyword, empty),
+        ("lora_dropout", keyword, 0.0),
+        ("use_dora", keyword, False),
+        ("quantize_base", keyword, False),
+    ]
+    return inspect.Signature(
+        [inspect.Parameter(name, kind, default=default) for name, kind, default in specs],
+        return_annotation=TransformerDecoder,
+    )
 
 
 def sized(
@@ -56,10 +61,7 @@ def sized(
     def full(rope_base: float = 1_000_000.0) -> TransformerDecoder:
         return full_builder(**size_kwargs(size), rope_base=rope_base)
 
-    signature = inspect.signature(_lora_signature)
-    if not lora_output:
-        kept = [p for p in signature.parameters.values() if p.name != "apply_lora_to_output"]
-        signature = signature.replace(parameters=kept)
+    signature = _lora_parameters(lora_output)
 
     def lora(*args, **kwargs) -> TransformerDecoder:
         bound = signature.bind(*args, **kwargs)
