@@ -177,6 +177,7 @@ class Context:
     peak_why: str | None  # why there is none
     compile: str | None  # why the compile=true run is left out; None: it runs
     fsdp_nproc: int
+    deterministic: bool = False  # the FSDP2 check's runs with deterministic=true
     runs: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
     walls: dict = dataclasses.field(default_factory=dict)  # size -> its runs' process seconds
 
@@ -629,6 +630,7 @@ def fsdp_resume(ctx: Context, size: Size, template: Path | None, skip: str | Non
         f"max_steps={steps}",
         "checkpoint_every_steps=2",
         "lora_dropout=0.1",  # the resumed run's random state matters too
+        *(["deterministic=true"] if ctx.deterministic else []),
     ]
     entry = {
         "name": f"{size.name}/lora/fsdp2-resume",
@@ -637,9 +639,9 @@ def fsdp_resume(ctx: Context, size: Size, template: Path | None, skip: str | Non
         "world_size": ctx.fsdp_nproc,
         "steps": steps,
         "sharded_path_forced": ctx.fsdp_nproc == 1,
-        "deterministic_algorithms": os.environ.get("GPU_CHECK_DETERMINISTIC") == "1",
+        "deterministic": ctx.deterministic,
     }
-    if why := skip or ctx.over_budget(3 * ctx.expected_s(size)):
+    if why := skip or ctx.over_budget(4 * ctx.expected_s(size)):
         return {**entry, "skipped": why}
     log(f"{entry['name']} ...")
     try:
@@ -654,18 +656,22 @@ def _fsdp_runs(ctx: Context, template: Path, argv: list[str], stop_at: int, name
     from safetensors.torch import load_file
 
     run = ctx.run_dir(name)
-    (run / "reference").mkdir()
-    (run / "interrupted").mkdir()
+    for sub in ("reference", "again", "interrupted"):
+        (run / sub).mkdir()
     reference = _workspace(run / "reference", template)
+    again = _workspace(run / "again", template)
     interrupted = _workspace(run / "interrupted", template)
     codes = {
         "reference": _torchrun(ctx, reference, argv, run / "reference.log"),
+        # The same run once more: on a GPU, kernels that accumulate with atomics can make two
+        # uninterrupted runs differ; a resume is exact only if it differs no more than they do.
+        "again": _torchrun(ctx, again, argv, run / "again.log"),
         "stopped": _torchrun(ctx, interrupted, argv, run / "stopped.log", stop_at=stop_at),
     }
     checkpoints = sorted(p.name for p in (interrupted / "checkpoints").glob("step-*"))
     stopped_result = (interrupted / "output" / "result.json").exists()
     codes["resumed"] = _torchrun(ctx, interrupted, argv, run / "resumed.log")
-    failed = [k for k in ("reference", "resumed") if codes[k] != 0]
+    failed = [k for k in ("reference", "again", "resumed") if codes[k] != 0]
     if failed:
         tail = (run / f"{failed[0]}.log").read_text(errors="replace")[-3000:]
         return {"exit_codes": codes, "skipped": f"failed: {failed[0]} run:\n{tail}"}
@@ -676,13 +682,21 @@ def _fsdp_runs(ctx: Context, template: Path, argv: list[str], stop_at: int, name
         if FSDP_MARK in line
     ]
     sharded, params = map(int, counted[0]) if counted else (0, 0)
-    want = load_file(reference / "output" / "adapter" / "adapter_model.safetensors")
-    got = load_file(interrupted / "output" / "adapter" / "adapter_model.safetensors")
-    same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    diff = max(
-        ((want[k].float() - got[k].float()).abs().max().item() for k in want if k in got),
-        default=math.nan,
-    )
+
+    def adapter(ws: Path) -> dict:
+        return load_file(ws / "output" / "adapter" / "adapter_model.safetensors")
+
+    def compare(want: dict, got: dict) -> tuple[bool, float]:
+        same = want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        diff = max(
+            ((want[k].float() - got[k].float()).abs().max().item() for k in want if k in got),
+            default=math.nan,
+        )
+        return bool(same), diff
+
+    want = adapter(reference)
+    same, diff = compare(want, adapter(interrupted))
+    repeatable, run_to_run = compare(want, adapter(again))
     return {
         "exit_codes": codes,
         "stopped_before_the_end": not stopped_result and codes["stopped"] != 0,
@@ -693,8 +707,10 @@ def _fsdp_runs(ctx: Context, template: Path, argv: list[str], stop_at: int, name
         "dtensor_parameters": sharded,
         "parameters": params,
         "fsdp2_sharded": params > 0 and sharded == params,
-        "bit_exact": bool(same) and not stopped_result and bool(result.get("resumed_from_step")),
+        "bit_exact": same and not stopped_result and bool(result.get("resumed_from_step")),
         "max_abs_diff": diff,
+        "uninterrupted_runs_equal": repeatable,
+        "uninterrupted_max_abs_diff": run_to_run,
     }
 
 
@@ -729,10 +745,6 @@ def fsdp_worker(argv: list[str]) -> int:
         return model
 
     recipe.FineTuneRecipe._setup_model = setup_and_count
-    if os.environ.get("GPU_CHECK_DETERMINISTIC") == "1":
-        import torch
-
-        torch.use_deterministic_algorithms(True, warn_only=True)
     stop_at = int(os.environ.get("GPU_CHECK_STOP_AT") or 0)
     if stop_at:
         report = recipe.FineTuneRecipe._report
@@ -858,11 +870,13 @@ def render(report: dict) -> str:
         lines.append(
             f"FSDP2 resume ({r['size']}/lora, {r['backend']}, {r['world_size']} process(es)"
             f"{', sharded path forced' if r['sharded_path_forced'] else ''}"
-            f"{', deterministic algorithms' if r.get('deterministic_algorithms') else ''}; "
+            f"{', deterministic=true' if r.get('deterministic') else ''}; "
             f"{r['dtensor_parameters']} of {r['parameters']} parameters sharded): stopped with "
             f"{', '.join(r['checkpoints_at_stop']) or 'no checkpoint'}, resumed from step "
             f"{r['resumed_from_step']}; adapter bit-exact: {'yes' if r['bit_exact'] else 'NO'} "
-            f"({r['tensors']} tensors, max |diff| {r['max_abs_diff']:.3g})"
+            f"({r['tensors']} tensors, max |diff| {r['max_abs_diff']:.3g}); two uninterrupted "
+            f"runs equal: {'yes' if r['uninterrupted_runs_equal'] else 'NO'} (max |diff| "
+            f"{r['uninterrupted_max_abs_diff']:.3g})"
         )
     v = report["versions"]
     lines.append(
@@ -993,18 +1007,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--deterministic",
         action="store_true",
-        help="the FSDP2 check's runs with torch's deterministic algorithms (CUDA's atomics in "
-        "some backward kernels make two identical GPU runs differ; this tells that apart from "
-        "a resume that is not exact)",
+        help="the FSDP2 check's runs with the trainer's deterministic=true (math attention, "
+        "torch's deterministic algorithms: flash attention's backward accumulates with atomics, "
+        "so two identical GPU runs differ without it)",
     )
     args = parser.parse_args(argv)
     methods = {m for m in args.methods.split(",") if m}
     if not methods <= set(METHODS):
         parser.error(f"--methods: choose from {', '.join(METHODS)}")
 
-    if args.deterministic:  # read by fsdp_worker in torchrun's workers
-        os.environ["GPU_CHECK_DETERMINISTIC"] = "1"
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     began = time.monotonic()
@@ -1068,6 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
             root=root, device=device, dtype=dtype, env=env, started=began,
             budget_s=math.inf if args.dry_run else args.budget_s, peak_flops=peak_flops,
             peak_why=why, compile=compile_why, fsdp_nproc=args.fsdp_nproc,
+            deterministic=args.deterministic,
         )  # fmt: skip
         results = check(ctx, sizes, methods, fsdp_only=args.fsdp_only)
     finally:
