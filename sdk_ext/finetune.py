@@ -102,6 +102,10 @@ class FineTune:
             memory; auto = on for cuda, off for cpu
         compile (str | bool): torch.compile the model's layers (a minute or more of warm-up, then
             faster steps); auto = when the planned run is long enough to pay for it
+        deterministic (bool): GPU kernels that give the same result every run (math attention,
+            torch's deterministic algorithms): two runs, or a run and its resume, end bit-identical;
+            slower, and attention holds batch x heads x max_seq_len^2 scores per layer (CPU runs are
+            deterministic anyway)
         packed (bool): pack several examples into each max_seq_len sequence
         group_by_length (bool): batch examples of similar length together, so batches hold less
             padding (unpacked data; packs are full already)
@@ -176,6 +180,7 @@ class FineTune:
     device: str | None = None
     activation_checkpointing: str | bool | None = None
     compile: str | bool | None = None
+    deterministic: bool | None = None
     packed: bool | None = None
     group_by_length: bool | None = None
     checkpoint_every_steps: int | None = None

@@ -256,6 +256,14 @@ VOCABULARY: tuple[Arg, ...] = (
         "auto = when the planned run is long enough to pay for it",
         "auto",
     ),
+    Arg(
+        "deterministic",
+        _bool,
+        "GPU kernels that give the same result every run (math attention, torch's deterministic "
+        "algorithms): two runs, or a run and its resume, end bit-identical; slower, and attention "
+        "holds batch x heads x max_seq_len^2 scores per layer (CPU runs are deterministic anyway)",
+        False,
+    ),
     Arg("packed", _bool, "pack several examples into each max_seq_len sequence", False),
     Arg(
         "group_by_length",
@@ -431,6 +439,7 @@ class TrainArgs:
     device: str
     activation_checkpointing: str | bool
     compile: str | bool
+    deterministic: bool
     packed: bool
     group_by_length: bool
     checkpoint_every_steps: int

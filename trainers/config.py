@@ -136,6 +136,7 @@ BOOKKEEPING_KEYS = (
     "log_every_n_steps",
     "merge",
     "compile",
+    "deterministic",
     "eval",
     "tracker",
 )
@@ -373,6 +374,7 @@ def _run(entry: ModelEntry, args: TrainArgs, device: str, output_dir: Path) -> d
             args.activation_checkpointing, device
         ),
         "compile": args.compile,
+        "deterministic": args.deterministic,
         # Which examples make each batch (trainers/batching.py): part of the run's identity.
         "batching": (
             "packed" if args.packed else "length_grouped" if args.group_by_length else "shuffled"

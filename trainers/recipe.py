@@ -144,6 +144,20 @@ class _Attempt:
         self.tracker.close()
 
 
+def _deterministic_kernels() -> None:
+    """deterministic=true on a GPU. Measured on one H100 (docs/gpu.md): two runs differed by 1e-3
+    after 5 steps, all of it from flash attention's backward, which accumulates with atomics and
+    which ``use_deterministic_algorithms(warn_only=True)`` still lets run; with the math kernel
+    two runs and a resumed one ended bit-identical."""
+    # cuBLAS reads this when it makes its first handle: before the first matmul.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class FineTuneRecipe:
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -181,6 +195,8 @@ class FineTuneRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         training.set_seed(seed=cfg.seed)  # seed + rank on each rank, as torchtune does
+        if cfg.get("deterministic") and self.device.type == "cuda":
+            _deterministic_kernels()
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.objective = self._objective()
         self.dataloader = self._setup_data()

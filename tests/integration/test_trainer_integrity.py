@@ -99,6 +99,7 @@ def test_bookkeeping_change_on_a_finished_run_does_nothing(finished, tmp_path):
         ["log_every=3"],
         ["checkpoint_every_steps=3", "keep_checkpoints=5", "checkpoint_every_minutes=1"],
         ["compile=false", "resume=false"],
+        ["deterministic=true"],  # the same computation, other GPU kernels
     ):
         args = [a for a in ARGS if a.split("=")[0] not in {c.split("=")[0] for c in changed}]
         again = _launch(workspace, *args, *changed)
@@ -249,3 +250,36 @@ def test_non_finite_loss_at_the_first_step_is_bad_input(initialized_workspace, t
     assert "trainer: error: the loss is nan at the first step, before any update" in done.stderr
     assert not (workspace / "output" / "result.json").exists()
     assert not (workspace / "output" / "adapter").exists()
+
+
+def test_deterministic_selects_reproducible_gpu_kernels(monkeypatch):
+    """deterministic=true on a GPU: the settings under which two H100 runs and a resumed one
+    ended bit-identical (docs/gpu.md; off by default, tests/unit/test_args.py)."""
+    import torch
+
+    from tunepack.trainers import recipe
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.cudnn_sdp_enabled(),
+    )
+    try:
+        recipe._deterministic_kernels()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cuda.flash_sdp_enabled()
+        assert not torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+        assert recipe.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark = saved[2]
+        torch.backends.cuda.enable_flash_sdp(saved[3])
+        torch.backends.cuda.enable_mem_efficient_sdp(saved[4])
+        torch.backends.cuda.enable_cudnn_sdp(saved[5])

@@ -152,6 +152,13 @@ def test_tri_state_and_checkpoint_arguments():
     assert args.activation_checkpointing is False and args.resume is False
 
 
+def test_deterministic_is_an_opt_in_boolean():
+    assert parse_trainer_args([], TINY).deterministic is False
+    assert parse_trainer_args(["deterministic=true"], TINY).deterministic is True
+    with pytest.raises(BadInputError, match="deterministic="):
+        parse_trainer_args(["deterministic=sometimes"], TINY)
+
+
 def test_every_vocabulary_key_has_help():
     assert all(arg.help for arg in VOCABULARY)
     assert len({arg.name for arg in VOCABULARY}) == len(VOCABULARY)
