@@ -1,10 +1,11 @@
 """The dataset initializer: ``python -m tunepack.initializers.dataset``.
 
 Reads ``STORAGE_URI`` (a local file or directory, ``hf://datasets/...``, ``s3://...`` or
-``https://...``), checks every row against one schema (instruction, chat, sharegpt, text or
-preference) and writes ``<workspace>/dataset/train.jsonl`` in the normalized form the trainer
-reads, with a manifest. Bad rows are reported here, by file, row and field, before any trainer
-Pod starts.
+``https://...``), checks every row against one schema (``tunepack.initializers.schemas``) and
+writes ``<workspace>/dataset/train.jsonl`` in the normalized form the trainer reads, with a
+manifest; an image-text dataset's images are checked and stored beside it, in ``images/``
+(``tunepack.initializers.images``). Bad rows are reported here, by file, row and field, before
+any trainer Pod starts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from pathlib import Path
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import atomic, download, formats, schemas, splits, trainer_args, uri
+from tunepack.initializers import (
+    atomic,
+    download,
+    formats,
+    images,
+    schemas,
+    splits,
+    trainer_args,
+    uri,
+)
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
 from tunepack.initializers.retry import retrying
@@ -58,8 +68,10 @@ def initialize() -> None:
     expect: dict[str, object] = {"kind": "dataset", "source": source_uri.canonical, **options}
     files: dict[str, Path] | None = None
     val_files: dict[str, Path] = {}
+    image_root: Path | None = None  # where an image-text row's relative paths are read from
     if source_uri.is_local:
         source = uri.resolve(source_uri)
+        image_root = source if source.is_dir() else source.parent
         files = _local_files(source_uri, source, options["split"])
         val_files = _local_validation_files(source, options["split"])
         expect["source_fingerprint"] = atomic.source_fingerprint({**files, **val_files})
@@ -75,17 +87,21 @@ def initialize() -> None:
     facts: dict[str, object] = {}
     if files is None:
         cache = download.cache_dir(workspace.workspace_root(), "dataset", source_uri.canonical)
-        files, facts, val_files = _remote_files(source_uri, options["split"], cache)
+        files, facts, val_files, image_root = _remote_files(source_uri, options["split"], cache)
 
     # The normalized rows take about what the source's do (an estimate: Parquet compresses).
+    image_cache = download.cache_dir(workspace.workspace_root(), "images", source_uri.canonical)
     with atomic.staged(dest, atomic.files_size({**files, **val_files})) as partial:
-        result = _write_dataset(source_uri, files, partial / OUTPUT_FILE, options)
+        store = images.ImageStore(partial, image_root, image_cache, _log)
+        result = _write_dataset(source_uri, files, partial / OUTPUT_FILE, options, store)
         written = {OUTPUT_FILE: {"size": result["size"], "sha256": result["sha256"]}}
         validation = None
         if val_files:  # the same schema as the training rows; a slice is of the train split
             val_options = {**options, "requested_schema": result["schema"].name}
             val_options.pop("slice", None)
-            val = _write_dataset(source_uri, val_files, partial / VALIDATION_FILE, val_options)
+            val = _write_dataset(
+                source_uri, val_files, partial / VALIDATION_FILE, val_options, store
+            )
             written[VALIDATION_FILE] = {"size": val["size"], "sha256": val["sha256"]}
             validation = {
                 "file": VALIDATION_FILE,
@@ -106,11 +122,15 @@ def initialize() -> None:
             "source_files": list(files),
             "files": written,
             **({"validation": validation} if validation else {}),
+            **({"images": store.record()} if store.stored else {}),
             "created": atomic.now_iso(),
         }
         atomic.write_manifest(partial, manifest)
     if cache is not None:
         download.remove_cache(cache)
+    download.remove_cache(image_cache)
+    if store.stored:
+        _log(f"checked and stored {store.summary()}")
     of = f" of {result['split_rows']}" if "split_rows" in result else ""
     _log(
         f"read {result['rows']}{of} rows ({result['schema'].name}, split {split.spec}) from "
@@ -190,9 +210,10 @@ def _local_validation_files(source: Path, split: str) -> dict[str, Path]:
 
 def _remote_files(
     source_uri: uri.StorageUri, split: str, cache: Path
-) -> tuple[dict[str, Path], dict[str, object], dict[str, Path]]:
-    """Download the split's data files into ``cache``; return them, manifest facts and the
-    validation split's files (empty when there is none)."""
+) -> tuple[dict[str, Path], dict[str, object], dict[str, Path], Path | None]:
+    """Download the split's data files into ``cache``; return them, manifest facts, the
+    validation split's files (empty when there is none) and the directory an image-text row's
+    relative paths are read from (an extracted archive's; None for other sources)."""
     source, listing = download.open_listing(source_uri, "dataset", cache, _log)
     val_chosen: list = []  # the source's validation split, when it has one
     if source_uri.scheme in ("https", "http"):
@@ -202,7 +223,7 @@ def _remote_files(
                 download.fetch(source, [file], cache, _log)
                 root = extract(cache / file.path, cache / "extracted", source_uri.display)
                 files = _local_files(source_uri, root, split)
-            return files, listing.facts, _local_validation_files(root, split)
+            return files, listing.facts, _local_validation_files(root, split), root
         if formats.format_of(file.path) is None:
             raise BadInputError(
                 f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file or a "
@@ -227,11 +248,15 @@ def _remote_files(
         )
     fetched = download.fetch(source, [*chosen, *val_chosen], cache, _log)
     files = {f.path: fetched[f.path].path for f in chosen}
-    return files, listing.facts, {f.path: fetched[f.path].path for f in val_chosen}
+    return files, listing.facts, {f.path: fetched[f.path].path for f in val_chosen}, None
 
 
 def _write_dataset(
-    source_uri: uri.StorageUri, files: dict[str, Path], out_path: Path, options: dict
+    source_uri: uri.StorageUri,
+    files: dict[str, Path],
+    out_path: Path,
+    options: dict,
+    store: images.ImageStore,
 ) -> dict:
     """Check every row and write the normalized JSONL; return what the manifest records."""
     mapping = options["column_map"]
@@ -269,7 +294,7 @@ def _write_dataset(
                     if schema is None:
                         problem = f"expected a JSON object, got {formats.json_type(row)}"
                     else:
-                        line, problem = _encode(schema, row, text_cells)
+                        line, problem = _encode(schema, row, text_cells, store)
                         problem = problem or schemas.row_size_problem(len(line), max_row)
                     if problem and mapping:
                         problem = _mention_mapping(problem, mapping)
@@ -323,13 +348,23 @@ def _count_rows(files: dict[str, Path]) -> int:
     return sum(1 for name, path in files.items() for _ in formats.read_rows(name, path))
 
 
-def _encode(schema: schemas.Schema, row: object, text_cells: bool) -> tuple[bytes, str | None]:
+def _encode(
+    schema: schemas.Schema, row: object, text_cells: bool, store: images.ImageStore
+) -> tuple[bytes, str | None]:
     """The normalized JSONL line for a valid row, or the reason it cannot be written."""
     if not isinstance(row, dict):
         return b"", f"expected a JSON object, got {formats.json_type(row)}"
     normalized, problem = schema.normalize(row, text_cells)
     if problem is not None:
         return b"", problem
+    if "images" in normalized:  # each checked and stored; the row names the stored files
+        stored = []
+        for index, ref in enumerate(normalized["images"]):
+            path, problem = store.add(ref)
+            if problem is not None:
+                return b"", f"images[{index}]: {problem}"
+            stored.append(path)
+        normalized["images"] = stored
     try:
         return (json.dumps(normalized, ensure_ascii=False) + "\n").encode(), None
     except UnicodeEncodeError:  # a lone surrogate escape such as "\\ud800"

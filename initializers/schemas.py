@@ -13,6 +13,10 @@ prompt                prompt (a string or turns ending with   {"messages": [...]
                       a user turn), optional answer           ...} (prompt, method=grpo)
 unpaired              prompt, completion (strings), label     {"messages": [...], "label":
                       (true: a desirable answer)              ...} (unpaired, method=kto)
+image_chat            messages whose contents may hold        {"messages": [...], "images":
+                      {"type": "image"} parts, and images:    ["images/<sha256>.png", ...]}
+                      one path, URL or embedded image each    (image_chat; checked and stored
+                                                              by initializers/images.py)
 ====================  ======================================  ================================
 
 ``DATASET_SCHEMA`` picks one; otherwise the first row decides. ``COLUMN_MAP`` renames columns
@@ -291,6 +295,64 @@ def _holds_prompt(conversation: list, prompt: list, single: bool) -> bool:
     return conversation[: len(prompt)] == prompt
 
 
+def _image_chat(row: dict, text_cells: bool) -> Normalized:
+    """Chat turns whose contents are a string or parts ({"type": "text", "text": ...} or
+    {"type": "image"}), and ``images``: one entry per image part, in order (resolved and checked
+    by the dataset initializer, ``tunepack.initializers.images``)."""
+    turns, problem = _turns(row, "messages", text_cells)
+    if problem:
+        return None, problem
+    images = row.get("images")
+    if images is None:
+        return None, "field 'images' is missing"
+    if isinstance(images, str | dict):
+        images = [images]  # one image
+    if not isinstance(images, list):
+        return None, f"field 'images' must be an array, got {json_type(images)}"
+    messages, placeholders = [], 0
+    for index, turn in enumerate(turns):
+        where = f"messages[{index}]"
+        if not isinstance(turn, dict):
+            return None, (
+                f"{where}: expected an object with 'role' and 'content', got {json_type(turn)}"
+            )
+        role = turn.get("role")
+        if role not in ROLES:
+            return None, f"{where}: role {role!r} is not one of {', '.join(ROLES)}"
+        content = turn.get("content")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list) or not content:
+            return None, (
+                f"{where}: field 'content' must be a string or an array of parts, got "
+                f"{json_type(content)}"
+            )
+        parts = []
+        for at, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image":
+                if role != "user":
+                    return None, f"{where}: a {role} turn holds an image; images go in user turns"
+                parts.append({"type": "image"})
+                placeholders += 1
+            else:
+                return None, (
+                    f"{where}.content[{at}]: expected {{'type': 'text', 'text': <string>}} or "
+                    "{'type': 'image'}"
+                )
+        messages.append({"role": role, "content": parts})
+    if not any(m["role"] == "assistant" for m in messages):
+        return None, "field 'messages' has no assistant turn, so there is nothing to learn"
+    if placeholders != len(images):
+        return None, (
+            f"the messages hold {placeholders} image part(s) ({{'type': 'image'}}) but 'images' "
+            f"has {len(images)}; give one image per part, in order"
+        )
+    return {"messages": messages, "images": images}, None
+
+
 def _chat_turns(turns: list, field: str) -> Normalized:
     return _messages(turns, field, "role", "content", {r: r for r in ROLES}, learn=False)
 
@@ -342,6 +404,16 @@ SCHEMAS: dict[str, Schema] = {
             _prompt,
         ),
         Schema(
+            "image_chat",
+            "image_chat",
+            "images",
+            "each row must hold 'messages' (objects with 'role' and 'content', a string or an "
+            "array of {'type': 'text', 'text': ...} and {'type': 'image'} parts, images in user "
+            "turns, at least one assistant turn) and 'images', one path inside the dataset, "
+            "URL or embedded image per image part",
+            _image_chat,
+        ),
+        Schema(
             "unpaired",
             "unpaired",
             "label",
@@ -352,8 +424,10 @@ SCHEMAS: dict[str, Schema] = {
     )
 }
 # Detection order: the most specific marker first ("text" is a common extra column; preference
-# rows have a 'prompt' too).
-_DETECT = ("preference", "chat", "sharegpt", "instruction", "unpaired", "prompt", "text")
+# rows have a 'prompt' too; image-text rows have 'messages' too).
+_DETECT = (
+    "preference", "image_chat", "chat", "sharegpt", "instruction", "unpaired", "prompt", "text",
+)  # fmt: skip
 
 
 def requested() -> Schema | None:
@@ -387,7 +461,8 @@ def detect(row: object, source: str) -> Schema:
         problem = f"its first row is a JSON {json_type(row)}, not an object"
     raise BadInputError(
         f"cannot tell the schema of dataset {source!r}: {problem}. Rows need 'instruction' and "
-        f"'output' (instruction), 'messages' (chat), 'conversations' (sharegpt), 'text', "
+        f"'output' (instruction), 'messages' (chat), 'messages' and 'images' (image_chat), "
+        f"'conversations' (sharegpt), 'text', "
         f"'chosen' and 'rejected' (preference), 'prompt' and 'completion' and 'label' "
         f"(unpaired), or 'prompt' (prompt); "
         f"rename columns with {COLUMN_MAP_ENV}=from:to,... or set {SCHEMA_ENV}"

@@ -187,6 +187,8 @@ class Family:
     # The checkpointer that converts the family's HF checkpoints (a tunepack subclass where
     # torchtune 0.6.1's conversion does not know every key, as for Qwen 3's q/k norms).
     checkpointer: str = "torchtune.training.FullModelHFCheckpointer"
+    # Whether its models take images (an image_chat dataset): none of the text families do.
+    reads_images: bool = False
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,9 @@ class Data:
 
 SUPERVISED = Data(
     "supervised",
-    ("instruction", "chat", "sharegpt", "text"),
-    "instructions, chats or text",
-    "instructions, chats or text",
+    ("instruction", "chat", "sharegpt", "text", "image_chat"),
+    "instructions, chats, image-text chats or text",
+    "instructions, chats, image-text chats or text",
 )
 PREFERENCE = Data(
     "preference",

@@ -35,6 +35,8 @@ DATASET_BUILDERS = {
     "prompt": "tunepack.trainers.grpo.prompt_dataset",  # prompts to sample answers to
     "unpaired": "tunepack.trainers.kto.unpaired_dataset",  # answers labelled good or bad
 }
+# Image-text rows (the initializer's image_chat): only a model that takes images reads them.
+IMAGE_SCHEMAS = ("image_chat",)
 # Builder keywords per schema: the initializer writes chat rows as OpenAI-style "messages" and
 # text rows as "text"; text completion has no prompt to mask, so no train_on_input.
 DATASET_OPTIONS: dict[str, dict[str, object]] = {
@@ -102,10 +104,10 @@ def read_dataset_manifest(dataset_dir: Path) -> dict:
             f"no dataset manifest at {path}: the dataset-initializer step has not completed"
         ) from None
     schema = manifest.get("schema")
-    if schema not in DATASET_BUILDERS:
+    if schema not in DATASET_BUILDERS and schema not in IMAGE_SCHEMAS:
         raise BadInputError(
             f"dataset schema {schema!r} in {path} is not supported by this trainer: "
-            f"expected one of {', '.join(DATASET_BUILDERS)}"
+            f"expected one of {', '.join([*DATASET_BUILDERS, *IMAGE_SCHEMAS])}"
         )
     return manifest
 
@@ -229,6 +231,15 @@ def _check_method_fits_data(method: str, schema: str) -> None:
         raise BadInputError(methods.wrong_data_message(record, schema))
 
 
+def _check_model_reads_data(entry: ModelEntry, schema: str) -> None:
+    if schema in IMAGE_SCHEMAS and not entry.family.reads_images:
+        raise BadInputError(
+            f"the dataset holds images (schema image_chat), but {entry.name} "
+            f"({entry.family.title}) reads text only; an image-text dataset needs a model that "
+            "takes images"
+        )
+
+
 # Every model is built by this function around the catalog's torchtune builder: it corrects
 # the builders that would not reproduce their checkpoint (see trainers/builders.py).
 MODEL_BUILDER = "tunepack.trainers.builders.build"
@@ -275,6 +286,7 @@ def build_config(
     model = _model(entry, args)
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len, args)
     _check_method_fits_data(args.method, manifest["schema"])
+    _check_model_reads_data(entry, manifest["schema"])
     has_validation = _check_validation(args, own_validation)
 
     cfg = {

@@ -184,7 +184,8 @@ CORPUS = [
         "d.jsonl",
         {},
         "cannot tell the schema of dataset 'd.jsonl': its first row has 'q', 'a'. Rows need "
-        "'instruction' and 'output' (instruction), 'messages' (chat), 'conversations' "
+        "'instruction' and 'output' (instruction), 'messages' (chat), 'messages' and "
+        "'images' (image_chat), 'conversations' "
         "(sharegpt), 'text', 'chosen' and 'rejected' (preference), 'prompt' and 'completion' "
         "and 'label' (unpaired), or 'prompt' (prompt); rename columns with "
         "COLUMN_MAP=from:to,... or set DATASET_SCHEMA",
@@ -212,7 +213,7 @@ CORPUS = [
         "d.jsonl",
         {"DATASET_SCHEMA": "dpo"},
         "DATASET_SCHEMA='dpo' is not a dataset schema; use one of instruction, chat, sharegpt, "
-        "text, preference, prompt, unpaired or auto",
+        "text, preference, prompt, image_chat, unpaired or auto",
     ),
     (
         "schema-forced-mismatch",
