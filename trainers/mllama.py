@@ -41,9 +41,12 @@ here instead (1 to 4 each shown to change the logits in tests/unit/test_mllama.p
 2. Padding: torchtune's ``VisionTransformer`` neither pads tiles to a multiple of 8 tokens nor
    masks, so its real tokens do not see transformers' padding tokens (nor are padded tiles kept
    from each other). ``MllamaVisionEncoder`` pads and masks as above, in both transformers.
-3. Intermediate outputs: torchtune (and Meta's reference) take the *input* of local layer i;
-   transformers 5.24's ``MllamaVisionEncoder`` collects each layer's *output*, so index i is the
-   output of layer i. Built as transformers 5.24.
+3. Intermediate features: Meta's reference (which the published weights were trained with),
+   torchtune, vLLM and transformers' own fix of its integration tests (huggingface/transformers
+   #39785) take the *input* of local layer i for index i; transformers 5.24's
+   ``MllamaVisionEncoder`` collects each layer's *output* instead, one layer later. Built as the
+   reference (``MllamaLocalTransformer.layer_outputs = False``); the tests hold it to
+   transformers with that one line as #39785 wrote it, and the other setting to 5.24 as it is.
 4. Text rows that see no image (before the first ``<|image|>``): torchtune's
    ``TransformerCrossAttentionLayer`` zeroes both their attention and MLP outputs; transformers
    lets them attend to every image token (their mask row is cleared) and zeroes only the MLP
@@ -188,8 +191,9 @@ class MllamaLocalTransformer(VisionTransformer):
     def __init__(self, *, intermediate_layers: list[int], **kwargs) -> None:
         super().__init__(**kwargs)
         self.intermediate_layers = list(intermediate_layers)
-        # transformers 5.24 keeps layer i's output; torchtune and Meta's reference its input.
-        self.layer_outputs = True
+        # Index i is layer i's input, as in Meta's reference and vLLM (transformers 5.24 keeps
+        # its output: True reproduces that, for the parity tests).
+        self.layer_outputs = False
 
     def forward(self, images, ids, tile_mask):
         """``images`` (images, tiles, channels, h, w), ``ids`` (images,), ``tile_mask`` (images,

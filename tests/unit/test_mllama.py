@@ -126,10 +126,15 @@ def expected(hf_model, hf_inputs):
         return hf_model(**hf_inputs).logits, hf_model(input_ids=hf_inputs["input_ids"]).logits
 
 
-def _built(hf_model):
+def _built(hf_model, *, as_transformers_524: bool = True):
+    """The model built from ``hf_model``'s config and weights; by default with transformers
+    5.24's intermediate features (each listed layer's output) to compare with it as it is, else
+    as ``mllama()`` builds it."""
     config = _config(hf_model)
     model = mllama(**mllama_builder_kwargs(config)).eval()
     model.load_state_dict(mllama_hf_to_tune(hf_model.state_dict(), config), strict=True)
+    if as_transformers_524:
+        model.encoder.clip.layer_outputs = True
     return model
 
 
@@ -153,6 +158,32 @@ def test_logits_equal_transformers_with_images_and_text_only(hf_model, hf_inputs
     with torch.no_grad():
         text_diff = float((model(hf_inputs["input_ids"]) - text_only).abs().max())
     assert text_diff < 1e-4, text_diff
+
+
+def test_by_default_each_listed_layers_input_is_kept_as_the_reference_does(
+    hf_model, hf_inputs, monkeypatch
+):
+    """The default build keeps layer i's input for intermediate index i (Meta's reference,
+    vLLM): equal to transformers with the vision encoder that collects each layer's input, as
+    huggingface/transformers#39785 wrote it."""
+    from transformers.modeling_outputs import BaseModelOutput
+    from transformers.models.mllama import modeling_mllama
+
+    def collect_inputs(self, hidden_states, attention_mask=None):
+        states = ()
+        for layer in self.layers:
+            states += (hidden_states,)
+            hidden_states = layer(hidden_states=hidden_states, attention_mask=attention_mask)
+        states += (hidden_states,)
+        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=states)
+
+    monkeypatch.setattr(modeling_mllama.MllamaVisionEncoder, "forward", collect_inputs)
+    with torch.no_grad():
+        reference = hf_model(**hf_inputs).logits
+    model = _built(hf_model, as_transformers_524=False)
+    inputs = mllama_inputs_to_tune(_config(hf_model), **hf_inputs)
+    diff = float((_logits(model, inputs) - reference).abs().max())
+    assert diff < 1e-4, diff
 
 
 def test_each_difference_from_torchtunes_build_matters(hf_model, hf_inputs, expected, monkeypatch):
@@ -240,6 +271,7 @@ def test_checkpointer_saves_what_transformers_loads(hf_model, hf_inputs, expecte
     config = _config(hf_model)
     model = mllama(**mllama_builder_kwargs(config)).eval()
     model.load_state_dict(checkpointer.load_checkpoint()[MODEL_KEY], strict=True)
+    model.encoder.clip.layer_outputs = True  # compared with transformers 5.24 as it is
     inputs = mllama_inputs_to_tune(config, **hf_inputs)
     assert float((_logits(model, inputs) - expected[0]).abs().max()) < 1e-4
 
@@ -278,6 +310,7 @@ def test_lora_builder_adapts_the_text_model_and_the_projector(hf_model, hf_input
     assert any(k.startswith("decoder.layers.0.mlp.w1.") for k in adapters)
     assert isinstance(model.encoder.projection.output, LoRALinear)
     assert not any(k.startswith("encoder.clip.") for k in adapters)
+    model.encoder.clip.layer_outputs = True  # compared with transformers 5.24 as it is
     inputs = mllama_inputs_to_tune(config, **hf_inputs)
     # LoRA's B starts at zero: the adapted model computes the base model.
     assert float((_logits(model, inputs) - expected[0]).abs().max()) < 1e-4
