@@ -69,6 +69,9 @@ class Shape:
     experts_per_token: int = 0
     moe_intermediate_dim: int = 0
     dense_layers: tuple[int, ...] = ()
+    # Parameters outside the decoder the fields above describe: Llama 3.2 Vision's vision tower
+    # and projector (counted, not planned layer by layer).
+    extra_parameters: int = 0
 
     def __post_init__(self) -> None:
         if not self.head_dim:
@@ -135,6 +138,7 @@ class Shape:
             + dense * mlp
             + self.expert_parameter_count()
             + d
+            + self.extra_parameters
         )
 
 
@@ -189,6 +193,8 @@ class Family:
     checkpointer: str = "torchtune.training.FullModelHFCheckpointer"
     # Whether its models take images (an image_chat dataset): none of the text families do.
     reads_images: bool = False
+    # The only methods its models train with, where not every method (None: every one).
+    only_methods: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,12 @@ class ModelEntry:
 
     def why_not(self, method: str) -> str | None:
         """Why a LoRA variant cannot run on this model (None: nothing known against it)."""
+        only = self.family.only_methods
+        if only is not None and method not in only:
+            return (
+                f"method={method} is not available for {self.name} ({self.family.title} trains "
+                f"with {', '.join(only)})"
+            )
         if registry.get(method).quantize_base and (obstacle := self.shape.nf4_obstacle()):
             return f"method={method} cannot quantize {self.name}: {obstacle}; use method=lora"
         return None
@@ -482,6 +494,21 @@ FAMILIES: dict[str, Family] = {
                 shape_keywords=("head_dim", "tie_word_embeddings", "num_experts",
                                 "experts_per_token", "moe_intermediate_dim", "dense_layers"),
                 checkpointer="tunepack.trainers.qwen3_moe.Qwen3MoeHFCheckpointer"),
+        # Llama 3.2 Vision (transformers' Mllama): a Llama 3.1-style text model with gated
+        # cross-attention layers reading a two-stage CLIP-style vision tower (trainers/mllama.py,
+        # built by tunepack on torchtune's components). Its builders take their shape from the
+        # checkpoint's config.json (mllama_builder_kwargs), not from the catalog's Shape, which
+        # describes the text model only. Llama 3's tiktoken vocabulary with <|image|> after it.
+        _family("mllama", "Llama 3.2 Vision", "mllama", "MllamaForConditionalGeneration",
+                tokenizer=_LLAMA3_TOKENIZER, model_type="MLLAMA",
+                builders="tunepack.trainers.mllama.mllama",
+                options=_LLAMA3_OPTIONS | {"scale_factor": 8},
+                checkpointer="tunepack.trainers.mllama.MllamaHFCheckpointer",
+                no_packing="Llama 3.2 Vision's rows carry images, which packing cannot join",
+                reads_images=True,
+                # Supervised fine-tuning on image-text (and text) chats; the preference and RL
+                # methods, QLoRA and DoRA are not wired for its image inputs yet.
+                only_methods=("full", "lora")),
     )
 }  # fmt: skip
 
@@ -648,6 +675,27 @@ def _gemma3_entry(size: str, checkpoint: tuple[str, ...]) -> ModelEntry:
                   checkpoint, module="tunepack.trainers.gemma3")  # fmt: skip
 
 
+# Llama 3.2 Vision sizes (meta-llama/Llama-3.2-{11B,90B}-Vision-Instruct), as remembered (this
+# machine has no network): text_config vocab_size 128256 (<|image|> is 128256, 8 more embedding
+# rows), rope_theta 5e5 with llama3 scaling (factor 8), max_position_embeddings 131072; 11B: 40
+# layers of width 4096 (MLP 14336, 32 heads, 8 KV heads) of which 8 cross-attention
+# (3, 8, ..., 38); 90B: 100 layers of width 8192 (MLP 28672, 64 heads, 8 KV heads) of which 20
+# cross-attention (3, 8, ..., 98). Both share the vision tower: 560-pixel tiles of 14-pixel
+# patches, up to 4 tiles, width 1280, 32 local + 8 global layers, 16 heads, MLP 5120, features of
+# local layers 3, 7, 15, 23 and 30. The Shape is the text model's (its parameter count leaves the
+# ~0.9B vision tower out); the trainer builds every size from the checkpoint's config.json.
+def _mllama_entry(size: str, shape: Shape) -> ModelEntry:
+    # The vision tower's 40 layers of width 1280 (attention 4 x 1280^2, MLP 2 x 1280 x 5120) and
+    # the projector (7680 -> the text width); its embeddings and norms are left out (< 1%).
+    tower = 40 * (4 * 1280 * 1280 + 2 * 1280 * 5120) + 7680 * shape.embed_dim
+    shape = replace(shape, extra_parameters=tower)
+    label = size.upper()
+    return _entry("mllama", f"llama3.2-vision-{size}",
+                  f"meta-llama/Llama-3.2-{label}-Vision-Instruct",
+                  f"Llama 3.2 {label} Vision Instruct (images and text)", shape, "mllama",
+                  _INDEXED, module="tunepack.trainers.mllama")  # fmt: skip
+
+
 # Qwen3-MoE sizes, from the config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the
 # Hugging Face Hub (as remembered: this machine has no network; the parameter counts they give,
 # 30.53B total / 3.35B active and 235.09B / 22.16B, are the published 30.5B/3.3B and
@@ -794,6 +842,8 @@ _PUBLISHED = (
     _gemma3_entry("27b", _INDEXED),
     _qwen3_moe_entry("30b_a3b", "30B-A3B"),
     _qwen3_moe_entry("235b_a22b", "235B-A22B"),
+    _mllama_entry("11b", _llama(128_256, 40, 32, 8, 4096, 14_336, 131_072)),
+    _mllama_entry("90b", _llama(128_256, 100, 64, 8, 8192, 28_672, 131_072)),
 )  # fmt: skip
 
 
@@ -888,7 +938,13 @@ TINY: dict[str, ModelEntry] = {
                           moe_intermediate_dim=48)),
     )
 }  # fmt: skip
-assert set(TINY) == set(FAMILIES), "every family needs a tiny variant"
+# Models that read images: their builders take the checkpoint's config.json, which
+# tunepack.tiny writes with transformers' own config class (a vision tower of one tile size).
+TINY_VISION: dict[str, ModelEntry] = {
+    "mllama": _tiny("mllama", "tiny-llama3.2-vision", _tiny_shape()),
+}
+assert set(TINY) | set(TINY_VISION) == set(FAMILIES), "every family needs a tiny variant"
+assert not set(TINY) & set(TINY_VISION)
 
 
 def _custom(arch: str) -> ModelEntry:

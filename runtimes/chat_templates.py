@@ -124,6 +124,69 @@ LLAMA3_2 = LLAMA3_1.replace(
 )
 assert LLAMA3_2 != LLAMA3_1
 
+# meta-llama/Llama-3.2-11B-Vision-Instruct (and 90B), written from memory of the published
+# file (no network here; tool branches left out): a conversation with an image has no system
+# turn (a system message is refused), one without images gets Llama 3.1's dated system turn;
+# content parts render in order, an image as <|image|>, text untrimmed.
+LLAMA3_2_VISION = (
+    "{{- bos_token }}\n"
+    "{%- if not date_string is defined %}\n"
+    "    {%- if strftime_now is defined %}\n"
+    '        {%- set date_string = strftime_now("%d %b %Y") %}\n'
+    "    {%- else %}\n"
+    '        {%- set date_string = "26 Jul 2024" %}\n'
+    "    {%- endif %}\n"
+    "{%- endif %}\n\n"
+    "{%- if messages[0]['role'] == 'system' %}\n"
+    "    {%- if messages[0]['content'] is string %}\n"
+    "        {%- set system_message = messages[0]['content']|trim %}\n"
+    "    {%- else %}\n"
+    "        {%- set system_message = messages[0]['content'][0]['text']|trim %}\n"
+    "    {%- endif %}\n"
+    "    {%- set messages = messages[1:] %}\n"
+    "{%- else %}\n"
+    '    {%- set system_message = "" %}\n'
+    "{%- endif %}\n\n"
+    "{%- set image_ns = namespace(has_images=false) %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- if message['content'] is not string %}\n"
+    "        {%- for content in message['content'] %}\n"
+    "            {%- if content['type'] == 'image' %}\n"
+    "                {%- set image_ns.has_images = true %}\n"
+    "            {%- endif %}\n"
+    "        {%- endfor %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n\n"
+    '{%- if image_ns.has_images and not system_message == "" %}\n'
+    '    {{- raise_exception("Prompting with images is incompatible with system messages.") }}\n'
+    "{%- endif %}\n\n"
+    "{%- if not image_ns.has_images %}\n"
+    '    {{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
+    '    {{- "Cutting Knowledge Date: December 2023\\n" }}\n'
+    '    {{- "Today Date: " + date_string + "\\n\\n" }}\n'
+    "    {{- system_message }}\n"
+    '    {{- "<|eot_id|>" }}\n'
+    "{%- endif %}\n\n"
+    "{%- for message in messages %}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}\n"
+    "    {%- if message['content'] is string %}\n"
+    "        {{- message['content'] }}\n"
+    "    {%- else %}\n"
+    "        {%- for content in message['content'] %}\n"
+    "            {%- if content['type'] == 'image' %}\n"
+    "                {{- '<|image|>' }}\n"
+    "            {%- elif content['type'] == 'text' %}\n"
+    "                {{- content['text'] }}\n"
+    "            {%- endif %}\n"
+    "        {%- endfor %}\n"
+    "    {%- endif %}\n"
+    "    {{- '<|eot_id|>' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+    "{%- endif %}\n"
+)
+
 # google/gemma-2b-it, gemma-7b-it and the Gemma 2 -it models: no system role.
 GEMMA = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
@@ -283,6 +346,7 @@ TEMPLATES: dict[str, str] = {
     "llama3": LLAMA3,
     "llama3.1": LLAMA3_1,
     "llama3.2": LLAMA3_2,
+    "llama3.2-vision": LLAMA3_2_VISION,
     "gemma": GEMMA,
     "gemma3": GEMMA3,
     "phi3": PHI3,
@@ -310,6 +374,7 @@ FAMILY_FORMAT: dict[str, str] = {
     "qwen2_5": "qwen2.5",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3",
+    "mllama": "llama3.2-vision",
 }
 
 # Catalog models whose published template is not their family's format. tunepack trains them in
@@ -323,6 +388,8 @@ OWN_TEMPLATE_DIFFERS: frozenset[str] = frozenset({"meta-llama/CodeLlama-70b-Inst
 GROUPS: tuple[tuple[str, ...], ...] = (
     ("llama2", "mistral"),
     ("llama3", "llama3.1", "llama3.2"),
+    # Images need <|image|>, which only the vision models' embeddings hold.
+    ("llama3.2-vision",),
     ("gemma", "gemma3"),
     ("phi3",),
     ("phi4",),

@@ -19,6 +19,10 @@ from tunepack.trainers.config import model_component
 PUBLISHED = list(catalog.CATALOG.values())
 TINY = list(catalog.TINY.values())
 EVERY = {entry.name: entry for entry in (*PUBLISHED, *TINY)}.values()
+# The text decoders the catalog's Shape describes whole; a model that reads images is built from
+# its config.json (test_vision_sizes_build_from_their_config below).
+TEXT = [entry for entry in EVERY if not entry.family.reads_images]
+VISION = [entry for entry in PUBLISHED if entry.family.reads_images]
 
 
 def _instantiate(entry: catalog.ModelEntry, method: str, **kwargs) -> torch.nn.Module:
@@ -30,7 +34,7 @@ def _instantiate(entry: catalog.ModelEntry, method: str, **kwargs) -> torch.nn.M
         return config.instantiate(OmegaConf.create({**model_component(entry, method), **kwargs}))
 
 
-@pytest.mark.parametrize("entry", EVERY, ids=lambda e: e.name)
+@pytest.mark.parametrize("entry", TEXT, ids=lambda e: e.name)
 def test_parameter_count_is_torchtunes(entry):
     model = _instantiate(entry, "full")
     assert sum(p.numel() for p in model.parameters()) == entry.parameter_count
@@ -42,7 +46,7 @@ def test_parameter_count_is_torchtunes(entry):
     assert (attn.q_proj.bias is not None) == entry.shape.qkv_bias
 
 
-@pytest.mark.parametrize("entry", EVERY, ids=lambda e: e.name)
+@pytest.mark.parametrize("entry", TEXT, ids=lambda e: e.name)
 def test_lora_builder_takes_the_shape_and_lora_settings(entry):
     # Where every MLP is a mixture of experts (Qwen3-MoE), LoRA adapts attention only.
     experts_only = entry.shape.sparse_layers == entry.shape.num_layers
@@ -65,8 +69,8 @@ def test_lora_builder_takes_the_shape_and_lora_settings(entry):
 
 def test_every_family_has_published_sizes_and_a_tiny_variant():
     families = {entry.family.name for entry in PUBLISHED}
-    assert families == set(catalog.FAMILIES) == set(catalog.TINY)
-    for name, tiny in catalog.TINY.items():
+    assert families == set(catalog.FAMILIES) == set(catalog.TINY) | set(catalog.TINY_VISION)
+    for name, tiny in (catalog.TINY | catalog.TINY_VISION).items():
         assert tiny.family.name == name and tiny.shape_kwargs
         assert tiny.builders == tiny.family.component_builders
     # Only the quickstart's tiny model is a published runtime.
@@ -114,7 +118,7 @@ def test_bad_index_is_named_with_a_hint(tmp_path, content):
         catalog.get("llama2-7b").weight_files(tmp_path)
 
 
-@pytest.mark.parametrize("entry", EVERY, ids=lambda e: e.name)
+@pytest.mark.parametrize("entry", TEXT, ids=lambda e: e.name)
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_the_trainers_model_has_the_checkpoints_rope_and_soft_capping(entry, method):
     """Where torchtune's builders differ from the HF model (Code Llama's and Phi-4's RoPE base,
@@ -160,3 +164,50 @@ def test_models_doc_is_generated_from_the_catalog():
         "`python -m tunepack.runtimes.models_doc`"
     )
     assert all(f"`{entry.runtime_name}`" in models_doc.render() for entry in PUBLISHED)
+
+
+def _vision_config(entry: catalog.ModelEntry) -> dict:
+    """The published config.json's fields the build reads, from the catalog's shape and the
+    vision tower every size shares (runtimes/catalog.py, _mllama_entry)."""
+    s = entry.shape
+    cross = list(range(3, s.num_layers, 5))
+    return {
+        "model_type": "mllama",
+        "image_token_index": s.vocab_size,
+        "text_config": {
+            "model_type": "mllama_text_model", "vocab_size": s.vocab_size,
+            "hidden_size": s.embed_dim, "intermediate_size": s.intermediate_dim,
+            "num_hidden_layers": s.num_layers, "num_attention_heads": s.num_heads,
+            "num_key_value_heads": s.num_kv_heads, "cross_attention_layers": cross,
+            "max_position_embeddings": s.max_seq_len, "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0,
+            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        },
+        "vision_config": {
+            "hidden_size": 1280, "attention_heads": 16, "intermediate_size": 5120,
+            "num_hidden_layers": 32, "num_global_layers": 8,
+            "intermediate_layers_indices": [3, 7, 15, 23, 30], "image_size": 560,
+            "patch_size": 14, "max_num_tiles": 4, "vision_output_dim": 7680, "norm_eps": 1e-5,
+            "supported_aspect_ratios": [[1, 1], [1, 2], [1, 3], [1, 4], [2, 1], [2, 2], [3, 1],
+                                        [4, 1]],
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("entry", VISION, ids=lambda e: e.name)
+def test_vision_sizes_build_from_their_config(entry, tmp_path):
+    """Llama 3.2 Vision is built from the checkpoint's config.json: the published shape builds,
+    with the parameter count the catalog plans with (its vision tower estimated within 1%), and
+    full fine-tuning trains every weight."""
+    (tmp_path / "config.json").write_text(json.dumps(_vision_config(entry)))
+    node = model_component(entry, "full", tmp_path)
+    assert node["decoder_trainable"] and node["encoder_trainable"]
+    with torch.device("meta"):
+        model = config.instantiate(OmegaConf.create(node))
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count - entry.parameter_count) / count < 0.01, (count, entry.parameter_count)
+    assert all(p.requires_grad for p in model.parameters())
+    assert entry.methods == ("full", "lora")
+    with pytest.raises(ValueError, match="config.json"):
+        model_component(entry, "full")
