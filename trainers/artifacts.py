@@ -38,7 +38,9 @@ from tunepack.core.workspace import ADAPTER_DIR, FULL_MODEL_DIR, MERGED_DIR, RES
 from tunepack.runtimes import methods
 from tunepack.trainers import checkpoint
 from tunepack.trainers.config import result_digest, result_identity
-from tunepack.trainers.peft_export import export_adapter
+from tunepack.trainers.peft_export import export_adapter, export_mllama_adapter
+
+MLLAMA = "MLLAMA"  # trainers/mllama.py's checkpoint model type
 
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
@@ -102,13 +104,16 @@ def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
     adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
     # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
     # magnitude unpermuted); export_adapter follows each family's HF layout.
-    weights, targets = export_adapter(
-        adapter,
-        model_type=cfg.checkpointer.model_type,
-        hf_config=hf_config(cfg),
-        rank=m.lora_rank,
-        alpha=m.lora_alpha,
-    )
+    if cfg.checkpointer.model_type == MLLAMA:  # Llama 3.2 Vision: adapters on its text model
+        weights, targets = export_mllama_adapter(adapter, hf_config=hf_config(cfg))
+    else:
+        weights, targets = export_adapter(
+            adapter,
+            model_type=cfg.checkpointer.model_type,
+            hf_config=hf_config(cfg),
+            rank=m.lora_rank,
+            alpha=m.lora_alpha,
+        )
     weights = {k: v.contiguous() for k, v in weights.items()}
     save_file(weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
     # QLoRA's adapter is an ordinary LoRA adapter: it applies to the unquantized base too.

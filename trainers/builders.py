@@ -73,8 +73,10 @@ def build(
             f"{builder} cannot apply LoRA to the output projection: it is tied to the "
             "embeddings; train without output LoRA"
         )
-    model = build_fn(**kwargs, **({"rope_base": rope_base} if "rope_base" in takes else {}))
-    if "rope_base" not in takes:
+    # A builder that passes its keywords on (lora_mllama's **shape) takes the base too.
+    takes_base = "rope_base" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values())
+    model = build_fn(**kwargs, **({"rope_base": rope_base} if takes_base else {}))
+    if not takes_base:
         # A builder that takes the base builds it (Gemma 3's, two bases, where its local layers
         # keep their own); one that does not gets it here.
         set_rope_base(model, rope_base)

@@ -37,6 +37,7 @@ DATASET_BUILDERS = {
 }
 # Image-text rows (the initializer's image_chat): only a model that takes images reads them.
 IMAGE_SCHEMAS = ("image_chat",)
+IMAGE_DATASET_BUILDER = "tunepack.trainers.vision_data.image_chat_dataset"
 # Builder keywords per schema: the initializer writes chat rows as OpenAI-style "messages" and
 # text rows as "text"; text completion has no prompt to mask, so no train_on_input.
 DATASET_OPTIONS: dict[str, dict[str, object]] = {
@@ -245,8 +246,34 @@ def _check_model_reads_data(entry: ModelEntry, schema: str) -> None:
 MODEL_BUILDER = "tunepack.trainers.builders.build"
 
 
-def model_component(entry: ModelEntry, method: str) -> dict:
-    """The model's config node for ``method``, before any LoRA settings."""
+def read_model_config(model_dir: Path) -> dict:
+    """The checkpoint's config.json (a vision model's builders take their shape from it)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInputError(f"no config.json in the model directory {model_dir}") from None
+    except ValueError as error:
+        raise BadInputError(f"{path} is not valid JSON ({error})") from None
+
+
+def model_component(entry: ModelEntry, method: str, model_dir: Path | None = None) -> dict:
+    """The model's config node for ``method``, before any LoRA settings. A model that reads
+    images is built from its checkpoint's config.json (``model_dir``), any size."""
+    if entry.family.reads_images:
+        from tunepack.trainers.mllama import mllama_builder_kwargs
+
+        if model_dir is None:
+            raise ValueError(f"{entry.name} is built from its checkpoint's config.json: model_dir")
+        kwargs = mllama_builder_kwargs(read_model_config(model_dir), f"model at {str(model_dir)!r}")
+        node = {
+            "_component_": MODEL_BUILDER,
+            "builder": builder_for(entry, method),
+            **kwargs,
+        }
+        if not methods.get(method).adapters:  # full: every weight, the text model's too
+            node |= {"decoder_trainable": True, "encoder_trainable": True, "fusion_trainable": True}
+        return node
     node: dict = {
         "_component_": MODEL_BUILDER,
         "builder": builder_for(entry, method),
@@ -283,7 +310,7 @@ def build_config(
         for name in (*data_files, *([str(dataset_dir / val_file)] if val_file else [])):
             check_conversations(Path(name), args.chat_template, args.system_prompt or None)
 
-    model = _model(entry, args)
+    model = _model(entry, args, model_dir)
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len, args)
     _check_method_fits_data(args.method, manifest["schema"])
     _check_model_reads_data(entry, manifest["schema"])
@@ -299,7 +326,7 @@ def build_config(
         "model": model,
         "tokenizer": tokenizer,
         "checkpointer": _checkpointer(entry, model_dir, output_dir),
-        "dataset": _dataset(args, manifest["schema"], data_files, cache_dir),
+        "dataset": _dataset(args, manifest["schema"], data_files, cache_dir, model_dir),
         **_optimizer_and_schedule(args),
         **_bookkeeping(args, output_dir),
     }
@@ -412,9 +439,9 @@ def _checkpointing(args: TrainArgs, directory: Path) -> dict:
     }
 
 
-def _model(entry: ModelEntry, args: TrainArgs) -> dict:
+def _model(entry: ModelEntry, args: TrainArgs, model_dir: Path) -> dict:
     """The model's node: the catalog's builder, with the LoRA family's adapter settings."""
-    model = model_component(entry, args.method)
+    model = model_component(entry, args.method, model_dir)
     method = methods.get(args.method)
     if method.adapters:
         model.update(
@@ -444,8 +471,22 @@ def _checkpointer(entry: ModelEntry, model_dir: Path, output_dir: Path) -> dict:
     }
 
 
-def _dataset(args: TrainArgs, schema: str, data_files: list[str], cache_dir: Path) -> dict:
-    """The training rows: the schema's torchtune builder over the initializer's files."""
+def _dataset(
+    args: TrainArgs, schema: str, data_files: list[str], cache_dir: Path, model_dir: Path
+) -> dict:
+    """The training rows: the schema's torchtune builder over the initializer's files (image
+    rows: tunepack's, with the checkpoint's image processing)."""
+    if schema in IMAGE_SCHEMAS:
+        from tunepack.trainers.vision_data import image_settings
+
+        settings = image_settings(model_dir, read_model_config(model_dir))
+        return {
+            "_component_": IMAGE_DATASET_BUILDER,
+            "train_on_input": args.train_on_input,
+            "data_files": data_files,
+            "image": settings.as_dict(),
+            "packed": args.packed,
+        }
     return {
         "_component_": DATASET_BUILDERS[schema],
         **{

@@ -1056,7 +1056,9 @@ class MllamaHFCheckpointer(FullModelHFCheckpointer):
         if adapter_only or intermediate_checkpoint:
             raise ValueError("MllamaHFCheckpointer saves whole models only")
         hf_state = mllama_tune_to_hf(state_dict[training.MODEL_KEY], self._config, self._layout)
-        shard_of = self._weight_map or {}
+        # Shard numbers: ints as load_checkpoint records them, or the strings ("0001") torchtune's
+        # checkpointers use, which tunepack's artifacts.write_hf_model sets from the shards.
+        shard_of = {key: int(index) for key, index in (self._weight_map or {}).items()}
         count = max(shard_of.values(), default=1)
         shards: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in hf_state.items():

@@ -132,3 +132,59 @@ def _part_rows(module: str, hf_config: dict, n_heads: int, n_kv: int, head_dim: 
     if module in ("attn.k_proj", "attn.v_proj"):
         return n_kv * head_dim
     return hf_config["intermediate_size"]  # mlp.w1 (gate) and mlp.w3 (up)
+
+
+# --- Llama 3.2 Vision (trainers/mllama.py) -------------------------------------------------------
+
+_MLLAMA_KEY = re.compile(
+    r"^decoder\.layers\.(\d+)\.(fusion_layer\.)?(.+)\.(lora_a|lora_b|magnitude)(?:\.weight)?$"
+)
+# torchtune's cross-attention module -> transformers' (its MLP names are the self layers').
+_CROSS = {
+    "attn.q_proj": "cross_attn.q_proj",
+    "attn.k_proj": "cross_attn.k_proj",
+    "attn.v_proj": "cross_attn.v_proj",
+    "attn.output_proj": "cross_attn.o_proj",
+}
+
+
+def export_mllama_adapter(
+    adapter: dict[str, torch.Tensor], *, hf_config: dict
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """A Llama 3.2 Vision adapter (LoRA/DoRA on the text model) as PEFT's for transformers'
+    ``MllamaForConditionalGeneration`` (transformers 5's module names,
+    ``model.language_model.layers.N``): torchtune's layer j (and its fusion part) back to
+    transformers' self-attention layer (and the cross-attention layer before it); q/k rows of the
+    self-attention permuted as the checkpoint conversion permutes them (cross-attention has no
+    RoPE and keeps its order). ``target_modules`` is a pattern that names only the text model's
+    adapted modules, so the vision tower's same-named projections stay untouched."""
+    from tunepack.trainers.mllama import fusion_positions
+
+    text = hf_config["text_config"]
+    n_heads, n_kv = text["num_attention_heads"], text["num_key_value_heads"]
+    head_dim = text["hidden_size"] // n_heads
+    layers, cross = text["num_hidden_layers"], set(text["cross_attention_layers"])
+    positions = fusion_positions(layers, sorted(cross))
+    self_of = {tune: hf for hf, tune in positions.items() if hf not in cross}
+    cross_of = {tune: hf for hf, tune in positions.items() if hf in cross}
+    weights: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    for key, value in adapter.items():
+        match = _MLLAMA_KEY.match(key)
+        if not match:
+            raise ValueError(f"unexpected Llama 3.2 Vision adapter parameter {key!r}")
+        index, fusion, module, tensor = match.groups()
+        if fusion:
+            hf_index, name = cross_of[int(index)], _CROSS.get(module) or _MODULES[module]
+        else:
+            hf_index, name = self_of[int(index)], _MODULES[module]
+            if module in ("attn.q_proj", "attn.k_proj") and tensor != "lora_a":
+                heads = n_heads if module == "attn.q_proj" else n_kv
+                value = _permute_rows(value, heads, head_dim)
+        suffix = "" if tensor == "magnitude" else ".weight"
+        prefix = f"base_model.model.model.language_model.layers.{hf_index}.{name}"
+        weights[f"{prefix}.{_PEFT_TENSOR[tensor]}{suffix}"] = value
+        targets.add(name)
+    alternatives = "|".join(re.escape(t) for t in sorted(targets))
+    pattern = rf"model\.language_model\.layers\.\d+\.(?:{alternatives})"
+    return weights, {"target_modules": pattern}

@@ -161,6 +161,49 @@ def _llama3_1(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     return out + (_llama3_generation() if generation else [])
 
 
+# Where an image stands in a turn's content (image_chat rows): the token the vision model's
+# template writes for an {"type": "image"} part.
+IMAGE_TOKEN = "<|image|>"
+
+
+def _body(i: int, content: str) -> list[Piece]:
+    """A turn's content as text pieces with each ``<|image|>`` a special piece of its own."""
+    out: list[Piece] = []
+    for k, part in enumerate(content.split(IMAGE_TOKEN)):
+        if k:
+            out.append(_tok(IMAGE_TOKEN, i, "body"))
+        if part:
+            out.append(_text(part, i, "body"))
+    return out
+
+
+def _llama3_2_vision(turns: Sequence[Turn], generation: bool) -> list[Piece]:
+    """Llama 3.2 Vision's template: content untrimmed, images in place; a conversation with an
+    image has no system turn (the template refuses a system message with one), else Llama 3.1's
+    dated system turn."""
+    system, rest = _split_system(turns)
+    has_images = any(IMAGE_TOKEN in turn.content for _, turn in rest)
+    out = [_tok(BOS)]
+    if has_images and system is not None and system.content.strip():
+        raise BadInputError(
+            "the llama3.2-vision chat format refuses a system message in a conversation with "
+            "images (as the published template does): drop the system message or system_prompt"
+        )
+    if not has_images:
+        index = 0 if system else None
+        header = f"Cutting Knowledge Date: December 2023\nToday Date: {LLAMA3_1_DATE}\n\n"
+        text = system.content.strip() if system else ""
+        out += [_tok("<|start_header_id|>", index), _text("system", index),
+                _tok("<|end_header_id|>", index), _text("\n\n", index),
+                _text(header, index), _text(text, index, "body"),
+                _tok("<|eot_id|>", index, "end")]  # fmt: skip
+    for i, turn in rest:
+        out += [_tok("<|start_header_id|>", i), _text(turn.role, i),
+                _tok("<|end_header_id|>", i), _text("\n\n", i), *_body(i, turn.content),
+                _tok("<|eot_id|>", i, "end")]  # fmt: skip
+    return out + (_llama3_generation() if generation else [])
+
+
 def _gemma(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     system, rest = _split_system(turns)
     if system is not None:
@@ -286,6 +329,7 @@ FORMATS = {
     "llama3": _llama3,
     "llama3.1": _llama3_1,
     "llama3.2": _llama3_1,  # the fixed date: training does not depend on the day it ran
+    "llama3.2-vision": _llama3_2_vision,
     "gemma": _gemma,
     "gemma3": _gemma3,
     "phi3": _phi3,

@@ -68,6 +68,7 @@ from tunepack.trainers import (
     kto,
     moe,
     orpo,
+    vision_data,
     vocab_loss,
 )
 from tunepack.trainers.batching import real_positions
@@ -378,7 +379,10 @@ class FineTuneRecipe:
             raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
         # Each row's length before max_seq_len cuts it: said once, and the sampler's lengths.
         with self.tokenizer.untruncated():
-            full = batching.example_lengths(dataset, "example lengths")
+            if isinstance(dataset, vision_data.ImageChatDataset):  # tokens only, no images
+                full = dataset.token_lengths()
+            else:
+                full = batching.example_lengths(dataset, "example lengths")
         kept = self.tokenizer.max_seq_len - (1 if cfg.dataset._component_ == TEXT_BUILDER else 0)
         if topo.is_main and (line := cut_rows_line(full, kept, self.tokenizer.max_seq_len)):
             log.warning("%s", line)
@@ -398,6 +402,8 @@ class FineTuneRecipe:
             collate = grpo.collate
             if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
                 raise BadInputError(problem)
+        elif isinstance(dataset, vision_data.ImageChatDataset):
+            collate = partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
         else:
             collate = partial(
                 padded_collate_sft,
@@ -544,6 +550,13 @@ class FineTuneRecipe:
         if "mask" in batch:  # packed: attend only within each example, positions restart
             extra = {"mask": batch["mask"].to(self.device), "input_pos": batch["input_pos"]}
             extra["input_pos"] = extra["input_pos"].to(self.device)
+        if batch.get("encoder_input") is not None:  # images (trainers/vision_data.py)
+            images = batch["encoder_input"]
+            extra["encoder_input"] = {
+                "images": images["images"].to(self.device, self.dtype),
+                "aspect_ratio": images["aspect_ratio"].to(self.device),
+            }
+            extra["encoder_mask"] = batch["encoder_mask"].to(self.device)
         if self.fused_loss:  # the output projection on the counted positions only
             rows = counted.nonzero().squeeze(1)
             targets = labels[rows].to(self.device)

@@ -16,7 +16,7 @@ from pathlib import Path
 from tunepack.core import durable
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes.catalog import TINY_LLAMA3, ModelEntry
-from tunepack.tiny import hf
+from tunepack.tiny import hf, mllama
 from tunepack.tiny.bpe import GptBpeFormat, TiktokenFormat, TokenizerFiles, dump_json
 from tunepack.tiny.dataset import check_int
 from tunepack.tiny.spm import SentencePieceFormat
@@ -102,6 +102,16 @@ FORMATS: dict[str, FamilyFormat] = {
 def model_files(entry: ModelEntry) -> tuple[str, ...]:
     """Every file write_tiny_model writes for ``entry``; a directory holding all is complete."""
     tokenizer = tuple(entry.tokenizer.files.values())
+    if entry.family.reads_images:  # transformers' own files (tunepack.tiny.mllama)
+        return (
+            "config.json",
+            "generation_config.json",
+            WEIGHTS_FILE,
+            *tokenizer,
+            "tokenizer_config.json",
+            mllama.PREPROCESSOR_FILE,
+            "README.md",
+        )
     return (
         "config.json",
         "generation_config.json",
@@ -112,10 +122,20 @@ def model_files(entry: ModelEntry) -> tuple[str, ...]:
     )
 
 
-def _check_entry(entry: ModelEntry) -> FamilyFormat:
+def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
     """The tiny writer's limits: single-file checkpoints and shapes the builders can take."""
     s, family = entry.shape, entry.family
     problems = []
+    if family.reads_images:
+        if family.name != "mllama":
+            problems.append(f"family {family.name!r} has no tiny format")
+        if entry.checkpoint_files != (WEIGHTS_FILE,):
+            problems.append(f"checkpoint files {entry.checkpoint_files} are not one {WEIGHTS_FILE}")
+        if problems:
+            raise BadInputError(
+                f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems)
+            )
+        return None
     if family.name not in FORMATS:
         problems.append(f"family {family.name!r} has no tiny format")
     if entry.checkpoint_files != (WEIGHTS_FILE,):
@@ -156,8 +176,21 @@ def _model_card(entry: ModelEntry, seed: int, tokenizer: TokenizerFiles) -> str:
     )
 
 
-def _write_model_files(target: Path, entry: ModelEntry, fmt: FamilyFormat, seed: int) -> None:
+def _write_model_files(
+    target: Path, entry: ModelEntry, fmt: FamilyFormat | None, seed: int
+) -> None:
     from safetensors.torch import save_file
+
+    if fmt is None:  # a model that reads images: transformers writes it
+        tokenizer = mllama.tokenizer_files(entry)
+        mllama.write_files(target, entry, tokenizer, seed)
+        files = {**tokenizer.files, "README.md": _model_card(entry, seed, tokenizer).encode()}
+        for name, data in files.items():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            (target / name).write_bytes(data)
+        for path in (target, *target.rglob("*")):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        return
 
     tokenizer = fmt.tokenizer.write(entry)
     generation = {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids)}

@@ -1,0 +1,274 @@
+"""Llama 3.2 Vision end to end on a CPU: a tiny random ``MllamaForConditionalGeneration`` written
+by transformers (``catalog.TINY_VISION``), a dataset of generated pictures (coloured squares and
+circles with questions about them) through the real dataset initializer, and the trainer.
+
+- what the trainer feeds the model (tokens, tiles, aspect ratios, cross-attention mask) equals
+  what transformers' ``MllamaProcessor`` gives for the same conversation and images, converted
+  by ``mllama_inputs_to_tune``; and so do the logits;
+- LoRA trains: the loss falls, result.json is written, the exported PEFT adapter loads into
+  transformers' model and reproduces the trained one; full fine-tuning saves a model transformers
+  loads that reproduces the trained one;
+- a vision model trains on text-only chat too (no images: its cross-attention layers are
+  skipped, as transformers skips them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision", reason="Llama 3.2 Vision needs the tunepack[vision] extra")
+
+from PIL import Image, ImageDraw  # noqa: E402
+
+from tests.helpers import run_dataset_initializer, setup_recipe  # noqa: E402
+from tunepack.runtimes import catalog  # noqa: E402
+from tunepack.tiny import write_tiny_model  # noqa: E402
+
+ENTRY = catalog.TINY_VISION["mllama"]
+COLORS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (30, 60, 220)}
+# Sizes that fit 1, 2 or more tiles of 28 pixels, wide and tall, and need resizing.
+SIZES = [(40, 40), (60, 30), (30, 70), (50, 50)]
+FAST = ["warmup_steps=0", "checkpoint_every_minutes=0", "batch_size=4", "seed=0"]
+
+
+def _picture(shape: str, color: str, size: tuple[int, int]) -> Image.Image:
+    image = Image.new("RGB", size, (245, 245, 245))
+    draw = ImageDraw.Draw(image)
+    w, h = size
+    box = (w // 5, h // 5, w - w // 5, h - h // 5)
+    (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLORS[color])
+    return image
+
+
+def _rows(data) -> list[dict]:
+    rows = []
+    for n in range(12):
+        color = list(COLORS)[n % 3]
+        shape = "square" if n % 2 == 0 else "circle"
+        name = f"pics/{n}.png"
+        _picture(shape, color, SIZES[n % len(SIZES)]).save(data / name)
+        question = f"What color is the {shape}?"
+        rows.append(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image"}, {"type": "text", "text": question}],
+                    },
+                    {"role": "assistant", "content": f"The {shape} is {color}."},
+                ],
+                "images": [name],
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision")
+    data = root / "data"
+    (data / "pics").mkdir(parents=True)
+    rows = _rows(data)
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = run_dataset_initializer(root / "ws", str(data), cwd=root)
+    assert done.returncode == 0, done.stderr
+    write_tiny_model(root / "ws" / "model", ENTRY)
+    return root / "ws"
+
+
+def _recipe(workspace, output, argv, dataset_dir=None):
+    return setup_recipe(
+        ENTRY,
+        [*FAST, *argv],
+        model_dir=workspace / "model",
+        dataset_dir=dataset_dir or workspace / "dataset",
+        output=output,
+    )
+
+
+def _losses(output) -> list[float]:
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
+
+
+def _hf_inputs(recipe, workspace, indices):
+    """transformers' MllamaProcessor on the same rows: the chat template of the tiny tokenizer
+    (the published one's), the image processor of its preprocessor_config.json."""
+    from transformers import AutoTokenizer, MllamaImageProcessor, MllamaProcessor
+
+    from tunepack.trainers.vision_data import load_image
+
+    model_dir = workspace / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    processor = MllamaProcessor(
+        image_processor=MllamaImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer
+    )
+    rows = [recipe.dataloader.dataset.rows[i] for i in indices]
+    texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for *_, row in rows]
+    images = [[load_image(root / name) for name in row["images"]] for root, _, row in rows]
+    return processor(
+        text=texts, images=images, padding=True, return_tensors="pt", add_special_tokens=False
+    )
+
+
+def _hf_model(path):
+    from transformers import MllamaForConditionalGeneration
+
+    return MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _tune_logits(model, batch, *, as_transformers=False):
+    """The trainer's model on ``batch``; ``as_transformers``: its vision features taken as
+    transformers 5.24 takes them (each listed layer's output, not its input: trainers/mllama.py,
+    point 3), for comparisons with transformers' model."""
+    model.encoder.clip.layer_outputs = as_transformers
+    with torch.no_grad():
+        return model.eval()(
+            batch["tokens"],
+            encoder_input=batch["encoder_input"],
+            encoder_mask=batch["encoder_mask"],
+        )
+
+
+def _converted(workspace, hf) -> dict:
+    from tunepack.trainers.mllama import mllama_inputs_to_tune
+
+    config = json.loads((workspace / "model" / "config.json").read_text())
+    return mllama_inputs_to_tune(config, **{k: hf[k] for k in hf if k != "attention_mask"})
+
+
+def _real(batch) -> torch.Tensor:
+    """Positions that are not padding (the loss's and every comparison's)."""
+    return batch["attention_mask"].bool()
+
+
+# Rows 0-3: a square, a wide, a tall and a larger square picture (2, 2x1, 1x3, 2x2 tiles).
+ROWS = [0, 1, 2, 3]
+
+
+def test_inputs_and_logits_equal_transformers_processor_and_model(workspace, tmp_path):
+    recipe = _recipe(workspace, tmp_path / "out", ["method=full", "max_steps=1"])
+    ours = recipe.collate([recipe.dataloader.dataset[i] for i in ROWS])
+    hf = _hf_inputs(recipe, workspace, ROWS)
+    theirs = _converted(workspace, hf)
+    assert torch.equal(ours["tokens"], theirs["tokens"])
+    assert torch.equal(
+        ours["encoder_input"]["aspect_ratio"], theirs["encoder_input"]["aspect_ratio"]
+    )
+    tiles = ours["encoder_input"]["aspect_ratio"][:, 0].prod(-1).tolist()
+    assert {2, 3, 4} <= set(tiles), tiles  # wide, tall and square canvases of whole tiles
+    # transformers resizes 8-bit pixels (rounding each), torchtune resizes floats: within one
+    # grey level (1/255 over CLIP's smallest std, 0.261), most pixels far closer.
+    difference = (ours["encoder_input"]["images"] - theirs["encoder_input"]["images"]).abs()
+    assert difference.max() < (1 / 255) / 0.261 and difference.mean() < 1e-3
+    real = _real(hf)
+    assert torch.equal(ours["encoder_mask"][real], theirs["encoder_mask"][real])
+
+    # The base model: transformers' logits equal ours from the same inputs; the trainer's
+    # pixels change them by no more than the grey level above does.
+    with torch.no_grad():
+        expected = _hf_model(workspace / "model")(**hf).logits
+    logits = _tune_logits(recipe.model, theirs, as_transformers=True)
+    assert (logits[real] - expected[real]).abs().max() < 1e-4
+    ours_logits = _tune_logits(recipe.model, ours, as_transformers=True)
+    assert (ours_logits[real] - expected[real]).abs().max() < 2e-3
+
+
+def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp_path):
+    from peft import PeftModel
+
+    output = tmp_path / "out"
+    recipe = _recipe(workspace, output, ["max_steps=12", "epochs=10"])
+    recipe.train()
+    recipe.save()
+    losses = _losses(output)
+    assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, losses
+    result = json.loads((output / "result.json").read_text())
+    assert (result["model"], result["method"], result["steps"]) == (ENTRY.name, "lora", 12)
+    assert result["final_loss"] == pytest.approx(losses[-1], abs=1e-5)
+    assert result["artifact"] and result["chat_template"] == "llama3.2-vision"
+    adapter = output / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == ENTRY.hub_id
+
+    hf = _hf_inputs(recipe, workspace, ROWS)
+    theirs = _converted(workspace, hf)
+    real = _real(hf)
+    base = _hf_model(workspace / "model")
+    with torch.no_grad():
+        before = base(**hf).logits
+        peft = PeftModel.from_pretrained(base, adapter).eval()
+        after = peft(**hf).logits
+    # Only the text model's modules were adapted: the vision tower's are untouched.
+    wrapped = [n for n, _ in peft.named_modules() if n.endswith("lora_A")]
+    assert wrapped and all("language_model" in n for n in wrapped)
+    assert (after[real] - before[real]).abs().max() > 1e-3  # the adapter changes the model
+    trained = _tune_logits(recipe.model, theirs, as_transformers=True)
+    assert (trained[real] - after[real]).abs().max() < 1e-4
+
+
+def test_full_fine_tune_saves_a_model_transformers_loads(workspace, tmp_path):
+    output = tmp_path / "out"
+    recipe = _recipe(workspace, output, ["method=full", "max_steps=3", "lr=1e-3"])
+    trainable = {n.split(".")[0] for n, p in recipe.model.named_parameters() if p.requires_grad}
+    assert trainable == {"decoder", "encoder"}  # every weight: the text model's too
+    recipe.train()
+    recipe.save()
+    hf = _hf_inputs(recipe, workspace, ROWS)
+    theirs = _converted(workspace, hf)
+    real = _real(hf)
+    with torch.no_grad():
+        before = _hf_model(workspace / "model")(**hf).logits
+        saved = _hf_model(output / "model")(**hf).logits
+    assert (saved[real] - before[real]).abs().max() > 1e-3
+    trained = _tune_logits(recipe.model, theirs, as_transformers=True)
+    assert (trained[real] - saved[real]).abs().max() < 1e-4
+
+
+def test_a_vision_model_trains_on_text_only_chat(workspace, tmp_path):
+    """No image in the data: the cross-attention layers are skipped, as transformers skips
+    them, and the chat format is the template's text-only one (a dated system turn)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {n} plus one?"},
+                      {"role": "assistant", "content": f"It is {n + 1}."}]}
+        for n in range(8)
+    ]  # fmt: skip
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = run_dataset_initializer(tmp_path / "ws", str(data), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    output = tmp_path / "out"
+    recipe = _recipe(workspace, output, ["max_steps=6", "epochs=10"], tmp_path / "ws" / "dataset")
+    recipe.train()
+    losses = _losses(output)
+    assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+def test_methods_not_wired_for_images_are_refused_in_one_line():
+    from tunepack.core.errors import BadInputError
+    from tunepack.trainers.args import parse_trainer_args
+
+    assert catalog.get("llama3.2-vision-11b").methods == ("full", "lora")
+    with pytest.raises(
+        BadInputError, match=r"method=dpo is not available for tiny-llama3.2-vision"
+    ):
+        parse_trainer_args(["method=dpo"], ENTRY)
+
+
+def test_a_system_message_beside_an_image_is_refused_as_the_template_refuses_it():
+    from tunepack.core.errors import BadInputError
+    from tunepack.trainers.prompt_format import Turn, render
+
+    turns = [Turn("system", "Be brief."), Turn("user", "<|image|>What is it?")]
+    with pytest.raises(BadInputError, match="refuses a system message"):
+        render("llama3.2-vision", turns)
+    pieces = render("llama3.2-vision", turns[1:])  # no system turn at all beside an image
+    assert [p.text for p in pieces if p.special] == [
+        "<bos>", "<|start_header_id|>", "<|end_header_id|>", "<|image|>", "<|eot_id|>"
+    ]  # fmt: skip
