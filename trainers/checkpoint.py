@@ -197,7 +197,8 @@ def save(
     name = f"{PREFIX}{manifest['step']:08d}"
     final, staging = root / name, root / f".{name}.partial"
     aside = root / f".{name}.old"  # the same step saved before, while it is replaced
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+    with own_names(model):
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
     needed = nbytes(model_state) + nbytes(optim_state)
     try:
         with durable.disk_full_as_error(final, needed):
@@ -249,17 +250,18 @@ def load(
     """Restore model, optimizer, scheduler and (same world size) RNG; return the manifest."""
     manifest = read_manifest(path)
     # get_state_dict gives the structure (and shards) to load into; DCP reshards if needed.
-    model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
-    state = {"model": model_state, "optimizer": optim_state}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=_LOAD_OPTIONS,
-    )
+    with own_names(model):
+        model_state, optim_state = get_state_dict(model, optimizer, options=_OPTIONS)
+        state = {"model": model_state, "optimizer": optim_state}
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_LOAD_OPTIONS,
+        )
     trainer_state = torch.load(path / TRAINER_STATE, weights_only=True)
     lr_scheduler.load_state_dict(trainer_state["lr_scheduler"])
 
@@ -275,6 +277,37 @@ def load(
             topo.world_size,
         )
     return manifest
+
+
+def _is_fusion_hook(hook) -> bool:
+    function = getattr(hook, "hook", hook)  # with_module hooks are wrapped
+    function = getattr(function, "__func__", function)
+    return getattr(function, "__qualname__", "").startswith(("FusionLayer.", "FusionEmbedding."))
+
+
+@contextmanager
+def own_names(model: nn.Module):
+    """Within it, the state-dict keys of torchtune's fusion modules (Llama 3.2 Vision) are their
+    attributes' names. Their hooks rename the keys for HF checkpoints (``FusionLayer`` drops
+    ``layer.``, ``FusionEmbedding`` joins its two tables into one ``weight``), which
+    torch.distributed.checkpoint cannot map back to parameters; resumable checkpoints keep the
+    modules' own names (saved and loaded the same way, so they need no renaming)."""
+    from torchtune.modules.model_fusion import FusionEmbedding, FusionLayer
+
+    removed = []
+    for module in model.modules():
+        if not isinstance(module, FusionLayer | FusionEmbedding):
+            continue
+        for hooks in (module._state_dict_hooks, module._load_state_dict_pre_hooks):
+            for key, hook in list(hooks.items()):
+                if _is_fusion_hook(hook):
+                    removed.append((hooks, key, hook))
+                    del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, key, hook in removed:
+            hooks[key] = hook
 
 
 @contextmanager

@@ -272,3 +272,34 @@ def test_a_system_message_beside_an_image_is_refused_as_the_template_refuses_it(
     assert [p.text for p in pieces if p.special] == [
         "<bos>", "<|start_header_id|>", "<|end_header_id|>", "<|image|>", "<|eot_id|>"
     ]  # fmt: skip
+
+
+def test_a_crashed_run_resumes_from_its_checkpoint_bit_identical(workspace, tmp_path):
+    """A run that dies after its step-4 checkpoint (mid step 6: nothing more written) and is
+    started again resumes there: the same losses and the same adapter, bit for bit, as a run
+    that was never interrupted (images, tiles and batches drawn again in the same order)."""
+    from torchtune.modules.peft import get_adapter_state_dict
+
+    argv = ["max_steps=8", "epochs=10", "checkpoint_every_steps=4"]
+    whole = _recipe(workspace, tmp_path / "whole", argv)
+    whole.train()
+    expected = get_adapter_state_dict(whole.model.state_dict())
+
+    crashed = _recipe(workspace, tmp_path / "crashed", argv)
+    step = crashed._step
+
+    def dies_in_step_6(batches, attempt):
+        if crashed.progress.step == 5:
+            raise RuntimeError("killed")
+        return step(batches, attempt)
+
+    crashed._step = dies_in_step_6
+    with pytest.raises(RuntimeError, match="killed"):
+        crashed.train()
+    resumed = _recipe(workspace, tmp_path / "crashed", argv)
+    assert resumed.progress.step == 4
+    resumed.train()
+    assert _losses(tmp_path / "crashed")[-4:] == _losses(tmp_path / "whole")[-4:]
+    got = get_adapter_state_dict(resumed.model.state_dict())
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
