@@ -9,13 +9,19 @@ circles with questions about them) through the real dataset initializer, and the
   transformers' model and reproduces the trained one; full fine-tuning saves a model transformers
   loads that reproduces the trained one;
 - a vision model trains on text-only chat too (no images: its cross-attention layers are
-  skipped, as transformers skips them).
+  skipped, as transformers skips them);
+- the published runtime (tunepack-llama3.2-vision-11b) runs through the launcher on the tiny
+  checkpoint (any size builds from config.json), and a run killed with SIGKILL resumes from its
+  checkpoint to a bit-identical adapter.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -24,7 +30,12 @@ pytest.importorskip("torchvision", reason="Llama 3.2 Vision needs the tunepack[v
 
 from PIL import Image, ImageDraw  # noqa: E402
 
-from tests.helpers import run_dataset_initializer, setup_recipe  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    LAUNCH,
+    lines_held_back,
+    run_dataset_initializer,
+    setup_recipe,
+)
 from tunepack.runtimes import catalog  # noqa: E402
 from tunepack.tiny import write_tiny_model  # noqa: E402
 
@@ -274,32 +285,71 @@ def test_a_system_message_beside_an_image_is_refused_as_the_template_refuses_it(
     ]  # fmt: skip
 
 
-def test_a_crashed_run_resumes_from_its_checkpoint_bit_identical(workspace, tmp_path):
-    """A run that dies after its step-4 checkpoint (mid step 6: nothing more written) and is
-    started again resumes there: the same losses and the same adapter, bit for bit, as a run
-    that was never interrupted (images, tiles and batches drawn again in the same order)."""
-    from torchtune.modules.peft import get_adapter_state_dict
+def _published_workspace(workspace, target):
+    """The workspace with the tiny checkpoint indexed as the published sizes are (their
+    checkpoints are sharded): the llama3.2-vision-11b runtime builds any size from config.json."""
+    from safetensors import safe_open
 
-    argv = ["max_steps=8", "epochs=10", "checkpoint_every_steps=4"]
-    whole = _recipe(workspace, tmp_path / "whole", argv)
-    whole.train()
-    expected = get_adapter_state_dict(whole.model.state_dict())
+    shutil.copytree(workspace, target)
+    with safe_open(target / "model" / "model.safetensors", "pt") as weights:
+        weight_map = dict.fromkeys(weights.keys(), "model.safetensors")
+    index = {"metadata": {}, "weight_map": weight_map}
+    (target / "model" / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
 
-    crashed = _recipe(workspace, tmp_path / "crashed", argv)
-    step = crashed._step
 
-    def dies_in_step_6(batches, attempt):
-        if crashed.progress.step == 5:
-            raise RuntimeError("killed")
-        return step(batches, attempt)
+def _launcher_env(workspace) -> dict[str, str]:
+    return {
+        **os.environ,
+        "TUNEPACK_WORKSPACE": str(workspace),
+        "TUNEPACK_MODEL": "llama3.2-vision-11b",
+        "OMP_NUM_THREADS": "1",
+    }
 
-    crashed._step = dies_in_step_6
-    with pytest.raises(RuntimeError, match="killed"):
-        crashed.train()
-    resumed = _recipe(workspace, tmp_path / "crashed", argv)
-    assert resumed.progress.step == 4
-    resumed.train()
-    assert _losses(tmp_path / "crashed")[-4:] == _losses(tmp_path / "whole")[-4:]
-    got = get_adapter_state_dict(resumed.model.state_dict())
-    assert got.keys() == expected.keys()
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+LAUNCHED = ["max_steps=8", "epochs=10", "batch_size=4", "lr=3e-3", "warmup_steps=0"]
+
+
+def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspace, tmp_path):
+    """The launcher as a Pod runs it, with the tunepack-llama3.2-vision-11b runtime: trains
+    (the loss falls, result.json and the adapter written); a run killed with SIGKILL after its
+    step-3 checkpoint and started again ends with the same adapter, bit for bit."""
+    from safetensors.torch import load_file
+
+    reference = _published_workspace(workspace, tmp_path / "reference")
+    done = subprocess.run(
+        [*LAUNCH, *LAUNCHED], env=_launcher_env(reference), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads((reference / "output" / "result.json").read_text())
+    assert (result["model"], result["method"], result["steps"]) == (
+        "llama3.2-vision-11b",
+        "lora",
+        8,
+    )
+    assert result["final_loss"] < result["first_loss"] - 0.3, result
+
+    interrupted = _published_workspace(workspace, tmp_path / "interrupted")
+    args = [*LAUNCHED, "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
+    proc = subprocess.Popen(
+        [*LAUNCH, *args], env=_launcher_env(interrupted), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    for line in lines_held_back(proc.stdout.fileno()):
+        if line.startswith(b"{") and json.loads(line).get("step", 0) >= 4:
+            break
+    proc.kill()  # SIGKILL: nothing is flushed or finished
+    proc.wait()
+    assert not (interrupted / "output" / "result.json").exists()
+    again = subprocess.run(
+        [*LAUNCH, *args], env=_launcher_env(interrupted), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    resumed = json.loads((interrupted / "output" / "result.json").read_text())
+    assert resumed["resumed_from_step"] in (3, 6) and resumed["restarts"] == 1
+    expected = load_file(reference / "output" / "adapter" / "adapter_model.safetensors")
+    got = load_file(interrupted / "output" / "adapter" / "adapter_model.safetensors")
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
