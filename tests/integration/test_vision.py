@@ -256,6 +256,14 @@ def test_a_vision_model_trains_on_text_only_chat(workspace, tmp_path):
     assert done.returncode == 0, done.stderr
     output = tmp_path / "out"
     recipe = _recipe(workspace, output, ["max_steps=6", "epochs=10"], tmp_path / "ws" / "dataset")
+    # Laid out as the published template lays out a conversation without images.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "model")
+    expected = tokenizer.apply_chat_template(
+        rows[0]["messages"], tokenize=True, return_dict=False, date_string="26 Jul 2024"
+    )
+    assert recipe.dataloader.dataset[0]["tokens"] == list(expected)
     recipe.train()
     losses = _losses(output)
     assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2]), losses
