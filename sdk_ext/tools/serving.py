@@ -91,6 +91,15 @@ def max_lora_rank(rank: int) -> int:
 def served_result(runtime: str, args: list[str]) -> Served:
     """What to serve for a run of ``runtime`` with trainer ``args`` (the training command's)."""
     entry = catalog.get(runtime)
+    if entry.family.reads_images:
+        # vLLM served Llama 3.2 Vision only on its V0 engine, without LoRA (vllm-project/vllm
+        # #10824), and dropped it with every encoder-decoder model but Whisper in v0.11 (#24907).
+        raise BadInputError(
+            f"{entry.name}: vLLM {VLLM_IMAGE.rsplit(':', 1)[1]} does not serve "
+            f"{entry.family.title} (it dropped encoder-decoder models in v0.11); train with "
+            "merge=true and serve the merged model with transformers (docs/serving.md, "
+            "Llama 3.2 Vision)"
+        )
     trained = parse_trainer_args(args, entry)
     template = serving_template(
         trained.chat_template, entry.family.name, trained.system_prompt or None, entry.hub_id

@@ -103,6 +103,21 @@ def test_what_vllm_cannot_serve_is_refused_in_one_line(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv", [[], ["merge=true"], ["method=full"]])
+def test_a_vision_model_is_refused_saying_what_to_do_instead(capsys, argv):
+    """The serving image's vLLM (v0.11) no longer has Llama 3.2 Vision (encoder-decoder models
+    other than Whisper were dropped); its V0 engine never took LoRA on it."""
+    code = main(["render", "serving", "--runtime", "tunepack-llama3.2-vision-11b", "--name",
+                 "my-job", *argv])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 65 and out == ""
+    assert err == (
+        "tunepack: error: llama3.2-vision-11b: vLLM v0.11.0 does not serve Llama 3.2 Vision (it "
+        "dropped encoder-decoder models in v0.11); train with merge=true and serve the merged "
+        "model with transformers (docs/serving.md, Llama 3.2 Vision)\n"
+    )
+
+
 def test_served_result_refuses_an_unknown_runtime():
     with pytest.raises(BadInputError, match="unknown runtime or model 'tunepack-nope'"):
         serving.served_result("tunepack-nope", [])
