@@ -387,10 +387,15 @@ def estimate(
         raise BadInputError(f"lora_rank={lora_rank!r} is not valid: expected an integer >= 1")
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
         raise BadInputError(f"grad_accum={grad_accum!r} is not valid: expected an integer >= 1")
+    # The trainer fuses the loss into a decoder's output projection; a model that takes images
+    # (torchtune's DeepFusionModel) hands it whole logits.
+    fusable = how.loss is methods.Loss.CROSS_ENTROPY and not entry.family.reads_images
     if fused_loss is None:
-        fused_loss = how.loss is methods.Loss.CROSS_ENTROPY
+        fused_loss = fusable
     elif fused_loss and how.loss is not methods.Loss.CROSS_ENTROPY:
         raise BadInputError(f"method={method} needs the whole logits: its loss cannot be fused")
+    elif fused_loss and not fusable:
+        raise BadInputError(f"{entry.name} takes images: its loss cannot be fused")
     shape = entry.shape
     devices = nodes * gpus_per_node
     width = DTYPE_BYTES[dtype]
@@ -566,6 +571,11 @@ def plan(
         notes.append("more than one device means FSDP sharding across all of them")
     if note := methods.get(method).plan_note:
         notes.append(note)
+    if model.family.reads_images:
+        notes.append(
+            "the vision tower's weights are counted, not its activations nor the images' "
+            "cross-attention keys and values: leave room for them (more with method=full)"
+        )
     return Plan(**{**current.__dict__, "recommended": recommended, "notes": notes})
 
 

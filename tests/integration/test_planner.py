@@ -332,3 +332,19 @@ def test_plan_assumes_the_trainers_activation_checkpointing(capsys):
     assert code == 0 and out.splitlines()[0].endswith("1 node(s) x 1 H100-80GB")
     with pytest.raises(BadInputError, match="activation_checkpointing='yes' is not valid"):
         plan("llama3.1-8b", "lora", 2048, 2, activation_checkpointing="yes")
+
+
+def test_llama_vision_plans_whole_logits_and_says_what_it_leaves_out():
+    """The trainer cannot fuse the loss into a fusion model's output: the plan holds the whole
+    logits (as a text model's plain loss would), and notes that the vision tower's activations
+    are not planned."""
+    vision = plan("llama3.2-vision-11b", "lora", 2048, 2, gpu="H100-80GB")
+    text = estimate("llama3.1-8b", "lora", 2048, 2, "H100-80GB", fused_loss=False)
+    assert vision.logits == text.logits  # same vocabulary, same tokens: the whole logits
+    assert vision.logits > 20 * estimate("llama3.1-8b", "lora", 2048, 2, "H100-80GB").logits
+    assert vision.fits and vision.recommended == (1, 1)
+    assert any("vision tower's weights are counted, not its activations" in n for n in vision.notes)
+    # 10.7B parameters: the tower and projector are counted with the text model's.
+    assert 10.5e9 < vision.parameters < 10.8e9
+    with pytest.raises(BadInputError, match="llama3.2-vision-11b takes images: its loss cannot"):
+        estimate("llama3.2-vision-11b", "lora", 2048, 2, fused_loss=True)
