@@ -59,7 +59,10 @@ def gather_state(model: nn.Module, *, trainable_only: bool, sharded: bool) -> St
         options = StateDictOptions(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only
         )
-        return get_model_state_dict(model, options=options)
+        # Llama 3.2 Vision's fusion modules: gathered by attribute, then in their HF-facing keys.
+        with checkpoint.own_names(model):
+            state = get_model_state_dict(model, options=options)
+        return checkpoint.to_hook_names(model, state)
     state = model.state_dict()
     if trainable_only:
         state = get_adapter_state_dict(state)

@@ -310,6 +310,43 @@ def own_names(model: nn.Module):
             hooks[key] = hook
 
 
+def to_own_names(model: nn.Module, state: dict) -> dict:
+    """A full state dict in the fusion modules' hook-renamed keys (as a checkpointer gives it)
+    under their own names (``own_names``), as their load hooks rename it: FSDP's sharded load
+    maps keys to parameters by attribute, as torch.distributed.checkpoint does."""
+    from torchtune.modules.model_fusion import FusionEmbedding, FusionLayer
+
+    out = dict(state)
+    for name, module in model.named_modules():
+        if not isinstance(module, FusionLayer | FusionEmbedding):
+            continue
+        path = [p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod")]
+        prefix = ".".join(path) + "."
+        # A module's load hook sees its own keys only, as load_state_dict hands them to it.
+        part = {key: out.pop(key) for key in list(out) if key.startswith(prefix)}
+        module._load_state_dict_hook(part, prefix)
+        out.update(part)
+    return out
+
+
+def to_hook_names(model: nn.Module, state: dict) -> dict:
+    """The inverse of ``to_own_names``: a state dict taken under ``own_names`` in the keys the
+    fusion modules' hooks give (the checkpointer's and the adapter export's)."""
+    from torchtune.modules.model_fusion import FusionEmbedding, FusionLayer
+
+    out = dict(state)
+    for name, module in model.named_modules():
+        if not isinstance(module, FusionLayer | FusionEmbedding):
+            continue
+        path = [p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod")]
+        prefix = ".".join(path) + "."
+        part = {key: out.pop(key) for key in list(out) if key.startswith(prefix)}
+        if isinstance(module, FusionLayer) or prefix + "embedding.weight" in part:
+            module._state_dict_hook(part, prefix, False)
+        out.update(part)
+    return out
+
+
 @contextmanager
 def _quiet_single_process():
     # Without a process group DCP warns that it "assumes" one process: that is the intent here.

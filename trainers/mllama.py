@@ -267,8 +267,16 @@ class MllamaVisionEncoder(nn.Module):
         self.projection = projection
         # The projector is the new part of a fusion model (torchtune's fusion_trainable).
         register_fusion_module(self.projection)
-        table = torch.zeros(max_num_tiles + 1, max_num_tiles + 1, dtype=torch.long)
-        for index, (down, across) in enumerate(supported_aspect_ratios, start=1):
+        self.supported_aspect_ratios = [tuple(r) for r in supported_aspect_ratios]
+        self.max_num_tiles = max_num_tiles
+        self.init_tables()
+
+    def init_tables(self) -> None:
+        """(Re)build the aspect-ratio id table, a buffer no checkpoint holds (a model built on
+        the meta device for FSDP calls it once materialised, as RoPE's ``rope_init``)."""
+        size = self.max_num_tiles + 1
+        table = torch.zeros(size, size, dtype=torch.long)
+        for index, (down, across) in enumerate(self.supported_aspect_ratios, start=1):
             table[down, across] = index
         self.register_buffer("aspect_ratio_ids", table, persistent=False)
 

@@ -330,6 +330,8 @@ class FineTuneRecipe:
                     module.initialize_parameters()
                 if hasattr(module, "rope_init"):
                     module.rope_init()
+                if hasattr(module, "init_tables"):  # Llama 3.2 Vision's aspect-ratio ids
+                    module.init_tables()
         missing, unexpected = self._load_shards(model, base_state)
         del base_state
         self._check_loaded(model, missing, unexpected)
@@ -346,7 +348,10 @@ class FineTuneRecipe:
             )
         base_state = {k: v.to(self.dtype) for k, v in base_state.items()}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        return set_model_state_dict(model, base_state, options=options)
+        # Llama 3.2 Vision's fusion modules: keys by attribute (a no-op for the text models).
+        with checkpoint.own_names(model):
+            base_state = checkpoint.to_own_names(model, base_state)
+            return set_model_state_dict(model, base_state, options=options)
 
     def _check_loaded(self, model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
         """Every base weight found a place, and only adapters were left out of the checkpoint."""

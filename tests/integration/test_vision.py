@@ -306,12 +306,13 @@ def _published_workspace(workspace, target):
     return target
 
 
-def _launcher_env(workspace) -> dict[str, str]:
+def _launcher_env(workspace, **pet) -> dict[str, str]:
     return {
         **os.environ,
         "TUNEPACK_WORKSPACE": str(workspace),
         "TUNEPACK_MODEL": "llama3.2-vision-11b",
         "OMP_NUM_THREADS": "1",
+        **{f"PET_{k.upper()}": str(v) for k, v in pet.items()},
     }
 
 
@@ -321,7 +322,8 @@ LAUNCHED = ["max_steps=8", "epochs=10", "batch_size=4", "lr=3e-3", "warmup_steps
 def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspace, tmp_path):
     """The launcher as a Pod runs it, with the tunepack-llama3.2-vision-11b runtime: trains
     (the loss falls, result.json and the adapter written); a run killed with SIGKILL after its
-    step-3 checkpoint and started again ends with the same adapter, bit for bit."""
+    step-3 checkpoint and started again ends with the same adapter, bit for bit; two processes
+    (FSDP2) end with the same adapter."""
     from safetensors.torch import load_file
 
     reference = _published_workspace(workspace, tmp_path / "reference")
@@ -361,3 +363,22 @@ def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspa
     got = load_file(interrupted / "output" / "adapter" / "adapter_model.safetensors")
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
+
+    # Two processes (FSDP2 over gloo): the model built on the meta device, the base streamed
+    # from rank 0 into the shards (the fusion modules' keys by attribute), the adapter gathered
+    # back; the same global batches, so the same losses up to the reductions' order (and an
+    # adapter as close as Adam allows: it scales a near-zero gradient's rounding up to lr).
+    sharded = _published_workspace(workspace, tmp_path / "sharded")
+    done = subprocess.run(
+        [*LAUNCH, *LAUNCHED[:2], "batch_size=2", *LAUNCHED[3:]],
+        env=_launcher_env(sharded, nproc_per_node=2), capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    two, one = _losses(sharded / "output"), _losses(reference / "output")
+    assert len(two) == len(one) == 8
+    assert max(abs(a - b) for a, b in zip(two, one, strict=True)) < 1e-4, (two, one)
+    got = load_file(sharded / "output" / "adapter" / "adapter_model.safetensors")
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert (expected[key] - got[key]).norm() <= 0.1 * expected[key].norm(), key
