@@ -74,6 +74,7 @@ from tunepack.trainers import (
 from tunepack.trainers.batching import real_positions
 from tunepack.trainers.config import (
     DATASET_BUILDERS,
+    IMAGE_DATASET_BUILDER,
     identity_changes,
     run_digest,
     run_identity,
@@ -407,7 +408,7 @@ class FineTuneRecipe:
             collate = grpo.collate
             if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
                 raise BadInputError(problem)
-        elif isinstance(dataset, vision_data.ImageChatDataset):
+        elif cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
             collate = partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
         else:
             collate = partial(

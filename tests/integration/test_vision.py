@@ -118,7 +118,8 @@ def _hf_inputs(recipe, workspace, indices):
     processor = MllamaProcessor(
         image_processor=MllamaImageProcessor.from_pretrained(model_dir), tokenizer=tokenizer
     )
-    rows = [recipe.dataloader.dataset.rows[i] for i in indices]
+    dataset = recipe.dataloader.dataset
+    rows = [getattr(dataset, "dataset", dataset).rows[i] for i in indices]  # held out: a Subset
     texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for *_, row in rows]
     images = [[load_image(root / name) for name in row["images"]] for root, _, row in rows]
     return processor(
@@ -225,11 +226,15 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
 
 def test_full_fine_tune_saves_a_model_transformers_loads(workspace, tmp_path):
     output = tmp_path / "out"
-    recipe = _recipe(workspace, output, ["method=full", "max_steps=3", "lr=1e-3"])
+    given = ["method=full", "max_steps=3", "lr=1e-3", "val_fraction=0.25"]
+    recipe = _recipe(workspace, output, given)
     trainable = {n.split(".")[0] for n, p in recipe.model.named_parameters() if p.requires_grad}
     assert trainable == {"decoder", "encoder"}  # every weight: the text model's too
     recipe.train()
     recipe.save()
+    # Held-out rows (3 of 12) are evaluated with the same image batches.
+    result = json.loads((output / "result.json").read_text())
+    assert result["val_rows"] == 3 and math.isfinite(result["val_loss"])
     hf = _hf_inputs(recipe, workspace, ROWS)
     theirs = _converted(workspace, hf)
     real = _real(hf)
