@@ -6,8 +6,8 @@ circles with questions about them) through the real dataset initializer, and the
   what transformers' ``MllamaProcessor`` gives for the same conversation and images, converted
   by ``mllama_inputs_to_tune``; and so do the logits;
 - LoRA trains: the loss falls, result.json is written, the exported PEFT adapter loads into
-  transformers' model and reproduces the trained one; full fine-tuning saves a model transformers
-  loads that reproduces the trained one;
+  transformers' model and reproduces the trained one, and so does the merged model (merge=true);
+  full fine-tuning saves a model transformers loads that reproduces the trained one;
 - a vision model trains on text-only chat too (no images: its cross-attention layers are
   skipped, as transformers skips them);
 - the published runtime (tunepack-llama3.2-vision-11b) runs through the launcher on the tiny
@@ -194,7 +194,7 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     from peft import PeftModel
 
     output = tmp_path / "out"
-    recipe = _recipe(workspace, output, ["max_steps=12", "epochs=10"])
+    recipe = _recipe(workspace, output, ["max_steps=12", "epochs=10", "merge=true"])
     recipe.train()
     recipe.save()
     losses = _losses(output)
@@ -222,6 +222,10 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     assert (after[real] - before[real]).abs().max() > 1e-3  # the adapter changes the model
     trained = _tune_logits(recipe.model, theirs, as_transformers=True)
     assert (trained[real] - after[real]).abs().max() < 1e-4
+    # merge=true: the adapter folded into the base, saved in its layout, loads the same.
+    with torch.no_grad():
+        merged = _hf_model(result["merged_model"])(**hf).logits
+    assert (trained[real] - merged[real]).abs().max() < 1e-4
 
 
 def test_full_fine_tune_saves_a_model_transformers_loads(workspace, tmp_path):
