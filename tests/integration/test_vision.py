@@ -12,7 +12,8 @@ circles with questions about them) through the real dataset initializer, and the
   skipped, as transformers skips them);
 - the published runtime (tunepack-llama3.2-vision-11b) runs through the launcher on the tiny
   checkpoint (any size builds from config.json), and a run killed with SIGKILL resumes from its
-  checkpoint to a bit-identical adapter.
+  checkpoint to a bit-identical adapter; two processes (FSDP2) train the same losses;
+- `tunepack train --local` runs both initializers and the trainer with that runtime.
 """
 
 from __future__ import annotations
@@ -391,3 +392,28 @@ def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspa
     assert expected.keys() == got.keys()
     for key in expected:
         assert (expected[key] - got[key]).norm() <= 0.1 * expected[key].norm(), key
+
+
+def test_tunepack_train_local_runs_both_initializers_and_the_trainer(workspace, tmp_path):
+    """The user's command: `tunepack train --local` with the published runtime, the raw picture
+    dataset (checked and stored by the dataset initializer) and the tiny checkpoint (fetched and
+    checked by the model initializer)."""
+    from tests.helpers import run_program
+
+    model = _published_workspace(workspace, tmp_path / "copy") / "model"
+    data = workspace.parent / "data"
+    (tmp_path / "cwd").mkdir()
+    done = run_program(
+        "tunepack.cli", {"TUNEPACK_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"},
+        "train", "--local", "--runtime", "tunepack-llama3.2-vision-11b",
+        "--dataset", f"file://{data}", "--model", f"file://{model}",
+        "method=lora", "epochs=2", "batch_size=4", "lr=3e-3", "warmup_steps=0",
+        timeout=300, cwd=tmp_path / "cwd",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "tunepack: training finished" in done.stdout
+    (run,) = (tmp_path / "cwd" / ".tunepack" / "runs").iterdir()
+    result = json.loads((run / "output" / "result.json").read_text())
+    assert (result["model"], result["steps"]) == ("llama3.2-vision-11b", 6)
+    assert result["final_loss"] < result["first_loss"], result
+    assert (run / "output" / "adapter" / "adapter_model.safetensors").stat().st_size > 0
