@@ -30,7 +30,6 @@ functions, and the trainer builds them through ``tunepack.trainers.builders.buil
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from functools import partial
@@ -52,6 +51,7 @@ from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import GEMMA3_SIZES
 from tunepack.runtimes.custom import text_config
+from tunepack.trainers import hf_shards
 from tunepack.trainers.decoder_parts import (
     attention_projections,
     gated_mlp,
@@ -426,26 +426,14 @@ class Gemma3HFCheckpointer(FullModelHFCheckpointer):
         self._config = text_config(self._config)
 
     def load_checkpoint(self) -> dict:
-        from safetensors.torch import load_file
         from torchtune import training
 
-        self._weight_map = {}
-        merged: dict[str, torch.Tensor] = {}
-        for index, path in enumerate(self._checkpoint_paths, start=1):
-            shard = load_file(path)
-            self._weight_map.update(dict.fromkeys(shard, f"{index:04}"))
-            merged.update(shard)
+        merged, shard_of = hf_shards.load_shards(self._checkpoint_paths)
+        self._weight_map = {key: f"{index:04}" for key, index in shard_of.items()}
         return {training.MODEL_KEY: gemma3_hf_to_tune(merged)}
 
     def save_checkpoint(self, state_dict, epoch, intermediate_checkpoint=False, adapter_only=False):
-        from safetensors.torch import save_file
         from torchtune import training
-        from torchtune.training.checkpointing._utils import (
-            SAFETENSOR_INDEX_FNAME,
-            SHARD_FNAME,
-            SUFFIXES_TO_NOT_COPY,
-            copy_files,
-        )
 
         if adapter_only or intermediate_checkpoint:
             raise ValueError("Gemma3HFCheckpointer saves whole models only")
@@ -458,23 +446,11 @@ class Gemma3HFCheckpointer(FullModelHFCheckpointer):
             if text is not None:
                 shard_of[f"model.{text}"] = shard
         order = {s: i for i, s in enumerate(sorted(set(shard_of.values())), start=1)}
-        count = max(len(order), 1)
-        shards: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in hf_state.items():
-            shards.setdefault(order.get(shard_of.get(key), 1), {})[key] = value
-        directory = Path(self._output_dir) / f"epoch_{epoch}"
-        directory.mkdir(parents=True, exist_ok=True)
-        weight_map, total = {}, 0
-        for index, tensors in sorted(shards.items()):
-            name = SHARD_FNAME.format(cpt_idx=f"{index:05d}", num_shards=f"{count:05d}")
-            save_file(tensors, directory / f"{name}.safetensors", metadata={"format": "pt"})
-            for key, value in tensors.items():
-                weight_map[key] = f"{name}.safetensors"
-                total += value.numel() * value.element_size()
-        index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / SAFETENSOR_INDEX_FNAME).write_text(json.dumps(index_data, indent=2))
-        copy_files(self._checkpoint_dir, directory, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
-        # The saved model is a text-only Gemma3ForCausalLM: its config.json says so, and the
-        # source's own index (of a multimodal checkpoint's shards) is replaced by the new one.
-        (directory / "config.json").write_text(json.dumps(self._config, indent=2) + "\n")
-        (directory / SAFETENSOR_INDEX_FNAME).write_text(json.dumps(index_data, indent=2))
+        # The saved model is a text-only Gemma3ForCausalLM: its config.json says so.
+        hf_shards.save_shards(
+            hf_state,
+            {key: order[shard] for key, shard in shard_of.items()},
+            Path(self._output_dir) / f"epoch_{epoch}",
+            source_dir=Path(self._checkpoint_dir),
+            config=self._config,
+        )

@@ -76,7 +76,6 @@ module and the text families never need it.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -106,6 +105,7 @@ from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes.custom import _fail, _positive_int, _positive_number, _rope
+from tunepack.trainers import hf_shards
 from tunepack.trainers.decoder_parts import (
     attention_projections,
     gated_mlp,
@@ -1039,27 +1039,14 @@ class MllamaHFCheckpointer(FullModelHFCheckpointer):
         self._layout = HUB
 
     def load_checkpoint(self) -> dict:
-        from safetensors.torch import load_file
         from torchtune import training
 
-        self._weight_map = {}
-        merged: dict[str, torch.Tensor] = {}
-        for index, path in enumerate(self._checkpoint_paths, start=1):
-            shard = load_file(path)
-            self._weight_map.update(dict.fromkeys(shard, index))
-            merged.update(shard)
+        merged, self._weight_map = hf_shards.load_shards(self._checkpoint_paths)
         self._layout = layout_of(merged)
         return {training.MODEL_KEY: mllama_hf_to_tune(merged, self._config)}
 
     def save_checkpoint(self, state_dict, epoch, intermediate_checkpoint=False, adapter_only=False):
-        from safetensors.torch import save_file
         from torchtune import training
-        from torchtune.training.checkpointing._utils import (
-            SAFETENSOR_INDEX_FNAME,
-            SHARD_FNAME,
-            SUFFIXES_TO_NOT_COPY,
-            copy_files,
-        )
 
         if adapter_only or intermediate_checkpoint:
             raise ValueError("MllamaHFCheckpointer saves whole models only")
@@ -1067,20 +1054,10 @@ class MllamaHFCheckpointer(FullModelHFCheckpointer):
         # Shard numbers: ints as load_checkpoint records them, or the strings ("0001") torchtune's
         # checkpointers use, which tunepack's artifacts.write_hf_model sets from the shards.
         shard_of = {key: int(index) for key, index in (self._weight_map or {}).items()}
-        count = max(shard_of.values(), default=1)
-        shards: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in hf_state.items():
-            shards.setdefault(shard_of.get(key, 1), {})[key] = value.contiguous()
-        directory = Path(self._output_dir) / f"epoch_{epoch}"
-        directory.mkdir(parents=True, exist_ok=True)
-        weight_map, total = {}, 0
-        for index, tensors in sorted(shards.items()):
-            name = SHARD_FNAME.format(cpt_idx=f"{index:05d}", num_shards=f"{count:05d}")
-            save_file(tensors, directory / f"{name}.safetensors", metadata={"format": "pt"})
-            for key, value in tensors.items():
-                weight_map[key] = f"{name}.safetensors"
-                total += value.numel() * value.element_size()
-        copy_files(self._checkpoint_dir, directory, ignore_suffixes=SUFFIXES_TO_NOT_COPY)
-        index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / SAFETENSOR_INDEX_FNAME).write_text(json.dumps(index_data, indent=2))
-        (directory / "config.json").write_text(json.dumps(self._config, indent=2) + "\n")
+        hf_shards.save_shards(
+            hf_state,
+            shard_of,
+            Path(self._output_dir) / f"epoch_{epoch}",
+            source_dir=Path(self._checkpoint_dir),
+            config=self._config,
+        )
