@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kubeflow.trainer.types import types as kf
 
-from tunepack.core.errors import NotAvailableError
+from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.runtimes import catalog, methods
 
 COLUMNS = ("name", "model", "methods", "parameters", "default_gpus", "description")
@@ -195,29 +195,48 @@ class Result:
                     "loading the result needs transformers: pip install transformers"
                 ) from None
             tokenizer = AutoTokenizer.from_pretrained(self.base_model)
+            model_class = AutoModelForCausalLM
+            if self._takes_images():  # transformers' class of the family (MllamaForConditional...)
+                import transformers
+
+                model_class = getattr(transformers, self._entry().family.hf_architecture)
             if self.method is not None and not methods.get(self.method).adapters:
-                model = AutoModelForCausalLM.from_pretrained(self.path)
+                model = model_class.from_pretrained(self.path)
             else:
                 from peft import PeftModel
 
-                base = AutoModelForCausalLM.from_pretrained(self.base_model)
+                base = model_class.from_pretrained(self.base_model)
                 model = PeftModel.from_pretrained(base, self.path)
+            if self._takes_images():
+                from tunepack.trainers.mllama import run_as_trained
+
+                run_as_trained(model)  # the vision features it trained with
         model.eval()
         self._loaded.update(model=model, tokenizer=tokenizer)
         return model, tokenizer
 
-    def generate(self, prompt: str, max_new_tokens: int = 32, *, input: str = "") -> str:
+    def generate(
+        self, prompt: str, max_new_tokens: int = 32, *, input: str = "", image=None
+    ) -> str:
         """The fine-tuned model's answer to ``prompt`` (greedy), asked the way it was trained:
         an instruction dataset's Alpaca template (``input``: the row's input column) or a chat
         turn, in the model's own format (``prompt_ids``); a text-completion run continues
-        ``prompt`` as it is."""
+        ``prompt`` as it is. ``image`` (a path or a PIL image; a model that takes images, such
+        as Llama 3.2 Vision): the picture the question is about, placed before it in the turn."""
         import torch
 
+        if image is not None and not self._takes_images():
+            try:
+                name = self._entry().name
+            except FileNotFoundError:
+                name = self.base_model
+            raise BadInputError(f"image= needs a model that takes images; {name} reads text only")
         model, tokenizer = self.load()
-        ids = self.prompt_ids(prompt, input=input)
+        ids = self.prompt_ids(prompt, input=input, image=image is not None)
         if ids is None:
             ids = tokenizer(prompt)["input_ids"]
         input_ids = torch.tensor([ids])
+        pictures = self._image_inputs(image, ids, model) if image is not None else {}
         threads = torch.get_num_threads()
         if self._loaded.setdefault("small", _small(model)):
             # A tiny model's every op takes microseconds: threads only add their handshakes
@@ -230,12 +249,13 @@ class Result:
                     attention_mask=torch.ones_like(input_ids),
                     max_new_tokens=max_new_tokens,
                     do_sample=False,
+                    **pictures,
                 )
         finally:
             torch.set_num_threads(threads)
         return tokenizer.decode(out[0][len(ids) :], skip_special_tokens=True)
 
-    def prompt_ids(self, prompt: str, *, input: str = "") -> list[int] | None:
+    def prompt_ids(self, prompt: str, *, input: str = "", image: bool = False) -> list[int] | None:
         """The tokens the model saw before each response in training, for ``prompt``: the
         dataset's schema (workspace ``dataset/`` manifest) in the run's chat format
         (``chat_template``, with its ``system_prompt``), up to the opening of the assistant's
@@ -270,10 +290,58 @@ class Result:
         if schema == "instruction":
             sample = {"instruction": prompt, "input": input, "output": ""}
             messages = AlpacaToMessages(train_on_input=True)(sample)["messages"]
-        else:  # chat: one user turn, then the assistant's
-            messages = [Message(role="user", content=prompt), Message("assistant", "")]
+        else:  # chat: one user turn (the image first, if any), then the assistant's
+            from tunepack.trainers.prompt_format import IMAGE_TOKEN
+
+            content = IMAGE_TOKEN + prompt if image else prompt
+            messages = [Message(role="user", content=content), Message("assistant", "")]
         ids, _ = tokenizer.tokenize_messages(messages, add_end_tokens=False)
         return ids
+
+    def _entry(self):
+        """The catalog entry of the trained model (from result.json)."""
+        if "entry" not in self._loaded:
+            from tunepack.core.workspace import result_file
+
+            info = json.loads(result_file(self._workspace()).read_text())
+            self._loaded["entry"] = catalog.get(info["model"])
+        return self._loaded["entry"]
+
+    def _takes_images(self) -> bool:
+        try:
+            return self._entry().family.reads_images
+        except FileNotFoundError:  # no result.json beside the model: not a tunepack run's
+            return False
+
+    def _image_inputs(self, image, ids: list[int], model) -> dict:
+        """transformers' image inputs for ``image`` (tiles by the checkpoint's
+        preprocessor_config.json) and the cross-attention mask of prompt ``ids``."""
+        import torch
+        from transformers import MllamaImageProcessor
+        from transformers.models.mllama.processing_mllama import (
+            convert_sparse_cross_attention_mask_to_dense,
+            get_cross_attention_token_mask,
+        )
+
+        from tunepack.trainers.vision_data import load_image
+
+        if not hasattr(image, "convert"):  # a path, not a PIL image
+            path = Path(image).expanduser()
+            try:
+                image = load_image(path)
+            except (OSError, ValueError) as error:
+                raise BadInputError(f"image={str(path)!r} cannot be read ({error})") from None
+        image = image.convert("RGB")
+        if "image_processor" not in self._loaded:
+            self._loaded["image_processor"] = MllamaImageProcessor.from_pretrained(self.base_model)
+        processor = self._loaded["image_processor"]
+        pixels = processor(images=[[image]], return_tensors="pt")
+        image_id = model.config.image_token_index
+        spans = [get_cross_attention_token_mask(ids, image_id)]
+        mask = convert_sparse_cross_attention_mask_to_dense(
+            spans, pixels.pop("num_tiles"), processor.max_image_tiles, len(ids)
+        )
+        return {**pixels, "cross_attention_mask": torch.tensor(mask)}
 
     def download(self, directory: str | Path, log=print) -> Path:
         """Fetch the exported result into ``directory`` (created; it appears only when complete

@@ -1061,3 +1061,28 @@ class MllamaHFCheckpointer(FullModelHFCheckpointer):
             source_dir=Path(self._checkpoint_dir),
             config=self._config,
         )
+
+
+def run_as_trained(model: nn.Module) -> int:
+    """Make every transformers ``MllamaVisionEncoder`` in ``model`` keep each layer's *input*
+    for the intermediate features, as the model built here computes them (point 3 above:
+    transformers 5.24 keeps each layer's output): a result then runs in transformers as it was
+    trained. Changes those module instances only; returns how many."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ != "MllamaVisionEncoder":
+            continue
+
+        def forward(hidden_states, attention_mask=None, _encoder=module, **_ignored):
+            states = ()
+            for layer in _encoder.layers:
+                states += (hidden_states,)
+                hidden_states = layer(hidden_states=hidden_states, attention_mask=attention_mask)
+            states += (hidden_states,)
+            return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=states)
+
+        module.forward = forward
+        changed += 1
+    return changed

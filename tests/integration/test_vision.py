@@ -417,3 +417,87 @@ def test_tunepack_train_local_runs_both_initializers_and_the_trainer(workspace, 
     assert (result["model"], result["steps"]) == ("llama3.2-vision-11b", 6)
     assert result["final_loss"] < result["first_loss"], result
     assert (run / "output" / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+
+
+def test_result_generate_answers_about_an_image_as_the_trained_model_does(workspace, tmp_path):
+    """Result.generate(image=...) (the notebook's): transformers with the PEFT adapter, the
+    image tiled by the checkpoint's image processor, run as trained (trainers/mllama.py,
+    run_as_trained); its greedy answer is the trainer's own model's, decoded token by token."""
+    from transformers import MllamaImageProcessor
+    from transformers.models.mllama.processing_mllama import (
+        convert_sparse_cross_attention_mask_to_dense,
+        get_cross_attention_token_mask,
+    )
+
+    from tunepack.notebook import Result
+    from tunepack.trainers.mllama import mllama_inputs_to_tune
+
+    run = _published_workspace(workspace, tmp_path / "ws")  # trained as the 11B runtime does
+    recipe = setup_recipe(
+        catalog.get("llama3.2-vision-11b"), [*FAST, "max_steps=6", "epochs=10", "lr=3e-3"],
+        model_dir=run / "model", dataset_dir=run / "dataset", output=run / "output",
+    )  # fmt: skip
+    recipe.train()
+    recipe.save()
+    info = json.loads((run / "output" / "result.json").read_text())
+    result = Result(
+        job="vision", path=info["artifact"], base_model=str(run / "model"), method="lora",
+        chat_template=info["chat_template"], system_prompt=info.get("system_prompt"),
+    )  # fmt: skip
+    picture = workspace.parent / "data" / "pics" / "1.png"
+    question = "What color is the circle?"
+    answer = result.generate(question, max_new_tokens=5, image=picture)
+    assert isinstance(answer, str)
+
+    # The trained model (torchtune's, the trainer's), greedily over the same prompt and image.
+    config = json.loads((workspace / "model" / "config.json").read_text())
+    processor = MllamaImageProcessor.from_pretrained(workspace / "model")
+    ids = result.prompt_ids(question, image=True)
+    image_id = config["image_token_index"]
+    assert ids.count(image_id) == 1
+    pixels = processor(images=[[Image.open(picture).convert("RGB")]], return_tensors="pt")
+    tiles = pixels.pop("num_tiles")
+    new = []
+    for _ in range(5):
+        tokens = ids + new
+        mask = convert_sparse_cross_attention_mask_to_dense(
+            [get_cross_attention_token_mask(tokens, image_id)], tiles,
+            processor.max_image_tiles, len(tokens),
+        )  # fmt: skip
+        inputs = mllama_inputs_to_tune(
+            config, input_ids=torch.tensor([tokens]), cross_attention_mask=torch.tensor(mask),
+            **pixels,
+        )  # fmt: skip
+        logits = _tune_logits(recipe.model, inputs)
+        new.append(int(logits[0, -1].argmax()))
+        if new[-1] in recipe.tokenizer.stop_tokens:
+            break
+    model, tokenizer = result.load()
+    assert answer == tokenizer.decode(new, skip_special_tokens=True)
+
+    # And the loaded model's logits over the prompt are the trained model's: the same image
+    # features (run as trained), adapter and masks.
+    mask = convert_sparse_cross_attention_mask_to_dense(
+        [get_cross_attention_token_mask(ids, image_id)], tiles, processor.max_image_tiles, len(ids)
+    )
+    hf = {"input_ids": torch.tensor([ids]), "cross_attention_mask": torch.tensor(mask), **pixels}
+    with torch.no_grad():
+        theirs = model(**hf, attention_mask=torch.ones_like(hf["input_ids"])).logits
+    ours = _tune_logits(recipe.model, mllama_inputs_to_tune(config, **hf))
+    # 3e-7 measured; with transformers 5.24's own features (no run_as_trained) 1e-4.
+    assert (theirs - ours).abs().max() < 1e-5
+
+
+def test_result_generate_refuses_an_image_for_a_text_model(tmp_path):
+    from tunepack.core.errors import BadInputError
+    from tunepack.notebook import Result
+
+    (tmp_path / "output").mkdir()
+    (tmp_path / "output" / "result.json").write_text(json.dumps({"model": "tiny-llama3"}))
+    result = Result(job="text", path=str(tmp_path / "output" / "adapter"),
+                    base_model=str(tmp_path / "model"), method="lora")  # fmt: skip
+    with pytest.raises(BadInputError) as refused:
+        result.generate("What is it?", image="cat.png")
+    assert str(refused.value) == (
+        "image= needs a model that takes images; tiny-llama3 reads text only"
+    )
