@@ -314,37 +314,38 @@ def to_own_names(model: nn.Module, state: dict) -> dict:
     """A full state dict in the fusion modules' hook-renamed keys (as a checkpointer gives it)
     under their own names (``own_names``), as their load hooks rename it: FSDP's sharded load
     maps keys to parameters by attribute, as torch.distributed.checkpoint does."""
-    from torchtune.modules.model_fusion import FusionEmbedding, FusionLayer
-
     out = dict(state)
-    for name, module in model.named_modules():
-        if not isinstance(module, FusionLayer | FusionEmbedding):
-            continue
-        path = [p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod")]
-        prefix = ".".join(path) + "."
-        # A module's load hook sees its own keys only, as load_state_dict hands them to it.
-        part = {key: out.pop(key) for key in list(out) if key.startswith(prefix)}
+    for module, prefix, part in _fusion_parts(model, out):
         module._load_state_dict_hook(part, prefix)
-        out.update(part)
     return out
 
 
 def to_hook_names(model: nn.Module, state: dict) -> dict:
     """The inverse of ``to_own_names``: a state dict taken under ``own_names`` in the keys the
     fusion modules' hooks give (the checkpointer's and the adapter export's)."""
-    from torchtune.modules.model_fusion import FusionEmbedding, FusionLayer
+    from torchtune.modules.model_fusion import FusionLayer
 
     out = dict(state)
+    for module, prefix, part in _fusion_parts(model, out):
+        if isinstance(module, FusionLayer) or prefix + "embedding.weight" in part:
+            module._state_dict_hook(part, prefix, False)
+    return out
+
+
+def _fusion_parts(model: nn.Module, state: dict):
+    """Each fusion module of ``model`` with its key prefix and its keys, taken out of ``state``
+    (a hook sees a module's own keys only, as load_state_dict hands them to it) and put back,
+    renamed in place by the caller, once the caller is done with them."""
+    from torchtune.modules.model_fusion import FusionEmbedding, FusionLayer
+
     for name, module in model.named_modules():
         if not isinstance(module, FusionLayer | FusionEmbedding):
             continue
         path = [p for p in name.split(".") if p not in ("_checkpoint_wrapped_module", "_orig_mod")]
         prefix = ".".join(path) + "."
-        part = {key: out.pop(key) for key in list(out) if key.startswith(prefix)}
-        if isinstance(module, FusionLayer) or prefix + "embedding.weight" in part:
-            module._state_dict_hook(part, prefix, False)
-        out.update(part)
-    return out
+        part = {key: state.pop(key) for key in list(state) if key.startswith(prefix)}
+        yield module, prefix, part
+        state.update(part)
 
 
 @contextmanager
