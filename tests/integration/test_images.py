@@ -93,7 +93,8 @@ def _pins(path) -> dict[str, str]:
 
 def test_the_trainer_image_pins_every_dependency_inside_the_projects_ranges():
     """The image installs trainers/requirements.txt, then the wheel without dependencies: each
-    dependency of the wheel (and the tracking extra) must be pinned there, inside its range."""
+    dependency of the wheel (and the tracking and vision extras) must be pinned there, inside its
+    range."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
@@ -101,7 +102,9 @@ def test_the_trainer_image_pins_every_dependency_inside_the_projects_ranges():
     pins = _pins("trainers/requirements.txt")
     wanted = [
         Requirement(r)
-        for r in project["dependencies"] + project["optional-dependencies"]["tracking"]
+        for r in project["dependencies"]
+        + project["optional-dependencies"]["tracking"]
+        + project["optional-dependencies"]["vision"]
     ]
     for req in wanted:
         name = canonicalize_name(req.name)
