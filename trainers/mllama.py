@@ -514,11 +514,10 @@ def _decoder(
         assert positions[index] == len(layers)
         layers.append(layer)
     tok_embeddings = FusionEmbedding(vocab_size, NUM_SPECIAL_TOKENS, embed_dim)
-    if apply_lora_to_output:
-        cls = DoRALinear if use_dora else LoRALinear
-        output = cls(embed_dim, vocab_size, **lora_args)
-    else:
-        output = nn.Linear(embed_dim, vocab_size, bias=False)
+    output = linear(  # the output projection stays in the dtype, never NF4 (as torchtune's)
+        embed_dim, vocab_size, lora=apply_lora_to_output, quantize_base=False,
+        use_dora=use_dora, **lora_args,
+    )  # fmt: skip
     model = TransformerDecoder(
         tok_embeddings=tok_embeddings,
         layers=layers,

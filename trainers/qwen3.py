@@ -37,7 +37,6 @@ from torchtune.modules import (
     TransformerDecoder,
     TransformerSelfAttentionLayer,
 )
-from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import QWEN3_CONTEXT, QWEN3_HEAD_DIM, QWEN3_SIZES, QWEN3_VOCAB
@@ -137,11 +136,11 @@ def _decoder(
         if apply_lora_to_output:
             raise ValueError("LoRA cannot adapt an output projection tied to the embeddings")
         output = TiedLinear(tok_embeddings)
-    elif apply_lora_to_output:
-        cls = DoRALinear if use_dora else LoRALinear
-        output = cls(embed_dim, vocab_size, **lora_args)
     else:
-        output = nn.Linear(embed_dim, vocab_size, bias=False)
+        output = linear(  # the output projection stays in the dtype, never NF4 (as torchtune's)
+            embed_dim, vocab_size, lora=apply_lora_to_output, quantize_base=False,
+            use_dora=use_dora, **lora_args,
+        )  # fmt: skip
     model = TransformerDecoder(
         tok_embeddings=tok_embeddings,
         layers=layers,
