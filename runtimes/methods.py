@@ -112,6 +112,17 @@ GRPO_KEYS = (
     "reward_pattern",
 )
 
+# What GRPO's two records (LoRA, every weight) share.
+_GRPO = dict(
+    data=PROMPTS,
+    loss=Loss.GRPO,
+    no_packing="each prompt's answers are generated and scored on their own",
+    owns=("lr",),
+    keys=GRPO_KEYS,
+    defaults=(("beta", 0.04),),
+    sequences_key="num_generations",
+    validates=False,
+)
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -177,14 +188,7 @@ METHODS: dict[str, Method] = {
             "the base with the adapters switched off",
             "reinforcement learning",
             2e-5,
-            data=PROMPTS,
-            loss=Loss.GRPO,
-            no_packing="each prompt's answers are generated and scored on their own",
-            owns=("lr",),
-            keys=GRPO_KEYS,
-            defaults=(("beta", 0.04),),
-            sequences_key="num_generations",
-            validates=False,
+            **_GRPO,
             plan_note="grpo: each prompt is num_generations sequences of up to max_seq_len "
             "tokens (prompt and answer), generated with a KV cache that is held during generation "
             "only; each step adds a reference forward pass without gradients",
@@ -196,14 +200,7 @@ METHODS: dict[str, Method] = {
             "reinforcement learning, every weight",
             1e-6,
             adapters=False,
-            data=PROMPTS,
-            loss=Loss.GRPO,
-            no_packing="each prompt's answers are generated and scored on their own",
-            owns=("lr",),
-            keys=GRPO_KEYS,
-            defaults=(("beta", 0.04),),
-            sequences_key="num_generations",
-            validates=False,
+            **_GRPO,
             plan_note="grpo_full: as grpo, and the KL reference is a second, frozen copy of the "
             "weights (counted in weights; beta=0 needs none)",
         ),
