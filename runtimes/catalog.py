@@ -39,6 +39,21 @@ NF4_BLOCK = 64 * 256
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
+def expert_lora_obstacle(lora_dropout: float, dora: bool) -> str | None:
+    """Why LoRA on a mixture of experts' MLPs (``lora_mlp=true``: every expert) cannot run with
+    these settings, or None. PEFT's adapters on expert weights (and so tunepack's, to load there:
+    trainers/moe.py) add their update to the weights: no dropout on the input, no DoRA form."""
+    why = "LoRA on the experts (lora_mlp=true) adds its update to the expert weights, as PEFT's"
+    if lora_dropout:
+        return (
+            f"lora_dropout={lora_dropout}: {why}, and takes no dropout; set lora_dropout=0 or "
+            "lora_mlp=false"
+        )
+    if dora:
+        return f"method=dora: {why}, and has no DoRA form; use method=lora or lora_mlp=false"
+    return None
+
+
 @dataclass(frozen=True)
 class Shape:
     """Transformer dimensions, enough to count parameters and plan memory."""
@@ -121,6 +136,10 @@ class Shape:
                     f"multiple of NF4's block of {NF4_BLOCK} values"
                 )
         return None
+
+    def expert_lora_obstacle(self, lora_dropout: float, dora: bool) -> str | None:
+        """Why ``lora_mlp=true`` cannot run with these settings on this shape, or None."""
+        return expert_lora_obstacle(lora_dropout, dora) if self.sparse_layers else None
 
     def parameter_count(self) -> int:
         d, hd = self.embed_dim, self.head_dim
@@ -722,7 +741,7 @@ def _qwen3_moe_entry(size: str, label: str) -> ModelEntry:
     entry = _entry("qwen3_moe", f"qwen3-{label.lower()}", f"Qwen/Qwen3-{label}",
                    f"Qwen3-MoE {label} (mixture of experts)", qwen3_moe_shape(size),
                    f"qwen3_moe_{size}", _INDEXED, module="tunepack.trainers.qwen3_moe")  # fmt: skip
-    # LoRA adapts attention only: the experts are frozen (trainers/qwen3_moe.py).
+    # LoRA adapts attention by default; lora_mlp=true adds the experts (trainers/qwen3_moe.py).
     entry.defaults["lora_mlp"] = False
     if entry.resources.nodes > 1:
         # 235B-A22B: LoRA's frozen bf16 base (438 GiB) fits one node of eight 80 GB GPUs (the
@@ -855,7 +874,8 @@ _TINY_DEFAULTS = {"max_seq_len": 256, "batch_size": 8, "lora_rank": 8, "lora_alp
 
 
 def _moe_defaults(shape: Shape) -> dict[str, object]:
-    """LoRA on the MLPs is off where every MLP is a mixture of experts (trainers/qwen3_moe.py)."""
+    """LoRA on the MLPs is off by default where every MLP is a mixture of experts: on, it adapts
+    every expert (trainers/qwen3_moe.py), most of the trainable parameters."""
     return {"lora_mlp": False} if shape.num_experts and not shape.dense_layers else {}
 
 

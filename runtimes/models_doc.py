@@ -34,7 +34,9 @@ adapter is for that text model. Qwen3-MoE is not in torchtune 0.6.1 either
 (`trainers/qwen3_moe.py`, `trainers/moe.py`: Qwen 3's attention, a router sending each token to
 its top experts, transformers' load-balancing loss added to the training loss): its parameter
 count is the total, every expert held; `tunepack plan` also shows the parameters a token uses.
-Its LoRA adapts attention (and dense MLP layers, where a checkpoint has them), not the experts.
+Its LoRA adapts attention by default; `lora_mlp=true` adds a LoRA pair per expert (and the dense
+MLP layers, where a checkpoint has them), which loads in PEFT as `target_parameters` on
+transformers' fused expert weights (no dropout or DoRA there, as in PEFT; the router stays frozen).
 
 "Chat template" is the format a runtime trains chat and instruction data in by default: the
 published chat template of the checkpoint's `tokenizer_config.json`, token for token

@@ -92,7 +92,7 @@ class FineTune:
         lora_alpha (float): LoRA alpha (default: catalog)
         lora_dropout (float): dropout on the LoRA path
         lora_attn_modules (tuple): attention projections that get LoRA
-        lora_mlp (bool): also apply LoRA to the MLP projections
+        lora_mlp (bool): also apply LoRA to the MLP projections (a mixture of experts: every expert)
         train_on_input (bool): also compute the loss on the prompt tokens
         seed (int): random seed (initialisation, shuffling)
         log_every (int): write a metrics line every N optimizer steps

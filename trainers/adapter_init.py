@@ -20,6 +20,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
+from tunepack.trainers.moe import LoRAExperts
+
 # Wrappers that add a level to module names (activation checkpointing, torch.compile).
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -34,15 +36,12 @@ def _plain(name: str) -> str:
 def initialize(model: nn.Module, seed: int) -> int:
     """Draw every adapter's ``A`` (see the module's docstring); returns how many were drawn."""
     count = 0
-    for name, module in model.named_modules():
-        if not isinstance(module, LoRALinear | DoRALinear):
-            continue
-        weight = module.lora_a.weight
+    for name, weight in _adapter_inputs(model):
         generator = torch.Generator().manual_seed(
             (seed * 1_000_003 + zlib.crc32(_plain(name).encode())) % (1 << 63)
         )
         shape = weight.shape  # a DTensor's is the whole tensor's
-        bound = 1 / math.sqrt(shape[1])
+        bound = 1 / math.sqrt(shape[-1])
         full = torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
         full = full.to(device=weight.device, dtype=weight.dtype)
         if isinstance(weight, DTensor):
@@ -50,3 +49,14 @@ def initialize(model: nn.Module, seed: int) -> int:
         weight.copy_(full)
         count += 1
     return count
+
+
+def _adapter_inputs(model: nn.Module):
+    """(name, A) of every adapter: LoRALinear's ``lora_a`` (out x in) and the experts' stacked
+    ones (experts x rank x in: each expert's ``A`` in +-1/sqrt(in) too)."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear | DoRALinear):
+            yield name, module.lora_a.weight
+        elif isinstance(module, LoRAExperts):
+            yield f"{name}.gate_up", module.gate_up_lora_a
+            yield f"{name}.down", module.down_lora_a

@@ -237,7 +237,12 @@ VOCABULARY: tuple[Arg, ...] = (
     Arg("lora_alpha", _float(0.0, lo_open=True), "LoRA alpha (default: catalog)"),
     Arg("lora_dropout", _float(0.0, 1.0), "dropout on the LoRA path", 0.0),
     Arg("lora_attn_modules", _modules, "attention projections that get LoRA", LORA_ATTN_MODULES),
-    Arg("lora_mlp", _bool, "also apply LoRA to the MLP projections", True),
+    Arg(
+        "lora_mlp",
+        _bool,
+        "also apply LoRA to the MLP projections (a mixture of experts: every expert)",
+        True,
+    ),
     Arg("train_on_input", _bool, "also compute the loss on the prompt tokens", False),
     Arg("seed", _int(0), "random seed (initialisation, shuffling)", 0),
     Arg("log_every", _int(1), "write a metrics line every N optimizer steps", 1),
@@ -641,6 +646,9 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             "point comes from each batch's prompts paired with other rows' answers; use "
             "batch_size=2 or more"
         )
+    if method.adapters and resolved["lora_mlp"]:
+        if obstacle := entry.shape.expert_lora_obstacle(resolved["lora_dropout"], method.dora):
+            raise BadInputError(obstacle)
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
         raise BadInputError(unused_tracker_uri_message(resolved["tracker"]))
     names = {f.name for f in fields(TrainArgs)} - {"given"}

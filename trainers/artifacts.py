@@ -36,7 +36,7 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 from tunepack.core import durable
 from tunepack.core.workspace import ADAPTER_DIR, FULL_MODEL_DIR, MERGED_DIR, RESULT_FILE
 from tunepack.runtimes import methods
-from tunepack.trainers import checkpoint
+from tunepack.trainers import checkpoint, moe
 from tunepack.trainers.config import result_digest, result_identity
 from tunepack.trainers.peft_export import export_adapter, export_mllama_adapter
 
@@ -142,6 +142,7 @@ def write_merged(adapter_state: State, cfg: DictConfig, directory: Path) -> None
     """Fold the adapter into a fresh copy of the base read from disk, never the live model."""
     merged = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
     merged.update(get_adapter_state_dict(adapter_state))
+    moe.merge_expert_adapters(merged, cfg.model.lora_alpha / cfg.model.lora_rank)  # Qwen3-MoE
     merged = get_merged_lora_ckpt(merged, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
     write_hf_model(merged, cfg, directory)
 

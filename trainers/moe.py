@@ -23,10 +23,19 @@ top-k assignments each expert received times the mean probability the router gav
 over experts and multiplied by their number. ``router_aux_loss`` reads the router logits the
 layers kept during the forward pass (only while training with a coefficient above zero) and
 returns ``coef x loss`` weighted like the cross-entropy it is added to.
+
+LoRA on the experts (``LoRAExperts``, with ``lora_mlp=true``) gives each expert its own rank-r
+pair on the fused gate/up projection (one pair whose output spans both, as transformers' fused
+``gate_up_proj`` holds them) and one on the down projection: exactly what PEFT's
+``target_parameters`` puts on transformers' ``Qwen3MoeExperts``, so the exported adapter loads
+there (``trainers/peft_export.py``). As in PEFT, whose wrapper adds the update to the weights, the
+experts' adapters take no dropout and no DoRA; the router stays frozen.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from collections.abc import Sequence
 
 import torch
@@ -60,12 +69,77 @@ class Experts(nn.Module):
             if not count:
                 continue
             idx = rows[start : start + count]
-            h = x[idx]
-            h = F.silu(h @ self.gate_proj[expert].T) * (h @ self.up_proj[expert].T)
-            h = (h @ self.down_proj[expert].T) * slot_weights[start : start + count, None]
+            h = self.mlp(expert, x[idx]) * slot_weights[start : start + count, None]
             out.index_add_(0, idx, h.to(out.dtype))
             start += count
         return out
+
+    def mlp(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        """Expert ``expert``'s SwiGLU MLP of ``h``: (tokens, dim)."""
+        h = F.silu(h @ self.gate_proj[expert].T) * (h @ self.up_proj[expert].T)
+        return h @ self.down_proj[expert].T
+
+
+class LoRAExperts(Experts):
+    """``Experts`` with a LoRA pair per expert on the fused gate/up and on the down projection
+    (see the module doc). ``*_lora_a`` (experts x rank x in) reads the input, ``*_lora_b``
+    (experts x out x rank) starts at zero, so the experts start as their base."""
+
+    ADAPTERS = ("gate_up_lora_a", "gate_up_lora_b", "down_lora_a", "down_lora_b")
+
+    def __init__(
+        self, *, dim: int, hidden_dim: int, num_experts: int, rank: int, alpha: float
+    ) -> None:
+        super().__init__(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        self.hidden_dim, self.rank, self.scaling = hidden_dim, rank, alpha / rank
+        self.gate_up_lora_a = nn.Parameter(torch.empty(num_experts, rank, dim))
+        self.gate_up_lora_b = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, rank))
+        self.down_lora_a = nn.Parameter(torch.empty(num_experts, rank, hidden_dim))
+        self.down_lora_b = nn.Parameter(torch.empty(num_experts, dim, rank))
+        self.initialize_parameters()
+
+    def adapter_params(self) -> list[str]:  # torchtune's AdapterModule protocol
+        return list(self.ADAPTERS)
+
+    @torch.no_grad()
+    def initialize_parameters(self) -> None:
+        """LoRALinear's initialisation per expert: A uniform in +-1/sqrt(in), B zero."""
+        for a in (self.gate_up_lora_a, self.down_lora_a):
+            bound = 1 / math.sqrt(a.shape[-1])
+            a.uniform_(-bound, bound)
+        nn.init.zeros_(self.gate_up_lora_b)
+        nn.init.zeros_(self.down_lora_b)
+
+    def mlp(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        width, scale = self.hidden_dim, self.scaling
+        gate_up = (h @ self.gate_up_lora_a[expert].T) @ self.gate_up_lora_b[expert].T * scale
+        gate = h @ self.gate_proj[expert].T + gate_up[:, :width]
+        up = h @ self.up_proj[expert].T + gate_up[:, width:]
+        h = F.silu(gate) * up
+        down = (h @ self.down_lora_a[expert].T) @ self.down_lora_b[expert].T * scale
+        return h @ self.down_proj[expert].T + down
+
+
+# An expert adapter's key in a state dict: (module prefix, gate_up|down, a|b).
+EXPERT_ADAPTER_KEY = re.compile(r"^(.*\.experts)\.(gate_up|down)_lora_(a|b)$")
+
+
+@torch.no_grad()
+def merge_expert_adapters(state: dict[str, torch.Tensor], scaling: float) -> None:
+    """Fold every expert adapter in ``state`` (tunepack keys) into the expert weights beside it
+    and drop the adapter keys: ``W_e += scaling x B_e @ A_e``, the gate/up rows split as the
+    fused adapter holds them."""
+    prefixes = {m.group(1) for key in state if (m := EXPERT_ADAPTER_KEY.match(key))}
+    for prefix in prefixes:
+        a, b = state.pop(f"{prefix}.gate_up_lora_a"), state.pop(f"{prefix}.gate_up_lora_b")
+        gate, up = (scaling * torch.bmm(b.float(), a.float())).chunk(2, dim=1)
+        for name, delta in (("gate_proj", gate), ("up_proj", up)):
+            weight = state[f"{prefix}.{name}"]
+            state[f"{prefix}.{name}"] = (weight.float() + delta).to(weight.dtype)
+        a, b = state.pop(f"{prefix}.down_lora_a"), state.pop(f"{prefix}.down_lora_b")
+        weight = state[f"{prefix}.down_proj"]
+        delta = scaling * torch.bmm(b.float(), a.float())
+        state[f"{prefix}.down_proj"] = (weight.float() + delta).to(weight.dtype)
 
 
 class MoEFeedForward(nn.Module):
@@ -80,6 +154,8 @@ class MoEFeedForward(nn.Module):
         experts_per_token: int,
         norm_topk_prob: bool,
         aux_loss_coef: float = 0.0,
+        lora_rank: int = 0,
+        lora_alpha: float = 0.0,
     ) -> None:
         super().__init__()
         if not 1 <= experts_per_token <= num_experts:
@@ -88,7 +164,12 @@ class MoEFeedForward(nn.Module):
                 f"({num_experts})"
             )
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.experts = Experts(dim=dim, hidden_dim=hidden_dim, num_experts=num_experts)
+        sizes = {"dim": dim, "hidden_dim": hidden_dim, "num_experts": num_experts}
+        self.experts = (
+            LoRAExperts(**sizes, rank=lora_rank, alpha=lora_alpha)
+            if lora_rank
+            else Experts(**sizes)
+        )
         self.num_experts = num_experts
         self.experts_per_token = experts_per_token
         self.norm_topk_prob = norm_topk_prob

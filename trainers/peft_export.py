@@ -10,6 +10,9 @@ Mistral, Gemma), but wrong for the others:
   ``A = [A_q; A_k; A_v]`` and ``B = blockdiag(B_q, B_k, B_v)``, so ``B @ A`` stacks the parts'
   updates. ``rank_pattern``/``alpha_pattern`` keep each module's ``alpha / r`` scale unchanged.
 
+- Qwen3-MoE's expert adapters (``moe.LoRAExperts``) become PEFT's ``target_parameters`` on
+  transformers' fused ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj`` (below).
+
 tests/integration/test_families.py loads every family's exported adapter with peft and compares
 logits with the trained torchtune model.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from tunepack.trainers import moe
 
 # torchtune module path (inside a layer) -> HF module path, for unfused families.
 _MODULES = {
@@ -68,6 +73,8 @@ def export_adapter(
     """Return PEFT weights and the extra config (target modules, rank/alpha patterns)."""
     n_heads, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
+    adapter = dict(adapter)
+    experts = _export_experts(adapter)  # pops the experts' adapters
     parts: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
     for key, value in adapter.items():
         match = _KEY.match(key)
@@ -87,7 +94,7 @@ def export_adapter(
             for tensor, value in tensors.items()
         }
         targets = sorted({_MODULES[module].split(".")[-1] for _, module in parts})
-        return weights, {"target_modules": targets}
+        return weights | experts, {"target_modules": targets} | _expert_targets(experts)
 
     weights, targets, rank_pattern, alpha_pattern = {}, set(), {}, {}
     layers = sorted({layer for layer, _ in parts}, key=int)
@@ -124,6 +131,40 @@ def export_adapter(
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
     }
+
+
+# transformers' fused expert weights, in the order PEFT nests its wrappers on ``mlp.experts``
+# (the order the module defines them: the first is wrapped first, so its adapter sits under
+# ``base_layer``).
+_EXPERT_PARAMETERS = (("gate_up", "gate_up_proj", ".base_layer"), ("down", "down_proj", ""))
+
+
+def _export_experts(adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Pop the experts' adapters from ``adapter`` and return them in PEFT's layout.
+
+    PEFT's adapter on a stacked parameter W (experts x d1 x d2) keeps ``lora_A.weight``
+    ((experts * r) x d1, expert-major rows) and ``lora_B.weight`` (d2 x (r * experts), rank-major
+    columns) and adds ``delta[e] = scaling x A_e^T @ B_e^T``. transformers applies ``W[e]`` as
+    ``x @ W[e]^T``, so d1 is the output side: tunepack's B (experts x out x r) is PEFT's A, and
+    tunepack's A (experts x r x in) is PEFT's B."""
+    stacked: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key in [k for k in adapter if moe.EXPERT_ADAPTER_KEY.match(k)]:
+        prefix, projection, side = moe.EXPERT_ADAPTER_KEY.match(key).groups()
+        stacked.setdefault((prefix, projection), {})[side] = adapter.pop(key)
+    weights = {}
+    for (prefix, projection), sides in stacked.items():
+        wrapper = next(w for p, _, w in _EXPERT_PARAMETERS if p == projection)
+        b, a = sides["b"], sides["a"]  # experts x out x r, experts x r x in
+        name = f"base_model.model.model.{prefix}{wrapper}"
+        weights[f"{name}.lora_A.weight"] = b.permute(0, 2, 1).reshape(-1, b.shape[1])
+        weights[f"{name}.lora_B.weight"] = a.permute(2, 1, 0).reshape(a.shape[2], -1)
+    return weights
+
+
+def _expert_targets(experts: dict[str, torch.Tensor]) -> dict:
+    if not experts:
+        return {}
+    return {"target_parameters": [f"mlp.experts.{name}" for _, name, _ in _EXPERT_PARAMETERS]}
 
 
 def _part_rows(module: str, hf_config: dict, n_heads: int, n_kv: int, head_dim: int) -> int:

@@ -8,10 +8,11 @@ them per token (``trainers/moe.py``). Which layers are sparse follows transforme
 ``(i + 1) % decoder_sparse_step != 0``; the others have a dense MLP of ``intermediate_size``.
 The builders take the dense ones as ``dense_layers``.
 
-LoRA adapts the attention projections, and the dense MLPs of ``dense_layers`` with
-``apply_lora_to_mlp``; the experts and the router are frozen. LoRA on the experts is not
-implemented: a checkpoint whose every layer is sparse (the published ones) refuses
-``lora_mlp=true``, which the catalog's defaults leave off.
+LoRA adapts the attention projections; with ``apply_lora_to_mlp`` (``lora_mlp=true``) also the
+dense MLPs of ``dense_layers`` and every expert (``moe.LoRAExperts``: a pair per expert, as PEFT's
+``target_parameters`` holds them); the router stays frozen. The catalog leaves ``lora_mlp`` off
+for the published sizes: their experts' adapters would be most of the trainable parameters
+(Qwen3-30B-A3B at rank 8: 315M for the experts, 7M for attention).
 
 Checkpoints: the Hub's files hold each expert's projections under
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` and the router as ``mlp.gate.weight``, and that is
@@ -31,7 +32,7 @@ import torch
 from torchtune.modules import TransformerDecoder
 
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes.catalog import QWEN3_MOE_SIZES
+from tunepack.runtimes.catalog import QWEN3_MOE_SIZES, expert_lora_obstacle
 from tunepack.trainers.decoder_parts import lora_decoder_args, sized
 from tunepack.trainers.moe import MoEFeedForward
 from tunepack.trainers.qwen3 import (
@@ -58,12 +59,10 @@ def _decoder(
 ) -> TransformerDecoder:
     """Qwen 3's decoder (trainers/qwen3.py) whose MLPs but ``dense_layers``' are experts."""
     dense_layers = {int(i) for i in dense_layers}
-    if apply_lora_to_mlp and not dense_layers:
-        raise BadInputError(
-            "lora_mlp=true: every layer of this Qwen3-MoE model is a mixture of experts, and "
-            "tunepack applies LoRA to attention only there (not to the experts); set "
-            "lora_mlp=false"
-        )
+    if apply_lora_to_mlp and (
+        obstacle := expert_lora_obstacle(kwargs.get("dropout", 0.0), kwargs.get("use_dora", False))
+    ):
+        raise BadInputError(obstacle)
     if quantize_base:
         raise BadInputError(
             "quantize_base: Qwen3-MoE's experts are stacked weights that tunepack does not "
@@ -77,6 +76,11 @@ def _decoder(
         experts_per_token=experts_per_token,
         norm_topk_prob=norm_topk_prob,
         aux_loss_coef=router_aux_loss_coef,
+        **(
+            {"lora_rank": kwargs["rank"], "lora_alpha": kwargs["alpha"]}
+            if apply_lora_to_mlp
+            else {}
+        ),
     )
     return _qwen3_decoder(
         embed_dim=embed_dim,
@@ -141,7 +145,8 @@ def lora_qwen3_moe(
     use_dora: bool = False,
     quantize_base: bool = False,
 ) -> TransformerDecoder:
-    """Qwen3-MoE with LoRA (DoRA with ``use_dora``) on attention (and the dense MLPs)."""
+    """Qwen3-MoE with LoRA (DoRA with ``use_dora``) on attention, and with
+    ``apply_lora_to_mlp`` on the dense MLPs and (LoRA only) the experts."""
     return _decoder(**lora_decoder_args(locals()))
 
 

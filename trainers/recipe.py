@@ -326,7 +326,7 @@ class FineTuneRecipe:
         # What the checkpoint does not hold: fresh adapters and the RoPE tables.
         with training.set_default_dtype(self.dtype), self.device:
             for module in model.modules():
-                if isinstance(module, LoRALinear | DoRALinear):
+                if isinstance(module, LoRALinear | DoRALinear | moe.LoRAExperts):
                     module.to_empty(device=self.device)
                     module.initialize_parameters()
                 if hasattr(module, "rope_init"):
@@ -363,6 +363,8 @@ class FineTuneRecipe:
                     f"unexpected {unexpected}"
                 )
             return
+        # torchtune's check knows LoRALinear's keys; the experts' adapters are tunepack's.
+        missing = [k for k in missing if not moe.EXPERT_ADAPTER_KEY.match(k)]
         validate_missing_and_unexpected_for_lora(
             lora_attn_modules=list(self.cfg.model.lora_attn_modules),
             apply_lora_to_mlp=self.cfg.model.apply_lora_to_mlp,

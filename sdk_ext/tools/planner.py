@@ -284,16 +284,22 @@ def _adapted(shape: Shape, attn_modules, mlp: bool) -> list[tuple[int, int]]:
 
 
 def _adapted_count(shape: Shape, attn_modules, mlp: bool, size) -> int:
-    """``size(in, out)`` summed over the adapted projections of every layer. A mixture of
-    experts has no MLP projections with adapters: only its dense layers do (trainers/moe.py)."""
+    """``size(in, out)`` summed over the adapted projections of every layer: in a mixture of
+    experts, attention's and the dense layers' MLPs (the experts' adapters: lora_parameters)."""
     attention = sum(size(i, o) for i, o in _adapted(shape, attn_modules, False))
     mlps = sum(size(i, o) for i, o in _adapted(shape, (), mlp))
     return shape.num_layers * attention + (shape.num_layers - shape.sparse_layers) * mlps
 
 
 def lora_parameters(shape: Shape, rank: int, attn_modules=LORA_TARGETS_ALL, mlp=True) -> int:
-    """Trainable LoRA parameters: ``rank * (in + out)`` for every adapted projection."""
-    return _adapted_count(shape, attn_modules, mlp, lambda i, o: rank * (i + o))
+    """Trainable LoRA parameters: ``rank * (in + out)`` for every adapted projection, and with
+    ``mlp`` in a mixture of experts a pair per expert on its fused gate/up (hidden -> 2 x width)
+    and its down projection (trainers/moe.py's LoRAExperts)."""
+    count = _adapted_count(shape, attn_modules, mlp, lambda i, o: rank * (i + o))
+    if mlp and shape.sparse_layers:
+        d, width = shape.embed_dim, shape.moe_intermediate_dim
+        count += shape.sparse_layers * shape.num_experts * rank * ((d + 2 * width) + (width + d))
+    return count
 
 
 def layer_saved_bytes(shape: Shape, width: int, *, dora: bool = False, adapted=()) -> int:
@@ -357,7 +363,7 @@ def estimate(
     dtype: str = "bf16",
     lora_rank: int = 16,
     lora_attn_modules: tuple[str, ...] = LORA_TARGETS_ALL,
-    lora_mlp: bool = True,
+    lora_mlp: bool | None = None,
     grad_accum: int = 1,
     fused_loss: bool | None = None,
     model_dir: str | Path | None = None,
@@ -370,8 +376,11 @@ def estimate(
     gradients through the next loss. ``fused_loss`` is None for what the trainer does (the fused
     loss for a cross-entropy method, the whole logits for DPO); False plans the whole logits for a
     cross-entropy method too (the trainer's plain loss, torchtune's recipes).
-    ``num_generations`` is GRPO's: the answers sampled per prompt."""
+    ``num_generations`` is GRPO's: the answers sampled per prompt. ``lora_mlp`` None is the
+    runtime's default (off for a model whose every MLP is a mixture of experts)."""
     entry = model_entry(model, model_dir)
+    if lora_mlp is None:
+        lora_mlp = bool(entry.defaults.get("lora_mlp", True))
     if activation_checkpointing not in ("auto", True, False):
         raise BadInputError(
             f"activation_checkpointing={activation_checkpointing!r} is not valid: expected "

@@ -259,9 +259,14 @@ def test_qwen3_moe_by_hand_total_and_active_parameters_and_expert_weights():
     lora = plan("qwen3-30b-a3b", "lora", 2048, 1, lora_rank=16)
     assert (lora.parameters, lora.active_parameters) == (params, active)
     assert lora.expert_weights == layers * experts * 2  # bf16, all of them held
-    # LoRA on attention only: lora_mlp cannot add adapters where every MLP is experts.
+    # The runtime's default: LoRA on attention only.
     r = 16
-    assert lora.trainable == layers * r * ((d + q) + 2 * (d + kv) + (q + d))
+    attention_lora = layers * r * ((d + q) + 2 * (d + kv) + (q + d))
+    assert lora.trainable == attention_lora
+    # lora_mlp=true: a pair per expert on its fused gate/up (d -> 2w) and its down (w -> d).
+    with_experts = plan("qwen3-30b-a3b", "lora", 2048, 1, lora_rank=r, lora_mlp=True)
+    assert with_experts.trainable == attention_lora + layers * e * r * ((d + 2 * w) + (w + d))
+    assert with_experts.peak_gib > lora.peak_gib
     # Activations follow the 8 experts a token uses (8 x 768 wide), not all 128.
     assert lora.activations < plan("qwen3-32b", "lora", 2048, 1).activations
     # Sharding divides the experts' weights; the 235B model needs more than one device.

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import lines_held_back
+from tests.helpers import lines_held_back, run_program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.trainers.batching import ShuffledSampler
 from tunepack.trainers.launch import _exit_code, layout_from_env
@@ -101,6 +101,12 @@ def _adapter(workspace: Path) -> dict[str, torch.Tensor]:
 
 def _result(workspace: Path) -> dict:
     return json.loads((workspace / "output" / "result.json").read_text())
+
+
+def _losses(output: Path) -> list[float]:
+    return [
+        json.loads(line)["loss"] for line in (output / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -408,3 +414,105 @@ def test_qwen3_moe_loads_trains_and_gathers_its_experts_sharded(initialized_work
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in saved
     assert saved.keys() == base.keys()
     assert all(torch.equal(saved[key], base[key]) for key in base)
+
+
+def test_qwen3_moe_lora_on_the_experts_trains_sharded_as_on_one_process(
+    initialized_workspace, tmp_path
+):
+    """LoRA on every expert (``lora_mlp=true``) under FSDP2: the experts' stacked adapters are
+    sharded along the experts as their weights are, drawn whole (trainers/adapter_init.py), so two
+    processes train what one does; peft applies the exported adapter to transformers' model as
+    trained, and ``merge=true``'s model is that model too."""
+    from omegaconf import OmegaConf
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tunepack.runtimes import catalog
+    from tunepack.tiny import write_tiny_model
+    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.trainers.config import build_config
+
+    entry = catalog.TINY["qwen3_moe"]
+    assert entry.defaults["lora_mlp"] is False  # every layer sparse: the experts are opt-in
+    model_dir = write_tiny_model(tmp_path / "model", entry)
+    given = ["lora_mlp=true", "max_steps=4", "warmup_steps=0", "lr=1e-2", "merge=true"]
+    outputs = {}
+    for nproc in (1, 2):
+        output = outputs[nproc] = tmp_path / f"output-{nproc}"
+        batch = f"batch_size={4 // nproc}"  # the same global batches
+        cfg = build_config(
+            entry,
+            parse_trainer_args([*given, batch], entry),
+            model_dir=model_dir,
+            dataset_dir=initialized_workspace / "dataset",
+            output_dir=output,
+            cache_dir=tmp_path / "cache",
+        )
+        config = tmp_path / f"config-{nproc}.yaml"
+        config.write_text(OmegaConf.to_yaml(cfg))
+        argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
+        codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
+        assert codes == [0], logs
+
+    results = {n: json.loads((outputs[n] / "result.json").read_text()) for n in outputs}
+    assert results[2]["world_size"] == 2
+    assert results[2]["final_loss"] < results[2]["first_loss"]
+    losses = {n: _losses(outputs[n]) for n in outputs}
+    assert max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True)) < 1e-4, losses
+    adapters = {n: load_file(outputs[n] / "adapter" / "adapter_model.safetensors") for n in outputs}
+    assert adapters[1].keys() == adapters[2].keys()
+    for key in adapters[1]:
+        # Up to the reductions' order (1e-4 relative measured, the experts' included).
+        assert (adapters[1][key] - adapters[2][key]).norm() <= 1e-3 * adapters[1][key].norm(), key
+    # PEFT's A on the fused gate/up is tunepack's B (zero when built): training moved it.
+    gate_up = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"
+    assert adapters[2][gate_up].abs().max() > 0
+
+    tokens = torch.randint(
+        0, entry.shape.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0)
+    )
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(outputs[2] / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        before = base(tokens).logits
+        merged_logits = merged.eval()(tokens).logits
+        peft_logits = PeftModel.from_pretrained(base, outputs[2] / "adapter").eval()(tokens).logits
+    assert (peft_logits - before).abs().max() > 1e-3
+    assert (peft_logits - merged_logits).abs().max() < 1e-4
+
+
+def test_qwen3_moe_lora_on_the_experts_resumes_bit_identical_after_kill_9(
+    initialized_workspace, tmp_path
+):
+    """The experts' adapters and their optimizer state go through the checkpoint like any
+    adapter's: a run killed by SIGKILL and restarted ends where the uninterrupted one does (the
+    bring-your-own runtime over the tiny all-sparse checkpoint)."""
+    from tunepack.runtimes import catalog
+    from tunepack.tiny import write_tiny_model
+
+    source = write_tiny_model(tmp_path / "source", catalog.TINY["qwen3_moe"])
+    envs = {}
+    for name in ("reference", "interrupted"):
+        ws = _workspace(initialized_workspace, tmp_path, name)
+        shutil.rmtree(ws / "model")
+        envs[name] = _env(ws) | {"TUNEPACK_MODEL": "qwen3-moe-custom"}
+        done = run_program(
+            "tunepack.initializers.model", envs[name] | {"STORAGE_URI": f"file://{source}"}
+        )
+        assert done.returncode == 0, done.stderr
+    args = ["lora_mlp=true", "max_steps=7", "batch_size=4", "warmup_steps=2"]
+    args += ["checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
+    done = _launch(envs["reference"], *args)
+    assert done.returncode == 0, done.stderr
+    proc = _start_and_wait_for_step(envs["interrupted"], args, step=4)
+    proc.kill()
+    proc.wait()
+    again = _launch(envs["interrupted"], *args)
+    assert again.returncode == 0, again.stderr
+    interrupted = Path(envs["interrupted"]["TUNEPACK_WORKSPACE"])
+    reference = Path(envs["reference"]["TUNEPACK_WORKSPACE"])
+    assert _result(interrupted)["resumed_from_step"] in (3, 6)
+    expected, got = _adapter(reference), _adapter(interrupted)
+    assert any("experts" in key for key in expected) and expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key

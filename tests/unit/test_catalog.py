@@ -48,9 +48,7 @@ def test_parameter_count_is_torchtunes(entry):
 
 @pytest.mark.parametrize("entry", TEXT, ids=lambda e: e.name)
 def test_lora_builder_takes_the_shape_and_lora_settings(entry):
-    # Where every MLP is a mixture of experts (Qwen3-MoE), LoRA adapts attention only.
-    experts_only = entry.shape.sparse_layers == entry.shape.num_layers
-    lora = {"lora_attn_modules": ["q_proj", "v_proj"], "apply_lora_to_mlp": not experts_only}
+    lora = {"lora_attn_modules": ["q_proj", "v_proj"], "apply_lora_to_mlp": True}
     module, function = entry.builders["lora"].rsplit(".", 1)
     signature = inspect.signature(getattr(importlib.import_module(module), function))
     assert ("apply_lora_to_output" in signature.parameters) == entry.lora_output
@@ -58,13 +56,13 @@ def test_lora_builder_takes_the_shape_and_lora_settings(entry):
         lora["apply_lora_to_output"] = False
     model = _instantiate(entry, "lora", **lora, lora_rank=4, lora_alpha=8)
     adapters = [name for name, _ in model.named_parameters() if "lora_" in name]
-    # q, v and the three MLP projections, A and B each, in every layer.
-    assert len(adapters) == entry.shape.num_layers * (2 if experts_only else 5) * 2
-    if experts_only:
+    # q and v, A and B each, in every layer; a dense MLP's three projections, A and B each; a
+    # mixture of experts' fused gate/up and down adapters, A and B each, stacked over experts.
+    sparse = entry.shape.sparse_layers
+    expected = entry.shape.num_layers * 4 + (entry.shape.num_layers - sparse) * 6 + sparse * 4
+    assert len(adapters) == expected
+    if sparse == entry.shape.num_layers:  # every MLP a mixture of experts: opt-in (most params)
         assert entry.defaults["lora_mlp"] is False
-        with pytest.raises(BadInputError, match="lora_mlp=true"):
-            _instantiate(entry, "lora", **lora | {"apply_lora_to_mlp": True}, lora_rank=4,
-                         lora_alpha=8)  # fmt: skip
 
 
 def test_every_family_has_published_sizes_and_a_tiny_variant():

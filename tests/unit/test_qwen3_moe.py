@@ -8,15 +8,18 @@ tiny catalog model, test_custom_checkpoints.py for the custom runtime).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from torchtune.modules.peft import get_adapter_params
 from torchtune.training import MODEL_KEY
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers import moe
+from tunepack.trainers.peft_export import export_adapter
 from tunepack.trainers.qwen3_moe import (
     Qwen3MoeHFCheckpointer,
     lora_qwen3_moe,
@@ -221,19 +224,123 @@ def test_checkpointer_saves_what_transformers_loads(tmp_path, fused):
         assert (reloaded - model(tokens)).abs().max() < 1e-4
 
 
-def test_lora_adapts_attention_and_dense_mlps_not_the_experts(tmp_path):
+LORA = {"lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4, "lora_alpha": 8}
+
+
+def _perturbed_lora(model_dir, tmp_path, only_experts: bool = False):
+    """The LoRA model with every adapter away from zero (B is zero when built): only the
+    experts' with ``only_experts``."""
+    model, _, _ = _built(model_dir, tmp_path, apply_lora_to_mlp=True, **LORA)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            expert = moe.EXPERT_ADAPTER_KEY.match(name)
+            if (expert or ".lora_b" in name) and not (only_experts and not expert):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+            elif only_experts and ".lora_" in name:
+                param.zero_()
+    return model
+
+
+def _peft_logits(model, model_dir, tmp_path, tokens):
+    """``model``'s adapters exported as the trainer exports them, applied by peft to
+    transformers' Qwen3MoeForCausalLM."""
+    from peft import PeftModel
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    adapter = {k: v for k, v in model.state_dict().items() if "lora" in k}
+    config = json.loads((model_dir / "config.json").read_text())
+    weights, targets = export_adapter(
+        adapter, model_type="QWEN2", hf_config=config, rank=LORA["lora_rank"],
+        alpha=LORA["lora_alpha"],
+    )  # fmt: skip
+    out = tmp_path / "adapter"
+    out.mkdir(exist_ok=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, out / "adapter_model.safetensors")
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA["lora_rank"],
+                   "lora_alpha": LORA["lora_alpha"], "lora_dropout": 0.0, **targets}  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(peft_config))
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return PeftModel.from_pretrained(base, out).eval()(tokens).logits, targets
+
+
+def test_lora_on_the_experts_is_peft_on_transformers_fused_experts(tmp_path):
+    hf, model_dir = _checkpoint(tmp_path, True)
+    model = _perturbed_lora(model_dir, tmp_path)
+    adapted = set(get_adapter_params(model))  # what the trainer trains
+    assert "layers.0.mlp.experts.gate_up_lora_a" in adapted  # every expert, stacked
+    assert "layers.1.mlp.w1.lora_a.weight" in adapted  # the dense layer's MLP
+    assert "layers.0.attn.q_proj.lora_a.weight" in adapted
+    assert not any("router" in n for n in adapted)
+    experts = model.layers[0].mlp.experts
+    assert experts.gate_up_lora_a.shape == (6, 4, 48) and experts.down_lora_b.shape == (6, 48, 4)
+    tokens = _tokens()
+    with torch.no_grad():
+        base, got = hf(tokens).logits, model.eval()(tokens)
+    peft_logits, targets = _peft_logits(model, model_dir, tmp_path, tokens)
+    assert targets["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert (got - base).abs().max() > 1e-2
+    assert float((peft_logits - got).abs().max()) < 1e-4
+
+
+def test_the_experts_adapters_alone_reach_peft_and_the_merged_weights(tmp_path):
+    """Only the experts' adapters away from zero: peft's model is the trained one, and so is the
+    base with the adapters merged (``merge=true``'s weights)."""
+    from torchtune.modules.peft import get_merged_lora_ckpt
+
+    hf, model_dir = _checkpoint(tmp_path, True)
+    model = _perturbed_lora(model_dir, tmp_path, only_experts=True)
+    tokens = _tokens()
+    with torch.no_grad():
+        base, got = hf(tokens).logits, model.eval()(tokens)
+    assert (got - base).abs().max() > 1e-2
+    peft_logits, _ = _peft_logits(model, model_dir, tmp_path, tokens)
+    assert float((peft_logits - got).abs().max()) < 1e-4
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    moe.merge_expert_adapters(state, LORA["lora_alpha"] / LORA["lora_rank"])
+    state = get_merged_lora_ckpt(state, rank=LORA["lora_rank"], alpha=LORA["lora_alpha"])
+    merged, _, _ = _built(model_dir, tmp_path)
+    merged.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        assert float((merged(tokens) - got).abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        ({"lora_dropout": 0.1}, "lora_dropout=0.1: LoRA on the experts (lora_mlp=true) adds"),
+        ({"use_dora": True}, "method=dora: LoRA on the experts (lora_mlp=true) adds"),
+    ],
+)
+def test_what_peft_cannot_hold_on_the_experts_is_refused(tmp_path, given, message):
     _, model_dir = _checkpoint(tmp_path, True)
-    lora = {"lora_attn_modules": ["q_proj", "v_proj"], "lora_rank": 4, "lora_alpha": 8}
-    model, _, _ = _built(model_dir, tmp_path, apply_lora_to_mlp=True, **lora)
-    adapted = {n.rsplit(".lora_", 1)[0] for n, _ in model.named_parameters() if ".lora_" in n}
-    assert "layers.1.mlp.w1" in adapted and "layers.0.attn.q_proj" in adapted
-    assert not any("experts" in n or "router" in n for n in adapted)
-    # Every layer sparse: lora_mlp cannot be honoured, and says so.
     config = json.loads((model_dir / "config.json").read_text()) | {"mlp_only_layers": []}
     resolved = custom.with_config(catalog.CUSTOM["qwen3-moe-custom"], config, "test")
-    assert resolved.defaults["lora_mlp"] is False
-    with pytest.raises(BadInputError, match="lora_mlp=true"):
-        lora_qwen3_moe(**resolved.builder_kwargs(), apply_lora_to_mlp=True, **lora)
+    assert resolved.defaults["lora_mlp"] is False  # every layer sparse: off by default
+    with pytest.raises(BadInputError, match=re.escape(message)):
+        lora_qwen3_moe(**resolved.builder_kwargs(), apply_lora_to_mlp=True, **LORA, **given)
+    # Attention alone takes both.
+    lora_qwen3_moe(**resolved.builder_kwargs(), **LORA, **given)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["lora_mlp=true", "lora_dropout=0.05"], "lora_dropout=0.05: LoRA on the experts"),
+        (["lora_mlp=true", "method=dora"], "method=dora: LoRA on the experts (lora_mlp=true)"),
+    ],
+)
+def test_the_trainer_arguments_refuse_it_before_anything_runs(argv, message):
+    from tunepack.trainers.args import parse_trainer_args
+
+    entry = catalog.TINY["qwen3_moe"]
+    assert parse_trainer_args(["lora_mlp=true"], entry).lora_mlp is True
+    with pytest.raises(BadInputError, match=re.escape(message)):
+        parse_trainer_args(argv, entry)
+    parse_trainer_args(argv[1:], entry)  # the experts left alone: both run
 
 
 def _config(**changes) -> dict:
