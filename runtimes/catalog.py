@@ -39,19 +39,27 @@ NF4_BLOCK = 64 * 256
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def expert_lora_obstacle(lora_dropout: float, dora: bool) -> str | None:
+def expert_dropout_message(given: str) -> str:
+    """``given``: the ``lora_dropout=...`` pair as written."""
+    return f"{given}: {_EXPERTS_WHY}, and takes no dropout; set lora_dropout=0 or lora_mlp=false"
+
+
+# PEFT's adapters on expert weights (and so tunepack's, to load there: trainers/moe.py) add their
+# update to the weights: no dropout on the input, no DoRA form.
+_EXPERTS_WHY = (
+    "LoRA on the experts (lora_mlp=true) adds its update to the expert weights, as PEFT's"
+)
+EXPERT_DORA_MESSAGE = (
+    f"method=dora: {_EXPERTS_WHY}, and has no DoRA form; use method=lora or lora_mlp=false"
+)
+
+
+def expert_lora_obstacle(lora_dropout: float, dora: bool, given: str | None = None) -> str | None:
     """Why LoRA on a mixture of experts' MLPs (``lora_mlp=true``: every expert) cannot run with
-    these settings, or None. PEFT's adapters on expert weights (and so tunepack's, to load there:
-    trainers/moe.py) add their update to the weights: no dropout on the input, no DoRA form."""
-    why = "LoRA on the experts (lora_mlp=true) adds its update to the expert weights, as PEFT's"
+    these settings, or None. ``given``: the ``lora_dropout=...`` pair as the user wrote it."""
     if lora_dropout:
-        return (
-            f"lora_dropout={lora_dropout}: {why}, and takes no dropout; set lora_dropout=0 or "
-            "lora_mlp=false"
-        )
-    if dora:
-        return f"method=dora: {why}, and has no DoRA form; use method=lora or lora_mlp=false"
-    return None
+        return expert_dropout_message(given or f"lora_dropout={lora_dropout}")
+    return EXPERT_DORA_MESSAGE if dora else None
 
 
 @dataclass(frozen=True)
@@ -136,10 +144,6 @@ class Shape:
                     f"multiple of NF4's block of {NF4_BLOCK} values"
                 )
         return None
-
-    def expert_lora_obstacle(self, lora_dropout: float, dora: bool) -> str | None:
-        """Why ``lora_mlp=true`` cannot run with these settings on this shape, or None."""
-        return expert_lora_obstacle(lora_dropout, dora) if self.sparse_layers else None
 
     def parameter_count(self) -> int:
         d, hd = self.embed_dim, self.head_dim

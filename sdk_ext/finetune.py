@@ -93,6 +93,8 @@ class FineTune:
         lora_dropout (float): dropout on the LoRA path
         lora_attn_modules (tuple): attention projections that get LoRA
         lora_mlp (bool): also apply LoRA to the MLP projections (a mixture of experts: every expert)
+        lora_projector (bool): also apply LoRA to a vision model's image projector
+            (multi_modal_projector)
         train_on_input (bool): also compute the loss on the prompt tokens
         seed (int): random seed (initialisation, shuffling)
         log_every (int): write a metrics line every N optimizer steps
@@ -173,6 +175,7 @@ class FineTune:
     lora_dropout: float | None = None
     lora_attn_modules: tuple[str, ...] | list[str] | str | None = None
     lora_mlp: bool | None = None
+    lora_projector: bool | None = None
     train_on_input: bool | None = None
     seed: int | None = None
     log_every: int | None = None

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import methods
-from tunepack.runtimes.catalog import ModelEntry
+from tunepack.runtimes.catalog import ModelEntry, expert_lora_obstacle
 from tunepack.trainers import rewards
 from tunepack.trainers.prompt_format import check_chat_template, check_system_prompt
 from tunepack.trainers.rewards import Weighted
@@ -243,6 +243,12 @@ VOCABULARY: tuple[Arg, ...] = (
         "also apply LoRA to the MLP projections (a mixture of experts: every expert)",
         True,
     ),
+    Arg(
+        "lora_projector",
+        _bool,
+        "also apply LoRA to a vision model's image projector (multi_modal_projector)",
+        False,
+    ),
     Arg("train_on_input", _bool, "also compute the loss on the prompt tokens", False),
     Arg("seed", _int(0), "random seed (initialisation, shuffling)", 0),
     Arg("log_every", _int(1), "write a metrics line every N optimizer steps", 1),
@@ -437,6 +443,7 @@ class TrainArgs:
     lora_dropout: float
     lora_attn_modules: tuple[str, ...]
     lora_mlp: bool
+    lora_projector: bool
     train_on_input: bool
     seed: int
     log_every: int
@@ -590,6 +597,13 @@ def method_packing_message(method: str, reason: str) -> str:
     return f"packed=true is not available with method={method}: {reason}; set packed=false"
 
 
+def no_projector_message(given: str, model: str) -> str:
+    return (
+        f"{given}: {model} takes no images, so it has no image projector to adapt; leave "
+        "lora_projector unset"
+    )
+
+
 def unused_tracker_uri_message(tracker: str) -> str:
     return f"tracker_uri is only used by tracker=mlflow, but tracker={tracker!r}"
 
@@ -646,8 +660,13 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
             "point comes from each batch's prompts paired with other rows' answers; use "
             "batch_size=2 or more"
         )
-    if method.adapters and resolved["lora_mlp"]:
-        if obstacle := entry.shape.expert_lora_obstacle(resolved["lora_dropout"], method.dora):
+    if resolved["lora_projector"] and not entry.family.reads_images:
+        raise BadInputError(
+            no_projector_message(f"lora_projector={pairs['lora_projector']}", entry.name)
+        )
+    if method.adapters and resolved["lora_mlp"] and entry.shape.num_experts:
+        given = f"lora_dropout={pairs['lora_dropout']}" if "lora_dropout" in pairs else None
+        if obstacle := expert_lora_obstacle(resolved["lora_dropout"], method.dora, given):
             raise BadInputError(obstacle)
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
         raise BadInputError(unused_tracker_uri_message(resolved["tracker"]))

@@ -452,6 +452,8 @@ def _model(entry: ModelEntry, args: TrainArgs, model_dir: Path) -> dict:
             lora_alpha=args.lora_alpha,
             lora_dropout=args.lora_dropout,
         )
+        if entry.family.reads_images:  # Llama 3.2 Vision: its multi_modal_projector too
+            model["apply_lora_to_projection"] = args.lora_projector
         if method.quantize_base:
             model["quantize_base"] = True
         if method.dora:

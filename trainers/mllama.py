@@ -642,6 +642,10 @@ def mllama(
     return _model(args, **flags)
 
 
+# The projector's adapter keys (``apply_lora_to_projection``): transformers' multi_modal_projector.
+PROJECTOR_ADAPTER = "encoder.projection.output.lora_"
+
+
 def lora_mllama(
     lora_attn_modules,
     apply_lora_to_mlp: bool = False,

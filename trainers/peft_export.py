@@ -197,9 +197,10 @@ def export_mllama_adapter(
     ``model.language_model.layers.N``): torchtune's layer j (and its fusion part) back to
     transformers' self-attention layer (and the cross-attention layer before it); q/k rows of the
     self-attention permuted as the checkpoint conversion permutes them (cross-attention has no
-    RoPE and keeps its order). ``target_modules`` is a pattern that names only the text model's
-    adapted modules, so the vision tower's same-named projections stay untouched."""
-    from tunepack.trainers.mllama import fusion_positions
+    RoPE and keeps its order); the projector's (``lora_projector``) as ``multi_modal_projector``'s.
+    ``target_modules`` is a pattern that names only the adapted modules, so the vision tower's
+    same-named projections stay untouched."""
+    from tunepack.trainers.mllama import PROJECTOR_ADAPTER, fusion_positions
 
     text = hf_config["text_config"]
     n_heads, n_kv = text["num_attention_heads"], text["num_key_value_heads"]
@@ -210,7 +211,14 @@ def export_mllama_adapter(
     cross_of = {tune: hf for hf, tune in positions.items() if hf in cross}
     weights: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
+    projector = False
     for key, value in adapter.items():
+        if key.startswith(PROJECTOR_ADAPTER):  # the projector: one linear map, no row order
+            tensor = key.removeprefix(PROJECTOR_ADAPTER).removesuffix(".weight")
+            prefix = "base_model.model.model.multi_modal_projector"
+            weights[f"{prefix}.{_PEFT_TENSOR[f'lora_{tensor}']}.weight"] = value
+            projector = True
+            continue
         match = _MLLAMA_KEY.match(key)
         if not match:
             raise ValueError(f"unexpected Llama 3.2 Vision adapter parameter {key!r}")
@@ -228,4 +236,6 @@ def export_mllama_adapter(
         targets.add(name)
     alternatives = "|".join(re.escape(t) for t in sorted(targets))
     pattern = rf"model\.language_model\.layers\.\d+\.(?:{alternatives})"
+    if projector:
+        pattern = rf"{pattern}|model\.multi_modal_projector"
     return weights, {"target_modules": pattern}

@@ -66,6 +66,7 @@ from tunepack.trainers import (
     dpo,
     grpo,
     kto,
+    mllama,
     moe,
     orpo,
     vision_data,
@@ -363,8 +364,13 @@ class FineTuneRecipe:
                     f"unexpected {unexpected}"
                 )
             return
-        # torchtune's check knows LoRALinear's keys; the experts' adapters are tunepack's.
-        missing = [k for k in missing if not moe.EXPERT_ADAPTER_KEY.match(k)]
+        # torchtune's check knows the text decoders' LoRA keys; the experts' adapters and the
+        # vision projector's are tunepack's.
+        missing = [
+            k
+            for k in missing
+            if not (moe.EXPERT_ADAPTER_KEY.match(k) or k.startswith(mllama.PROJECTOR_ADAPTER))
+        ]
         validate_missing_and_unexpected_for_lora(
             lora_attn_modules=list(self.cfg.model.lora_attn_modules),
             apply_lora_to_mlp=self.cfg.model.apply_lora_to_mlp,

@@ -217,6 +217,16 @@ def _variables() -> list[dict]:
         "noPacking": _cel_map(
             {e.runtime_name: e.family.no_packing for e in entries if e.family.no_packing}
         ),
+        "readsImages": cel_list(e.runtime_name for e in entries if e.family.reads_images),
+        # A mixture of experts' runtimes: whether LoRA adapts the experts by default (lora_mlp).
+        "experts": _cel_map(
+            {
+                e.runtime_name: e.defaults.get("lora_mlp", True)
+                for e in entries
+                if e.shape.num_experts
+            },
+            lambda on: "true" if on else "false",
+        ),
     }
     return [{"name": k, "expression": v} for k, v in variables.items()]
 
@@ -389,6 +399,45 @@ def _validations() -> list[dict]:
         )
     by_name = {arg.name: arg for arg in vocab.VOCABULARY}
     true_spellings = cel_list(by_name["group_by_length"].rule.choices[: len(vocab._TRUE)])
+    # LoRA on the experts (a mixture of experts' lora_mlp, given or the runtime's default)
+    # takes no dropout and no DoRA (catalog.expert_lora_obstacle).
+    mlp_true = f"p[0] == 'lora_mlp' && p[1].lowerAscii() in {true_spellings}"
+    on_experts = (
+        f"variables.method in {adapters} && variables.runtime in variables.experts && "
+        f"({_given('lora_mlp')} ? variables.kv.exists(p, {mlp_true}) : "
+        "variables.experts[variables.runtime])"
+    )
+    dropout_rule = by_name["lora_dropout"].rule
+    dropout = (
+        f"p[0] == 'lora_dropout' && {value_check(dropout_rule, 'p[1]')} && "
+        "double(p[1].replace('_', '')) != 0.0"
+    )
+    out.append(
+        _check(
+            f"!({on_experts}) || !variables.kv.exists(p, {dropout})",
+            cel_message(
+                catalog.expert_dropout_message,
+                f"variables.kv.filter(p, {dropout}).map(p, p[0] + '=' + p[1])[0]",
+            ),
+        )
+    )
+    out.append(
+        _check(
+            f"!({on_experts}) || variables.method != 'dora' || variables.kv.exists(p, {dropout})",
+            q(catalog.EXPERT_DORA_MESSAGE),
+        )
+    )
+    projector = f"p[0] == 'lora_projector' && p[1].lowerAscii() in {true_spellings}"
+    out.append(
+        _check(
+            f"variables.runtime in variables.readsImages || !variables.kv.exists(p, {projector})",
+            cel_message(
+                vocab.no_projector_message,
+                f"variables.kv.filter(p, {projector}).map(p, p[0] + '=' + p[1])[0]",
+                "variables.model",
+            ),
+        )
+    )
     out.append(
         _check(
             "!variables.packed || !variables.kv.exists(p, p[0] == 'group_by_length' && "

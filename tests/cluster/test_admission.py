@@ -130,6 +130,12 @@ REFUSED = {
     "packed with group_by_length": (["packed=true", "group_by_length=true"], RUNTIME),
     "packed DPO": (["method=dpo", "packed=true"], RUNTIME),
     "tracker_uri without mlflow": (["tracker_uri=http://mlflow:5000"], RUNTIME),
+    "LoRA on a projector a text model lacks": (["lora_projector=true"], RUNTIME),
+    "dropout on the experts' LoRA": (
+        ["lora_mlp=yes", "lora_dropout=0.050"],
+        "tunepack-qwen3-30b-a3b",
+    ),
+    "DoRA on the experts": (["method=dora", "lora_mlp=true"], "tunepack-qwen3-30b-a3b"),
 }
 
 

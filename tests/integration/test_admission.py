@@ -141,6 +141,8 @@ def _concat(expression: str) -> str:
         (vocab.no_packing_message, ["gemma2-2b", "it's 'quoted'"]),
         (vocab.method_only_message, ["beta=0.2", "beta", "dpo", "lora"]),
         (vocab.unused_tracker_uri_message, ["none"]),
+        (vocab.no_projector_message, ["lora_projector=yes", "tiny-llama3"]),
+        (catalog.expert_dropout_message, ["lora_dropout=0.050"]),
         (lambda raw: vocab.invalid_value_message("lora_rank", raw, "an integer"), ["-1"]),
     ],
 )

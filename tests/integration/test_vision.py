@@ -195,7 +195,8 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     from peft import PeftModel
 
     output = tmp_path / "out"
-    recipe = _recipe(workspace, output, ["max_steps=12", "epochs=10", "merge=true"])
+    given = ["max_steps=12", "epochs=10", "merge=true", "lora_projector=true"]
+    recipe = _recipe(workspace, output, given)
     recipe.train()
     recipe.save()
     losses = _losses(output)
@@ -217,9 +218,12 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
         before = base(**hf).logits
         peft = PeftModel.from_pretrained(base, adapter).eval()
         after = peft(**hf).logits
-    # Only the text model's modules were adapted: the vision tower's are untouched.
+    # The text model's modules and the projector were adapted: the vision tower's are untouched.
     wrapped = [n for n, _ in peft.named_modules() if n.endswith("lora_A")]
-    assert wrapped and all("language_model" in n for n in wrapped)
+    assert "base_model.model.model.multi_modal_projector.lora_A" in wrapped
+    assert all("language_model" in n or "multi_modal_projector" in n for n in wrapped)
+    projector = recipe.model.encoder.projection.output.lora_b.weight
+    assert projector.abs().max() > 0  # trained (B starts at zero)
     assert (after[real] - before[real]).abs().max() > 1e-3  # the adapter changes the model
     trained = _tune_logits(recipe.model, theirs, as_transformers=True)
     assert (trained[real] - after[real]).abs().max() < 1e-4
@@ -277,6 +281,19 @@ def test_a_vision_model_trains_on_text_only_chat(workspace, tmp_path):
     recipe.train()
     losses = _losses(output)
     assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+def test_lora_projector_is_refused_for_a_model_without_images():
+    from tunepack.core.errors import BadInputError
+    from tunepack.trainers.args import parse_trainer_args
+
+    assert parse_trainer_args(["lora_projector=true"], ENTRY).lora_projector is True
+    with pytest.raises(BadInputError) as caught:
+        parse_trainer_args(["lora_projector=true"], catalog.TINY["llama3"])
+    assert str(caught.value) == (
+        "lora_projector=true: tiny-llama3 takes no images, so it has no image projector to "
+        "adapt; leave lora_projector unset"
+    )
 
 
 def test_methods_not_wired_for_images_are_refused_in_one_line():
