@@ -31,6 +31,7 @@ from tunepack.initializers.retry import retrying
 from tunepack.initializers.sources import RemoteFile
 from tunepack.runtimes import catalog, custom
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT
+from tunepack.runtimes.mllama_config import mllama_builder_kwargs
 
 PROGRAM = "model-initializer"
 _CHUNK = 1 << 20
@@ -287,6 +288,8 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
             f"model at {source_uri.display!r} has a config.json that is not a JSON object; "
             f"replace it with the model's original config.json"
         )
+    if entry.family.reads_images:  # built from this config.json: refused where it cannot be
+        mllama_builder_kwargs(config, f"model at {source_uri.display!r}")
     # An image-text checkpoint whose text model the catalog entry trains (Gemma 3 4B and up):
     # its text_config is what the entry's shape describes.
     config = custom.text_config(config)

@@ -261,7 +261,7 @@ def model_component(entry: ModelEntry, method: str, model_dir: Path | None = Non
     """The model's config node for ``method``, before any LoRA settings. A model that reads
     images is built from its checkpoint's config.json (``model_dir``), any size."""
     if entry.family.reads_images:
-        from tunepack.trainers.mllama import mllama_builder_kwargs
+        from tunepack.runtimes.mllama_config import mllama_builder_kwargs
 
         if model_dir is None:
             raise ValueError(f"{entry.name} is built from its checkpoint's config.json: model_dir")

@@ -200,7 +200,8 @@ def export_mllama_adapter(
     RoPE and keeps its order); the projector's (``lora_projector``) as ``multi_modal_projector``'s.
     ``target_modules`` is a pattern that names only the adapted modules, so the vision tower's
     same-named projections stay untouched."""
-    from tunepack.trainers.mllama import PROJECTOR_ADAPTER, fusion_positions
+    from tunepack.runtimes.mllama_config import fusion_positions
+    from tunepack.trainers.mllama import PROJECTOR_ADAPTER
 
     text = hf_config["text_config"]
     n_heads, n_kv = text["num_attention_heads"], text["num_key_value_heads"]

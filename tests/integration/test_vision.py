@@ -283,6 +283,30 @@ def test_a_vision_model_trains_on_text_only_chat(workspace, tmp_path):
     assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2]), losses
 
 
+def test_the_model_initializer_refuses_a_config_the_build_cannot_reproduce(workspace, tmp_path):
+    """Before any weight moves: cross-attention as the last layer has no self-attention layer to
+    be the fusion part of. One line naming the field and value; nothing published."""
+    from tests.helpers import run_program
+    from tunepack.core.errors import EXIT_BAD_INPUT
+
+    source = _published_workspace(workspace, tmp_path / "published") / "model"
+    config = json.loads((source / "config.json").read_text())
+    last = config["text_config"]["num_hidden_layers"] - 1
+    config["text_config"]["cross_attention_layers"] = [last]
+    (source / "config.json").write_text(json.dumps(config))
+    target = tmp_path / "ws"
+    env = {"TUNEPACK_WORKSPACE": str(target), "TUNEPACK_MODEL": "llama3.2-vision-11b"}
+    done = run_program("tunepack.initializers.model", env | {"STORAGE_URI": f"file://{source}"})
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(
+        f"model-initializer: error: model at 'file://{source}': config.json has "
+        f"text_config.cross_attention_layers=[{last}]"
+    ), lines
+    assert "Traceback" not in done.stderr
+    assert not (target / "model").exists()
+
+
 def test_lora_projector_is_refused_for_a_model_without_images():
     from tunepack.core.errors import BadInputError
     from tunepack.trainers.args import parse_trainer_args
