@@ -705,8 +705,12 @@ def _gemma3_entry(size: str, checkpoint: tuple[str, ...]) -> ModelEntry:
 # (3, 8, ..., 38); 90B: 100 layers of width 8192 (MLP 28672, 64 heads, 8 KV heads) of which 20
 # cross-attention (3, 8, ..., 98). Both share the vision tower: 560-pixel tiles of 14-pixel
 # patches, up to 4 tiles, width 1280, 32 local + 8 global layers, 16 heads, MLP 5120, features of
-# local layers 3, 7, 15, 23 and 30. The Shape is the text model's (its parameter count leaves the
-# ~0.9B vision tower out); the trainer builds every size from the checkpoint's config.json.
+# local layers 3, 7, 15, 23 and 30. Checked against torchtune 0.6.1's llama3_2_vision_11b/_90b
+# builders (Meta's numbers: 32/80 self-attention layers with a fusion layer every 4th, so 8/20
+# cross-attention layers; widths, heads, KV heads, MLP widths, RoPE base, context, the tower and
+# its feature layers all agree); the cross-attention indices follow the 11B's published pattern.
+# The Shape is the text model's (its parameter count leaves the ~0.9B vision tower out); the
+# trainer builds every size from the checkpoint's config.json.
 def _mllama_entry(size: str, shape: Shape) -> ModelEntry:
     # The vision tower's 40 layers of width 1280 (attention 4 x 1280^2, MLP 2 x 1280 x 5120) and
     # the projector (7680 -> the text width); its embeddings and norms are left out (< 1%).
