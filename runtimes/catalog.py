@@ -529,9 +529,10 @@ FAMILIES: dict[str, Family] = {
                 checkpointer="tunepack.trainers.mllama.MllamaHFCheckpointer",
                 no_packing="Llama 3.2 Vision's rows carry images, which packing cannot join",
                 reads_images=True,
-                # Supervised fine-tuning on image-text (and text) chats; the preference and RL
-                # methods, QLoRA and DoRA are not wired for its image inputs yet.
-                only_methods=("full", "lora")),
+                # Supervised fine-tuning on image-text (and text) chats: the text model's LoRA,
+                # DoRA or QLoRA (its projections in NF4; the vision tower stays in the dtype), or
+                # every weight. The preference and RL methods are not wired for images yet.
+                only_methods=("full", "lora", "dora", "qlora")),
     )
 }  # fmt: skip
 

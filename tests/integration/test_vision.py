@@ -18,11 +18,13 @@ circles with questions about them) through the real dataset initializer, and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -233,6 +235,117 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     assert (trained[real] - merged[real]).abs().max() < 1e-4
 
 
+def test_dora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp_path):
+    from peft import PeftModel
+
+    output = tmp_path / "out"
+    recipe = _recipe(workspace, output, ["method=dora", "max_steps=12", "epochs=10", "merge=true"])
+    recipe.train()
+    recipe.save()
+    losses = _losses(output)
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, losses
+    adapter = output / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
+    hf = _hf_inputs(recipe, workspace, ROWS)
+    real = _real(hf)
+    base = _hf_model(workspace / "model")
+    with torch.no_grad():
+        before = base(**hf).logits
+        after = PeftModel.from_pretrained(base, adapter).eval()(**hf).logits
+        merged = _hf_model(output / "merged")(**hf).logits
+    trained = _tune_logits(recipe.model, _converted(workspace, hf), as_transformers=True)
+    assert (after[real] - before[real]).abs().max() > 1e-3
+    assert (trained[real] - after[real]).abs().max() < 1e-4
+    assert (trained[real] - merged[real]).abs().max() < 1e-4
+
+
+# The tiny model with text projections NF4 can quantize (each a multiple of its 16384-value block).
+NF4_ENTRY = dataclasses.replace(
+    ENTRY,
+    name="tiny-llama3.2-vision-nf4",
+    shape=dataclasses.replace(
+        ENTRY.shape, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_dim=512
+    ),
+)
+
+
+def test_qlora_trains_on_images_over_an_nf4_text_model(workspace, tmp_path):
+    """The text model's projections (self- and cross-attention, MLPs) in NF4, the vision tower in
+    the dtype; the adapter, applied by peft to the base as NF4 rounds it, is the trained model,
+    and ``merge=true`` folds it into the unquantized base (as peft applies it there)."""
+    from peft import PeftModel
+
+    from tunepack.trainers import artifacts
+
+    assert "qlora" not in ENTRY.methods and "qlora" in NF4_ENTRY.methods
+    model_dir = write_tiny_model(tmp_path / "model", NF4_ENTRY)
+    output = tmp_path / "out"
+    given = [*FAST, "method=qlora", "max_steps=12", "epochs=10", "lr=3e-3", "merge=true"]
+    recipe = setup_recipe(
+        NF4_ENTRY, given, model_dir=model_dir, dataset_dir=workspace / "dataset", output=output
+    )
+    decoder = recipe.model.decoder
+    nf4 = [decoder.layers[0].attn.q_proj.weight, decoder.layers[1].fusion_layer.attn.k_proj.weight]
+    assert {type(w).__name__ for w in nf4} == {"NF4Tensor"}
+    assert not any(type(w).__name__ == "NF4Tensor" for w in recipe.model.encoder.parameters())
+    recipe.train()
+    recipe.save()
+    losses = _losses(output)
+    assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, losses
+
+    hf = _hf_inputs(recipe, workspace, ROWS)
+    real = _real(hf)
+    trained = _tune_logits(recipe.model, _converted(workspace, hf), as_transformers=True)
+    # The base as the trainer held it (its state dict dequantizes NF4), in transformers' layout.
+    state = artifacts.gather_state(recipe.model, trainable_only=False, sharded=False)
+    rounded = tmp_path / "rounded"
+    rounded.mkdir()
+    artifacts.write_hf_model(
+        {k: v for k, v in state.items() if "lora" not in k}, recipe.cfg, rounded
+    )
+    adapter = output / "adapter"
+    with torch.no_grad():
+        on_rounded = PeftModel.from_pretrained(_hf_model(rounded), adapter).eval()(**hf).logits
+        base = _hf_model(model_dir)
+        before = base(**hf).logits
+        on_base = PeftModel.from_pretrained(base, adapter).eval()(**hf).logits
+        merged = _hf_model(output / "merged")(**hf).logits
+    assert (trained[real] - on_rounded[real]).abs().max() < 1e-4
+    assert (on_base[real] - before[real]).abs().max() > 1e-3
+    assert (on_base[real] - merged[real]).abs().max() < 1e-4
+
+
+def test_qlora_on_two_processes_trains_what_one_does(workspace, tmp_path):
+    """FSDP2 over the NF4 text model: rank 0 streams the base into both ranks' shards (the
+    fusion modules' keys included); the same global batches give the same losses."""
+    from omegaconf import OmegaConf
+
+    from tests.integration.test_trainer_processes import _NODE, _free_port, _run_nodes
+    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.trainers.config import build_config
+
+    model_dir = write_tiny_model(tmp_path / "model", NF4_ENTRY)
+    losses = {}
+    for nproc in (1, 2):
+        given = ["warmup_steps=0", "seed=0", "method=qlora", "max_steps=3", "epochs=10"]
+        cfg = build_config(
+            NF4_ENTRY,
+            parse_trainer_args([*given, f"batch_size={4 // nproc}"], NF4_ENTRY),
+            model_dir=model_dir,
+            dataset_dir=workspace / "dataset",
+            output_dir=tmp_path / f"out-{nproc}",
+            cache_dir=tmp_path / "cache",
+        )
+        config = tmp_path / f"config-{nproc}.yaml"
+        config.write_text(OmegaConf.to_yaml(cfg))
+        argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
+        codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
+        assert codes == [0], logs
+        losses[nproc] = _losses(tmp_path / f"out-{nproc}")
+    assert len(losses[2]) == 3 and losses[2][-1] < losses[2][0]
+    assert max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True)) < 1e-4, losses
+
+
 def test_full_fine_tune_saves_a_model_transformers_loads(workspace, tmp_path):
     output = tmp_path / "out"
     given = ["method=full", "max_steps=3", "lr=1e-3", "val_fraction=0.25"]
@@ -324,7 +437,7 @@ def test_methods_not_wired_for_images_are_refused_in_one_line():
     from tunepack.core.errors import BadInputError
     from tunepack.trainers.args import parse_trainer_args
 
-    assert catalog.get("llama3.2-vision-11b").methods == ("full", "lora")
+    assert catalog.get("llama3.2-vision-11b").methods == ("full", "lora", "qlora", "dora")
     with pytest.raises(
         BadInputError, match=r"method=dpo is not available for tiny-llama3.2-vision"
     ):

@@ -206,6 +206,6 @@ def test_vision_sizes_build_from_their_config(entry, tmp_path):
     count = sum(p.numel() for p in model.parameters())
     assert abs(count - entry.parameter_count) / count < 0.01, (count, entry.parameter_count)
     assert all(p.requires_grad for p in model.parameters())
-    assert entry.methods == ("full", "lora")
+    assert entry.methods == ("full", "lora", "qlora", "dora")
     with pytest.raises(ValueError, match="config.json"):
         model_component(entry, "full")

@@ -110,7 +110,7 @@ def test_metadata(entry):
         else "full,grpo_full,lora,qlora,dora,dpo,orpo,kto,grpo"
     )
     if entry.family.reads_images:  # Llama 3.2 Vision: supervised fine-tuning only, so far
-        methods = "full,lora"
+        methods = "full,lora,qlora,dora"
     assert notes["tunepack.dev/methods"] == methods
     # A bring-your-own runtime's size is its checkpoint's: no annotation.
     assert notes.get("tunepack.dev/parameters") == (
