@@ -210,3 +210,97 @@ def test_an_evicted_trainer_checkpoints_exits_75_and_resumes(
     # The checkpoint taken at SIGTERM (none was due: checkpoint_every_steps=1000) was resumed.
     result = json.loads((_volume(api, namespace, name) / "output" / "result.json").read_text())
     assert result["resumed_from_step"] >= 1
+
+
+# ------------------------------------------------------------- Llama 3.2 Vision, for real
+
+VISION = "tunepack-llama3.2-vision-11b"
+_COLORS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (30, 60, 220)}
+
+
+@pytest.fixture(scope="session")
+def vision_sources(s3_sources):
+    """A tiny random Llama 3.2 Vision checkpoint (indexed as the published ones are; the
+    runtime builds any size from config.json) and a picture dataset whose rows name their images
+    by s3:// URL, in the S3 the pods read with the namespace's Secret."""
+    import shutil
+    import tempfile
+
+    from PIL import Image, ImageDraw
+    from safetensors import safe_open
+
+    from tunepack.runtimes import catalog
+    from tunepack.tiny import write_tiny_model
+
+    root = Path(tempfile.mkdtemp(prefix="tunepack-vision-"))
+    try:
+        model = write_tiny_model(root / "tiny-mllama", catalog.TINY_VISION["mllama"])
+        with safe_open(model / "model.safetensors", "pt") as weights:
+            weight_map = dict.fromkeys(weights.keys(), "model.safetensors")
+        index = {"metadata": {}, "weight_map": weight_map}
+        (model / "model.safetensors.index.json").write_text(json.dumps(index))
+        (root / "vision" / "pics").mkdir(parents=True)
+        rows = []
+        for n in range(8):
+            color = list(_COLORS)[n % 3]
+            picture = Image.new("RGB", (30 + 10 * (n % 4), 40), (245, 245, 245))
+            ImageDraw.Draw(picture).rectangle((6, 8, 24, 32), fill=_COLORS[color])
+            picture.save(root / "vision" / "pics" / f"{n}.png")
+            rows.append({
+                "messages": [
+                    {"role": "user", "content": [
+                        {"type": "image"}, {"type": "text", "text": "What color is the square?"}
+                    ]},
+                    {"role": "assistant", "content": f"The square is {color}."},
+                ],
+                "images": [f"s3://sources/vision/pics/{n}.png"],
+            })  # fmt: skip
+        lines = "".join(json.dumps(row) + "\n" for row in rows)
+        (root / "vision" / "train.jsonl").write_text(lines)
+        for path in root.rglob("*"):
+            if path.is_file():
+                key = path.relative_to(root).as_posix()
+                s3_sources["client"].upload_file(str(path), "sources", key)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"model": "s3://sources/tiny-mllama", "dataset": "s3://sources/vision/train.jsonl"}
+
+
+def test_the_vision_runtime_trains_on_images_for_real(
+    api, namespace, installed_runtimes, on_executor, sources, vision_sources
+):
+    """The published Llama 3.2 Vision runtime through the whole platform: the dataset
+    initializer fetches and checks each picture from S3 (Pillow, in its image), the model
+    initializer the checkpoint, and the trainer (torchvision, in its image) trains LoRA on the
+    text model and the projector; CPU pods of 1 CPU and 4 GiB (the runtime asks 2 GPUs, 16 CPUs
+    and 160 GiB: resources_per_node replaces them), one process."""
+    from tunepack import FineTune, Initializer
+
+    client = _client(namespace)
+    name = client.train(
+        runtime=VISION,
+        initializer=Initializer(dataset=vision_sources["dataset"], model=vision_sources["model"]),
+        trainer=FineTune(
+            method="lora", max_steps=6, epochs=10, lr=3e-3, warmup_steps=0, batch_size=4,
+            lora_projector=True, num_proc_per_node=1,
+            resources_per_node={"gpu": 0, "cpu": 1, "memory": "4Gi"},
+        ),
+    )  # fmt: skip
+    job = client.wait_for_job_status(name, timeout=RUN_TIMEOUT)
+    assert job.status == "Complete", api.diagnose(namespace, name)
+
+    volume = _volume(api, namespace, name)
+    manifest = json.loads((volume / "dataset" / "tunepack-manifest.json").read_text())
+    assert manifest["schema"] == "image_chat" and manifest["images"]["count"] == 8
+    normalized = (volume / "dataset" / "train.jsonl").read_text()
+    assert "s3://" not in normalized  # rows name the checked copies, never the URLs
+    result = json.loads((volume / "output" / "result.json").read_text())
+    assert (result["method"], result["chat_template"]) == ("lora", "llama3.2-vision")
+    assert result["final_loss"] < result["first_loss"]
+    adapter = volume / "output" / "adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert "multi_modal_projector" in config["target_modules"]
+    assert (adapter / "adapter_model.safetensors").stat().st_uid == 1000
+    if os.environ.get("TUNEPACK_TIER_IMAGES") == "1":
+        ran = {cs.image for pod in api.pods(namespace) for cs in pod.status.container_statuses}
+        assert len(ran) == 3, ran  # dataset-initializer, model-initializer, trainer
