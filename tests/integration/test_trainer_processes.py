@@ -294,6 +294,29 @@ _NODE = (
 )
 
 
+def train_on_processes(entry, given, *, model_dir, dataset_dir, output, nproc, tmp_path) -> None:
+    """One node of ``nproc`` processes of the launcher's torchrun, over the config the trainer
+    builds for ``entry`` (a model outside the published runtimes) and ``given`` arguments."""
+    from omegaconf import OmegaConf
+
+    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.trainers.config import build_config
+
+    cfg = build_config(
+        entry,
+        parse_trainer_args(given, entry),
+        model_dir=model_dir,
+        dataset_dir=dataset_dir,
+        output_dir=output,
+        cache_dir=tmp_path / "cache",
+    )
+    config = tmp_path / f"config-{output.name}.yaml"
+    config.write_text(OmegaConf.to_yaml(cfg))
+    argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
+    codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
+    assert codes == [0], logs
+
+
 @pytest.mark.parametrize(
     ("method", "dtype", "nnodes", "nproc"),
     [("qlora", "fp32", 2, 1), ("dora", "bf16", 1, 2)],
@@ -423,14 +446,11 @@ def test_qwen3_moe_lora_on_the_experts_trains_sharded_as_on_one_process(
     sharded along the experts as their weights are, drawn whole (trainers/adapter_init.py), so two
     processes train what one does; peft applies the exported adapter to transformers' model as
     trained, and ``merge=true``'s model is that model too."""
-    from omegaconf import OmegaConf
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tunepack.runtimes import catalog
     from tunepack.tiny import write_tiny_model
-    from tunepack.trainers.args import parse_trainer_args
-    from tunepack.trainers.config import build_config
 
     entry = catalog.TINY["qwen3_moe"]
     assert entry.defaults["lora_mlp"] is False  # every layer sparse: the experts are opt-in
@@ -438,21 +458,13 @@ def test_qwen3_moe_lora_on_the_experts_trains_sharded_as_on_one_process(
     given = ["lora_mlp=true", "max_steps=4", "warmup_steps=0", "lr=1e-2", "merge=true"]
     outputs = {}
     for nproc in (1, 2):
-        output = outputs[nproc] = tmp_path / f"output-{nproc}"
+        outputs[nproc] = tmp_path / f"output-{nproc}"
         batch = f"batch_size={4 // nproc}"  # the same global batches
-        cfg = build_config(
-            entry,
-            parse_trainer_args([*given, batch], entry),
-            model_dir=model_dir,
-            dataset_dir=initialized_workspace / "dataset",
-            output_dir=output,
-            cache_dir=tmp_path / "cache",
-        )
-        config = tmp_path / f"config-{nproc}.yaml"
-        config.write_text(OmegaConf.to_yaml(cfg))
-        argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
-        codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
-        assert codes == [0], logs
+        train_on_processes(
+            entry, [*given, batch], model_dir=model_dir,
+            dataset_dir=initialized_workspace / "dataset", output=outputs[nproc], nproc=nproc,
+            tmp_path=tmp_path,
+        )  # fmt: skip
 
     results = {n: json.loads((outputs[n] / "result.json").read_text()) for n in outputs}
     assert results[2]["world_size"] == 2

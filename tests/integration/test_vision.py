@@ -24,7 +24,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -318,29 +317,17 @@ def test_qlora_trains_on_images_over_an_nf4_text_model(workspace, tmp_path):
 def test_qlora_on_two_processes_trains_what_one_does(workspace, tmp_path):
     """FSDP2 over the NF4 text model: rank 0 streams the base into both ranks' shards (the
     fusion modules' keys included); the same global batches give the same losses."""
-    from omegaconf import OmegaConf
-
-    from tests.integration.test_trainer_processes import _NODE, _free_port, _run_nodes
-    from tunepack.trainers.args import parse_trainer_args
-    from tunepack.trainers.config import build_config
+    from tests.integration.test_trainer_processes import train_on_processes
 
     model_dir = write_tiny_model(tmp_path / "model", NF4_ENTRY)
+    given = ["warmup_steps=0", "seed=0", "method=qlora", "max_steps=3", "epochs=10"]
     losses = {}
     for nproc in (1, 2):
-        given = ["warmup_steps=0", "seed=0", "method=qlora", "max_steps=3", "epochs=10"]
-        cfg = build_config(
-            NF4_ENTRY,
-            parse_trainer_args([*given, f"batch_size={4 // nproc}"], NF4_ENTRY),
-            model_dir=model_dir,
-            dataset_dir=workspace / "dataset",
-            output_dir=tmp_path / f"out-{nproc}",
-            cache_dir=tmp_path / "cache",
-        )
-        config = tmp_path / f"config-{nproc}.yaml"
-        config.write_text(OmegaConf.to_yaml(cfg))
-        argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
-        codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
-        assert codes == [0], logs
+        train_on_processes(
+            NF4_ENTRY, [*given, f"batch_size={4 // nproc}"], model_dir=model_dir,
+            dataset_dir=workspace / "dataset", output=tmp_path / f"out-{nproc}", nproc=nproc,
+            tmp_path=tmp_path,
+        )  # fmt: skip
         losses[nproc] = _losses(tmp_path / f"out-{nproc}")
     assert len(losses[2]) == 3 and losses[2][-1] < losses[2][0]
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True)) < 1e-4, losses
