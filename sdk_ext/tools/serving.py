@@ -10,7 +10,8 @@ runtime, TrainJob name and ``key=value`` arguments and serves exactly that resul
   holds the trained ``lora_rank`` (vLLM refuses an adapter above it; its default is 16);
 - ``merge=true``: the merged model, ``/workspace/output/merged``, without LoRA;
 - ``method=full``: the fine-tuned model, ``/workspace/output/model``;
-- DoRA without ``merge=true``: refused, since vLLM does not load DoRA adapters;
+- DoRA without ``merge=true``: refused, since vLLM does not load DoRA adapters; so is a
+  mixture of experts' LoRA on its experts (``lora_mlp=true``), which vLLM v0.11.0 refuses;
 - the chat template: the model's own (its ``tokenizer_config.json``) where the run trained in
   it; otherwise (``chat_template=`` another format, a ``system_prompt=``, Qwen 3's thinking
   off) the template the run trained in, from a ConfigMap (``--chat-template``).
@@ -117,6 +118,15 @@ def served_result(runtime: str, args: list[str]) -> Served:
             f"method={method.name}: vLLM does not load DoRA adapters; train with merge=true as "
             "well and serve the merged model (render serving with the same arguments then "
             "serves it)"
+        )
+    if trained.lora_mlp and entry.shape.num_experts:
+        # vLLM v0.11.0 refuses adapters with expert weights ("does not support fused MoE LoRA
+        # inference"); its FusedMoE LoRA (vllm-project/vllm#21229) came after.
+        raise BadInputError(
+            f"lora_mlp=true: the adapter holds LoRA on {entry.name}'s experts, which vLLM "
+            f"{VLLM_IMAGE.rsplit(':', 1)[1]} does not load; train with merge=true as well and "
+            "serve the merged model (render serving with the same arguments then serves it), "
+            "or with lora_mlp=false"
         )
     return Served(
         in_pod(MODEL_DIR),

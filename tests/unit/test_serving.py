@@ -147,3 +147,23 @@ def test_each_served_result_has_its_own_deployment_service_and_chat_template(cap
     # run-a's Service does not select run-b's pods.
     pod_b = served["run-b"]["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert not served["run-a"]["Service"]["spec"]["selector"].items() <= pod_b.items()
+
+
+def test_lora_on_a_mixture_of_experts_experts_is_served_merged_or_refused(capsys):
+    """vLLM v0.11.0 refuses an adapter with expert weights: lora_mlp=true on Qwen3-MoE serves
+    only merged; attention's LoRA alone (the runtime's default) is served as base + adapter."""
+    moe = ["render", "serving", "--runtime", "tunepack-qwen3-30b-a3b", "--name", "my-job"]
+    code = main([*moe, "lora_mlp=true"])
+    out, err = capsys.readouterr()
+    assert code == 65 and not out.strip()
+    assert err.strip() == (
+        "tunepack: error: lora_mlp=true: the adapter holds LoRA on qwen3-30b-a3b's experts, "
+        "which vLLM v0.11.0 does not load; train with merge=true as well and serve the merged "
+        "model (render serving with the same arguments then serves it), or with lora_mlp=false"
+    )
+    assert main([*moe, "lora_mlp=true", "merge=true"]) == 0
+    merged = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o]
+    assert _args(merged)[0] == "--model=/workspace/output/merged"
+    assert main(moe) == 0
+    adapter = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o]
+    assert any(a.startswith("--lora-modules=") for a in _args(adapter))
