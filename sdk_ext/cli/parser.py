@@ -227,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")
     p.add_argument("--lora-rank", type=int, help="LoRA rank (lora, qlora, dora; default 16)")
     p.add_argument(
+        "--lora-mlp",
+        action=argparse.BooleanOptionalAction,
+        help="plan LoRA on the MLPs (a mixture of experts: every expert) or not (default: the "
+        "runtime's lora_mlp)",
+    )
+    p.add_argument(
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
         default="auto",

@@ -81,6 +81,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method {ns.method} trains every "
             "weight and has no adapters; leave out --lora-rank, or use --method lora"
         )
+    if ns.lora_mlp is not None and not methods.get(ns.method).adapters:
+        flag = "--lora-mlp" if ns.lora_mlp else "--no-lora-mlp"
+        raise BadInputError(
+            f"{flag} is a LoRA setting, but --method {ns.method} trains every weight and has no "
+            f"adapters; leave out {flag}, or use --method lora"
+        )
     if ns.num_generations is not None and not methods.get(ns.method).sequences_key:
         raise BadInputError(
             f"--num-generations {ns.num_generations} is a setting of method grpo, but --method "
@@ -105,6 +111,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         gpus_per_node=ns.gpus_per_node,
         activation_checkpointing=ns.activation_checkpointing,
         lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
+        lora_mlp=ns.lora_mlp,
         num_generations=4 if ns.num_generations is None else ns.num_generations,
     )
     print(estimate.summary())

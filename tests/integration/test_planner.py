@@ -353,3 +353,20 @@ def test_llama_vision_plans_whole_logits_and_says_what_it_leaves_out():
     assert 10.5e9 < vision.parameters < 10.8e9
     with pytest.raises(BadInputError, match="llama3.2-vision-11b takes images: its loss cannot"):
         estimate("llama3.2-vision-11b", "lora", 2048, 2, fused_loss=True)
+
+
+def test_cli_plan_sizes_lora_on_the_experts_with_lora_mlp(capsys):
+    """The runtime's default for Qwen3-MoE is attention's LoRA only; --lora-mlp adds an adapter
+    pair per expert (the trainer's lora_mlp=true), which the plan counts."""
+    code, default, _ = _cli(capsys, "--model", "qwen3-30b-a3b")
+    assert code == 0
+    code, experts, _ = _cli(capsys, "--model", "qwen3-30b-a3b", "--lora-mlp")
+    assert code == 0
+    with_experts = plan("qwen3-30b-a3b", "lora", 2048, 1, lora_mlp=True).peak_gib
+    attention_only = plan("qwen3-30b-a3b", "lora", 2048, 1).peak_gib
+    assert with_experts > attention_only
+    assert f"peak {with_experts:.2f} GiB" in " ".join(experts.split())
+    assert f"peak {attention_only:.2f} GiB" in " ".join(default.split())
+    code, _, err = _cli(capsys, "--model", "qwen3-30b-a3b", "--method", "full", "--lora-mlp")
+    assert code == 65
+    assert "--lora-mlp is a LoRA setting, but --method full trains every weight" in err
