@@ -62,20 +62,31 @@ def run_dataset_initializer(
     )
 
 
-def setup_recipe(entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path):
-    """The trainer's recipe for ``entry`` and ``key=value`` arguments, set up (built, loaded)."""
+def trainer_config(
+    entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path, cache_dir: Path
+):
+    """The config the trainer builds for ``entry`` and ``key=value`` arguments."""
     from tunepack.trainers.args import parse_trainer_args
     from tunepack.trainers.config import build_config
-    from tunepack.trainers.recipe import FineTuneRecipe
 
-    cfg = build_config(
+    return build_config(
         entry,
         parse_trainer_args(argv, entry),
         model_dir=model_dir,
         dataset_dir=dataset_dir,
         output_dir=output,
-        cache_dir=output / ".cache",
+        cache_dir=cache_dir,
     )
+
+
+def setup_recipe(entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path):
+    """The trainer's recipe for ``entry`` and ``key=value`` arguments, set up (built, loaded)."""
+    from tunepack.trainers.recipe import FineTuneRecipe
+
+    cfg = trainer_config(
+        entry, argv, model_dir=model_dir, dataset_dir=dataset_dir, output=output,
+        cache_dir=output / ".cache",
+    )  # fmt: skip
     recipe = FineTuneRecipe(cfg)
     recipe.setup()
     return recipe

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import lines_held_back, run_program
+from tests.helpers import lines_held_back, run_program, trainer_config
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.trainers.batching import ShuffledSampler
 from tunepack.trainers.launch import _exit_code, layout_from_env
@@ -294,27 +294,34 @@ _NODE = (
 )
 
 
-def train_on_processes(entry, given, *, model_dir, dataset_dir, output, nproc, tmp_path) -> None:
-    """One node of ``nproc`` processes of the launcher's torchrun, over the config the trainer
-    builds for ``entry`` (a model outside the published runtimes) and ``given`` arguments."""
+def _written_config(entry, given, *, model_dir, dataset_dir, output, tmp_path):
+    """(the config the trainer builds for ``entry`` and ``given`` arguments, its YAML file)."""
     from omegaconf import OmegaConf
 
-    from tunepack.trainers.args import parse_trainer_args
-    from tunepack.trainers.config import build_config
-
-    cfg = build_config(
-        entry,
-        parse_trainer_args(given, entry),
-        model_dir=model_dir,
-        dataset_dir=dataset_dir,
-        output_dir=output,
+    cfg = trainer_config(
+        entry, given, model_dir=model_dir, dataset_dir=dataset_dir, output=output,
         cache_dir=tmp_path / "cache",
-    )
+    )  # fmt: skip
     config = tmp_path / f"config-{output.name}.yaml"
     config.write_text(OmegaConf.to_yaml(cfg))
+    return cfg, config
+
+
+def _run_one_node(config: Path, nproc: int, tmp_path: Path) -> None:
+    """One node of ``nproc`` processes of the launcher's torchrun over ``config``."""
     argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
     codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
     assert codes == [0], logs
+
+
+def train_on_processes(entry, given, *, model_dir, dataset_dir, output, nproc, tmp_path) -> None:
+    """One node of ``nproc`` processes of the launcher's torchrun, over the config the trainer
+    builds for ``entry`` (a model outside the published runtimes) and ``given`` arguments."""
+    _, config = _written_config(
+        entry, given, model_dir=model_dir, dataset_dir=dataset_dir, output=output,
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    _run_one_node(config, nproc, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -327,27 +334,18 @@ def test_lora_variants_train_sharded(initialized_workspace, tmp_path, method, dt
     recipes treat specially; QLoRA across two "nodes" (upstream Kubeflow refuses multi-node
     QLoRA). The model is not a catalog entry, so each node runs the launcher's torchrun over a
     config built here, as the launcher would."""
-    from omegaconf import OmegaConf
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import NF4_TINY
     from tunepack.tiny import write_tiny_model
-    from tunepack.trainers.args import parse_trainer_args
-    from tunepack.trainers.config import build_config
 
     model_dir = write_tiny_model(tmp_path / "model", NF4_TINY)
     given = [f"method={method}", f"dtype={dtype}", "max_steps=4", "warmup_steps=0", "lr=1e-2"]
-    cfg = build_config(
-        NF4_TINY,
-        parse_trainer_args(given, NF4_TINY),
-        model_dir=model_dir,
-        dataset_dir=initialized_workspace / "dataset",
-        output_dir=tmp_path / "output",
-        cache_dir=tmp_path / "cache",
-    )
-    config = tmp_path / "config.yaml"
-    config.write_text(OmegaConf.to_yaml(cfg))
+    _, config = _written_config(
+        NF4_TINY, given, model_dir=model_dir, dataset_dir=initialized_workspace / "dataset",
+        output=tmp_path / "output", tmp_path=tmp_path,
+    )  # fmt: skip
     port = str(_free_port())
     codes, outputs = _run_nodes(
         [
@@ -403,31 +401,19 @@ def test_qwen3_moe_loads_trains_and_gathers_its_experts_sharded(initialized_work
     weights are sharded along the experts (four: two whole experts a rank), the router's
     load-balancing loss goes through the backward, and a step too small to move any weight saves
     the base back bit for bit (every expert's weight loaded into its shard and gathered back)."""
-    from omegaconf import OmegaConf
-
     from tunepack.runtimes import catalog
     from tunepack.tiny import write_tiny_model
-    from tunepack.trainers.args import parse_trainer_args
-    from tunepack.trainers.config import build_config
 
     entry = catalog.TINY["qwen3_moe"]
     assert entry.shape.num_experts % 2 == 0
     model_dir = write_tiny_model(tmp_path / "model", entry)
     given = ["method=full", "max_steps=2", "warmup_steps=0", "lr=1e-30", "weight_decay=0"]
-    cfg = build_config(
-        entry,
-        parse_trainer_args(given, entry),
-        model_dir=model_dir,
-        dataset_dir=initialized_workspace / "dataset",
-        output_dir=tmp_path / "output",
-        cache_dir=tmp_path / "cache",
-    )
+    cfg, config = _written_config(
+        entry, given, model_dir=model_dir, dataset_dir=initialized_workspace / "dataset",
+        output=tmp_path / "output", tmp_path=tmp_path,
+    )  # fmt: skip
     assert cfg.model.router_aux_loss_coef > 0
-    config = tmp_path / "config.yaml"
-    config.write_text(OmegaConf.to_yaml(cfg))
-    argv = [sys.executable, "-c", _NODE, str(config), "1", "2", "0", str(_free_port())]
-    codes, outputs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
-    assert codes == [0], outputs
+    _run_one_node(config, 2, tmp_path)
     result = json.loads((tmp_path / "output" / "result.json").read_text())
     assert (result["world_size"], result["steps"]) == (2, 2)
     base = load_file(model_dir / "model.safetensors")
