@@ -307,10 +307,10 @@ def prepare(ctx: Context, size: Size) -> Path:
 def plan(
     ctx: Context, size: Size, method: str, template: Path, checkpointing: bool, fused_loss: bool
 ) -> dict:
-    """The memory planner's estimate of the same job (tunepack.tools.planner.estimate); with
+    """The memory planner's estimate of the same job (tunepack.runtimes.planner.estimate); with
     ``fused_loss=False`` for the runs that hold the whole logits (the stock recipe, tunepack's
     plain loss)."""
-    from tunepack.tools.planner import estimate
+    from tunepack.runtimes.planner import estimate
 
     p = estimate(
         MODEL, method, size.seq_len, size.batch_size, dtype=ctx.dtype,

@@ -27,7 +27,7 @@ from torchtune.modules import TransformerSelfAttentionLayer
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from tunepack.runtimes import catalog, methods
-from tunepack.tools.planner import estimate
+from tunepack.runtimes.planner import estimate
 from tunepack.trainers import vocab_loss
 from tunepack.trainers.config import model_component
 

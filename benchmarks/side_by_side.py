@@ -73,7 +73,7 @@ from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa:
 
 from tunepack.runtimes import methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
-from tunepack.tools.planner import LORA_TARGETS_ALL, lora_parameters  # noqa: E402
+from tunepack.runtimes.planner import LORA_TARGETS_ALL, lora_parameters  # noqa: E402
 
 SYSTEMS = (
     "tunepack",

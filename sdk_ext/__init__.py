@@ -16,7 +16,7 @@ _EXPORTS = {
     # tunepack's Initializer takes storage URIs or the SDK's initializer objects (below).
     "Initializer": "tunepack.jobs.translate",
     "LocalBackendConfig": "tunepack.backends.local",
-    "plan": "tunepack.tools.planner",
+    "plan": "tunepack.runtimes.planner",
     # The Kubeflow SDK's types, re-exported unchanged.
     **dict.fromkeys(
         (

@@ -33,7 +33,7 @@ from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.notebook import Result
-from tunepack.tools import planner
+from tunepack.runtimes import planner
 
 
 class TrainingClient(TrainerClient):
@@ -43,7 +43,7 @@ class TrainingClient(TrainerClient):
         backend_config: ``KubernetesBackendConfig`` (default: kubeconfig or in-cluster) or
             tunepack's ``LocalBackendConfig``. The SDK's other configs work as in the SDK.
         gpu: GPU type the memory planner checks cluster jobs against
-            (``tunepack.tools.planner.GPUS``).
+            (``tunepack.runtimes.planner.GPUS``).
         memory_check: ``refuse`` (default), ``warn`` or ``off`` when a job cannot fit.
     """
 

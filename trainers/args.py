@@ -705,13 +705,6 @@ def _check_generation(resolved: dict, entry: ModelEntry) -> None:
         )
 
 
-def activation_checkpointing_on(setting: str | bool, device: str) -> bool:
-    """Whether the trainer recomputes activations: ``auto`` is on for cuda (memory is the GPU's
-    scarce resource, worth ~30% more compute) and off for cpu (whose runs here are small). The
-    memory planner asks the same for the GPUs it plans."""
-    return device == "cuda" if setting == "auto" else bool(setting)
-
-
 def available_methods(entry: ModelEntry) -> tuple[str, ...]:
     """The methods a catalog entry supports, in the registry's order."""
     return tuple(m for m in methods.NAMES if m in entry.methods)

@@ -19,12 +19,9 @@ from tunepack.core.errors import BadInputError
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
+from tunepack.runtimes.planner import activation_checkpointing_on
 from tunepack.trainers import rewards
-from tunepack.trainers.args import (
-    TrainArgs,
-    activation_checkpointing_on,
-    builder_for,
-)
+from tunepack.trainers.args import TrainArgs, builder_for
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {

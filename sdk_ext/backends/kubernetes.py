@@ -48,7 +48,7 @@ from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
-from tunepack.tools.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
+from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from tunepack.cli.runtimes import cmd_args, cmd_install, cmd_runtimes
 from tunepack.cli.tools import DEFAULT_PLAN_SEQ_LEN, cmd_plan, cmd_tiny_dataset, cmd_tiny_model
 from tunepack.cli.train import cmd_train
 from tunepack.runtimes import methods
-from tunepack.tools.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, GPUS, MEMORY_CHECKS
+from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, GPUS, MEMORY_CHECKS
 
 DESCRIPTION = (
     "Fine-tune LLMs with tunepack's Kubeflow Trainer runtimes, on a Kubernetes cluster or on "

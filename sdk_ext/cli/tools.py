@@ -74,7 +74,7 @@ class _writing:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
-    from tunepack.tools.planner import model_entry, plan
+    from tunepack.runtimes.planner import model_entry, plan
 
     if ns.lora_rank is not None and not methods.get(ns.method).adapters:
         raise BadInputError(

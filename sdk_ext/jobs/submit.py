@@ -31,8 +31,7 @@ from tunepack.jobs.translate import (
     to_finetune,
     to_initializer,
 )
-from tunepack.runtimes import catalog, custom
-from tunepack.tools import planner
+from tunepack.runtimes import catalog, custom, planner
 from tunepack.trainers.args import parse_trainer_args
 
 logger = logging.getLogger(__name__)

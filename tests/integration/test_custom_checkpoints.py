@@ -430,7 +430,7 @@ def test_custom_runtimes_are_published():
 
 
 def test_planner_sizes_a_custom_runtime_from_the_checkpoints_config(llama_checkpoint):
-    from tunepack.tools import planner
+    from tunepack.runtimes import planner
 
     resolved = custom.resolve(catalog.CUSTOM["llama-custom"], llama_checkpoint)
     sized = planner.plan("tunepack-llama-custom", "lora", 512, 2, model_dir=llama_checkpoint)

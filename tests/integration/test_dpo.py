@@ -427,7 +427,7 @@ def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_pat
 
 
 def test_planner_counts_two_sequences_per_example():
-    from tunepack.tools.planner import plan
+    from tunepack.runtimes.planner import plan
 
     lora = plan("llama3.1-8b", "lora", 1024, 2, lora_rank=8)
     dpo = plan("llama3.1-8b", "dpo", 1024, 2, lora_rank=8)

@@ -12,7 +12,7 @@ import pytest
 from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
-from tunepack.tools.planner import LOSS_CHUNK_ELEMENTS, estimate, plan
+from tunepack.runtimes.planner import LOSS_CHUNK_ELEMENTS, estimate, plan
 
 ROOT = REPO
 

@@ -29,7 +29,7 @@ from tunepack.trainers.args import parse_trainer_args
 
 EXAMPLES_DIR = REPO / "examples"
 
-# Example -> the GPU type its comments size it for (tunepack.tools.planner.GPUS).
+# Example -> the GPU type its comments size it for (tunepack.runtimes.planner.GPUS).
 EXAMPLES = {
     "lora-single-gpu.yaml": "L4-24GB",
     "qlora-8b.yaml": "L4-24GB",

@@ -428,7 +428,7 @@ def _write(tmp_path, record):
 
 
 def test_planner_counts_the_answers_and_the_generation_cache():
-    from tunepack.tools.planner import plan
+    from tunepack.runtimes.planner import plan
 
     whole = plan("llama3.1-8b", "lora", 1024, 2, lora_rank=8, fused_loss=False)
     grpo8 = plan("llama3.1-8b", "grpo", 1024, 2, lora_rank=8, num_generations=8)
@@ -448,7 +448,7 @@ def test_planner_counts_the_answers_and_the_generation_cache():
 
 
 def test_the_planner_refuses_a_group_of_one():
-    from tunepack.tools.planner import estimate
+    from tunepack.runtimes.planner import estimate
 
     with pytest.raises(BadInputError) as err:
         estimate("llama3.1-8b", "grpo", 1024, 1, num_generations=1)
@@ -456,7 +456,7 @@ def test_the_planner_refuses_a_group_of_one():
 
 
 def test_grpo_full_trains_every_weight_and_plans_a_reference_copy():
-    from tunepack.tools.planner import plan
+    from tunepack.runtimes.planner import plan
 
     args = parse_trainer_args(["method=grpo_full"], TINY)
     assert (args.lr, args.beta, args.num_generations) == (1e-6, 0.04, 4)

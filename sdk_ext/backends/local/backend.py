@@ -39,8 +39,8 @@ from tunepack.jobs.trainjob import export_of
 from tunepack.notebook import Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
+from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK
 from tunepack.runtimes.store import load_runtime
-from tunepack.tools.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK
 
 HOME_ENV = "TUNEPACK_HOME"
 

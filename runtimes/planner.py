@@ -7,7 +7,7 @@ recommends the smallest nodes x GPUs layout that fits. The terms are those of tu
 derived in ``docs/planner.md`` and checked against the H100 measurements in
 ``benchmarks/results/`` (``tests/integration/test_planner.py``).
 
-    >>> from tunepack.tools.planner import plan
+    >>> from tunepack.runtimes.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)
     >>> p.fits, round(p.peak_gib, 1)            # one H100-80GB, activation checkpointing
     (True, 17.3)
@@ -63,7 +63,6 @@ from typing import Literal, get_args
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.catalog import Shape
-from tunepack.trainers.args import activation_checkpointing_on
 
 GIB = 1024**3
 # GPU name -> memory in GiB (what the device reports). The one list of GPU names: ``gpu_type``
@@ -78,6 +77,13 @@ GPUS: dict[str, float] = {
     "A10G-24GB": 22.0,
     "L4-24GB": 22.0,
 }
+
+
+def activation_checkpointing_on(setting: str | bool, device: str) -> bool:
+    """Whether the trainer recomputes activations: ``auto`` is on for cuda (memory is the GPU's
+    scarce resource, worth ~30% more compute) and off for cpu (whose runs here are small). The
+    memory planner asks the same for the GPUs it plans."""
+    return device == "cuda" if setting == "auto" else bool(setting)
 
 
 def _spelling(name: str) -> str:
