@@ -79,11 +79,75 @@ GPUS: dict[str, float] = {
 }
 
 
-def activation_checkpointing_on(setting: str | bool, device: str) -> bool:
-    """Whether the trainer recomputes activations: ``auto`` is on for cuda (memory is the GPU's
-    scarce resource, worth ~30% more compute) and off for cpu (whose runs here are small). The
-    memory planner asks the same for the GPUs it plans."""
-    return device == "cuda" if setting == "auto" else bool(setting)
+@dataclass(frozen=True)
+class Step:
+    """How the trainer spends memory for speed on a device (``choose_step``): the first
+    ``recompute_layers`` of the model's ``layers`` transformer layers recompute their activations
+    in the backward (activation checkpointing), and the fused loss computes ``loss_chunk_rows``
+    rows of logits at once (None: the method's loss needs the whole logits). Recomputing the
+    first layers rather than every k-th holds the least at the recomputation: by the time the
+    backward reaches them, every later layer's activations are freed."""
+
+    layers: int
+    recompute_layers: int
+    loss_chunk_rows: int | None
+    chosen: bool = True  # False: both settings were given explicitly
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.recompute_layers > 0
+
+    def describe(self, rows: int | None = None) -> str:
+        """One line, e.g. ``recompute 0 of 16 layers; loss: the whole logits (8192 rows)``;
+        ``rows``: the rows a micro-batch counts, where known."""
+        recompute = f"recompute {self.recompute_layers} of {self.layers} layers"
+        if self.loss_chunk_rows is None:
+            loss = "loss: the whole logits (the method's own loss)"
+        elif rows is not None and self.loss_chunk_rows >= rows:
+            loss = f"loss: the whole logits at once ({rows} rows)"
+        else:
+            loss = f"loss: {self.loss_chunk_rows} rows of logits at a time"
+        return f"{recompute}; {loss}"
+
+    def record(self) -> dict:
+        """What result.json and each checkpoint keep (``from_record`` reads it back)."""
+        return {
+            "layers": self.layers,
+            "recompute_layers": self.recompute_layers,
+            "loss_chunk_rows": self.loss_chunk_rows,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> Step:
+        return cls(
+            layers=int(record["layers"]),
+            recompute_layers=int(record["recompute_layers"]),
+            loss_chunk_rows=record["loss_chunk_rows"],
+        )
+
+
+def parse_activation_checkpointing(value: object) -> str | bool:
+    """``auto``, True or False (the trainer argument's parsed forms), or BadInputError."""
+    if value in ("auto", True, False):
+        return value
+    raise BadInputError(
+        f"activation_checkpointing={value!r} is not valid: expected 'auto', True or False"
+    )
+
+
+def parse_loss_chunk(value: object) -> str | int:
+    """``auto`` or a number of rows >= 1 (the trainer argument's parsed forms), or BadInputError."""
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise BadInputError(f"loss_chunk={value!r} is not valid: expected 'auto' or an integer >= 1")
+
+
+def cpu_step(layers: int, vocab: int, fused_loss: bool, activation_checkpointing, loss_chunk):
+    """The step on a CPU, whose runs here are small and whose memory is the host's: no
+    recomputation and cache-sized chunks of logits unless told otherwise."""
+    recompute = layers if activation_checkpointing is True else 0
+    rows = loss_chunk if loss_chunk != "auto" else max(1, LOSS_CHUNK_ELEMENTS // vocab)
+    return Step(layers, recompute, rows if fused_loss else None, chosen=False)
 
 
 def _spelling(name: str) -> str:
@@ -123,9 +187,16 @@ NF4_DEQUANT_INDEX_BYTES = 8
 # The whole logits in the backward of log_softmax(logits.float()) (DPO): the fp32 log-probabilities
 # it saved, the fp32 gradient of the loss w.r.t. them and the fp32 gradient it returns.
 WHOLE_LOGIT_BYTES = 3 * FP32
-# tunepack.trainers.vocab_loss.CHUNK_ELEMENTS: the logits the fused loss computes at once (a test
-# checks the two agree; the planner does not import the trainer, which needs torch).
+# tunepack.trainers.vocab_loss.CHUNK_ELEMENTS: the logits the fused loss computes at once on a CPU
+# (a test checks the two agree; the planner does not import the trainer, which needs torch).
 LOSS_CHUNK_ELEMENTS = 8 * 2**20
+# On a GPU the fused loss takes as many rows at once as memory allows, but no fewer than this
+# where it must chunk: a (rows x width) @ (width x vocabulary) matmul of 4096 rows keeps a GPU's
+# tensor cores busy, where the CPU chunk (65 rows at a 128k vocabulary) left them idle.
+LOSS_EFFICIENT_ROWS = 4096
+# The share of the device's usable memory the chosen step leaves free for the estimate's error
+# (the planner is within 1-5% of measured peaks on an H100: docs/planner.md).
+STEP_MARGIN = 0.05
 # What a job builder does with a plan that does not fit (TrainingClient memory_check=).
 MemoryCheck = Literal["refuse", "warn", "off"]
 MEMORY_CHECKS: tuple[str, ...] = get_args(MemoryCheck)
@@ -155,7 +226,8 @@ class Plan:
     gpu: str
     nodes: int
     gpus_per_node: int
-    activation_checkpointing: bool
+    step: Step  # the trainer's step on this device (choose_step)
+    tokens: int  # positions of one micro-batch (every sequence of it)
     parameters: int
     trainable: int
     weights: float
@@ -174,6 +246,10 @@ class Plan:
     expert_weights: float = 0.0
     # A generating method (GRPO): its KV cache and sampling buffers, while answers are sampled.
     generation: float = 0.0
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.step.activation_checkpointing
 
     def moments(self) -> dict[str, float]:
         """What each moment of a step holds on top of the weights and the optimizer's states."""
@@ -221,10 +297,11 @@ class Plan:
         head = (
             f"{self.model} {self.method}, seq_len {self.seq_len}, batch {self.batch_size}/device, "
             f"{self.nodes} node(s) x {self.gpus_per_node} {self.gpu}"
-            + (", activation checkpointing" if self.activation_checkpointing else "")
         )
         unit, scale = _unit(self.peak_bytes)
-        lines = [head] + [f"  {name:<12}{value / scale:8.2f} {unit}" for name, value in rows]
+        how = "chosen for the device" if self.step.chosen else "as given"
+        lines = [head, f"  step ({how}): {self.step.describe(self.tokens)}"]
+        lines += [f"  {name:<12}{value / scale:8.2f} {unit}" for name, value in rows]
         moment = self.peak_moment
         if moment == "loss":
             parts = "weights + optimizer + " + ("gradients + " if self.gradients_at_loss else "")
@@ -366,6 +443,7 @@ def estimate(
     nodes: int = 1,
     gpus_per_node: int = 1,
     activation_checkpointing: str | bool = "auto",
+    loss_chunk: str | int = "auto",
     dtype: str = "bf16",
     lora_rank: int = 16,
     lora_attn_modules: tuple[str, ...] = LORA_TARGETS_ALL,
@@ -374,26 +452,77 @@ def estimate(
     fused_loss: bool | None = None,
     model_dir: str | Path | None = None,
     num_generations: int = 4,
+    capacity_gib: float | None = None,
 ) -> Plan:
-    """The per-device estimate for one layout (no recommendation). A bring-your-own runtime
-    (``tunepack-<arch>-custom``) is sized from ``model_dir``'s config.json.
-    ``activation_checkpointing`` is the trainer argument's: ``auto`` is what the trainer does on
-    a GPU (on). ``grad_accum`` is the trainer's: more than one micro-batch a step keeps the
-    gradients through the next loss. ``fused_loss`` is None for what the trainer does (the fused
-    loss for a cross-entropy method, the whole logits for DPO); False plans the whole logits for a
-    cross-entropy method too (the trainer's plain loss, torchtune's recipes).
-    ``num_generations`` is GRPO's: the answers sampled per prompt. ``lora_mlp`` None is the
-    runtime's default (off for a model whose every MLP is a mixture of experts)."""
-    entry = model_entry(model, model_dir)
+    """The per-device estimate for one layout (no recommendation), with the step the trainer
+    would choose there (``choose_step``). A bring-your-own runtime (``tunepack-<arch>-custom``)
+    is sized from ``model_dir``'s config.json.
+    ``activation_checkpointing`` and ``loss_chunk`` are the trainer arguments: ``auto`` is what
+    the trainer chooses for the device's memory (``capacity_gib``, by default the GPU's usable
+    memory in the table); an explicit value is kept. ``grad_accum`` is the trainer's: more than
+    one micro-batch a step keeps the gradients through the next loss. ``fused_loss`` is None for
+    what the trainer does (the fused loss for a cross-entropy method, the whole logits for DPO);
+    False plans the whole logits for a cross-entropy method too (the trainer's plain loss,
+    torchtune's recipes). ``num_generations`` is GRPO's: the answers sampled per prompt.
+    ``lora_mlp`` None is the runtime's default (off for a model whose every MLP is a mixture of
+    experts)."""
+    job = _job(
+        model_entry(model, model_dir),
+        method,
+        seq_len,
+        batch_size,
+        gpu_type(gpu),
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        dtype=dtype,
+        lora_rank=lora_rank,
+        lora_attn_modules=lora_attn_modules,
+        lora_mlp=lora_mlp,
+        grad_accum=grad_accum,
+        fused_loss=fused_loss,
+        num_generations=num_generations,
+    )
+    capacity = (GPUS[job.gpu] - CUDA_RESERVE_GIB) if capacity_gib is None else capacity_gib
+    step = choose_step(
+        job,
+        capacity * GIB,
+        parse_activation_checkpointing(activation_checkpointing),
+        parse_loss_chunk(loss_chunk),
+    )
+    return _plan(job, step)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one device's estimate depends on besides the step: the checked inputs and what
+    follows from them."""
+
+    entry: catalog.ModelEntry
+    method: str
+    how: methods.Method
+    seq_len: int
+    batch_size: int
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    width: int
+    adapted: list
+    trainable: int
+    weights: float
+    tokens: int
+    fused_loss: bool
+    grad_accum: int
+    sequences: int  # per example: DPO's pair, GRPO's answers
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def _job(entry, method, seq_len, batch_size, gpu, *, nodes, gpus_per_node, dtype, lora_rank,
+         lora_attn_modules, lora_mlp, grad_accum, fused_loss, num_generations) -> _Job:  # fmt: skip
     if lora_mlp is None:
         lora_mlp = bool(entry.defaults.get("lora_mlp", True))
-    if activation_checkpointing not in ("auto", True, False):
-        raise BadInputError(
-            f"activation_checkpointing={activation_checkpointing!r} is not valid: expected "
-            "'auto', True or False"
-        )
-    activation_checkpointing = activation_checkpointing_on(activation_checkpointing, "cuda")
-    gpu = gpu_type(gpu)
     how = methods.get(method)
     _check(seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry)
     if how.adapters and (
@@ -411,12 +540,10 @@ def estimate(
         raise BadInputError(f"method={method} needs the whole logits: its loss cannot be fused")
     elif fused_loss and not fusable:
         raise BadInputError(f"{entry.name} takes images: its loss cannot be fused")
-    shape = entry.shape
-    devices = nodes * gpus_per_node
     width = DTYPE_BYTES[dtype]
-    adapted = _adapted(shape, lora_attn_modules, lora_mlp) if how.adapters else []
+    adapted = _adapted(entry.shape, lora_attn_modules, lora_mlp) if how.adapters else []
     trainable, weights = _weights(
-        shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp
+        entry.shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp
     )
     sequences = how.sequences
     if how.sequences_key:
@@ -429,37 +556,100 @@ def estimate(
                 f"num_generations={num_generations!r} is not valid: expected an integer >= 2"
             )
         sequences = num_generations
-    tokens = seq_len * batch_size * sequences
-    checkpointing = activation_checkpointing
-    kept, activations = _activations(shape, how, width, adapted, tokens, checkpointing)
-    logits = _logits(shape, how, width, tokens, fused_loss)
-    return Plan(
-        model=entry.name,
+    return _Job(
+        entry=entry,
         method=method,
+        how=how,
         seq_len=seq_len,
         batch_size=batch_size,
         gpu=gpu,
         nodes=nodes,
         gpus_per_node=gpus_per_node,
-        activation_checkpointing=activation_checkpointing,
-        parameters=shape.parameter_count(),
+        width=width,
+        adapted=adapted,
         trainable=trainable,
+        weights=weights,
+        tokens=seq_len * batch_size * sequences,
+        fused_loss=fused_loss,
+        grad_accum=grad_accum,
+        sequences=sequences,
+    )
+
+
+def _plan(job: _Job, step: Step) -> Plan:
+    """One device's estimate of ``job`` computed with ``step``."""
+    shape, how, width, devices = job.entry.shape, job.how, job.width, job.devices
+    kept, activations = _activations(
+        shape, how, width, job.adapted, job.tokens, step.recompute_layers
+    )
+    return Plan(
+        model=job.entry.name,
+        method=job.method,
+        seq_len=job.seq_len,
+        batch_size=job.batch_size,
+        gpu=job.gpu,
+        nodes=job.nodes,
+        gpus_per_node=job.gpus_per_node,
+        step=step,
+        tokens=job.tokens,
+        parameters=shape.parameter_count(),
+        trainable=job.trainable,
         # + the RoPE table on every device: cos and sin of head_dim / 2 frequencies
-        weights=weights / devices + shape.max_seq_len * shape.head_dim * FP32,
-        gradients=trainable * width / devices,
-        optimizer=2 * trainable * width / devices,
+        weights=job.weights / devices + shape.max_seq_len * shape.head_dim * FP32,
+        gradients=job.trainable * width / devices,
+        optimizer=2 * job.trainable * width / devices,
         activations=activations,
-        logits=logits,
+        logits=_logits(shape, how, width, job.tokens, step.loss_chunk_rows),
         # AdamW (foreach, the default on a GPU) takes the square root of every second moment
         # into a new tensor before dividing by it.
-        update=trainable * width / devices,
+        update=job.trainable * width / devices,
         kept=kept,
-        gradients_at_loss=grad_accum > 1,
+        gradients_at_loss=job.grad_accum > 1,
         **_experts(shape, how, width, devices),
-        generation=_generation(shape, width, batch_size * sequences, seq_len)
+        generation=_generation(shape, width, job.batch_size * job.sequences, job.seq_len)
         if how.sequences_key
         else 0.0,
     )
+
+
+def choose_step(
+    job: _Job, capacity_bytes: float, activation_checkpointing="auto", loss_chunk="auto"
+) -> Step:
+    """The fastest step that fits in ``capacity_bytes`` less ``STEP_MARGIN``: what a setting of
+    ``auto`` becomes on a GPU, the explicit ones kept.
+
+    From fastest to most frugal: no recomputation and the whole logits; the logits in chunks of
+    ``LOSS_EFFICIENT_ROWS`` (nearly free: each chunk is still a large matmul); then one more
+    recomputed layer at a time, each again with the whole logits before the efficient chunks
+    (recomputing a layer costs about a third of its forward and backward); with every layer
+    recomputed, the CPU-sized chunks last. When nothing fits, the most frugal step: the plan
+    then says it does not fit. A model that takes images recomputes every layer under ``auto``:
+    its vision tower's activations are not planned."""
+    layers = job.entry.shape.num_layers
+    whole = job.tokens if job.fused_loss else None
+    if not job.fused_loss:
+        chunks = [None]
+    elif loss_chunk != "auto":
+        chunks = [loss_chunk]
+    else:
+        smallest = max(1, LOSS_CHUNK_ELEMENTS // job.entry.shape.vocab_size)
+        chunks = list(dict.fromkeys([whole, min(whole, LOSS_EFFICIENT_ROWS), smallest]))
+    if activation_checkpointing != "auto":
+        recomputed = [layers if activation_checkpointing else 0]
+    elif job.entry.family.reads_images:
+        recomputed = [layers]
+    else:
+        recomputed = list(range(layers + 1))
+    chosen = activation_checkpointing == "auto" or loss_chunk == "auto"
+    budget = capacity_bytes * (1 - STEP_MARGIN)
+    # The CPU-sized chunks only once every layer is recomputed: (layers, rows) in order.
+    order = [(n, rows) for n in recomputed for rows in chunks[:2]]
+    order += [(recomputed[-1], rows) for rows in chunks[2:]]
+    for n, rows in order:
+        step = Step(layers, n, rows, chosen=chosen)
+        if _plan(job, step).peak_bytes <= budget:
+            return step
+    return Step(layers, recomputed[-1], chunks[-1], chosen=chosen)
 
 
 # What sampling holds per answer and vocabulary entry besides the cache: the fp32 logits, their
@@ -506,12 +696,13 @@ def _weights(shape, how, width, lora_rank, adapted, lora_attn_modules, lora_mlp)
     return trainable, frozen + trainable * width
 
 
-def _activations(shape, how, width, adapted, tokens, checkpointing) -> tuple[float, float]:
-    """(what the forward keeps, what the backward holds at its peak), in bytes."""
+def _activations(shape, how, width, adapted, tokens, recomputed: int) -> tuple[float, float]:
+    """(what the forward keeps, what the backward holds at its peak), in bytes, with the first
+    ``recomputed`` layers keeping only their input."""
     layer = layer_saved_bytes(shape, width, dora=how.dora, adapted=adapted)
-    kept = shape.num_layers * (width * shape.embed_dim if checkpointing else layer)
-    # + one recomputed layer under checkpointing, and the incoming gradient
-    in_backward = kept + (layer if checkpointing else 0) + width * shape.embed_dim
+    kept = (shape.num_layers - recomputed) * layer + recomputed * width * shape.embed_dim
+    # + one recomputed layer where any is, and the incoming gradient
+    in_backward = kept + (layer if recomputed else 0) + width * shape.embed_dim
     # In the MLP's backward: three intermediate-size gradients while its product is freed, or a
     # weight-sized temporary of the layer (QLoRA, DoRA) with everything it saved.
     mlp_gradients = 2 * width * mlp_width(shape)
@@ -521,19 +712,21 @@ def _activations(shape, how, width, adapted, tokens, checkpointing) -> tuple[flo
     return tokens * kept, held
 
 
-def _logits(shape, how, width, tokens, fused_loss: bool) -> float:
-    """What the loss holds, in bytes: the fused loss's one chunk, or the whole logits."""
+def _logits(shape, how, width, tokens, chunk_rows: int | None) -> float:
+    """What the loss holds, in bytes: the fused loss's chunk of ``chunk_rows`` rows, or (None)
+    the whole logits."""
     d, vocab = shape.embed_dim, shape.vocab_size
-    if not fused_loss:
+    if chunk_rows is None:
         return tokens * ((FP32 + width) * d + vocab * WHOLE_LOGIT_BYTES)
     # The last hidden states, the final norm's fp32 input and output, the counted rows' copy
-    # and the gradient w.r.t. them; one chunk of logits in fp32 and in the dtype.
-    chunk = min(max(1, LOSS_CHUNK_ELEMENTS // vocab), tokens) * vocab
-    logits = tokens * (FP32 + 4 * width) * d + chunk * (FP32 + width)
+    # and the gradient w.r.t. them; one chunk of logits in fp32 while its copy in the dtype is
+    # made or read (trainers/vocab_loss.py: the softmax is computed in place).
+    chunks = math.ceil(tokens / chunk_rows)
+    logits = tokens * (FP32 + 4 * width) * d + min(chunk_rows, tokens) * vocab * (FP32 + width)
     if not how.adapters:
-        # The output weight's gradient accumulated in fp32, then, in the backward, its product
-        # with the loss's gradient (fp32) and that in the dtype.
-        logits += vocab * d * (2 * FP32 + width)
+        # The output weight's gradient: in the dtype from one chunk; accumulated in fp32 over
+        # several, then handed back in the dtype.
+        logits += vocab * d * (width if chunks == 1 else FP32 + width)
     return logits
 
 
@@ -549,8 +742,8 @@ def plan(
 
     ``kwargs`` are those of ``estimate`` (``nodes``, ``gpus_per_node``,
     ``activation_checkpointing``, ``dtype``, ``lora_rank``...). The returned plan is for the
-    given layout (default 1 x 1); ``recommended`` names the smallest layout that fits, trying
-    activation checkpointing (the trainer's default on a GPU) before more GPUs.
+    given layout (default 1 x 1); ``recommended`` names the smallest layout that fits with the
+    step the trainer would choose there (recomputing activations before taking more GPUs).
     """
     model = model_entry(model, kwargs.pop("model_dir", None))  # config.json read once
     gpu = gpu_type(gpu)
@@ -558,21 +751,22 @@ def plan(
     search = {k: v for k, v in kwargs.items() if k not in ("nodes", "gpus_per_node")}
     notes = []
     recommended = None
+    given = kwargs.get("activation_checkpointing", "auto")
     for nodes, per_node in sorted(LAYOUTS, key=lambda layout: (layout[0] * layout[1], layout[0])):
-        for checkpointing in dict.fromkeys((current.activation_checkpointing, True)):
+        for setting in dict.fromkeys((given, "auto")):
             candidate = estimate(
                 model,
                 method,
                 seq_len,
                 batch_size,
                 gpu,
-                **{**search, "activation_checkpointing": checkpointing},
+                **{**search, "activation_checkpointing": setting},
                 nodes=nodes,
                 gpus_per_node=per_node,
             )
             if candidate.fits:
                 recommended = (nodes, per_node)
-                if checkpointing and not current.activation_checkpointing:
+                if setting != given and candidate.activation_checkpointing:
                     notes.append("the recommended layout needs activation checkpointing")
                 break
         if recommended:

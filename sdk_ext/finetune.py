@@ -101,7 +101,10 @@ class FineTune:
         dtype (str): training precision; auto = bf16 on GPU, fp32 on CPU
         device (str): auto = cuda when a GPU is visible, else cpu
         activation_checkpointing (str | bool): recompute layer activations in backward to save
-            memory; auto = on for cuda, off for cpu
+            memory; auto = on a GPU, as few layers as the memory plan needs to fit the device (none
+            where everything fits), off for cpu
+        loss_chunk (str | int): rows of logits the loss computes at once; auto = on a GPU all of
+            them where they fit the device, else as many as fit; on cpu chunks of 8M logits
         compile (str | bool): torch.compile the model's layers (a minute or more of warm-up, then
             faster steps); auto = when the planned run is long enough to pay for it
         deterministic (bool): GPU kernels that give the same result every run (math attention,
@@ -182,6 +185,7 @@ class FineTune:
     dtype: str | None = None
     device: str | None = None
     activation_checkpointing: str | bool | None = None
+    loss_chunk: str | int | None = None
     compile: str | bool | None = None
     deterministic: bool | None = None
     packed: bool | None = None

@@ -134,6 +134,22 @@ def _auto_bool(key: str, raw: str) -> str | bool:
 _ruled(_auto_bool, Rule("auto_bool", "auto, true or false", choices=("auto", *_TRUE, *_FALSE)))
 
 
+def _auto_int(lo: int) -> Callable[[str, str], str | int]:
+    """``auto`` (decided per device) or an integer >= ``lo``."""
+    rule = Rule("auto_int", f"auto or an integer >= {lo}", lo)
+    number = _int(lo)
+
+    def parse(key: str, raw: str) -> str | int:
+        if raw.lower() == "auto":
+            return "auto"
+        try:
+            return number(key, raw)
+        except BadInputError:
+            raise BadInputError(invalid_value_message(key, raw, rule.expected)) from None
+
+    return _ruled(parse, rule)
+
+
 def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
     allowed = tuple(choices)
     rule = Rule("choice", f"one of {', '.join(allowed)}", choices=allowed)
@@ -257,7 +273,15 @@ VOCABULARY: tuple[Arg, ...] = (
     Arg(
         "activation_checkpointing",
         _auto_bool,
-        "recompute layer activations in backward to save memory; auto = on for cuda, off for cpu",
+        "recompute layer activations in backward to save memory; auto = on a GPU, as few layers "
+        "as the memory plan needs to fit the device (none where everything fits), off for cpu",
+        "auto",
+    ),
+    Arg(
+        "loss_chunk",
+        _auto_int(1),
+        "rows of logits the loss computes at once; auto = on a GPU all of them where they fit "
+        "the device, else as many as fit; on cpu chunks of 8M logits",
         "auto",
     ),
     Arg(
@@ -450,6 +474,7 @@ class TrainArgs:
     dtype: str
     device: str
     activation_checkpointing: str | bool
+    loss_chunk: str | int
     compile: str | bool
     deterministic: bool
     packed: bool

@@ -19,7 +19,6 @@ from tunepack.core.errors import BadInputError
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.runtimes.planner import activation_checkpointing_on
 from tunepack.trainers import rewards
 from tunepack.trainers.args import TrainArgs, builder_for
 
@@ -136,6 +135,7 @@ BOOKKEEPING_KEYS = (
     "log_every_n_steps",
     "merge",
     "compile",
+    "step",  # how the step spends memory: the same numbers (a resume keeps the chosen step)
     "deterministic",
     "eval",
     "tracker",
@@ -326,6 +326,7 @@ def build_config(
         "dataset": _dataset(args, manifest["schema"], data_files, cache_dir, model_dir),
         **_optimizer_and_schedule(args),
         **_bookkeeping(args, output_dir),
+        "step": _step(entry, args, model_dir, tokenizer["max_seq_len"]),
     }
     if methods.get(args.method).loss is methods.Loss.DPO:
         # only here: other methods' run identities stay as they were
@@ -406,9 +407,6 @@ def _run(entry: ModelEntry, args: TrainArgs, device: str, output_dir: Path) -> d
         "seed": args.seed,
         "device": device,
         "dtype": resolve_dtype(args.dtype, device),
-        "activation_checkpointing": activation_checkpointing_on(
-            args.activation_checkpointing, device
-        ),
         "compile": args.compile,
         "deterministic": args.deterministic,
         # Which examples make each batch (trainers/batching.py): part of the run's identity.
@@ -512,6 +510,33 @@ def _optimizer_and_schedule(args: TrainArgs) -> dict:
             "_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
             "num_warmup_steps": args.warmup_steps,
         },
+    }
+
+
+def _step(entry: ModelEntry, args: TrainArgs, model_dir: Path, max_seq_len: int) -> dict:
+    """The settings the trainer chooses its step from when it knows its device (recipe.py,
+    runtimes/planner.py: choose_step), and the job as the memory planner sees it."""
+    how = methods.get(args.method)
+    job = {
+        "model": entry.name,
+        "model_dir": str(model_dir) if entry.custom else None,
+        "method": args.method,
+        "seq_len": max_seq_len,
+        "batch_size": args.batch_size,
+        "grad_accum": args.grad_accum,
+    }
+    if how.adapters:
+        job.update(
+            lora_rank=args.lora_rank,
+            lora_attn_modules=list(args.lora_attn_modules),
+            lora_mlp=args.lora_mlp,
+        )
+    if how.sequences_key:
+        job["num_generations"] = args.num_generations
+    return {
+        "activation_checkpointing": args.activation_checkpointing,
+        "loss_chunk": args.loss_chunk,
+        "job": job,
     }
 
 

@@ -22,6 +22,7 @@ is not a copy there). This recipe keeps their components and never merges into l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -54,7 +55,7 @@ from torchtune.modules.peft import (
 from tunepack.core import durable, lifetime
 from tunepack.core.errors import BadInputError, TransientError, TunepackError
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
-from tunepack.runtimes import methods
+from tunepack.runtimes import methods, planner
 from tunepack.runtimes.methods import Loss
 from tunepack.trainers import (
     adapter_init,
@@ -177,6 +178,9 @@ class FineTuneRecipe:
         # compile=auto decides in setup, once the planned work is known; a resume keeps the choice
         # its checkpoint records.
         self.compiled = False
+        # How the step spends memory (recomputed layers, rows of logits at once): chosen in setup
+        # for the device from the memory plan; a resume keeps the choice too.
+        self.step: planner.Step | None = None
         self.examples_per_batch = cfg.batch_size * self.topo.world_size  # every rank's, together
         self.progress = RunProgress()  # saved in checkpoints, restored on resume
         self.tracker_record: dict | None = None  # result.json's "tracker" (trainers/tracking.py)
@@ -221,6 +225,7 @@ class FineTuneRecipe:
         # compiles (a resumed run keeps the choice its checkpoints record).
         found = self._find_checkpoint()
         self.compiled = self._choose_compile(found)
+        self.step = self._choose_step(found)
         self.model = self._setup_model(self._load_base_weights())
         if isinstance(self.objective, grpo.GRPO) and not self.is_lora and cfg.grpo.beta > 0:
             # GRPO of every weight: its KL reference is a frozen copy of the base, built and
@@ -294,10 +299,7 @@ class FineTuneRecipe:
         missing, unexpected = model.load_state_dict(base_state, strict=not self.is_lora)
         del base_state
         self._check_loaded(model, missing, unexpected)
-        if cfg.activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
+        self._recompute_layers(model)
         if self.compiled:
             training.compile_model(model, verbose=self.topo.is_main)
         return model
@@ -310,10 +312,7 @@ class FineTuneRecipe:
             model = config.instantiate(cfg.model)
         if self.is_lora:
             set_trainable_params(model, get_adapter_params(model))
-        if cfg.activation_checkpointing:
-            training.set_activation_checkpointing(
-                model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-            )
+        self._recompute_layers(model)
         if self.compiled:
             training.compile_model(model, verbose=self.topo.is_main)
         # Each transformer layer is one unit of all-gather / reduce-scatter. LoRA's frozen base
@@ -509,6 +508,77 @@ class FineTuneRecipe:
             log.info("%s", why)
         return compiled
 
+    def _choose_step(self, found: Path | None) -> planner.Step:
+        """The step for this device (runtimes/planner.py: choose_step): on a GPU the fastest that
+        the memory plan fits in the device's memory, ``auto`` settings only; on a CPU no
+        recomputation and cache-sized chunks of logits. A resumed run keeps the step its
+        checkpoint records, so it computes exactly as before."""
+        settings = self.cfg.step
+        auto = "auto" in (settings.activation_checkpointing, settings.loss_chunk)
+        if auto and found is not None:
+            recorded = checkpoint.read_manifest(found).get("step")
+            if recorded is not None:
+                step = planner.Step.from_record(recorded)
+                if settings.activation_checkpointing != "auto":  # an explicit setting wins
+                    recompute = step.layers if settings.activation_checkpointing else 0
+                    step = dataclasses.replace(step, recompute_layers=recompute)
+                if settings.loss_chunk != "auto" and step.loss_chunk_rows is not None:
+                    step = dataclasses.replace(step, loss_chunk_rows=settings.loss_chunk)
+                if self.topo.is_main:
+                    log.info("step: %s (as the checkpoint resumed from)", step.describe())
+                return step
+        job = OmegaConf.to_container(settings.job)
+        entry = planner.model_entry(job.pop("model"), job.pop("model_dir"))
+        if self.device.type != "cuda":
+            fused = self.method.loss is Loss.CROSS_ENTROPY and not entry.family.reads_images
+            step = planner.cpu_step(
+                entry.shape.num_layers,
+                entry.shape.vocab_size,
+                fused,
+                settings.activation_checkpointing,
+                settings.loss_chunk,
+            )
+            if self.topo.is_main:
+                log.info("step: %s (on the CPU)", step.describe())
+            return step
+        total = torch.cuda.get_device_properties(self.device).total_memory / planner.GIB
+        if "lora_attn_modules" in job:
+            job["lora_attn_modules"] = tuple(job["lora_attn_modules"])
+        plan = planner.estimate(
+            entry,
+            **job,
+            gpus_per_node=self.topo.world_size,  # FSDP shards over every process
+            dtype=self.cfg.dtype,
+            activation_checkpointing=settings.activation_checkpointing,
+            loss_chunk=settings.loss_chunk,
+            capacity_gib=total - planner.CUDA_RESERVE_GIB,
+        )
+        if self.topo.is_main:
+            log.info(
+                "step: %s; planned peak %.2f GiB of the device's %.1f GiB (%s)",
+                plan.step.describe(plan.tokens),
+                plan.peak_gib,
+                total,
+                "chosen for the device" if plan.step.chosen else "as given",
+            )
+        return plan.step
+
+    def _recompute_layers(self, model: nn.Module) -> None:
+        """Activation checkpointing on the step's first ``recompute_layers`` transformer layers
+        (every layer where the model takes images: its vision tower's are not planned)."""
+        wanted = self.step.recompute_layers
+        if not wanted:
+            return
+        layer_type = modules.TransformerSelfAttentionLayer
+        if wanted < self.step.layers:
+            layers = [m for m in model.modules() if isinstance(m, layer_type)]
+            chosen = {id(m) for m in layers[:wanted]}
+            training.set_activation_checkpointing(
+                model, auto_wrap_policy=lambda m, recurse, _numel: recurse or id(m) in chosen
+            )
+        else:
+            training.set_activation_checkpointing(model, auto_wrap_policy={layer_type})
+
     def _resume(self, found: Path) -> None:
         manifest = checkpoint.load(
             found,
@@ -574,7 +644,10 @@ class FineTuneRecipe:
         if self.fused_loss:  # the output projection on the counted positions only
             rows = counted.nonzero().squeeze(1)
             targets = labels[rows].to(self.device)
-            with vocab_loss.loss_instead_of_logits(self.model, rows.to(self.device), targets):
+            chunk_rows = self.step.loss_chunk_rows
+            with vocab_loss.loss_instead_of_logits(
+                self.model, rows.to(self.device), targets, chunk_rows
+            ):
                 return self.model(tokens, **extra), n_tokens
         logits = self.model(tokens, **extra)
         loss = self.loss_fn(logits.reshape(-1, logits.size(-1)).float(), labels.to(self.device))
@@ -915,6 +988,7 @@ class FineTuneRecipe:
             # What a resume reads beside the progress: compile=auto's choice, whether the RNG
             # states fit (world size), and which run wrote it.
             "compiled": self.compiled,
+            "step": self.step.record(),
             "world_size": self.topo.world_size,
             "method": self.method.name,
             "digest": self.digest,
@@ -990,6 +1064,7 @@ class FineTuneRecipe:
             eval_time_s=progress.eval_time_s,
             evaluations=progress.eval_count,
             method_metrics=progress.method_metrics,
+            step={**self.step.record(), "compiled": self.compiled},
         )
 
 

@@ -24,34 +24,50 @@ from torch import nn
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.tied_linear import TiedLinear
 
-# Logit elements computed at once: 8M fp32 floats (32 MiB) per chunk, whatever the vocabulary.
-CHUNK_ELEMENTS = 8 * 2**20
-
 
 def chunked_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, grads=(False, False)
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    rows: int,
+    *,
+    grads=(False, False),
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Summed cross-entropy of ``hidden @ weight.T`` against ``targets``, one chunk of rows at a
-    time, with the gradients asked for (hidden, weight) computed along the way."""
-    rows = max(1, CHUNK_ELEMENTS // weight.size(0))
+    """Summed cross-entropy of ``hidden @ weight.T`` against ``targets``, ``rows`` rows at a
+    time, with the gradients asked for (hidden, weight) computed along the way.
+
+    The matmuls run in the weight's dtype (bf16 on a GPU, fp32 accumulation inside them); the
+    log-sum-exp and the softmax in fp32, in place of the chunk's logits, so a chunk holds its
+    logits once in fp32 and once, briefly, in the dtype. The weight's gradient of one chunk stays
+    in the dtype, as autograd's would; over several chunks it is accumulated in fp32."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if grads[0] else None
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads[1] else None
+    several = hidden.size(0) > rows
+    grad_weight = None
+    if grads[1] and several:
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
     for begin in range(0, hidden.size(0), rows):
         h = hidden[begin : begin + rows]
         t = targets[begin : begin + rows]
-        logits = (h @ weight.T).float()
-        lse = torch.logsumexp(logits, dim=-1)
-        loss += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+        z = (h @ weight.T).float()
+        target = z.gather(1, t[:, None]).squeeze(1)
+        top = z.amax(dim=-1, keepdim=True)
+        total = z.sub_(top).exp_().sum(dim=-1)  # z is now exp(logits - top)
+        loss += (top.squeeze(1) + total.log() - target).sum()
         if not any(grads):
             continue
-        grad = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-        grad[torch.arange(t.size(0), device=t.device), t] -= 1.0
-        grad = grad.to(weight.dtype)
+        z.div_(total[:, None])  # the softmax
+        z[torch.arange(t.size(0), device=t.device), t] -= 1.0
+        grad = z.to(weight.dtype)
+        del z
         if grad_hidden is not None:
             grad_hidden[begin : begin + rows] = grad @ weight
-        if grad_weight is not None:
-            grad_weight += grad.T.float() @ h.float()
+        if grads[1]:
+            chunk_grad = grad.T @ h
+            if several:
+                grad_weight += chunk_grad
+            else:
+                grad_weight = chunk_grad
     return loss, grad_hidden, grad_weight
 
 
@@ -60,9 +76,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     only they are kept for the backward."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows):
         loss, grad_hidden, grad_weight = chunked_loss(
-            hidden, weight, targets, grads=ctx.needs_input_grad[:2]
+            hidden, weight, targets, rows, grads=ctx.needs_input_grad[:2]
         )
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(
@@ -74,9 +90,14 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        if needs[0]:
+            grad_hidden = grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
+        if needs[1]:  # scaled in place: the saved gradient is read once
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
         return (
-            grad_hidden * grad_loss.to(grad_hidden.dtype) if needs[0] else None,
-            (grad_weight * grad_loss).to(ctx.weight_dtype) if needs[1] else None,
+            grad_hidden if needs[0] else None,
+            grad_weight if needs[1] else None,
+            None,
             None,
         )
 
@@ -99,9 +120,12 @@ def supports(model: nn.Module) -> bool:
 
 
 @contextmanager
-def loss_instead_of_logits(model: TransformerDecoder, rows: torch.Tensor, targets: torch.Tensor):
+def loss_instead_of_logits(
+    model: TransformerDecoder, rows: torch.Tensor, targets: torch.Tensor, chunk_rows: int
+):
     """Within the block, ``model(tokens)`` returns the summed loss of the positions ``rows``
-    (indices into the flattened batch x sequence) against ``targets`` instead of logits.
+    (indices into the flattened batch x sequence) against ``targets`` instead of logits,
+    computed ``chunk_rows`` rows of logits at a time.
 
     The projection runs inside the model's forward (where FSDP has gathered its weight), by
     standing in for the decoder's ``unembed`` on this one instance.
@@ -111,8 +135,8 @@ def loss_instead_of_logits(model: TransformerDecoder, rows: torch.Tensor, target
         h = self.norm(h)
         selected = h.reshape(-1, h.size(-1)).index_select(0, rows)
         if not torch.is_grad_enabled():  # evaluation: the loss alone
-            return chunked_loss(selected, output_weight(self), targets)[0]
-        return LinearCrossEntropy.apply(selected, output_weight(self), targets)
+            return chunked_loss(selected, output_weight(self), targets, chunk_rows)[0]
+        return LinearCrossEntropy.apply(selected, output_weight(self), targets, chunk_rows)
 
     model.unembed = types.MethodType(unembed, model)
     try:

@@ -236,8 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--activation-checkpointing",
         action=argparse.BooleanOptionalAction,
         default="auto",
-        help="plan with (or without) activation checkpointing, which recomputes activations "
-        "for less memory (default: with, as the trainer runs on a GPU)",
+        help="plan with activation checkpointing on every layer (or on none), which recomputes "
+        "activations for less memory (default: as the trainer chooses on the GPU: as few "
+        "layers as the job needs to fit)",
+    )
+    p.add_argument(
+        "--loss-chunk",
+        type=_loss_chunk,
+        default="auto",
+        metavar="ROWS",
+        help="plan the loss computing ROWS rows of logits at once (default: as the trainer "
+        "chooses on the GPU: all of them where they fit)",
     )
     p.add_argument(
         "--num-generations",
@@ -300,3 +309,11 @@ def _version() -> str:
         return version("tunepack")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _loss_chunk(raw: str) -> str | int:
+    """--loss-chunk: auto or a number of rows (the trainer's loss_chunk), in the flag's words."""
+    try:
+        return "auto" if raw == "auto" else int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer >= 1, not {raw!r}") from None

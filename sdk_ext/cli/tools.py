@@ -110,6 +110,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         nodes=ns.nodes,
         gpus_per_node=ns.gpus_per_node,
         activation_checkpointing=ns.activation_checkpointing,
+        loss_chunk=ns.loss_chunk,
         lora_rank=16 if ns.lora_rank is None else ns.lora_rank,
         lora_mlp=ns.lora_mlp,
         num_generations=4 if ns.num_generations is None else ns.num_generations,

@@ -290,7 +290,9 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: pl
         nodes=nodes,
         gpus_per_node=gpus_per_node,
         dtype="fp32" if args.dtype == "fp32" else "bf16",
-        activation_checkpointing=args.activation_checkpointing,  # auto: on, as the trainer on GPU
+        # auto: the step the trainer chooses on that GPU (runtimes/planner.py: choose_step)
+        activation_checkpointing=args.activation_checkpointing,
+        loss_chunk=args.loss_chunk,
         lora_rank=args.lora_rank,
         lora_attn_modules=tuple(args.lora_attn_modules),
         lora_mlp=args.lora_mlp,

@@ -114,6 +114,9 @@ def value_check(rule: vocab.Rule, v: str) -> str | None:
 
 
 def _value_check(rule: vocab.Rule, v: str) -> str | None:
+    if rule.kind == "auto_int":
+        number = _value_check(vocab.Rule("int", lo=rule.lo, hi=rule.hi), v)
+        return f"({v}.lowerAscii() == 'auto' || {number})"
     if rule.kind == "int":
         digits = f"{v}.replace('_', '')"
         checks = [f"{v}.matches({q(_INT_RE)})", f"{digits}.size() <= {_MAX_INT_DIGITS}"]

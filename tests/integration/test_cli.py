@@ -147,8 +147,9 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
     assert refused.stdout == ""
     assert refused.stderr.startswith(
         "tunepack: error: this fine-tune is estimated not to fit in GPU memory:\n"
-        "llama3.1-8b qlora, seq_len 8192, batch 64/device, 1 node(s) x 1 H100-80GB, activation "
-        "checkpointing\n"
+        "llama3.1-8b qlora, seq_len 8192, batch 64/device, 1 node(s) x 1 H100-80GB\n"
+        "  step (chosen for the device): recompute 32 of 32 layers; loss: 65 rows of logits at a "
+        "time\n"
     )
     assert "peak          261.69 GiB" in refused.stderr
     assert "(--memory-check warn to tunepack train or render trainjob)" in refused.stderr
@@ -181,8 +182,9 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
 
 
 def test_the_memory_check_plans_the_activation_checkpointing_the_trainer_does():
-    """On a GPU the trainer checkpoints activations (activation_checkpointing=auto): a run that
-    fits only with it is accepted, and refused once the user turns it off."""
+    """On a GPU the trainer recomputes as many layers as the job needs to fit
+    (activation_checkpointing=auto): a run that fits only with it is accepted, and refused once
+    the user turns it off."""
     job = ["--runtime", "llama3.1-8b", "--dataset", "hf://org/data", "--model", "hf://org/model"]
     job += ["--name", "long", "max_seq_len=8192", "batch_size=4"]
     fits = tunepack("render", "trainjob", *job)

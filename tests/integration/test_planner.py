@@ -31,8 +31,10 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 # and bf16 outputs (2 x 4096 each); q after RoPE, k and v repeated to 32 heads and the attention
 # output (4 x 2 x 4096); gate, up, act(gate) and the product (4 x 2 x 14336).
 LAYER_8B = 2 * 4 * 4096 + 2 * 2 * 4096 + 4 * 2 * 4096 + 4 * 2 * 14_336
-# The fused loss's one chunk of logits: 65 rows of the 128256-word vocabulary.
-CHUNK_8B = (8 * 2**20 // 128_256) * 128_256
+# The fused loss's one chunk of logits at the smallest chunk (a CPU's, and a GPU's where memory is
+# tightest): 65 rows of the 128256-word vocabulary.
+ROWS_8B = 8 * 2**20 // 128_256
+CHUNK_8B = ROWS_8B * 128_256
 
 
 def test_parameter_count_by_hand():
@@ -57,7 +59,8 @@ def test_lora_8b_one_gpu_by_hand():
     # The fused loss: the last hidden states, the final norm's fp32 input and output, the rows'
     # copy and their gradient; one chunk of logits in fp32 and bf16.
     logits = t * (4 + 4 * 2) * 4096 + CHUNK_8B * (4 + 2)
-    p = plan("llama3.1-8b", "lora", s, b, lora_rank=r, activation_checkpointing=False)
+    p = plan("llama3.1-8b", "lora", s, b, lora_rank=r, activation_checkpointing=False,
+             loss_chunk=ROWS_8B)  # fmt: skip
     assert p.trainable == trainable
     assert (p.weights, p.gradients, p.optimizer, p.activations, p.logits, p.update, p.kept) == (
         weights,
@@ -76,15 +79,18 @@ def test_lora_8b_one_gpu_by_hand():
 def test_full_8b_needs_checkpointing_and_sharding_divides_states():
     s, b = 2048, 2
     t = s * b
-    one = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=False)
+    one = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=False,
+                   loss_chunk=ROWS_8B)  # fmt: skip
     act = t * (32 * LAYER_8B + 2 * 4096) + t * 2 * 2 * 14_336
     assert one.activations == act
-    # The output weight trains: its fp32 gradient, and in the backward its scaled copy (fp32)
-    # and that in bf16.
-    assert one.logits == t * 12 * 4096 + CHUNK_8B * 6 + 128_256 * 4096 * (4 + 4 + 2)
+    # The output weight trains: over several chunks its gradient accumulates in fp32, handed
+    # back in bf16; from one chunk (the whole logits) it is bf16 only.
+    assert one.logits == t * 12 * 4096 + CHUNK_8B * 6 + 128_256 * 4096 * (4 + 2)
+    whole = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=False, loss_chunk=t)
+    assert whole.logits == t * 12 * 4096 + t * 128_256 * 6 + 128_256 * 4096 * 2
     assert one.peak_bytes == P_8B * 2 + ROPE_8B + P_8B * 2 * 2 + P_8B * 2 + act
     assert not one.fits  # 84.14 GiB > 79.2 - 2
-    ckpt = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=True)
+    ckpt = estimate("llama3.1-8b", "full", s, b, activation_checkpointing=True, loss_chunk=ROWS_8B)
     # Checkpointing keeps each layer's input (d) plus one layer recomputed with its gradients.
     assert ckpt.activations == t * (32 * 2 * 4096 + LAYER_8B + 2 * 4096) + t * 2 * 2 * 14_336
     # Its peak is the optimizer's update: weights, gradients, states and AdamW's temporary.
@@ -120,16 +126,17 @@ def test_dpo_holds_the_whole_logits_and_a_cross_entropy_method_can_too():
 
 
 def test_gradient_accumulation_keeps_the_gradients_through_the_loss():
-    one = estimate("llama3.2-1b", "full", 2048, 4)
-    two = estimate("llama3.2-1b", "full", 2048, 4, grad_accum=2)
-    assert one.peak_moment == "update" and two.peak_moment == "loss"
-    assert two.peak_bytes == one.weights + one.optimizer + one.gradients + one.kept + one.logits
+    # Both with activation checkpointing: the step an 80 GB card chooses for them differs.
+    one = estimate("llama3.2-1b", "full", 2048, 4, activation_checkpointing=True, loss_chunk=64)
+    two = estimate("llama3.2-1b", "full", 2048, 4, grad_accum=2, activation_checkpointing=True,
+                   loss_chunk=64)  # fmt: skip
+    assert two.moments()["loss"] == one.moments()["loss"] + one.gradients
+    assert two.moments()["loss"] == one.gradients + one.kept + one.logits
 
 
-def test_the_loss_chunk_is_the_trainers():
-    from tunepack.trainers import vocab_loss
-
-    assert LOSS_CHUNK_ELEMENTS == vocab_loss.CHUNK_ELEMENTS
+def test_the_cpu_loss_chunk_is_8m_logits():
+    step = estimate("llama3.1-8b", "lora", 2048, 2, "L4-24GB").step  # the tightest: CPU-sized
+    assert step.loss_chunk_rows == LOSS_CHUNK_ELEMENTS // 128_256 == 65
 
 
 # The peaks measured on one H100 (torch.cuda.max_memory_allocated, benchmarks/gpu_check.py):
@@ -175,6 +182,8 @@ def test_plans_of_the_measured_h100_jobs(report, job):
         activation_checkpointing=job["plan"]["activation_checkpointing"],
         lora_rank=size["lora_rank"],
         fused_loss=False if job["system"] == "tunepack-plain-loss" else None,
+        # The trainer of those days computed the fused loss 8M logits at a time.
+        loss_chunk=LOSS_CHUNK_ELEMENTS // catalog.get(size["catalog_name"]).shape.vocab_size,
     )
     ratio = job["peak_memory_gib"] / p.peak_gib
     assert abs(ratio - 1) <= BANDS[job["system"]], f"{job['name']}: {ratio:.3f}\n{p.summary()}"
@@ -268,7 +277,11 @@ def test_qwen3_moe_by_hand_total_and_active_parameters_and_expert_weights():
     assert with_experts.trainable == attention_lora + layers * e * r * ((d + 2 * w) + (w + d))
     assert with_experts.peak_gib > lora.peak_gib
     # Activations follow the 8 experts a token uses (8 x 768 wide), not all 128.
-    assert lora.activations < plan("qwen3-32b", "lora", 2048, 1).activations
+    ckpt = {"activation_checkpointing": True}
+    assert (
+        plan("qwen3-30b-a3b", "lora", 2048, 1, **ckpt).activations
+        < plan("qwen3-32b", "lora", 2048, 1, **ckpt).activations
+    )
     # Sharding divides the experts' weights; the 235B model needs more than one device.
     assert estimate("qwen3-30b-a3b", "lora", 2048, 1, gpus_per_node=4).expert_weights == (
         lora.expert_weights / 4
@@ -297,7 +310,8 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_cli_plan_accepts_the_usual_gpu_spellings(capsys, spelling, name):
     code, out, err = _cli(capsys, "--model", "llama3.2-1b", "--gpu", spelling)
     assert (code, err) == (0, "")
-    assert out.splitlines()[0].endswith(f"1 node(s) x 1 {name}, activation checkpointing")
+    assert out.splitlines()[0].endswith(f"1 node(s) x 1 {name}")
+    assert out.splitlines()[1].startswith("  step (chosen for the device): recompute 0 of 16")
     assert plan("llama3.2-1b", "lora", 2048, 1, gpu=spelling).gpu == name
 
 
@@ -325,16 +339,24 @@ def test_cli_plan_defaults_seq_len_to_a_shorter_context_and_shows_tiny_sizes(cap
     assert code == 65 and "seq_len=1024 is larger than tiny-llama3's context of 512" in err
 
 
-def test_plan_assumes_the_trainers_activation_checkpointing(capsys):
-    """The trainer checkpoints activations on a GPU unless told not to
-    (activation_checkpointing=auto); the planner, which plans GPUs, assumes the same."""
-    with_ckpt = plan("llama3.1-8b", "lora", 2048, 2, activation_checkpointing=True)
-    for default in (plan("llama3.1-8b", "lora", 2048, 2), estimate("llama3.1-8b", "lora", 2048, 2)):
-        assert default.activation_checkpointing and default.peak_bytes == with_ckpt.peak_bytes
+def test_plan_shows_the_step_the_trainer_would_choose(capsys):
+    """activation_checkpointing=auto and loss_chunk=auto plan what the trainer chooses on the GPU
+    (runtimes/planner.py: choose_step); the CLI shows that step, and its flags fix either."""
+    default = plan("llama3.1-8b", "lora", 2048, 2)
+    assert default.step.recompute_layers == 0 and default.step.loss_chunk_rows == 4096
+    assert default.peak_bytes < plan("llama3.1-8b", "lora", 2048, 2, gpu="L4-24GB").peak_bytes * 3
     code, out, _ = _cli(capsys, "--model", "llama3.1-8b", "--batch-size", "2")
-    assert code == 0 and out.splitlines()[0].endswith(", activation checkpointing")
-    code, out, _ = _cli(capsys, "--model", "llama3.1-8b", "--no-activation-checkpointing")
-    assert code == 0 and out.splitlines()[0].endswith("1 node(s) x 1 H100-80GB")
+    assert code == 0 and out.splitlines()[1] == (
+        "  step (chosen for the device): recompute 0 of 32 layers; loss: the whole logits at "
+        "once (4096 rows)"
+    )
+    code, out, _ = _cli(capsys, "--model", "llama3.1-8b", "--activation-checkpointing",
+                        "--loss-chunk", "512")  # fmt: skip
+    assert code == 0 and out.splitlines()[1] == (
+        "  step (as given): recompute 32 of 32 layers; loss: 512 rows of logits at a time"
+    )
+    code, _, err = _cli(capsys, "--model", "llama3.1-8b", "--loss-chunk", "0")
+    assert code == 65 and "loss_chunk=0 is not valid: expected 'auto' or an integer >= 1" in err
     with pytest.raises(BadInputError, match="activation_checkpointing='yes' is not valid"):
         plan("llama3.1-8b", "lora", 2048, 2, activation_checkpointing="yes")
 
@@ -346,7 +368,7 @@ def test_llama_vision_plans_whole_logits_and_says_what_it_leaves_out():
     vision = plan("llama3.2-vision-11b", "lora", 2048, 2, gpu="H100-80GB")
     text = estimate("llama3.1-8b", "lora", 2048, 2, "H100-80GB", fused_loss=False)
     assert vision.logits == text.logits  # same vocabulary, same tokens: the whole logits
-    assert vision.logits > 20 * estimate("llama3.1-8b", "lora", 2048, 2, "H100-80GB").logits
+    assert vision.logits > 20 * estimate("llama3.1-8b", "lora", 2048, 2, loss_chunk=65).logits
     assert vision.fits and vision.recommended == (1, 1)
     assert any("vision tower's weights are counted, not its activations" in n for n in vision.notes)
     # 10.7B parameters: the tower and projector are counted with the text model's.

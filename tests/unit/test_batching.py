@@ -124,11 +124,9 @@ def test_packs_have_the_layout_of_torchtunes_packed_dataset():
 # ------------------------------------------------------------------ the fused loss
 
 
+@pytest.mark.parametrize("rows", [10, 37, 64])  # several chunks, exactly one, one larger
 @pytest.mark.parametrize("weight_trains", [False, True])
-def test_chunked_linear_cross_entropy_equals_the_plain_loss_and_its_gradients(
-    monkeypatch, weight_trains
-):
-    monkeypatch.setattr(vocab_loss, "CHUNK_ELEMENTS", 1000)  # several chunks of 10 rows
+def test_chunked_linear_cross_entropy_equals_the_plain_loss_and_its_gradients(rows, weight_trains):
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)
     weight = torch.randn(100, 16, requires_grad=weight_trains)
@@ -137,12 +135,45 @@ def test_chunked_linear_cross_entropy_equals_the_plain_loss_and_its_gradients(
     (plain * 3).backward()
     expected = hidden.grad.clone(), weight.grad.clone() if weight_trains else None
     hidden.grad = weight.grad = None
-    fused = vocab_loss.LinearCrossEntropy.apply(hidden, weight, targets)
+    fused = vocab_loss.LinearCrossEntropy.apply(hidden, weight, targets, rows)
     (fused * 3).backward()
     torch.testing.assert_close(fused, plain)
     torch.testing.assert_close(hidden.grad, expected[0])
     if weight_trains:
         torch.testing.assert_close(weight.grad, expected[1])
+
+
+@pytest.mark.parametrize("rows", [16, 300])  # the weight's gradient accumulated, or one chunk's
+def test_the_bf16_loss_is_as_close_to_exact_as_the_plain_bf16_loss(rows):
+    """In bf16 (a GPU's dtype) the matmuls run in bf16 and the log-sum-exp and softmax in fp32, as
+    ``cross_entropy(logits.float(), ...)`` of the bf16 logits computes them: the loss agrees with
+    that plain loss to fp32's precision, and each gradient is as close to the exact one (fp32
+    throughout, from the same bf16 inputs) as the plain loss's: within bf16's rounding."""
+    torch.manual_seed(0)
+    hidden = (torch.randn(300, 64) / 4).bfloat16().requires_grad_()
+    weight = (torch.randn(1000, 64) / 4).bfloat16().requires_grad_()
+    targets = torch.randint(0, 1000, (300,))
+
+    def grads(loss):
+        loss.backward()
+        out = hidden.grad.float(), weight.grad.float()
+        hidden.grad = weight.grad = None
+        return out
+
+    h32, w32 = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    exact_loss = F.cross_entropy(h32 @ w32.T, targets, reduction="sum")
+    exact_loss.backward()
+    exact = h32.grad, w32.grad
+    plain_loss = F.cross_entropy((hidden @ weight.T).float(), targets, reduction="sum")
+    plain = grads(plain_loss)
+    fused_loss = vocab_loss.LinearCrossEntropy.apply(hidden, weight, targets, rows)
+    fused = grads(fused_loss)
+    assert fused_loss.dtype == torch.float32
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-6, atol=0)
+    for ours, theirs, truth in zip(fused, plain, exact, strict=True):
+        error = ((ours - truth).norm() / truth.norm()).item()
+        plain_error = ((theirs - truth).norm() / truth.norm()).item()
+        assert error <= max(2 * plain_error, 2**-8), (error, plain_error)
 
 
 def _decoder(build, num_layers: int):
@@ -174,7 +205,7 @@ def test_a_decoder_returns_the_loss_of_the_counted_positions_with_the_same_gradi
     model.zero_grad()
 
     rows = (flat != CROSS_ENTROPY_IGNORE_IDX).nonzero().squeeze(1)
-    with vocab_loss.loss_instead_of_logits(model, rows, flat[rows]):
+    with vocab_loss.loss_instead_of_logits(model, rows, flat[rows], chunk_rows=5):
         fused = model(tokens)
     fused.backward()
     torch.testing.assert_close(fused, plain)

@@ -430,9 +430,10 @@ def _write(tmp_path, record):
 def test_planner_counts_the_answers_and_the_generation_cache():
     from tunepack.runtimes.planner import plan
 
-    whole = plan("llama3.1-8b", "lora", 1024, 2, lora_rank=8, fused_loss=False)
-    grpo8 = plan("llama3.1-8b", "grpo", 1024, 2, lora_rank=8, num_generations=8)
-    grpo4 = plan("llama3.1-8b", "grpo", 1024, 2, lora_rank=8)  # the default 4
+    ckpt = {"lora_rank": 8, "activation_checkpointing": True}  # the same step for all three
+    whole = plan("llama3.1-8b", "lora", 1024, 2, fused_loss=False, **ckpt)
+    grpo8 = plan("llama3.1-8b", "grpo", 1024, 2, num_generations=8, **ckpt)
+    grpo4 = plan("llama3.1-8b", "grpo", 1024, 2, **ckpt)  # the default 4
     assert (grpo8.weights, grpo8.optimizer) == (whole.weights, whole.optimizer)
     # G answers of seq_len tokens per prompt, with their whole logits.
     assert (grpo8.activations, grpo8.logits) == (8 * whole.activations, 8 * whole.logits)
