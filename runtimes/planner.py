@@ -110,7 +110,8 @@ class Step:
         return f"{recompute}; {loss}"
 
     def record(self) -> dict:
-        """What result.json and each checkpoint keep (``from_record`` reads it back)."""
+        """What result.json and each checkpoint keep as ``step_plan`` (``from_record`` reads it
+        back)."""
         return {
             "layers": self.layers,
             "recompute_layers": self.recompute_layers,
@@ -453,6 +454,7 @@ def estimate(
     model_dir: str | Path | None = None,
     num_generations: int = 4,
     capacity_gib: float | None = None,
+    step: Step | None = None,
 ) -> Plan:
     """The per-device estimate for one layout (no recommendation), with the step the trainer
     would choose there (``choose_step``). A bring-your-own runtime (``tunepack-<arch>-custom``)
@@ -465,7 +467,8 @@ def estimate(
     False plans the whole logits for a cross-entropy method too (the trainer's plain loss,
     torchtune's recipes). ``num_generations`` is GRPO's: the answers sampled per prompt.
     ``lora_mlp`` None is the runtime's default (off for a model whose every MLP is a mixture of
-    experts)."""
+    experts). ``step`` plans exactly that step (a run's record: result.json's ``step_plan``)
+    instead of choosing one."""
     job = _job(
         model_entry(model, model_dir),
         method,
@@ -482,6 +485,8 @@ def estimate(
         fused_loss=fused_loss,
         num_generations=num_generations,
     )
+    if step is not None:
+        return _plan(job, step)
     capacity = (GPUS[job.gpu] - CUDA_RESERVE_GIB) if capacity_gib is None else capacity_gib
     step = choose_step(
         job,

@@ -223,7 +223,7 @@ class Outcome:
     eval_time_s: float
     evaluations: int
     method_metrics: dict  # DPO's or GRPO's metrics of the last step (empty for the others)
-    step: dict  # how the step spent memory (runtimes/planner.py: Step.record) and compiled
+    step_plan: dict  # how the step spent memory (runtimes/planner.py: Step.record) and compiled
 
 
 def _method_section(cfg: DictConfig, run: Outcome) -> dict:
@@ -253,7 +253,7 @@ def write_result(
         "device": run.device,
         "dtype": cfg.dtype,
         "peak_memory_gib": round(run.peak_memory_gib, 3),
-        "step": run.step,
+        "step_plan": run.step_plan,
         "resumed_from_step": run.resumed_from_step,
         "restarts": run.restarts,
         "val_loss": run.val_loss,

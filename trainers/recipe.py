@@ -516,7 +516,7 @@ class FineTuneRecipe:
         settings = self.cfg.step
         auto = "auto" in (settings.activation_checkpointing, settings.loss_chunk)
         if auto and found is not None:
-            recorded = checkpoint.read_manifest(found).get("step")
+            recorded = checkpoint.read_manifest(found).get("step_plan")
             if recorded is not None:
                 step = planner.Step.from_record(recorded)
                 if settings.activation_checkpointing != "auto":  # an explicit setting wins
@@ -988,7 +988,7 @@ class FineTuneRecipe:
             # What a resume reads beside the progress: compile=auto's choice, whether the RNG
             # states fit (world size), and which run wrote it.
             "compiled": self.compiled,
-            "step": self.step.record(),
+            "step_plan": self.step.record(),
             "world_size": self.topo.world_size,
             "method": self.method.name,
             "digest": self.digest,
@@ -1064,7 +1064,7 @@ class FineTuneRecipe:
             eval_time_s=progress.eval_time_s,
             evaluations=progress.eval_count,
             method_metrics=progress.method_metrics,
-            step={**self.step.record(), "compiled": self.compiled},
+            step_plan={**self.step.record(), "compiled": self.compiled},
         )
 
 

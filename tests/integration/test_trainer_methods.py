@@ -11,9 +11,11 @@ import threading
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.runtimes.planner import Step
 from tunepack.tiny import write_tiny_model
 from tunepack.trainers import compiling
 from tunepack.trainers.args import parse_trainer_args
@@ -256,6 +258,49 @@ def test_compile_auto_leaves_a_short_run_eager_and_its_resume_keeps_the_recorded
         output=tmp_path,
     )
     assert resumed.resumed_from == 2 and resumed.compiled is True
+
+
+def test_the_step_is_logged_recorded_and_kept_by_a_resume(initialized_workspace, tmp_path, caplog):
+    """The step (runtimes/planner.py: Step) is one log line, in result.json and in each
+    checkpoint; a resumed run computes with the step its checkpoint records (here one that a GPU
+    could have chosen: the first layer recomputed, 5 rows of logits at once), an explicit setting
+    winning over the record."""
+    caplog.set_level("INFO", logger="tunepack.trainer")
+    args = ["max_steps=3", "checkpoint_every_steps=2"]
+    recipe = train_in_process(initialized_workspace, tmp_path, args)
+    layers = len(recipe.model.layers)
+    cpu_rows = 8 * 2**20 // recipe.model.output.weight.size(0)
+    assert recipe.step == Step(layers, 0, cpu_rows, chosen=False)
+    line = f"step: recompute 0 of {layers} layers; loss: {cpu_rows} rows of logits at a time"
+    assert f"{line} (on the CPU)" in caplog.text
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["step_plan"] == {**recipe.step.record(), "compiled": False}
+    checkpoint = tmp_path / "checkpoints" / "step-00000002"
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    assert manifest["step_plan"] == recipe.step.record()
+
+    manifest["step_plan"] = {"layers": layers, "recompute_layers": 1, "loss_chunk_rows": 5}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    shutil.rmtree(tmp_path / "adapter")
+    (tmp_path / "result.json").unlink()
+
+    def resume(*more):
+        return setup_recipe(
+            TINY,
+            [*FAST, *args, *more],
+            model_dir=initialized_workspace / "model",
+            dataset_dir=initialized_workspace / "dataset",
+            output=tmp_path,
+        )
+
+    resumed = resume()
+    assert resumed.resumed_from == 2 and resumed.step == Step(layers, 1, 5)
+    wrapped = [isinstance(layer, CheckpointWrapper) for layer in resumed.model.layers]
+    assert wrapped == [True] + [False] * (layers - 1)  # the first layer recomputes, no other
+    resumed.train()
+    assert _losses(tmp_path)[-1] < _losses(tmp_path)[0]
+    given = resume("loss_chunk=9", "activation_checkpointing=false")
+    assert given.step == Step(layers, 0, 9)
 
 
 def test_compile_auto_compiles_where_the_saving_pays_for_the_compilation():

@@ -63,6 +63,8 @@ def test_given_values_are_parsed_and_recorded():
         (["method=ia3"], "method='ia3' is not valid: expected one of lora, qlora, dora, full"),
         (["compile=maybe"], "compile='maybe' is not valid: expected auto, true or false"),
         (["activation_checkpointing=on"], "activation_checkpointing='on' is not valid"),
+        (["loss_chunk=0"], "loss_chunk='0' is not valid: expected auto or an integer >= 1"),
+        (["loss_chunk=all"], "loss_chunk='all' is not valid: expected auto or an integer >= 1"),
         (["keep_checkpoints=0"], "keep_checkpoints='0' is not valid: expected an integer from 1"),
         (["checkpoint_every_minutes=-1"], "checkpoint_every_minutes='-1' is not valid"),
         (["lora_mlp=maybe"], "lora_mlp='maybe' is not valid: expected true or false"),

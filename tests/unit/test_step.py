@@ -27,14 +27,9 @@ JOBS = [  # (model, method, batch size) at seq_len 2048
 
 
 def _peak(plan_: planner.Plan, step: Step) -> float:
-    """The peak of the same job computed with another step."""
-    job = planner._job(
-        planner.model_entry(plan_.model), plan_.method, plan_.seq_len, plan_.batch_size,
-        plan_.gpu, nodes=1, gpus_per_node=1, dtype="bf16", lora_rank=16,
-        lora_attn_modules=planner.LORA_TARGETS_ALL, lora_mlp=None, grad_accum=1,
-        fused_loss=None, num_generations=4,
-    )  # fmt: skip
-    return planner._plan(job, step).peak_bytes
+    """The peak of the same job planned with another step."""
+    return estimate(plan_.model, plan_.method, plan_.seq_len, plan_.batch_size, plan_.gpu,
+                    step=step).peak_bytes  # fmt: skip
 
 
 @pytest.mark.parametrize("gpu", CARDS)
