@@ -2,8 +2,10 @@
 
 One builder makes both ``manifests/serving/vllm.yaml`` (the kustomize entry point, for a LoRA
 result of the default ranks; regenerate it with ``python -m tunepack.tools.serving``, a test fails
-when it is stale) and ``tunepack render serving``, which takes the training command's own
-runtime, TrainJob name and ``key=value`` arguments and serves exactly that result:
+when it is stale) and ``tunepack render serving``, which takes the training's runtime, TrainJob
+name and ``key=value`` arguments (read from the finished TrainJob or its ``result.json``:
+``run_of_trainjob``, ``run_of_result``) and serves exactly that result, on the GPUs
+``serving_memory`` plans for it (tensor parallelism over all of them):
 
 - LoRA and QLoRA: the base from ``/workspace/model`` plus the adapter from
   ``/workspace/output/adapter``, with ``--max-lora-rank`` the smallest rank vLLM accepts that
@@ -63,8 +65,9 @@ HEADER = """\
 # when the TrainJob is deleted), mounted read-only: /workspace/model is the base the model
 # initializer fetched, /workspace/output/adapter the PEFT adapter. Set claimName to
 # initializer-<your trainjob>, my-trainjob in the names and the instance label to your trainjob
-# (one Deployment and Service per served result), and --max-lora-rank to at least the trained
-# lora_rank, or let `tunepack render serving` do all of it from your training arguments. DoRA
+# (one Deployment and Service per served result), --max-lora-rank to at least the trained
+# lora_rank, and for a model that needs several GPUs nvidia.com/gpu and --tensor-parallel-size,
+# or let `tunepack render serving --job <trainjob>` do all of it from your finished TrainJob. DoRA
 # adapters do not load in vLLM: train with merge=true and serve output/merged. See docs/serving.md.
 """
 
