@@ -47,6 +47,11 @@ class TunepackBackend(RuntimeBackend):
         """Job ``name``'s per-step metrics records (``NotAvailableError`` where they cannot be
         read from here)."""
 
+    @abc.abstractmethod
+    def trainjob_object(self, name: str) -> dict:
+        """Job ``name``'s TrainJob as it was submitted and stored (``spec.runtimeRef``,
+        ``spec.trainer.args``, ...)."""
+
     def result(self, name: str):
         """Where the finished job's adapter or model is (a ``tunepack.notebook.Result``).
         ``ValueError`` while the job is not Complete."""

@@ -232,17 +232,23 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             "docs/cluster.md for reading the PVC."
         )
 
+    def trainjob_object(self, name: str) -> dict:
+        try:
+            raw = self.custom_api.get_namespaced_custom_object(
+                kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name
+            )
+        except Exception as e:  # as get_job: the CLI says the API's reason in one line
+            raise RuntimeError(f"Failed to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
+        return _as_dict(raw)
+
     def _result(self, name: str):
         pvc = workspace_pvc(name)
-        raw = self.custom_api.get_namespaced_custom_object(
-            kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name
-        )
         return Result(
             job=name,
             path=f"pvc/{pvc}:{in_pod(OUTPUT_DIR, ADAPTER_DIR)}",
             base_model=f"pvc/{pvc}:{in_pod(MODEL_DIR)}",
             local=False,
-            export=export_of(_as_dict(raw)),
+            export=export_of(self.trainjob_object(name)),
         )
 
     def get_job(self, name: str) -> TrainJob:

@@ -12,6 +12,7 @@ from tunepack.cli.tools import DEFAULT_PLAN_SEQ_LEN, cmd_plan, cmd_tiny_dataset,
 from tunepack.cli.train import cmd_train
 from tunepack.runtimes import methods
 from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, GPUS, MEMORY_CHECKS
+from tunepack.tools.serving_memory import DEFAULT_CONCURRENCY
 
 DESCRIPTION = (
     "Fine-tune LLMs with tunepack's Kubeflow Trainer runtimes, on a Kubernetes cluster or on "
@@ -291,13 +292,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render_trainjob)
     p = render.add_parser(
         "serving",
-        help="vLLM serving a finished TrainJob's result (give the training's runtime, name and "
-        "key=value arguments)",
+        help="vLLM serving a finished TrainJob's result (give --job NAME, or the training's "
+        "runtime, name and key=value arguments)",
     )
-    p.add_argument("--runtime", required=True, help="the runtime the TrainJob ran")
-    p.add_argument("--name", required=True, help="the TrainJob's name (its PVC is served)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs for the vLLM pod (default 1)")
-    p.add_argument("trainer_args", nargs="*", metavar="key=value", help="the training arguments")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument(
+        "--job",
+        metavar="NAME",
+        help="the finished TrainJob (a cluster's, or --local): its runtime and arguments are "
+        "read from it, its name is --name's default",
+    )
+    source.add_argument(
+        "--result",
+        metavar="PATH",
+        help="a finished run's result.json, or the workspace (or output directory) holding it: "
+        "its runtime and arguments are read from it",
+    )
+    p.add_argument(
+        "--runtime", help="the runtime the TrainJob ran (default: --job's or --result's)"
+    )
+    p.add_argument("--name", help="the TrainJob's name, its PVC is served (default: --job's)")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs for the vLLM pod, the model split over all of them (tensor parallelism; "
+        "default: the fewest of 1, 2, 4, 8 that hold it)",
+    )
+    p.add_argument("--gpu", default=DEFAULT_GPU, help=f"the GPU type of the pod: {GPU_HELP}")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="tokens of prompt and answer per request (default: the run's max_seq_len)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=DEFAULT_CONCURRENCY,
+        help=f"requests of --max-model-len tokens the KV cache must hold at once (default "
+        f"{DEFAULT_CONCURRENCY}; shorter ones share it, so more of them run)",
+    )
+    _add_backend_arguments(p)
+    p.add_argument(
+        "trainer_args",
+        nargs="*",
+        metavar="key=value",
+        help="the training arguments (with --job or --result: the ones to change)",
+    )
     p.set_defaults(func=cmd_render_serving)
     return parser
 

@@ -55,11 +55,77 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
 def cmd_render_serving(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadInputError
     from tunepack.jobs.naming import check_dns_label
+    from tunepack.runtimes import custom
+    from tunepack.runtimes.planner import gpu_type
+    from tunepack.tools import serving, serving_memory
+
+    for flag, value in (
+        ("--gpus", ns.gpus),
+        ("--max-model-len", ns.max_model_len),
+        ("--concurrency", ns.concurrency),
+    ):
+        if value is not None and value < 1:
+            raise BadInputError(f"{flag} {value} is not valid: expected at least 1")
+    gpu = gpu_type(ns.gpu)
+    run = _finished_run(ns)
+    name = ns.name or ns.job
+    if name is None:
+        raise BadInputError(
+            "--name is missing: give the TrainJob whose workspace PVC is served (or --job NAME)"
+        )
+    check_dns_label("TrainJob name (--name)", name)
+    runtime = ns.runtime or (run.runtime if run else None)
+    if runtime is None:
+        raise BadInputError(
+            "--runtime is missing: give the runtime the TrainJob ran, or --job NAME (or "
+            "--result PATH) to read it from the finished run"
+        )
+    args = serving.merged_args(run.args if run else {}, ns.trainer_args)
+    entry, trained = serving.trained_run(runtime, args)
+    served = serving.served(entry, trained)
+    context = ns.max_model_len or trained.max_seq_len
+    if custom.is_placeholder(entry):
+        # A bring-your-own runtime's shape is its checkpoint's, on the PVC: not planned here.
+        gpus = ns.gpus or 1
+    else:
+        if context > entry.shape.max_seq_len:
+            raise BadInputError(
+                f"--max-model-len {context} is longer than {entry.name}'s context of "
+                f"{entry.shape.max_seq_len} tokens"
+            )
+        plan = serving_memory.choose(
+            entry, gpu, context, ns.concurrency, served.max_lora_rank, ns.gpus
+        )
+        gpus = plan.gpus
+        print(
+            f"tunepack: serving {entry.name} on {gpus} x {gpu}: {plan.total:.1f} of "
+            f"{plan.capacity:.1f} GiB per GPU ({plan.breakdown()})",
+            file=sys.stderr,
+        )
+    objects = serving.manifests(name, served, gpus=gpus, max_model_len=context)
+    sys.stdout.write(serving.render(objects))
+    return 0
+
+
+def _finished_run(ns: argparse.Namespace):
+    """The run ``--job`` or ``--result`` names (a ``serving.FinishedRun``), or None."""
+    from pathlib import Path
+
+    from tunepack.core.errors import BadInputError
     from tunepack.tools import serving
 
-    check_dns_label("TrainJob name (--name)", ns.name)
-    if ns.gpus < 1:
-        raise BadInputError(f"--gpus {ns.gpus} is not valid: expected at least 1")
-    served = serving.served_result(ns.runtime, ns.trainer_args)
-    sys.stdout.write(serving.render(serving.manifests(ns.name, served, gpus=ns.gpus)))
-    return 0
+    if ns.result is not None:
+        return serving.run_of_result(Path(ns.result), "--result")
+    if ns.job is None:
+        return None
+    from tunepack.cli import clients
+
+    client = clients.client(ns)
+    job = client.get_job(ns.job)
+    if job.status != "Complete":
+        message = f": {job.message}" if getattr(job, "message", None) else ""
+        raise BadInputError(
+            f"TrainJob {ns.job} is {job.status}, not Complete{message}; it has no result to serve"
+            + (" yet (tunepack status)" if job.status != "Failed" else "")
+        )
+    return serving.run_of_trainjob(client.backend.trainjob_object(ns.job))

@@ -2,8 +2,10 @@
 
 One builder makes both ``manifests/serving/vllm.yaml`` (the kustomize entry point, for a LoRA
 result of the default ranks; regenerate it with ``python -m tunepack.tools.serving``, a test fails
-when it is stale) and ``tunepack render serving``, which takes the training command's own
-runtime, TrainJob name and ``key=value`` arguments and serves exactly that result:
+when it is stale) and ``tunepack render serving``, which takes the training's runtime, TrainJob
+name and ``key=value`` arguments (read from the finished TrainJob or its ``result.json``:
+``run_of_trainjob``, ``run_of_result``) and serves exactly that result, on the GPUs
+``serving_memory`` plans for it (tensor parallelism over all of them):
 
 - LoRA and QLoRA: the base from ``/workspace/model`` plus the adapter from
   ``/workspace/output/adapter``, with ``--max-lora-rank`` the smallest rank vLLM accepts that
@@ -22,6 +24,7 @@ Everything is read from the TrainJob's workspace PVC, ``initializer-<trainjob>``
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +38,15 @@ from tunepack.core.workspace import (
     MERGED_DIR,
     MODEL_DIR,
     OUTPUT_DIR,
+    RESULT_FILE,
     in_pod,
+    result_file,
 )
 from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.builder import to_yaml
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
 from tunepack.runtimes.contract import workspace_pvc
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.args import TrainArgs, parse_trainer_args, split_pairs
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 # The values vLLM accepts for --max-lora-rank (it refuses others at start-up).
@@ -60,8 +65,9 @@ HEADER = """\
 # when the TrainJob is deleted), mounted read-only: /workspace/model is the base the model
 # initializer fetched, /workspace/output/adapter the PEFT adapter. Set claimName to
 # initializer-<your trainjob>, my-trainjob in the names and the instance label to your trainjob
-# (one Deployment and Service per served result), and --max-lora-rank to at least the trained
-# lora_rank, or let `tunepack render serving` do all of it from your training arguments. DoRA
+# (one Deployment and Service per served result), --max-lora-rank to at least the trained
+# lora_rank, and for a model that needs several GPUs nvidia.com/gpu and --tensor-parallel-size,
+# or let `tunepack render serving --job <trainjob>` do all of it from your finished TrainJob. DoRA
 # adapters do not load in vLLM: train with merge=true and serve output/merged. See docs/serving.md.
 """
 
@@ -89,8 +95,52 @@ def max_lora_rank(rank: int) -> int:
     )
 
 
-def served_result(runtime: str, args: list[str]) -> Served:
-    """What to serve for a run of ``runtime`` with trainer ``args`` (the training command's)."""
+@dataclass(frozen=True)
+class FinishedRun:
+    """What a finished run was trained with, read from its TrainJob or its result.json."""
+
+    runtime: str
+    args: dict[str, str]  # the trainer's key=value arguments, as given
+
+
+def run_of_trainjob(trainjob: dict) -> FinishedRun:
+    """The runtime (``spec.runtimeRef``) and arguments (``spec.trainer.args``) of a TrainJob."""
+    spec = trainjob.get("spec") or {}
+    words = (spec.get("trainer") or {}).get("args") or []
+    return FinishedRun(spec["runtimeRef"]["name"], split_pairs(words))
+
+
+def run_of_result(path: Path, flag: str) -> FinishedRun:
+    """The run a ``result.json`` records: ``path`` is the file, or the workspace or output
+    directory that holds it; ``flag`` names it in errors."""
+    candidates = [path, path / RESULT_FILE, result_file(path)] if path.is_dir() else [path]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise BadInputError(
+            f"{flag} {path}: no {RESULT_FILE} there; give a finished run's {RESULT_FILE}, or "
+            f"the workspace whose {OUTPUT_DIR}/{RESULT_FILE} the trainer wrote when it finished"
+        )
+    try:
+        record = json.loads(found.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadInputError(f"{flag} {found}: cannot be read as JSON ({err})") from None
+    model = record.get("model") if isinstance(record, dict) else None
+    args = record.get("trainer_args") if isinstance(record, dict) else None
+    if not isinstance(model, str) or not isinstance(args, dict):
+        raise BadInputError(
+            f"{flag} {found}: not a tunepack {RESULT_FILE} (it has no 'model' and 'trainer_args')"
+        )
+    return FinishedRun(model, {str(k): str(v) for k, v in args.items()})
+
+
+def merged_args(run: dict[str, str], given: list[str]) -> list[str]:
+    """The run's arguments with those ``given`` on the command line in place of its own."""
+    return [f"{key}={raw}" for key, raw in {**run, **split_pairs(given)}.items()]
+
+
+def trained_run(runtime: str, args: list[str]) -> tuple[catalog.ModelEntry, TrainArgs]:
+    """The catalog entry and the parsed trainer ``args`` of a run of ``runtime`` (the training
+    command's), refusing a model the serving image's vLLM does not serve."""
     entry = catalog.get(runtime)
     if entry.family.reads_images:
         # vLLM served Llama 3.2 Vision only on its V0 engine, without LoRA (vllm-project/vllm
@@ -101,7 +151,16 @@ def served_result(runtime: str, args: list[str]) -> Served:
             "merge=true and serve the merged model with transformers (docs/serving.md, "
             "Llama 3.2 Vision)"
         )
-    trained = parse_trainer_args(args, entry)
+    return entry, parse_trainer_args(args, entry)
+
+
+def served_result(runtime: str, args: list[str]) -> Served:
+    """What to serve for a run of ``runtime`` with trainer ``args`` (the training command's)."""
+    return served(*trained_run(runtime, args))
+
+
+def served(entry: catalog.ModelEntry, trained: TrainArgs) -> Served:
+    """What to serve of ``entry`` trained with ``trained``."""
     template = serving_template(
         trained.chat_template, entry.family.name, trained.system_prompt or None, entry.hub_id
     )
@@ -147,9 +206,12 @@ def chat_template_map(trainjob: str) -> str:
     return f"{serving_name(trainjob)}-chat-template"
 
 
-def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
+def manifests(
+    trainjob: str, served: Served, gpus: int = 1, max_model_len: int | None = None
+) -> list[dict]:
     """The Deployment and Service (``<trainjob>-vllm``) that serve ``served`` from
-    ``trainjob``'s workspace PVC."""
+    ``trainjob``'s workspace PVC on ``gpus`` GPUs (tensor parallelism over all of them), with a
+    context of ``max_model_len`` tokens (None: the model's own, vLLM's default)."""
     name = serving_name(trainjob)
     selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": trainjob}
     args = [f"--model={served.model}", f"--served-model-name={BASE_NAME}"]
@@ -161,6 +223,10 @@ def manifests(trainjob: str, served: Served, gpus: int = 1) -> list[dict]:
         ]
     if served.chat_template:
         args.append(f"--chat-template={CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}")
+    if max_model_len is not None:
+        args.append(f"--max-model-len={max_model_len}")
+    if gpus > 1:  # vLLM uses one GPU unless told to split the model over the pod's
+        args.append(f"--tensor-parallel-size={gpus}")
     args.append("--port=8000")
     labels = {**selector, "app.kubernetes.io/part-of": "tunepack"}
     container = {

@@ -1035,3 +1035,47 @@ def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli)
     assert done.returncode == 65
     assert "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?" in done.stderr
     assert len([r for r in fake.requests if r.method == "POST"]) == posts
+
+
+def test_render_serving_reads_a_finished_trainjobs_runtime_and_arguments(
+    server, capsys, tmp_path, monkeypatch
+):
+    """`tunepack render serving --job NAME` on a cluster: the runtime from spec.runtimeRef,
+    the arguments from spec.trainer.args, the TrainJob's own PVC; refused until it is Complete
+    (issue 41, item 4: before, --runtime, --name and each key=value had to be typed again)."""
+    from tunepack.cli import main
+
+    fake, url = server
+    _install(fake, url)
+    name = _client(url).train(
+        runtime=RUNTIME,
+        initializer=Initializer(dataset="file:///pvc/data/train.jsonl", model="hf://org/m"),
+        trainer=FineTune(method="lora", lora_rank=48, max_seq_len=1024),
+    )
+    kubeconfig = tmp_path / "config"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "main",
+                "clusters": [{"name": "c", "cluster": {"server": url}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "main", "context": {"cluster": "c", "user": "u"}}],
+            }
+        )
+    )
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    argv = ["render", "serving", "--job", name, "--namespace", NS]
+    assert main(argv) == 65
+    assert capsys.readouterr().err == (
+        f"tunepack: error: TrainJob {name} is Created, not Complete; it has no result to serve "
+        "yet (tunepack status)\n"
+    )
+    _controller_runs(fake, name)
+    assert main(argv) == 0
+    objects = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o]
+    pod = objects[0]["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == f"initializer-{name}"
+    args = pod["containers"][0]["args"]
+    assert "--max-lora-rank=64" in args and "--max-model-len=1024" in args

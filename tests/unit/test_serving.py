@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import yaml
 
 from tunepack.cli import main
 from tunepack.core.errors import BadInputError
-from tunepack.tools import serving
+from tunepack.runtimes import catalog
+from tunepack.tools import serving, serving_memory
 
 RUNTIME = "tunepack-llama3.1-8b"
 
@@ -45,6 +49,7 @@ def test_a_lora_run_is_served_as_base_plus_adapter_from_its_pvc(capsys):
         "--enable-lora",
         "--lora-modules=tunepack-lora=/workspace/output/adapter",
         "--max-lora-rank=64",
+        "--max-model-len=2048",  # the run's max_seq_len (llama3.1-8b's default)
         "--port=8000",
     ]
     pod = objects[0]["spec"]["template"]["spec"]
@@ -167,3 +172,205 @@ def test_lora_on_a_mixture_of_experts_experts_is_served_merged_or_refused(capsys
     assert main(moe) == 0
     adapter = [o for o in yaml.safe_load_all(capsys.readouterr().out) if o]
     assert any(a.startswith("--lora-modules=") for a in _args(adapter))
+
+
+# --- a model that needs several GPUs (issue 41, item 3) ----------------------------------------
+BIG = "tunepack-llama3.1-70b"
+
+
+def _serve(capsys, runtime: str, *argv: str) -> tuple[int, list[dict], str]:
+    code = main(["render", "serving", "--runtime", runtime, "--name", "my-job", *argv])
+    out, err = capsys.readouterr()
+    return code, [o for o in yaml.safe_load_all(out) if o], err
+
+
+def _gpus(objects: list[dict]) -> int:
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"
+    ]
+
+
+@pytest.mark.parametrize("argv", [[], ["--gpus", "4"]])
+def test_a_70b_model_is_split_over_the_gpus_that_hold_it(capsys, argv):
+    """Before: one GPU by default, and --gpus 4 set the limit without --tensor-parallel-size, so
+    vLLM loaded the 131 GiB of weights on one GPU and failed."""
+    code, objects, err = _serve(capsys, BIG, *argv)
+    assert code == 0, err
+    assert _gpus(objects) == 4
+    assert "--tensor-parallel-size=4" in _args(objects)
+    assert err == (
+        "tunepack: serving llama3.1-70b on 4 x H100-80GB: 38.2 of 71.3 GiB per GPU (32.9 "
+        "weights + 1.2 KV cache (8 x 2048 tokens) + 0.3 LoRA + 3.8 vLLM)\n"
+    )
+
+
+def test_the_fewest_gpus_that_hold_the_model_follow_the_gpu_type(capsys):
+    code, objects, err = _serve(capsys, BIG, "--gpu", "h200")
+    assert code == 0, err
+    assert _gpus(objects) == 2 and "--tensor-parallel-size=2" in _args(objects)
+    code, objects, err = _serve(capsys, "tunepack-llama3.1-8b", "--gpu", "L4")
+    assert code == 0, err
+    assert _gpus(objects) == 1 and not [a for a in _args(objects) if "tensor-parallel" in a]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--gpus", "1"],
+            "tunepack: error: --gpus 1: llama3.1-70b needs 141.5 GiB per GPU on 1 x H100-80GB "
+            "(131.4 weights + 5.0 KV cache (8 x 2048 tokens) + 0.3 LoRA + 4.8 vLLM), more than "
+            "the 71.3 GiB vLLM uses of each; --gpus 4 fits (38.2 GiB of 71.3 per GPU)",
+        ),
+        (
+            ["--gpus", "3"],
+            "tunepack: error: --gpus 3: vLLM cannot split llama3.1-70b over 3 GPUs (tensor "
+            "parallelism): its 64 attention heads do not split evenly over 3 GPUs; --gpus 4 fits "
+            "(38.2 GiB of 71.3 per GPU)",
+        ),
+        (
+            ["--gpu", "l4", "--max-model-len", "131072"],
+            "tunepack: error: llama3.1-70b does not fit on 8 x L4-24GB at --max-model-len 131072 "
+            "with --concurrency 8: it needs 59.2 GiB per GPU (16.4 weights + 40.0 KV cache (8 x "
+            "131072 tokens) + 0.3 LoRA + 2.4 vLLM), more than the 19.8 GiB vLLM uses of each; "
+            "serve on a larger --gpu, or with a shorter --max-model-len or a lower --concurrency",
+        ),
+        (
+            ["--max-model-len", "200000"],
+            "tunepack: error: --max-model-len 200000 is longer than llama3.1-70b's context of "
+            "131072 tokens",
+        ),
+        (
+            ["--concurrency", "0"],
+            "tunepack: error: --concurrency 0 is not valid: expected at least 1",
+        ),
+        (["--gpu", "tpu"], "tunepack: error: gpu='tpu' is not known: expected one of H100-80GB"),
+    ],
+)
+def test_a_layout_that_cannot_hold_the_model_is_refused_saying_what_fits(capsys, argv, message):
+    code, objects, err = _serve(capsys, BIG, *argv)
+    assert code == 65 and objects == []
+    assert err.startswith(message), err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_longer_context_is_asked_of_vllm_and_planned():
+    """The KV cache is keys and values of every layer for each token, over the GPUs' KV heads."""
+    entry = catalog.get("llama3.1-8b")
+    plan = serving_memory.plan(entry, "H100-80GB", 1, context=2048, concurrency=8)
+    per_token = 2 * 32 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16 bytes
+    assert plan.kv_cache == per_token * 2048 * 8 / 2**30 == 2.0
+    assert plan.weights == entry.shape.parameter_count() * 2 / 2**30
+    assert serving_memory.plan(entry, "H100-80GB", 2, 2048, 8).kv_cache == 1.0
+
+
+def test_kv_heads_fewer_than_the_gpus_are_replicated_not_split():
+    """Gemma 2B has one KV head: vLLM gives each GPU a copy, so the KV cache does not shrink."""
+    entry = catalog.get("gemma-2b")
+    one, two = (serving_memory.plan(entry, "L4-24GB", n, 2048, 8) for n in (1, 2))
+    assert two.kv_cache == one.kv_cache
+    assert serving_memory.tensor_parallel_obstacle(entry, 2) is None
+    assert serving_memory.tensor_parallel_obstacle(catalog.get("qwen2-0.5b"), 4) == (
+        "its 14 attention heads do not split evenly over 4 GPUs"
+    )
+
+
+# --- the run's arguments read from the finished job (issue 41, item 4) -------------------------
+def _finished_local_job(
+    jobs: Path, name: str, args: list[str], status: str = "Complete", message: str | None = None
+) -> Path:
+    """A local job's record as the backend leaves it: its TrainJob, its state and, once
+    Complete, the trainer's result.json (its run's arguments as given)."""
+    from tunepack.backends.local.job import JobRecord
+    from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob
+
+    spec = TrainJobSpec(
+        name=name,
+        runtime=RUNTIME,
+        dataset_uri="hf://org/data",
+        model_uri="hf://meta-llama/Llama-3.1-8B-Instruct",
+        trainer_args=args,
+        local=True,
+    )
+    record = JobRecord(jobs / name)
+    record.create(build_trainjob(spec), None, None)
+    record.update(status=status, **({"message": message} if message else {}))
+    if status == "Complete":
+        pairs = dict(a.split("=", 1) for a in args)
+        record.workspace.joinpath("output").mkdir(parents=True)
+        result = {"model": "llama3.1-8b", "method": "lora", "trainer_args": pairs}
+        record.workspace.joinpath("output", "result.json").write_text(json.dumps(result))
+    return record.workspace
+
+
+def test_a_finished_local_job_is_served_as_it_was_trained(capsys, tmp_path):
+    """Before: --runtime, --name and every key=value had to be typed again."""
+    _finished_local_job(tmp_path, "my-run", ["lora_rank=48", "max_seq_len=4096"])
+    code = main(["render", "serving", "--job", "my-run", "--local", "--jobs-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    objects = [o for o in yaml.safe_load_all(out) if o]
+    args = _args(objects)
+    assert "--max-lora-rank=64" in args and "--max-model-len=4096" in args
+    pod = objects[0]["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "initializer-my-run"
+
+
+def test_a_result_json_is_served_as_it_was_trained_and_explicit_arguments_win(capsys, tmp_path):
+    workspace = _finished_local_job(tmp_path, "my-run", ["lora_rank=48", "max_seq_len=4096"])
+    for where in (workspace, workspace / "output", workspace / "output" / "result.json"):
+        code = main(["render", "serving", "--result", str(where), "--name", "my-job"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "--max-lora-rank=64" in _args([o for o in yaml.safe_load_all(out) if o])
+    argv = ["--result", str(workspace), "--name", "my-job", "lora_rank=100", "--max-model-len=512"]
+    assert main(["render", "serving", *argv]) == 0
+    args = _args([o for o in yaml.safe_load_all(capsys.readouterr().out) if o])
+    assert "--max-lora-rank=128" in args and "--max-model-len=512" in args
+
+
+def test_a_job_without_a_result_is_refused_in_one_line(capsys, tmp_path):
+    _finished_local_job(tmp_path, "my-run", ["lora_rank=48"], status="Running")
+    _finished_local_job(tmp_path, "bad-run", [], status="Failed", message="node exited 65")
+    local = ["--local", "--jobs-dir", str(tmp_path)]
+    cases = [
+        (
+            ["--job", "my-run", *local],
+            "tunepack: error: TrainJob my-run is Running, not Complete; it has no result to serve "
+            "yet (tunepack status)\n",
+        ),
+        (
+            ["--job", "bad-run", *local],
+            "tunepack: error: TrainJob bad-run is Failed, not Complete: node exited 65; it has no "
+            "result to serve\n",
+        ),
+        (
+            ["--result", str(tmp_path / "my-run"), "--name", "my-run"],
+            f"tunepack: error: --result {tmp_path / 'my-run'}: no result.json there; give a "
+            "finished run's result.json, or the workspace whose output/result.json the trainer "
+            "wrote when it finished\n",
+        ),
+        (
+            [],
+            "tunepack: error: --name is missing: give the TrainJob whose workspace PVC is served "
+            "(or --job NAME)\n",
+        ),
+        (
+            ["--name", "my-job"],
+            "tunepack: error: --runtime is missing: give the runtime the TrainJob ran, or --job "
+            "NAME (or --result PATH) to read it from the finished run\n",
+        ),
+    ]
+    (tmp_path / "not-a-result.json").write_text('{"steps": 3}')
+    cases.append(
+        (
+            ["--result", str(tmp_path / "not-a-result.json"), "--name", "my-job"],
+            f"tunepack: error: --result {tmp_path / 'not-a-result.json'}: not a tunepack "
+            "result.json (it has no 'model' and 'trainer_args')\n",
+        )
+    )
+    for argv, message in cases:
+        code = main(["render", "serving", *argv])
+        out, err = capsys.readouterr()
+        assert (code, out, err) == (65, "", message)

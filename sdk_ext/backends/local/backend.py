@@ -221,6 +221,9 @@ class LocalBackend(TunepackBackend):
 
         return read_metrics(self._job(name).metrics_path)
 
+    def trainjob_object(self, name: str) -> dict:
+        return self._job(name).trainjob()
+
     def _result(self, name: str):
         job = self._job(name)
         trainjob, workspace, info = job.trainjob(), job.workspace, job.result()
