@@ -1179,9 +1179,11 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
             raise durable.disk_full_error(where) from None
         if not isinstance(err, torch.OutOfMemoryError):
             raise
+        step = f" with the step {recipe.step.describe()}" if recipe.step else ""
         raise BadInputError(
-            f"out of memory on {recipe.device}: lower batch_size or max_seq_len (raise "
-            f"grad_accum to keep the effective batch), or set activation_checkpointing=true; {err}"
+            f"out of memory on {recipe.device}{step}: lower batch_size or max_seq_len (raise "
+            "grad_accum to keep the effective batch), or set activation_checkpointing=true and "
+            f"loss_chunk={planner.LOSS_EFFICIENT_ROWS} (less memory, slower steps); {err}"
         ) from None
     result = {}
     if recipe.topo.is_main:

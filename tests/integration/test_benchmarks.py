@@ -202,3 +202,21 @@ def test_grpo_side_by_side_smoke_report(tmp_path):
     assert (lora["lora_rank"], lora["lora_alpha"]) == (8, 16)
     assert len(report["loadavg_before"]) == 3
     assert len(report["tunepack_sources"]) >= 1 and report["versions"]["commit"]
+
+
+def test_loss_bench_reports_each_chunk_against_the_plain_loss(tmp_path):
+    """benchmarks/loss_bench.py at a toy size: every variant timed against the plain loss in one
+    run (a report, no speed asserted)."""
+    out = tmp_path / "loss.json"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/loss_bench.py", "--rows", "96", "--width", "32",
+         "--vocab", "500000", "--repeats", "1", "--weight-trains", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    # 8M logits at 500k words are 16 rows: the CPU's chunk, then all 96 rows at once.
+    assert list(report["results"]) == ["plain", "fused/16", "fused/96"]
+    assert report["results"]["plain"]["vs_plain"] == 1.0
+    assert all(r["seconds"] > 0 for r in report["results"].values())
+    assert "fused/16" in done.stdout and "the weight trains" in done.stdout
