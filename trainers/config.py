@@ -536,6 +536,10 @@ def _step(entry: ModelEntry, args: TrainArgs, model_dir: Path, max_seq_len: int)
     return {
         "activation_checkpointing": args.activation_checkpointing,
         "loss_chunk": args.loss_chunk,
+        # What a CPU's step needs (no plan): the model's layers and vocabulary.
+        "layers": entry.shape.num_layers,
+        "vocab": entry.shape.vocab_size,
+        "fused_loss": how.loss is methods.Loss.CROSS_ENTROPY and not entry.family.reads_images,
         "job": job,
     }
 

@@ -527,20 +527,19 @@ class FineTuneRecipe:
                 if self.topo.is_main:
                     log.info("step: %s (as the checkpoint resumed from)", step.describe())
                 return step
-        job = OmegaConf.to_container(settings.job)
-        entry = planner.model_entry(job.pop("model"), job.pop("model_dir"))
         if self.device.type != "cuda":
-            fused = self.method.loss is Loss.CROSS_ENTROPY and not entry.family.reads_images
             step = planner.cpu_step(
-                entry.shape.num_layers,
-                entry.shape.vocab_size,
-                fused,
+                settings.layers,
+                settings.vocab,
+                settings.fused_loss,
                 settings.activation_checkpointing,
                 settings.loss_chunk,
             )
             if self.topo.is_main:
                 log.info("step: %s (on the CPU)", step.describe())
             return step
+        job = OmegaConf.to_container(settings.job)
+        entry = planner.model_entry(job.pop("model"), job.pop("model_dir"))
         total = torch.cuda.get_device_properties(self.device).total_memory / planner.GIB
         if "lora_attn_modules" in job:
             job["lora_attn_modules"] = tuple(job["lora_attn_modules"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe
+from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe, trainer_config
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes.planner import Step
 from tunepack.tiny import write_tiny_model
@@ -301,6 +301,40 @@ def test_the_step_is_logged_recorded_and_kept_by_a_resume(initialized_workspace,
     assert _losses(tmp_path)[-1] < _losses(tmp_path)[0]
     given = resume("loss_chunk=9", "activation_checkpointing=false")
     assert given.step == Step(layers, 0, 9)
+
+
+def test_on_a_gpu_the_step_is_planned_against_the_memory_the_device_reports(
+    initialized_workspace, tmp_path, monkeypatch
+):
+    """The trainer's GPU path without a GPU: the job the config hands the planner, sized against
+    the total the device reports (less CUDA_RESERVE_GIB): the same step as the planner's for
+    that job and capacity, and a device with less memory recomputes more."""
+    from tunepack.runtimes import planner
+    from tunepack.trainers import distributed
+    from tunepack.trainers.recipe import FineTuneRecipe
+
+    args = ["device=cuda", "batch_size=4", "max_seq_len=512", "method=lora"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # for the config's check
+    cfg = trainer_config(
+        TINY, args, model_dir=initialized_workspace / "model",
+        dataset_dir=initialized_workspace / "dataset", output=tmp_path, cache_dir=tmp_path / "c",
+    )  # fmt: skip
+    recipe = FineTuneRecipe.__new__(FineTuneRecipe)  # no process group, no device
+    recipe.cfg, recipe.device = cfg, torch.device("cuda")
+    recipe.topo = distributed.Topology(rank=0, world_size=1, local_rank=0)
+    steps = {}
+    for total_gib in (80.0, 2.003):
+        device = type("Device", (), {"total_memory": int(total_gib * planner.GIB)})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _d, device=device: device)
+        steps[total_gib] = recipe._choose_step(None)
+        expected = planner.estimate(
+            "tiny-llama3", "lora", 512, 4, dtype="bf16",
+            capacity_gib=total_gib - planner.CUDA_RESERVE_GIB,
+        ).step  # fmt: skip
+        assert steps[total_gib] == expected
+    layers = steps[80.0].layers
+    assert steps[80.0] == Step(layers, 0, 4 * 512)  # everything fits: the whole logits at once
+    assert steps[2.003].recompute_layers > 0  # 3 MiB left: some layers recompute
 
 
 def test_compile_auto_compiles_where_the_saving_pays_for_the_compilation():
