@@ -91,7 +91,8 @@ class Step:
     layers: int
     recompute_layers: int
     loss_chunk_rows: int | None
-    chosen: bool = True  # False: both settings were given explicitly
+    # False: both settings were given (how it came about, not what it computes)
+    chosen: bool = field(default=True, compare=False)
 
     @property
     def activation_checkpointing(self) -> bool:

@@ -573,7 +573,10 @@ class FineTuneRecipe:
             layers = [m for m in model.modules() if isinstance(m, layer_type)]
             chosen = {id(m) for m in layers[:wanted]}
             training.set_activation_checkpointing(
-                model, auto_wrap_policy=lambda m, recurse, _numel: recurse or id(m) in chosen
+                model,
+                auto_wrap_policy=lambda module, recurse, nonwrapped_numel: (
+                    recurse or id(module) in chosen
+                ),
             )
         else:
             training.set_activation_checkpointing(model, auto_wrap_policy={layer_type})
