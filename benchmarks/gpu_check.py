@@ -1,6 +1,7 @@
 """GPU check: tunepack's trainer on real-size random-weight models, in one command and one report.
 
     python benchmarks/gpu_check.py               # a CUDA machine: Llama 3.2 1B and 3.1 8B shapes
+    python benchmarks/gpu_check.py --loan        # the most telling runs within a device loan
     python benchmarks/gpu_check.py --sizes 1b    # the 1B shape only
     python benchmarks/gpu_check.py --dry-run     # CPU: a tiny model of the same architecture
 
@@ -16,14 +17,21 @@ whole row (``train_on_input=true``).
 For each size and method (LoRA, QLoRA, DoRA, full; bf16 on a GPU, fp32 on CPU), each in a fresh
 process:
 
-- ``tunepack``: tunepack's launcher with its defaults (on a GPU: activation checkpointing on, the
-  loss fused with the output projection; ``compile=auto``, which does not compile runs this short);
+- ``tunepack``: tunepack's launcher with its defaults (the step chosen for the device:
+  ``activation_checkpointing=auto`` and ``loss_chunk=auto``; the loss fused with the output
+  projection; ``compile=auto``, which does not compile runs this short);
 - ``torchtune-stock``: torchtune 0.6.1's own single-device recipe (``lora_finetune_single_device``;
   ``full_finetune_single_device`` for full) with a config derived from the one tunepack wrote
-  (``trainer_bench.stock_config``), the same model, data, optimizer and activation checkpointing,
-  torchtune's plain cross-entropy;
+  (``trainer_bench.stock_config``), the same model, data and optimizer, the activation
+  checkpointing of torchtune's own config for the model and method (``stock_settings``),
+  torchtune's plain cross-entropy over the whole logits;
+- ``torchtune-stock-compiled``: the same with the recipe's own ``compile: True``;
 - LoRA also ``tunepack-compiled`` (``compile=true``) and ``tunepack-plain-loss`` (the fused loss
   switched off: the whole logits and a plain cross-entropy, as before ``trainers/vocab_loss.py``).
+
+Each run's step (``step_plan``: the trainer's record in result.json; the stock config's) is in
+the report and the table, and its memory plan is computed with exactly that step. On a GPU a run
+whose plan does not fit the device is recorded as skipped with the plan, not run.
 
 Figures per run: real tokens per second over the steps after ``--warmup`` (``sbs_probe`` counts
 the tokens of each batch and stamps it, the same way for every trainer), MFU (those tokens x the
@@ -47,11 +55,13 @@ and the last loss. Derived from them:
 
 On a GPU the runs go one at a time, the most telling first (each size's LoRA runs, the FSDP2
 check, then QLoRA, DoRA and full); a run that would end after ``--budget-s`` seconds (a rough
-guess from the runs before it) is recorded as skipped, with that reason: the aim is a check of
-about 8 minutes on one H100 (not yet timed on one). ``--dry-run`` runs the same code on CPU with a
-tiny model and a few steps (two runs at a time), which is what ``make test`` checks, leaving out
-only the ``compile=true`` run (a minute of CPU even at that size; ``--compile-run yes`` adds it);
-its figures check the harness, not the machine.
+guess from the runs before it) is recorded as skipped, with that reason. Before starting it
+prints how long its runs took on one H100 (``H100_S``). ``--loan`` runs only ``LOAN``'s runs
+within ``LOAN_BUDGET_S``: one call that fits a 15-minute device loan with a rerun's margin.
+``--dry-run`` runs the same code on CPU with a tiny model and a few steps (two runs at a time),
+which is what ``make test`` checks, leaving out only the ``compile=true`` runs (a minute of CPU
+even at that size; ``--compile-run yes`` adds them); its figures check the harness, not the
+machine.
 """
 
 from __future__ import annotations
@@ -96,8 +106,18 @@ from tunepack.runtimes import catalog, custom, methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
 
 MODEL = custom.runtime_model_name("llama")  # the bring-your-own Llama runtime's model
-SYSTEMS = ("tunepack", "torchtune-stock", "tunepack-compiled", "tunepack-plain-loss")
+SYSTEMS = (
+    "tunepack",
+    "torchtune-stock",
+    "torchtune-stock-compiled",
+    "tunepack-compiled",
+    "tunepack-plain-loss",
+)
 LORA_ONLY = ("tunepack-compiled", "tunepack-plain-loss")
+STOCK = ("torchtune-stock", "torchtune-stock-compiled")
+# compile=true: the compile time is counted in the budget; left out of --dry-run (--compile-run).
+COMPILED = ("torchtune-stock-compiled", "tunepack-compiled")
+WHOLE_LOGITS = (*STOCK, "tunepack-plain-loss")  # the runs that hold the whole logits
 METHODS = ("lora", "qlora", "dora", "full")
 # Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s, from the vendors' data sheets, matched
 # in this order against torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3" is the SXM part).
@@ -123,6 +143,7 @@ class Size:
 
     name: str
     catalog_name: str  # the family (RoPE scaling, norms) and, unless ``shape`` is given, shape
+    torchtune_configs: str  # torchtune's own configs of the model: <dir>/<size> (stock_settings)
     methods: tuple[str, ...]
     seq_len: int
     batch_size: int
@@ -148,19 +169,51 @@ class Size:
 
 
 SIZES = {
-    "1b": Size("1b", "llama3.2-1b", METHODS, seq_len=2048, batch_size=4, steps=10, warmup=3),
-    "8b": Size(
-        "8b", "llama3.1-8b", ("lora", "qlora"), seq_len=2048, batch_size=2, steps=6, warmup=2,
-        shards=4,
-    ),
+    "1b": Size("1b", "llama3.2-1b", "llama3_2/1B", METHODS, seq_len=2048, batch_size=4, steps=10,
+               warmup=3),
+    "8b": Size("8b", "llama3.1-8b", "llama3_1/8B", METHODS, seq_len=2048, batch_size=2, steps=6,
+               warmup=2, shards=4),
 }  # fmt: skip
 # The same architecture at a size a CPU trains in a second: projections NF4 can quantize
 # (multiples of 64 x 256 values, like tests.helpers.NF4_TINY), tied embeddings as Llama 3.2 1B.
 DRY = Size(
-    "dry", "llama3.2-1b", METHODS, seq_len=128, batch_size=2, steps=4, warmup=1, lora_rank=8,
-    shape=Shape(1024, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=256,
-                intermediate_dim=512, max_seq_len=2048, tied_embeddings=True),
+    "dry", "llama3.2-1b", "llama3_2/1B", METHODS, seq_len=128, batch_size=2, steps=4, warmup=1,
+    lora_rank=8, shape=Shape(1024, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=256,
+                             intermediate_dim=512, max_seq_len=2048, tied_embeddings=True),
 )  # fmt: skip
+
+# What each part of a check took on one H100 80GB, in seconds (rounded up): each run's
+# process_wall_s in benchmarks/results/gpu-h100-2026-11-26-*.json and -27-*.json; a size's
+# "start" (reading the GPU, writing the random model, the initializers) is a report's wall_s less
+# its runs (1B: the dora-full report, 116 - 95 s; 8B: the lora report, 155 - 90 s: 16 GB
+# written); "fsdp" the fsdp2-repeat report's 143 s less 1B's start. Those runs recomputed every
+# layer (tunepack's step before the planner chose it): a step that recomputes less is faster.
+# A compiled stock run has not been timed: the stock run's time and compiling.GPU.compile_s.
+H100_S = {
+    ("1b", "start"): 21, ("8b", "start"): 65, ("1b", "fsdp"): 122,
+    ("1b", "lora", "tunepack"): 29, ("1b", "lora", "torchtune-stock"): 25,
+    ("1b", "lora", "tunepack-compiled"): 45, ("1b", "lora", "tunepack-plain-loss"): 23,
+    ("1b", "qlora", "tunepack"): 28, ("1b", "qlora", "torchtune-stock"): 25,
+    ("1b", "dora", "tunepack"): 24, ("1b", "dora", "torchtune-stock"): 21,
+    ("1b", "full", "tunepack"): 26, ("1b", "full", "torchtune-stock"): 25,
+    ("8b", "lora", "tunepack"): 33, ("8b", "lora", "torchtune-stock"): 29,
+    ("8b", "lora", "tunepack-plain-loss"): 31,
+    ("8b", "qlora", "tunepack"): 46, ("8b", "qlora", "torchtune-stock"): 45,
+}  # fmt: skip
+# --loan: the most telling runs in one call that fits a 15-minute device loan twice (a rerun's
+# margin) with the machine's starts and transfers: by H100_S, 1B's start 21 s + LoRA 29 + 25 +
+# 45 (stock compiled: 25 + 20) + full 26 + 25, 8B's start 65 s + LoRA 33 + 29 = 298 s, within
+# LOAN_BUDGET_S (the budget cuts the last runs if a device is slower). Left out: the FSDP2
+# check (122 s; measured four times), the plain-loss runs (the fused loss's cost, measured at
+# both sizes), tunepack-compiled (measured at 1B), QLoRA and DoRA (measured at 1B, QLoRA at 8B),
+# 8B DoRA and full (not yet timed; full plans 75 GiB, about all of an 80 GB card).
+LOAN = (
+    ("1b", "lora", ("tunepack", "torchtune-stock", "torchtune-stock-compiled")),
+    ("1b", "full", ("tunepack", "torchtune-stock")),
+    ("8b", "lora", ("tunepack", "torchtune-stock")),
+)
+LOAN_BUDGET_S = 330.0
+DEFAULT_BUDGET_S = 420.0
 
 
 @dataclasses.dataclass
@@ -178,6 +231,9 @@ class Context:
     compile: str | None  # why the compile=true run is left out; None: it runs
     fsdp_nproc: int
     deterministic: bool = False  # the FSDP2 check's runs with deterministic=true
+    # The device's memory as the trainer sizes its step (its total less CUDA_RESERVE_GIB); a run
+    # whose memory plan exceeds it is skipped. None on CPU: no run is skipped for memory.
+    capacity_gib: float | None = None
     runs: itertools.count = dataclasses.field(default_factory=lambda: itertools.count(1))
     walls: dict = dataclasses.field(default_factory=dict)  # size -> its runs' process seconds
 
@@ -222,16 +278,10 @@ def write_model(target: Path, size: Size, *, dtype: str, device: str, seed: int 
     from safetensors.torch import save_file
 
     from tunepack.tiny import hf
-    from tunepack.tiny.bpe import TiktokenFormat, dump_json
 
     entry = size.entry
-    tokenizer = TiktokenFormat().write(catalog.TINY["llama3_2"])
-    config = hf.LLAMA.config(entry, tokenizer)
-    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    for name, data in {"config.json": dump_json(config), **tokenizer.files}.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(data)
+    write_config(tmp, size, dtype=dtype)
     with torch.device("meta"):
         layout = hf.LLAMA.weights(entry, seed)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -266,6 +316,20 @@ def write_model(target: Path, size: Size, *, dtype: str, device: str, seed: int 
     if device == "cuda":
         torch.cuda.empty_cache()  # the trainers, in their own processes, get the memory back
     return target
+
+
+def write_config(target: Path, size: Size, *, dtype: str) -> None:
+    """The config.json of ``size``'s checkpoint and the tiny Llama 3 tokenizer in ``target``
+    (what the memory planner reads of a bring-your-own model)."""
+    from tunepack.tiny import hf
+    from tunepack.tiny.bpe import TiktokenFormat, dump_json
+
+    tokenizer = TiktokenFormat().write(catalog.TINY["llama3_2"])
+    config = hf.LLAMA.config(size.entry, tokenizer)
+    config["torch_dtype"] = {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+    for name, data in {"config.json": dump_json(config), **tokenizer.files}.items():
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        (target / name).write_bytes(data)
 
 
 def write_rows(path: Path, model_dir: Path, size: Size, count: int) -> Path:
@@ -304,27 +368,66 @@ def prepare(ctx: Context, size: Size) -> Path:
     return template
 
 
-def plan(
-    ctx: Context, size: Size, method: str, template: Path, checkpointing: bool, fused_loss: bool
-) -> dict:
-    """The memory planner's estimate of the same job (tunepack.runtimes.planner.estimate); with
-    ``fused_loss=False`` for the runs that hold the whole logits (the stock recipe, tunepack's
-    plain loss)."""
+def plan(ctx: Context, size: Size, method: str, template: Path, *, whole_logits: bool,
+         step=None) -> dict:  # fmt: skip
+    """The memory planner's estimate of the same job (tunepack.runtimes.planner.estimate), with
+    ``step`` (planner.Step: a run's record) exactly; without it, with the step the trainer would
+    choose on this device (``ctx.capacity_gib``). ``whole_logits``: the runs that hold the whole
+    logits (the stock recipe, tunepack's plain loss), planned with ``fused_loss=False``."""
     from tunepack.runtimes.planner import estimate
 
+    if whole_logits and step is not None:
+        step = dataclasses.replace(step, loss_chunk_rows=None)
     p = estimate(
-        MODEL, method, size.seq_len, size.batch_size, dtype=ctx.dtype,
-        activation_checkpointing=checkpointing, lora_rank=size.lora_rank,
-        model_dir=template / "model", fused_loss=fused_loss,
+        MODEL, method, size.seq_len, size.batch_size, dtype=ctx.dtype, lora_rank=size.lora_rank,
+        model_dir=template / "model", fused_loss=not whole_logits, capacity_gib=ctx.capacity_gib,
+        step=step,
     )  # fmt: skip
     parts = ("weights", "gradients", "optimizer", "activations", "logits", "update")
     return {
         "peak_gib": p.peak_gib,
         **{f"{k}_gib": getattr(p, k) / 2**30 for k in parts},
-        "activation_checkpointing": p.activation_checkpointing,
+        "step": p.step.record(),
         "trainable": p.trainable,
         "parameters": p.parameters,
     }
+
+
+def stock_settings(size: Size, method: str) -> tuple[str, bool]:
+    """The torchtune config a torchtune user of this model and method starts from (DoRA: the
+    LoRA one, which torchtune's DoRA configs are with ``use_dora``), and its
+    ``enable_activation_checkpointing``, which the stock runs keep: torchtune 0.6.1 ships Llama
+    3.2 1B's single-device configs with it off and Llama 3.1 8B's with it on."""
+    how = methods.get(method)
+    kind = "full" if not how.adapters else "qlora" if how.quantize_base else "lora"
+    name = f"{size.torchtune_configs}_{kind}_single_device.yaml"
+    shipped = yaml.safe_load((stock_recipe_file().parent / "configs" / name).read_text())
+    return name, bool(shipped["enable_activation_checkpointing"])
+
+
+def stock_step(size: Size, method: str, system: str) -> dict:
+    """The stock run's step, as the trainer records its own (``step_plan``): the shipped
+    config's activation checkpointing (every layer or none), the whole logits (torchtune's
+    cross-entropy), ``compile`` for the compiled system."""
+    from tunepack.runtimes.planner import Step
+
+    layers = size.entry.shape.num_layers
+    checkpointing = stock_settings(size, method)[1]
+    step = Step(layers, layers if checkpointing else 0, None, chosen=False)
+    return {**step.record(), "compiled": system == "torchtune-stock-compiled"}
+
+
+def step_cell(record: dict | None) -> str:
+    """A step in the table's few characters: ``r0/16 c8192`` (no layer of 16 recomputed, 8192
+    rows of logits at a time), ``whole`` for the whole logits, `` +C`` compiled."""
+    if not record:
+        return "-"
+    rows = record["loss_chunk_rows"]
+    return (
+        f"r{record['recompute_layers']}/{record['layers']} "
+        + ("whole" if rows is None else f"c{rows}")
+        + (" +C" if record.get("compiled") else "")
+    )
 
 
 # ----------------------------------------------------------------------------- one run
@@ -384,22 +487,28 @@ def run_tunepack(ctx: Context, size: Size, method: str, system: str, template: P
     usage = _measured([sys.executable, *entry, *args], env, run / "train.log")
     steps = _metrics(ws)
     config = yaml.safe_load((ws / "output" / "config.yaml").read_text())
+    result = json.loads((ws / "output" / "result.json").read_text())
     figures = _figures(ctx, size, _probe_records(probe), usage, steps[-1]["loss"])
     if ctx.device == "cuda":
         figures["peak_memory_gib"] = max(s["peak_memory_gib"] for s in steps)
     figures["step_elapsed_s"] = [s["elapsed_s"] for s in steps]
+    figures["step_plan"] = result["step_plan"]  # the step the trainer chose (and compiled)
     figures["config"] = config
     return figures
 
 
-def run_stock(ctx: Context, size: Size, method: str, tunepack_cfg: dict) -> dict:
-    run = ctx.run_dir(f"{size.name}-{method}-torchtune-stock")
+def run_stock(ctx: Context, size: Size, method: str, system: str, tunepack_cfg: dict) -> dict:
+    run = ctx.run_dir(f"{size.name}-{method}-{system}")
     out = run / "out"
     out.mkdir()
     cfg = stock_config(tunepack_cfg, out, size.steps, ctx.device)
     cfg["collate_fn"] = "sbs_probe.counting_collate_sft"
-    # The same settings as tunepack's run, not trainer_bench's fixed ones.
-    cfg["enable_activation_checkpointing"] = bool(tunepack_cfg["activation_checkpointing"])
+    # What a torchtune user runs: the shipped config's activation checkpointing, torchtune's
+    # plain cross-entropy over the whole logits, and for the compiled system the recipe's own
+    # compile=True (torch.compile of each layer and of the loss), not trainer_bench's settings.
+    step = stock_step(size, method, system)
+    cfg["enable_activation_checkpointing"] = step["recompute_layers"] > 0
+    cfg["compile"] = step["compiled"]
     recipe = stock_recipe_file()
     if not methods.get(method).adapters:
         recipe = recipe.with_name("full_finetune_single_device.py")
@@ -417,6 +526,8 @@ def run_stock(ctx: Context, size: Size, method: str, tunepack_cfg: dict) -> dict
         # torchtune resets the peak at every logged step: the run's peak is the largest.
         peaks = [float(x) for x in _find(text, "peak_memory_alloc")]
         figures["peak_memory_gib"] = max(peaks) if peaks else None
+    figures["step_plan"] = step
+    figures["stock_config"] = stock_settings(size, method)[0]
     return figures
 
 
@@ -464,44 +575,70 @@ def finish(ctx: Context, figures: dict, flops: dict, planned: dict) -> dict:
 
 # ----------------------------------------------------------------------------- workloads
 def method_workloads(
-    ctx: Context, size: Size, method: str, template: Path | None, skip: str | None = None
+    ctx: Context,
+    size: Size,
+    method: str,
+    systems: tuple[str, ...],
+    template: Path | None,
+    skip: str | None = None,
 ) -> list[dict]:
-    """The runs of one size and method, tunepack's first (the stock config derives from its);
-    all of them skipped, with ``skip`` as the reason, when given."""
+    """The runs of one size and method, in ``systems``' order (tunepack's first: the stock
+    configs derive from its); all of them skipped, with ``skip`` as the reason, when given."""
+    from tunepack.runtimes.planner import CUDA_RESERVE_GIB, Step
     from tunepack.trainers import compiling
 
     entries = []
-    systems = [s for s in SYSTEMS if method == "lora" or s not in LORA_ONLY]
     base = {"size": size.name, "method": method, "model": size.title}
     tunepack_cfg = None
+    flops = model_flops_per_token(
+        size.entry.shape, size.seq_len, method=method, lora_rank=size.lora_rank
+    )
     for system in systems:
         entry = {"name": f"{size.name}/{method}/{system}", **base, "system": system}
         entries.append(entry)
-        extra = compiling.GPU.compile_s if system == "tunepack-compiled" else 0.0
+        extra = compiling.GPU.compile_s if system in COMPILED else 0.0
         why = skip or ctx.over_budget(ctx.expected_s(size) + extra)
-        if system == "tunepack-compiled" and ctx.compile:
+        if system in COMPILED and ctx.compile:
             why = ctx.compile
-        if system == "torchtune-stock" and tunepack_cfg is None and why is None:
+        whole_logits = system in WHOLE_LOGITS
+        if why is None and ctx.capacity_gib is not None:
+            # The step this run will take on this device, planned before it starts: a run the
+            # device cannot hold is recorded, not left to run out of memory.
+            if system in STOCK:
+                step = Step.from_record(stock_step(size, method, system))
+                fit = plan(ctx, size, method, template, whole_logits=True, step=step)
+            else:  # the step the trainer will choose, sized as it sizes it
+                fit = plan(ctx, size, method, template, whole_logits=False)
+                if whole_logits:  # the plain loss: that step, with the whole logits
+                    step = Step.from_record(fit["step"])
+                    fit = plan(ctx, size, method, template, whole_logits=True, step=step)
+            if fit["peak_gib"] > ctx.capacity_gib:
+                entry["plan"] = fit
+                shown = {**fit["step"], "compiled": system in COMPILED}
+                why = (
+                    f"does not fit the device: planned {fit['peak_gib']:.1f} GiB "
+                    f"({step_cell(shown)}) over {ctx.capacity_gib:.1f} GiB usable (its "
+                    f"memory less CUDA_RESERVE_GIB {CUDA_RESERVE_GIB:g})"
+                )
+        if system in STOCK and tunepack_cfg is None and why is None:
             why = "its config derives from tunepack's run, which did not run"
         if why:
             entry["skipped"] = why
             continue
         log(f"{entry['name']} ...")
         try:
-            if system == "torchtune-stock":
-                figures = run_stock(ctx, size, method, tunepack_cfg)
+            if system in STOCK:
+                figures = run_stock(ctx, size, method, system, tunepack_cfg)
             else:
                 figures = run_tunepack(ctx, size, method, system, template)
             ctx.walls.setdefault(size.name, []).append(figures["process_wall_s"])
             config = figures.pop("config", None)
             if system == "tunepack":
                 tunepack_cfg = config
-            checkpointing = bool((config or tunepack_cfg).get("activation_checkpointing"))
-            flops = model_flops_per_token(
-                size.entry.shape, size.seq_len, method=method, lora_rank=size.lora_rank
-            )
-            whole_logits = system in ("torchtune-stock", "tunepack-plain-loss")
-            planned = plan(ctx, size, method, template, checkpointing, not whole_logits)
+            # The plan of exactly the step the run took (the trainer's record, the stock
+            # config's settings); the whole logits where the run holds them.
+            step = Step.from_record(figures["step_plan"])
+            planned = plan(ctx, size, method, template, whole_logits=whole_logits, step=step)
             entry.update(finish(ctx, figures, flops, planned))
         except Exception as err:  # recorded; the other runs go on
             entry["skipped"] = f"failed: {type(err).__name__}: {err}"
@@ -814,8 +951,8 @@ def render(report: dict) -> str:
             else f"MFU: none ({peak['why']})"
         ),
         "",
-        f"{'workload':<30}{rate:>10}{'MFU':>8}{'peak GiB':>10}{'plan GiB':>10}"
-        f"{'mem/plan':>9}{'loss':>8}",
+        f"{'workload':<36}{rate:>10}{'MFU':>8}{'peak GiB':>10}{'plan GiB':>10}"
+        f"{'mem/plan':>9}{'loss':>8}  step",
     ]
 
     def cell(value, fmt, width):
@@ -823,24 +960,39 @@ def render(report: dict) -> str:
 
     for w in report["workloads"]:
         if "skipped" in w:
-            lines.append(f"{w['name']:<30}skipped: {w['skipped'].splitlines()[0][:120]}")
+            lines.append(f"{w['name']:<36}skipped: {w['skipped'].splitlines()[0][:120]}")
             continue
+        # The step as planned (the plain-loss run: the trainer's step with the whole logits).
+        step = {**w["plan"]["step"], "compiled": w["step_plan"].get("compiled")}
         lines.append(
-            f"{w['name']:<30}{cell(w[rate_key], '10.1f', 10)}{cell(w['mfu'], '8.1%', 8)}"
+            f"{w['name']:<36}{cell(w[rate_key], '10.1f', 10)}{cell(w['mfu'], '8.1%', 8)}"
             f"{cell(w['peak_memory_gib'], '10.3f', 10)}{cell(w['plan_gib'], '10.3f', 10)}"
-            f"{cell(w['memory_vs_plan'], '9.2f', 9)}{cell(w['loss'], '8.3f', 8)}"
+            f"{cell(w['memory_vs_plan'], '9.2f', 9)}{cell(w['loss'], '8.3f', 8)}  "
+            f"{step_cell(step)}"
         )
     kind = "the process's peak resident set" if cpu else "the trainer's peak allocated memory"
     lines.append(
         f"{rate}: real tokens per {'CPU ' if cpu else ''}second after the warm-up; MFU: that x "
         f"model FLOPs per token / the peak; peak GiB: {kind}; plan GiB: the memory planner's "
-        "estimate of the same job"
+        "estimate of the same job with the same step; step: rN/L recomputes the first N of L "
+        "layers, cR computes R rows of logits at a time (whole: the whole logits, unfused), +C "
+        "compiled"
     )
+
+    def ratios(r: dict) -> str:
+        return (
+            f"{rate} {cell(r['tokens_ratio'], '.2f', 1)}x, peak memory "
+            f"{cell(r['memory_ratio'], '.2f', 1)}x"
+        )
+
     for pair in report["tunepack_vs_stock"]:
         lines.append(
-            f"tunepack / stock, {pair['size']}/{pair['method']}: {rate} "
-            f"{cell(pair['tokens_ratio'], '.2f', 1)}x, peak memory "
-            f"{cell(pair['memory_ratio'], '.2f', 1)}x"
+            f"tunepack / stock, {pair['size']}/{pair['method']}: {ratios(pair)}"
+            + (
+                f"; vs compiled stock: {ratios(pair['vs_compiled_stock'])}"
+                if "vs_compiled_stock" in pair
+                else ""
+            )
         )
     for c in report["compile"]:
         if "skipped" in c:
@@ -886,42 +1038,104 @@ def render(report: dict) -> str:
 
 
 def _pairs(workloads: list[dict], rate: str) -> list[dict]:
+    """tunepack's default run against the stock recipe's, and against the compiled stock
+    recipe's where that ran."""
     found = {(w["size"], w["method"], w["system"]): w for w in workloads if "skipped" not in w}
+
+    def ratios(ours: dict, theirs: dict) -> dict:
+        tokens = ours[rate], theirs[rate]
+        memory = ours["peak_memory_gib"], theirs["peak_memory_gib"]
+        return {
+            "tokens_ratio": tokens[0] / tokens[1] if all(tokens) else None,
+            "memory_ratio": memory[0] / memory[1] if all(memory) else None,
+        }
+
     pairs = []
     for (size, method, system), ours in found.items():
         stock = found.get((size, method, "torchtune-stock"))
         if system != "tunepack" or stock is None:
             continue
-        tokens = ours[rate], stock[rate]
-        memory = ours["peak_memory_gib"], stock["peak_memory_gib"]
-        pairs.append(
-            {
-                "size": size,
-                "method": method,
-                "tokens_ratio": tokens[0] / tokens[1] if all(tokens) else None,
-                "memory_ratio": memory[0] / memory[1] if all(memory) else None,
-            }
-        )
+        pair = {"size": size, "method": method, **ratios(ours, stock)}
+        if compiled := found.get((size, method, "torchtune-stock-compiled")):
+            pair["vs_compiled_stock"] = ratios(ours, compiled)
+        pairs.append(pair)
     return pairs
 
 
-def check(ctx: Context, sizes: list[Size], methods: set[str], fsdp_only: bool = False) -> dict:
-    """Every workload, the most telling first (each size's model, then its LoRA runs, then the
-    FSDP2 check on the first size; then QLoRA, DoRA and full, size after size), so that a time
-    budget leaves out the least; then the comparisons derived from them."""
-    wanted = {s.name: [m for m in s.methods if m in methods] for s in sizes}
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One part of a check: a size's model and rows (``prepare``), the runs of one of its
+    methods (``method``: ``systems`` in order) or the FSDP2 resume check (``fsdp``)."""
+
+    kind: str
+    size: Size
+    method: str | None = None
+    systems: tuple[str, ...] = ()
+
+
+def select(sizes: list[Size], methods: set[str], fsdp_only: bool = False) -> list[Task]:
+    """Every run of ``sizes`` x ``methods``, the most telling first (each size's LoRA runs, the
+    FSDP2 check on the first size after its LoRA runs; then QLoRA, DoRA and full, size after
+    size), so that a time budget leaves out the least; ``fsdp_only``: the FSDP2 check alone."""
+    if fsdp_only:  # the FSDP2 resume check alone (e.g. again, with --deterministic)
+        return _prepared([Task("fsdp", sizes[0])])
+
+    def runs(size: Size, method: str) -> list[Task]:
+        if method not in methods or method not in size.methods:
+            return []
+        systems = tuple(s for s in SYSTEMS if method == "lora" or s not in LORA_ONLY)
+        return [Task("method", size, method, systems)]
+
     tasks = []
     for i, size in enumerate(sizes):
-        tasks.append(("prepare", size, None))
-        if "lora" in wanted[size.name]:
-            tasks.append(("method", size, "lora"))
-            if i == 0:
-                tasks.append(("fsdp", size, None))
+        tasks += runs(size, "lora")
+        if i == 0 and tasks:
+            tasks.append(Task("fsdp", size))
     for method in METHODS[1:]:
-        tasks += [("method", size, method) for size in sizes if method in wanted[size.name]]
-    if fsdp_only:  # the FSDP2 resume check alone (e.g. again, with --deterministic)
-        tasks = [("prepare", sizes[0], None), ("fsdp", sizes[0], None)]
+        tasks += [task for size in sizes for task in runs(size, method)]
+    return _prepared(tasks)
 
+
+def loan() -> list[Task]:
+    """--loan's runs (LOAN), in its order."""
+    return _prepared([Task("method", SIZES[size], m, systems) for size, m, systems in LOAN])
+
+
+def _prepared(runs: list[Task]) -> list[Task]:
+    """``runs`` with each size's ``prepare`` before its first run."""
+    tasks, made = [], set()
+    for task in runs:
+        if task.size.name not in made:
+            made.add(task.size.name)
+            tasks.append(Task("prepare", task.size))
+        tasks.append(task)
+    return tasks
+
+
+def estimated_s(tasks: list[Task]) -> tuple[float, list[str]]:
+    """How long ``tasks`` took on one H100 (H100_S), and what of them was never timed there."""
+    from tunepack.trainers import compiling
+
+    parts: dict[str, float | None] = {}
+    for task in tasks:
+        name = task.size.name
+        if task.kind == "prepare":
+            parts[f"{name} start"] = H100_S.get((name, "start"))
+        elif task.kind == "fsdp":
+            parts[f"{name}/lora/fsdp2-resume"] = H100_S.get((name, "fsdp"))
+        for system in task.systems:
+            value = H100_S.get((name, task.method, system))
+            stock = H100_S.get((name, task.method, "torchtune-stock"))
+            if system == "torchtune-stock-compiled" and stock is not None:
+                value = stock + compiling.GPU.compile_s
+            parts[f"{name}/{task.method}/{system}"] = value
+    untimed = [part for part, value in parts.items() if value is None]
+    return sum(value for value in parts.values() if value is not None), untimed
+
+
+def check(ctx: Context, tasks: list[Task]) -> dict:
+    """Every workload of ``tasks`` in their order (``select``, ``loan``); then the comparisons
+    derived from them."""
     templates: dict[str, concurrent.futures.Future] = {}
 
     def make(size: Size) -> Path:
@@ -929,45 +1143,46 @@ def check(ctx: Context, sizes: list[Size], methods: set[str], fsdp_only: bool = 
             raise RuntimeError(why)
         return prepare(ctx, size)
 
-    def run(kind: str, size: Size, method: str | None):
+    def run(task: Task):
         try:
-            template, skip = templates[size.name].result(), None
+            template, skip = templates[task.size.name].result(), None
         except Exception as err:  # the model could not be made, or the budget said no
             template, skip = None, f"no model: {err}"
-        if kind == "fsdp":
-            return fsdp_resume(ctx, size, template, skip)
-        return method_workloads(ctx, size, method, template, skip)
+        if task.kind == "fsdp":
+            return fsdp_resume(ctx, task.size, template, skip)
+        return method_workloads(ctx, task.size, task.method, task.systems, template, skip)
 
     # Runs one at a time on a GPU (each measures the device alone); two at a time on CPU.
     jobs = int(os.environ.get("GPU_CHECK_JOBS") or (2 if ctx.device == "cpu" else 1))
     workloads, fsdp = [], []
     with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = []
-        for kind, size, method in tasks:  # FIFO: a size's model is made before its runs start
-            if kind == "prepare":
-                templates[size.name] = pool.submit(make, size)
+        for task in tasks:  # FIFO: a size's model is made before its runs start
+            if task.kind == "prepare":
+                templates[task.size.name] = pool.submit(make, task.size)
             else:
-                futures.append((kind, pool.submit(run, kind, size, method)))
+                futures.append((task.kind, pool.submit(run, task)))
         for kind, future in futures:
             if kind == "fsdp":
                 fsdp.append(future.result())
             else:
                 workloads.extend(future.result())
-    order = {name: i for i, name in enumerate(f"{s.name}/{m}" for s in sizes for m in METHODS)}
+    sizes = list(dict.fromkeys(t.size.name for t in tasks))
+    order = {f"{s}/{m}": i for i, (s, m) in enumerate(itertools.product(sizes, METHODS))}
     workloads.sort(key=lambda w: (order[f"{w['size']}/{w['method']}"], SYSTEMS.index(w["system"])))
 
     compiled, fused = [], []
     found = {w["name"]: w for w in workloads}
-    for size in sizes:
-        if "lora" not in wanted[size.name] or fsdp_only:
+    for size in (t.size for t in tasks if t.kind == "prepare"):
+        eager = found.get(f"{size.name}/lora/tunepack")
+        if eager is None:
             continue
-        eager = found[f"{size.name}/lora/tunepack"]
-        comp = compile_figures(ctx, eager, found[f"{size.name}/lora/tunepack-compiled"],
-                               size.warmup)  # fmt: skip
-        compiled.append({"size": size.name, **comp})
-        plain = found[f"{size.name}/lora/tunepack-plain-loss"]
-        step = "step_cpu_s" if ctx.device == "cpu" else "step_s"
-        fused.append({"size": size.name, **fused_loss_figures(eager, plain, step)})
+        if other := found.get(f"{size.name}/lora/tunepack-compiled"):
+            comp = compile_figures(ctx, eager, other, size.warmup)
+            compiled.append({"size": size.name, **comp})
+        if plain := found.get(f"{size.name}/lora/tunepack-plain-loss"):
+            step = "step_cpu_s" if ctx.device == "cpu" else "step_s"
+            fused.append({"size": size.name, **fused_loss_figures(eager, plain, step)})
     for w in workloads:
         w.pop("step_elapsed_s", None)
     return {
@@ -990,15 +1205,26 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny model, a few steps")
-    parser.add_argument("--sizes", default=",".join(SIZES), help="comma-separated: 1b, 8b")
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset")
+    parser.add_argument(
+        "--loan",
+        action="store_true",
+        help="the most telling runs only, within a 15-minute device loan with a rerun's margin "
+        f"(--budget-s {LOAN_BUDGET_S:.0f} unless given)",
+    )
+    parser.add_argument("--sizes", help="comma-separated: 1b, 8b (default: both)")
+    parser.add_argument("--methods", help="comma-separated subset (default: all)")
     parser.add_argument("--out", type=Path, help="the JSON report (default under .tunepack/)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="start no run after this many seconds (GPU; default 420)")  # fmt: skip
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help=f"start no run after this many seconds (GPU; default {DEFAULT_BUDGET_S:.0f}, "
+        f"with --loan {LOAN_BUDGET_S:.0f})",
+    )
     parser.add_argument(
         "--compile-run",
         choices=("yes", "no"),
-        help="run LoRA with compile=true too (default: yes on a GPU, no with --dry-run)",
+        help="the compile=true runs (tunepack-compiled, torchtune-stock-compiled) too "
+        "(default: yes on a GPU, no with --dry-run)",
     )
     parser.add_argument("--peak-tflops", type=float, help="the GPU's dense bf16 peak")
     parser.add_argument("--fsdp-nproc", type=int, default=1, help="FSDP2 processes (GPUs)")
@@ -1012,15 +1238,37 @@ def main(argv: list[str] | None = None) -> int:
         "so two identical GPU runs differ without it)",
     )
     args = parser.parse_args(argv)
-    methods = {m for m in args.methods.split(",") if m}
+    began = time.monotonic()
+    if args.loan:
+        given = [f for f, v in (("--dry-run", args.dry_run), ("--sizes", args.sizes),
+                 ("--methods", args.methods), ("--fsdp-only", args.fsdp_only)) if v]  # fmt: skip
+        if given:
+            parser.error(f"--loan chooses its own runs: leave out {', '.join(given)}")
+    methods = {m for m in (args.methods or ",".join(METHODS)).split(",") if m}
     if not methods <= set(METHODS):
         parser.error(f"--methods: choose from {', '.join(METHODS)}")
+    budget_s = args.budget_s
+    if budget_s is None:
+        budget_s = LOAN_BUDGET_S if args.loan else DEFAULT_BUDGET_S
+    if not args.dry_run:
+        names = [s for s in (args.sizes or ",".join(SIZES)).split(",") if s]
+        unknown = [s for s in names if s not in SIZES]
+        if unknown:
+            parser.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
+        sizes = [SIZES[s] for s in names]
+        tasks = loan() if args.loan else select(sizes, methods, fsdp_only=args.fsdp_only)
+        total, untimed = estimated_s(tasks)
+        print(
+            f"gpu_check: about {total:.0f} s by the H100 runs of 2026-11-26/27"
+            + (f" (not timed there: {', '.join(untimed)})" if untimed else "")
+            + f"; --budget-s {budget_s:.0f}",
+            flush=True,
+        )
 
     import torch
 
-    began = time.monotonic()
     if args.dry_run:
-        sizes, device, dtype = [DRY], "cpu", "fp32"
+        tasks, device, dtype = select([DRY], methods, fsdp_only=args.fsdp_only), "cpu", "fp32"
         # The trainers run one thread each; the limit is one thread's.
         peak = sgemm_peak(threads=1)
         info = {
@@ -1033,10 +1281,6 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("gpu_check: no CUDA GPU here; --dry-run runs the check on CPU", file=sys.stderr)
             return 2
-        unknown = [s for s in args.sizes.split(",") if s and s not in SIZES]
-        if unknown:
-            parser.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
-        sizes = [SIZES[s] for s in args.sizes.split(",") if s]
         device, dtype = "cuda", "bf16"
         info = gpu_info(args.peak_tflops)
         why = None if info["peak_tflops"] else (
@@ -1073,15 +1317,19 @@ def main(argv: list[str] | None = None) -> int:
     mode = "dry-run" if args.dry_run else "gpu"
     out = args.out or ROOT / ".tunepack" / "gpu-check" / f"{mode}.json"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # The trainer sizes its step to the device's memory less CUDA_RESERVE_GIB; so does the check.
+    from tunepack.runtimes.planner import CUDA_RESERVE_GIB
+
+    capacity = None if device == "cpu" else info["memory_gib"] - CUDA_RESERVE_GIB
     root = Path(tempfile.mkdtemp(prefix="tunepack-gpu-check-"))
     try:
         ctx = Context(
             root=root, device=device, dtype=dtype, env=env, started=began,
-            budget_s=math.inf if args.dry_run else args.budget_s, peak_flops=peak_flops,
+            budget_s=math.inf if args.dry_run else budget_s, peak_flops=peak_flops,
             peak_why=why, compile=compile_why, fsdp_nproc=args.fsdp_nproc,
-            deterministic=args.deterministic,
+            deterministic=args.deterministic, capacity_gib=capacity,
         )  # fmt: skip
-        results = check(ctx, sizes, methods, fsdp_only=args.fsdp_only)
+        results = check(ctx, tasks)
     finally:
         if args.keep:
             shutil.copytree(root, args.keep, symlinks=True, dirs_exist_ok=True)
@@ -1091,7 +1339,14 @@ def main(argv: list[str] | None = None) -> int:
         "mode": mode,
         "device": {"kind": device, "dtype": dtype, **info},
         "peak": {**peak, "why": why},
-        "sizes": {s.name: {**dataclasses.asdict(s), "title": s.title} for s in sizes},
+        "sizes": {
+            t.size.name: {**dataclasses.asdict(t.size), "title": t.size.title}
+            for t in tasks
+            if t.kind == "prepare"
+        },
+        "loan": args.loan,
+        "budget_s": None if args.dry_run else budget_s,
+        "capacity_gib": capacity,
         **results,
         "versions": versions([]),
         "wall_s": time.monotonic() - began,

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from tests import REPO
+from tunepack.runtimes import planner
 from tunepack.runtimes.catalog import Shape
 from tunepack.trainers import compiling
 
@@ -105,9 +106,22 @@ def problems(report: dict) -> list[str]:
         if "skipped" in w:
             if not (isinstance(w["skipped"], str) and w["skipped"].strip()):
                 found.append(f"{name}: skipped without a reason")
-            elif w.get("system") != "tunepack-compiled":  # the one run a dry run leaves out
+            elif w.get("system") not in gpu_check.COMPILED:  # the runs a dry run leaves out
                 found.append(f"{name}: did not run: {w['skipped'][:300]}")
+            elif not w["skipped"].startswith("left out of --dry-run: compiling"):
+                found.append(f"{name}: skipped for another reason: {w['skipped'][:300]}")
             continue
+        # The step each run took: tunepack's from its result.json, the stock config's; the plan
+        # computed with exactly that step (the whole logits where the run holds them).
+        step = w.get("step_plan") or {}
+        if set(step) != {"layers", "recompute_layers", "loss_chunk_rows", "compiled"}:
+            found.append(f"{name}: step_plan {step!r}")
+        else:
+            want = {k: v for k, v in step.items() if k != "compiled"}
+            if w.get("system") in gpu_check.WHOLE_LOGITS:
+                want["loss_chunk_rows"] = None
+            if w.get("plan", {}).get("step") != want:
+                found.append(f"{name}: planned with {w.get('plan', {}).get('step')}, not {want}")
         for key in ("tokens_per_s", "tokens_per_cpu_s", "peak_memory_gib", "plan_gib"):
             if not _positive(w.get(key)):
                 found.append(f"{name}: {key} is {w.get(key)!r}")
@@ -168,6 +182,51 @@ def test_dry_run_writes_a_complete_report(tmp_path):
         assert w["name"] in done.stdout
     assert "adapter bit-exact: yes" in done.stdout
 
+    # The step per run, in the report and the table's last column: on CPU tunepack recomputes no
+    # layer and computes 8192 rows of logits at once (its CPU chunk at a vocabulary of 1024);
+    # the stock recipe keeps torchtune's Llama 3.2 1B configs' setting (no activation
+    # checkpointing) and the whole logits, as does the plain-loss run.
+    runs = {w["name"]: w for w in report["workloads"]}
+    lines = {line.split()[0]: line for line in done.stdout.splitlines() if line.startswith("dry/")}
+    for method in gpu_check.METHODS:
+        ours = runs[f"dry/{method}/tunepack"]
+        assert ours["step_plan"] == {
+            "layers": 2, "recompute_layers": 0, "loss_chunk_rows": 8192, "compiled": False,
+        }  # fmt: skip
+        assert lines[f"dry/{method}/tunepack"].endswith("  r0/2 c8192")
+        assert lines[f"dry/{method}/torchtune-stock"].endswith("  r0/2 whole")
+        assert runs[f"dry/{method}/torchtune-stock"]["stock_config"].startswith("llama3_2/1B_")
+        assert lines[f"dry/{method}/torchtune-stock-compiled"].endswith(
+            "skipped: left out of --dry-run: compiling even the tiny model takes about a minute "
+            "of CPU (--compile-run yes includes it)"
+        )
+    assert lines["dry/lora/tunepack-plain-loss"].endswith("  r0/2 whole")
+    for w in runs.values():  # each plan is the planner's for exactly that step
+        if "skipped" not in w:
+            step = planner.Step.from_record(w["plan"]["step"])
+            whole = w["system"] in gpu_check.WHOLE_LOGITS
+            size = gpu_check.DRY
+            want = planner.estimate(
+                size.entry, w["method"], size.seq_len, size.batch_size, dtype="fp32",
+                lora_rank=size.lora_rank, fused_loss=not whole, step=step,
+            )  # fmt: skip
+            assert w["plan_gib"] == pytest.approx(want.peak_gib), w["name"]
+    assert not any("vs_compiled_stock" in pair for pair in report["tunepack_vs_stock"])
+
+    # Where the compiled stock recipe ran, the ratio line adds tunepack against it.
+    ran = copy.deepcopy(report)
+    ours = next(w for w in ran["workloads"] if w["name"] == "dry/lora/tunepack")
+    stock = next(w for w in ran["workloads"] if w["name"] == "dry/lora/torchtune-stock")
+    compiled = next(w for w in ran["workloads"] if w["name"] == "dry/lora/torchtune-stock-compiled")
+    compiled.update({k: v for k, v in stock.items() if k not in ("name", "system")})
+    compiled.pop("skipped")
+    compiled["tokens_per_cpu_s"] = 2 * ours["tokens_per_cpu_s"]
+    compiled["peak_memory_gib"] = ours["peak_memory_gib"]
+    ran["tunepack_vs_stock"] = gpu_check._pairs(ran["workloads"], "tokens_per_cpu_s")
+    pair = next(p for p in ran["tunepack_vs_stock"] if p["method"] == "lora")
+    assert pair["vs_compiled_stock"] == {"tokens_ratio": 0.5, "memory_ratio": 1.0}
+    assert "; vs compiled stock: tok/CPU-s 0.50x, peak memory 1.00x" in gpu_check.render(ran)
+
     # The checks above fail a report that lacks what they look for.
     broken = copy.deepcopy(report)
     ran = next(w for w in broken["workloads"] if "skipped" not in w)
@@ -175,8 +234,101 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     ran["mfu"] = None
     broken["fsdp2"][0]["bit_exact"] = False
     broken["workloads"].pop()
+    ours = next(w for w in broken["workloads"] if w["name"] == "dry/qlora/tunepack")
+    del ours["step_plan"]
+    stock = next(w for w in broken["workloads"] if w["name"] == "dry/qlora/torchtune-stock")
+    stock["plan"]["step"]["recompute_layers"] = 2
+    compiled = next(w for w in broken["workloads"] if w["system"] == "torchtune-stock-compiled")
+    compiled["skipped"] = "failed: OOM"
     found = problems(broken)
     assert any("tokens_per_s" in p for p in found)
     assert any("MFU None without a reason" in p for p in found)
     assert any("not bit-exact" in p for p in found)
     assert any(p.startswith("workloads ") for p in found)
+    assert "dry/qlora/tunepack: step_plan {}" in found
+    assert any(p.startswith("dry/qlora/torchtune-stock: planned with ") for p in found)
+    assert any(p.endswith("skipped for another reason: failed: OOM") for p in found)
+
+
+# ----------------------------------------------------------------------------- what runs
+def _tasks(tasks: list) -> list[tuple]:
+    return [(t.kind, t.size.name, t.method, t.systems) for t in tasks]
+
+
+def test_loan_picks_the_most_telling_runs_within_its_budget():
+    """--loan: 1B LoRA (tunepack, stock, compiled stock), 1B full and 8B LoRA (tunepack,
+    stock), each size's model made before its runs; no FSDP2 check, no plain-loss run; by the
+    H100 runs' times it ends within its budget, which twice leaves room in 15 minutes."""
+    both = ("tunepack", "torchtune-stock")
+    assert _tasks(gpu_check.loan()) == [
+        ("prepare", "1b", None, ()),
+        ("method", "1b", "lora", (*both, "torchtune-stock-compiled")),
+        ("method", "1b", "full", both),
+        ("prepare", "8b", None, ()),
+        ("method", "8b", "lora", both),
+    ]
+    total, untimed = gpu_check.estimated_s(gpu_check.loan())
+    # 21 + 29 + 25 + (25 + compile 20) + 26 + 25 + 65 + 33 + 29
+    assert (total, untimed) == (298.0, [])
+    assert total < gpu_check.LOAN_BUDGET_S and 2 * gpu_check.LOAN_BUDGET_S < 15 * 60
+
+
+def test_every_method_at_both_sizes_lora_first():
+    tasks = gpu_check.select(list(gpu_check.SIZES.values()), set(gpu_check.METHODS))
+    lora = gpu_check.SYSTEMS
+    others = ("tunepack", "torchtune-stock", "torchtune-stock-compiled")
+    assert _tasks(tasks) == [
+        ("prepare", "1b", None, ()),
+        ("method", "1b", "lora", lora),
+        ("fsdp", "1b", None, ()),
+        ("prepare", "8b", None, ()),
+        ("method", "8b", "lora", lora),
+        *(("method", size, m, others) for m in ("qlora", "dora", "full") for size in ("1b", "8b")),
+    ]
+    # 8B DoRA and full and the compiled runs at 8B have no time measured yet.
+    assert gpu_check.estimated_s(tasks)[1] == [
+        "8b/lora/tunepack-compiled",
+        *(f"8b/{m}/{s}" for m in ("dora", "full") for s in others),
+    ]
+
+
+def test_loan_prints_its_estimate_and_keeps_its_runs(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--loan"]) == 2  # no GPU here: after the estimate, nothing runs
+    out, err = capsys.readouterr()
+    assert out == "gpu_check: about 298 s by the H100 runs of 2026-11-26/27; --budget-s 330\n"
+    assert err == "gpu_check: no CUDA GPU here; --dry-run runs the check on CPU\n"
+    assert gpu_check.main(["--loan", "--budget-s", "300"]) == 2
+    assert capsys.readouterr().out.endswith("; --budget-s 300\n")
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.main(["--loan", "--sizes", "1b", "--fsdp-only"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        ": error: --loan chooses its own runs: leave out --sizes, --fsdp-only\n"
+    )
+
+
+def test_a_run_the_device_cannot_hold_is_skipped_with_its_plan(tmp_path):
+    """8B full fine-tuning at batch 2 plans about 75 GiB: on a 40 GB card (37.4 GiB usable)
+    every system of it is recorded as skipped with the plan's reason; nothing runs."""
+    size = gpu_check.SIZES["8b"]
+    gpu_check.write_config(tmp_path / "ws" / "model", size, dtype="bf16")
+    ctx = gpu_check.Context(
+        root=tmp_path, device="cuda", dtype="bf16", env={}, started=0.0, budget_s=math.inf,
+        peak_flops=None, peak_why="none", compile=None, fsdp_nproc=1, capacity_gib=37.4,
+    )  # fmt: skip
+    systems = ("tunepack", "torchtune-stock", "torchtune-stock-compiled")
+    entries = gpu_check.method_workloads(ctx, size, "full", systems, tmp_path / "ws")
+    assert [(e["name"], e["skipped"]) for e in entries] == [
+        (
+            f"8b/full/{system}",
+            f"does not fit the device: planned 74.9 GiB ({cell}) over 37.4 GiB usable (its "
+            "memory less CUDA_RESERVE_GIB 2)",
+        )
+        for system, cell in zip(
+            systems, ("r32/32 c65", "r32/32 whole", "r32/32 whole +C"), strict=True
+        )
+    ]
+    assert not (tmp_path / "runs").exists()
