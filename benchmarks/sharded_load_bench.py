@@ -72,6 +72,7 @@ def worker(way: str, root: Path, layers: int) -> None:
 
     recipe = FineTuneRecipe(_config(_entry(layers), root))  # joins the process group
     if way == "tunepack":
+        recipe.step = recipe._choose_step(None)  # setup's choice, which _setup_model applies
         model = recipe._setup_model(recipe._load_base_weights())
     else:
         state = config.instantiate(recipe.cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
