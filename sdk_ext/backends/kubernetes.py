@@ -259,6 +259,8 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         job = self._from_object(raw)
         if not isinstance(job, TrainJob):  # not a tunepack runtime's: the SDK's object
             return job
+        if job.status == kc.TRAINJOB_FAILED:
+            return dataclasses.replace(job, exit_code=self._failed_exit_code(name))
         waiting = None
         if job.status not in (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED) and not job.message:
             held = scheduling.queued(self.custom_api, self.namespace, raw)
@@ -339,6 +341,26 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             message=message,
             progress=progress_from_status(status.get("trainerStatus")),
         )
+
+    def _failed_exit_code(self, name: str) -> int | None:
+        """The exit code of the container that failed first among the job's pods (one LIST),
+        None where no pod holds one any more."""
+        selector = f"{kc.JOBSET_NAME_LABEL}={name}"
+        try:
+            thread = self.core_api.list_namespaced_pod(
+                self.namespace, label_selector=selector, async_req=True
+            )
+            pods = _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT)).get("items") or []
+        except Exception:  # the code refines the status; the job's status is known already
+            logger.debug("listing the pods of %s failed", name, exc_info=True)
+            return None
+        ended = [
+            (str(ended.get("finished_at") or ""), ended["exit_code"])
+            for pod in pods
+            for status in (pod.get("status") or {}).get("container_statuses") or []
+            if (ended := (status.get("state") or {}).get("terminated")) and ended.get("exit_code")
+        ]
+        return min(ended)[1] if ended else None
 
     def _exporter_steps(self, name: str) -> list[kf.Step]:
         """The exporter's step (``exporter``, its newest pod), which the SDK's pod selector

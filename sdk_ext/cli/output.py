@@ -55,20 +55,25 @@ def duration(seconds: int) -> str:
 
 
 def print_nothing_to_do(
-    name: str, workspace: Path, export: str | None, jobs_dir: str | None
+    name: str, workspace: Path, export: str | None, jobs_dir: str | None, exported: bool = False
 ) -> None:
     """The end of a re-run whose trainer found its result complete: nothing trained, and the
-    logs are still those of the run that did (``run_job`` put them back)."""
+    logs are still those of the run that did (``run_job`` put them back); ``exported``: but the
+    exporter sent the result (its log is this run's)."""
     from tunepack.core.workspace import result_file
 
     result = json.loads(result_file(workspace).read_text())
     where = f" --jobs-dir {jobs_dir}" if jobs_dir else ""
     print()
-    print(f"tunepack: job {name} already finished; nothing to do")
+    if exported:
+        print(f"tunepack: job {name} had already trained; its result was exported")
+    else:
+        print(f"tunepack: job {name} already finished; nothing to do")
     print(f"  result      {result['artifact']}")
     if export:
         print(f"  exported    {export} (tunepack download {name} DIR)")
-    print(f"  logs        tunepack logs {name} --local{where} (of the run that trained)")
+    this = "; --step exporter: this export's" if exported else ""
+    print(f"  logs        tunepack logs {name} --local{where} (of the run that trained{this})")
 
 
 def print_summary(

@@ -299,6 +299,16 @@ def test_runtimes_lists_the_catalog():
         (None, ["epochs=1", "--runtime-typo"], "unrecognized arguments"),
         (
             None,
+            ["--column-map", "a:text,b:text"],
+            "tunepack: error: --column-map 'a:text,b:text' maps two columns to the same field\n",
+        ),
+        (
+            None,
+            ["--dataset-schema", "dpo"],
+            "tunepack: error: --dataset-schema 'dpo' is not a dataset schema; use one of ",
+        ),
+        (
+            None,
             ["learning_rate=1e-4"],
             "unknown trainer argument 'learning_rate'; did you mean 'lr'?\n",
         ),
