@@ -374,7 +374,7 @@ def _encode(
 def _mention_mapping(problem: str, mapping: dict[str, str]) -> str:
     for src, dst in mapping.items():
         if f"field {dst!r} is missing" in problem:
-            return f"{problem} (COLUMN_MAP maps column {src!r} to it)"
+            return f"{problem} ({schemas.spelling().column_map} maps column {src!r} to it)"
     return problem
 
 

@@ -30,9 +30,10 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
-from tunepack.core import workspace
+from tunepack.core import durable, workspace
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import atomic
 from tunepack.initializers._entry import log, run
@@ -75,7 +76,13 @@ def export() -> None:
     sink = sinks.open_sink(raw, _log)  # the URI is checked before anything is read
     files, result = collect(workspace.output_dir())
     manifest = build_manifest(files, result, sink.display)
-    sink.publish(files, manifest)
+    if sink.publish(files, manifest):
+        record = {"uri": sink.display, "files": len(files), "exported_at": _now()}
+        durable.write_json(workspace.export_record_file(workspace.workspace_root()), record)
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="microseconds")
 
 
 def collect(output: Path) -> tuple[list[LocalFile], dict]:

@@ -39,6 +39,32 @@ from tunepack.runtimes import catalog
 
 SCHEMA_ENV = "DATASET_SCHEMA"
 COLUMN_MAP_ENV = "COLUMN_MAP"
+# Who set them, so that messages name them as that caller wrote them: the ``tunepack`` command
+# sets it to ``cli`` (its flags --column-map, --dataset-schema); unset, the variables themselves.
+SPELLING_ENV = "TUNEPACK_SPELLING"
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How a caller names the schema settings: container variables or CLI flags."""
+
+    column_map: str
+    schema: str
+
+    def given(self, name: str, raw: str) -> str:
+        """``COLUMN_MAP='x'`` (a variable) or ``--column-map 'x'`` (a flag)."""
+        return f"{name} {raw!r}" if name.startswith("--") else f"{name}={raw!r}"
+
+
+VARIABLES = Spelling(COLUMN_MAP_ENV, SCHEMA_ENV)
+FLAGS = Spelling("--column-map", "--dataset-schema")
+
+
+def spelling() -> Spelling:
+    """The caller's names for the settings, from ``TUNEPACK_SPELLING``."""
+    return FLAGS if os.environ.get(SPELLING_ENV, "").strip() == "cli" else VARIABLES
+
+
 ROLES = ("system", "user", "assistant")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -432,21 +458,23 @@ _DETECT = (
 
 def requested() -> Schema | None:
     """The schema named by ``DATASET_SCHEMA``, or None to detect it."""
-    return parse_schema(os.environ.get(SCHEMA_ENV, ""))
+    return parse_schema(os.environ.get(SCHEMA_ENV, ""), spelling())
 
 
-def parse_schema(raw: str) -> Schema | None:
-    """A ``DATASET_SCHEMA`` value: the schema it names, or None (``auto``, empty) to detect it."""
-    raw = raw.strip().lower()
-    if raw in ("", "auto"):
+def parse_schema(raw: str, names: Spelling = VARIABLES) -> Schema | None:
+    """A ``DATASET_SCHEMA`` value: the schema it names, or None (``auto``, empty) to detect it;
+    ``names``: the caller's name for the setting, for the message."""
+    key = raw.strip().lower()
+    if key in ("", "auto"):
         return None
-    if raw == "alpaca":
-        raw = "instruction"
-    if raw not in SCHEMAS:
+    if key == "alpaca":
+        key = "instruction"
+    if key not in SCHEMAS:
         raise BadInputError(
-            f"{SCHEMA_ENV}={raw!r} is not a dataset schema; use one of {', '.join(SCHEMAS)} or auto"
+            f"{names.given(names.schema, raw.strip())} is not a dataset schema; use one of "
+            f"{', '.join(SCHEMAS)} or auto"
         )
-    return SCHEMAS[raw]
+    return SCHEMAS[key]
 
 
 def detect(row: object, source: str) -> Schema:
@@ -465,22 +493,28 @@ def detect(row: object, source: str) -> Schema:
         f"'conversations' (sharegpt), 'text', "
         f"'chosen' and 'rejected' (preference), 'prompt' and 'completion' and 'label' "
         f"(unpaired), or 'prompt' (prompt); "
-        f"rename columns with {COLUMN_MAP_ENV}=from:to,... or set {SCHEMA_ENV}"
+        f"rename columns with {_example(spelling())} or set {spelling().schema}"
     )
+
+
+def _example(names: Spelling) -> str:
+    return names.given(names.column_map, "from:to,...").replace("'", "")
 
 
 def column_map() -> dict[str, str]:
     """``COLUMN_MAP`` as {source column: schema field}."""
-    return parse_column_map(os.environ.get(COLUMN_MAP_ENV, ""))
+    return parse_column_map(os.environ.get(COLUMN_MAP_ENV, ""), spelling())
 
 
-def parse_column_map(raw: str) -> dict[str, str]:
-    """A ``COLUMN_MAP`` value as {source column: schema field}."""
+def parse_column_map(raw: str, names: Spelling = VARIABLES) -> dict[str, str]:
+    """A ``COLUMN_MAP`` value as {source column: schema field}; ``names``: the caller's name for
+    the setting, for the messages."""
     raw = raw.strip()
     if not raw:
         return {}
+    given = names.given(names.column_map, raw)
     bad = BadInputError(
-        f"{COLUMN_MAP_ENV}={raw!r} is not valid: write source:target pairs separated by "
+        f"{given} is not valid: write source:target pairs separated by "
         f"commas (question:instruction,answer:output) or a JSON object of strings"
     )
     if raw.startswith("{"):
@@ -499,7 +533,7 @@ def parse_column_map(raw: str) -> dict[str, str]:
             mapping[src] = dst
     targets = list(mapping.values())
     if len(set(targets)) != len(targets):
-        raise BadInputError(f"{COLUMN_MAP_ENV}={raw!r} maps two columns to the same field")
+        raise BadInputError(f"{given} maps two columns to the same field")
     return mapping
 
 

@@ -43,6 +43,7 @@ from tunepack.trainers.args import (
     LORA_KEYS,
     VOCABULARY,
     Arg,
+    foreign_name,
     lora_with_full_message,
     merge_with_full_message,
     split_pairs,
@@ -303,15 +304,25 @@ def _refuse_unknown_names(init: typing.Callable[..., None]) -> typing.Callable[.
         names = [f.name for f in dataclasses.fields(self)]
         unknown = [key for key in values if key not in names]
         if unknown:
-            close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.6)
-            hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
-            raise BadInputError(
-                f"FineTune has no field {unknown[0]!r}: its fields are the trainer arguments of "
-                f"`tunepack args` and {', '.join(PLACEMENT_FIELDS + EXPORT_FIELDS)}; {hint}"
-            )
+            raise BadInputError(_no_field_message(unknown[0], names))
         init(self, *args, **values)
 
     return __init__
+
+
+def _no_field_message(name: str, fields: list[str]) -> str:
+    """``name`` is not a field: the field it likely means (another tool's name for a trainer
+    argument, as ``learning_rate``, or a close spelling), in FineTune's own spelling."""
+    if meant := foreign_name(name):
+        key, value = meant
+        spelled = repr(key) if value is None else f"{key}={value!r}"
+        return f"FineTune has no field {name!r}; did you mean {spelled}?"
+    close = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
+    return (
+        f"FineTune has no field {name!r}: its fields are the trainer arguments of "
+        f"`tunepack args` and {', '.join(PLACEMENT_FIELDS + EXPORT_FIELDS)}; {hint}"
+    )
 
 
 FineTune.__init__ = _refuse_unknown_names(FineTune.__init__)  # type: ignore[method-assign]

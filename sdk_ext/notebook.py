@@ -136,10 +136,12 @@ class Progress:
 
 @dataclass
 class TrainJob(kf.TrainJob):
-    """The SDK's ``TrainJob`` plus a failure ``message`` and training ``progress``."""
+    """The SDK's ``TrainJob`` plus a failure ``message``, training ``progress`` and, for a failed
+    job, the ``exit_code`` of its failed step where it is known (65: bad input; 75: transient)."""
 
     message: str | None = None
     progress: Progress | None = None
+    exit_code: int | None = None
 
 
 def _count(n: int) -> str:

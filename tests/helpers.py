@@ -43,7 +43,9 @@ def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600
 
 
 # The dataset initializer's own settings: a test gives them explicitly, never from the caller's env.
-DATASET_SETTINGS = ("STORAGE_URI", "DATASET_SCHEMA", "COLUMN_MAP", "DATASET_SPLIT")
+DATASET_SETTINGS = (
+    "STORAGE_URI", "DATASET_SCHEMA", "COLUMN_MAP", "DATASET_SPLIT", "TUNEPACK_SPELLING",
+)  # fmt: skip
 
 
 def run_dataset_initializer(

@@ -444,8 +444,60 @@ VOCABULARY: tuple[Arg, ...] = (
         "",
     ),
 )
+# Names users bring from Hugging Face Transformers/TRL/PEFT, Axolotl and LLaMA-Factory configs,
+# and the tunepack argument each one is: close-match hints miss most of them (learning_rate is
+# not close to lr), so an unknown key found here is answered with its tunepack key, and, where
+# the name implies a value, that value too (use_dora: method=dora).
+FOREIGN_NAMES: dict[str, tuple[str, str | None]] = {
+    "learning_rate": ("lr", None),
+    "num_train_epochs": ("epochs", None),
+    "num_epochs": ("epochs", None),
+    "per_device_train_batch_size": ("batch_size", None),
+    "micro_batch_size": ("batch_size", None),
+    "train_batch_size": ("batch_size", None),
+    "gradient_accumulation_steps": ("grad_accum", None),
+    "lora_r": ("lora_rank", None),
+    "r": ("lora_rank", None),
+    "max_length": ("max_seq_len", None),
+    "max_seq_length": ("max_seq_len", None),
+    "model_max_length": ("max_seq_len", None),
+    "sequence_len": ("max_seq_len", None),
+    "cutoff_len": ("max_seq_len", None),
+    "target_modules": ("lora_attn_modules", None),
+    "lora_target_modules": ("lora_attn_modules", None),
+    "lora_target": ("lora_attn_modules", None),
+    "logging_steps": ("log_every", None),
+    "save_steps": ("checkpoint_every_steps", None),
+    "save_total_limit": ("keep_checkpoints", None),
+    "eval_steps": ("eval_every_steps", None),
+    "val_set_size": ("val_fraction", None),
+    "load_best_model_at_end": ("keep_best", None),
+    "report_to": ("tracker", None),
+    "gradient_checkpointing": ("activation_checkpointing", None),
+    "torch_compile": ("compile", None),
+    "packing": ("packed", None),
+    "sample_packing": ("packed", None),
+    "train_on_inputs": ("train_on_input", None),
+    "resume_from_checkpoint": ("resume", None),
+    "max_completion_length": ("max_new_tokens", None),
+    "loss_type": ("dpo_loss", None),
+    "adapter": ("method", None),
+    "finetuning_type": ("method", None),
+    "use_dora": ("method", "dora"),
+    "load_in_4bit": ("method", "qlora"),
+    "bf16": ("dtype", "bf16"),
+}
+
+
+def foreign_name(key: str) -> tuple[str, str | None] | None:
+    """The tunepack argument (and the value it implies, if any) that another tool's name for a
+    training setting means; ``--learning-rate``-style spellings and any case are read too."""
+    return FOREIGN_NAMES.get(key.strip().lstrip("-").replace("-", "_").lower())
+
+
 LORA_KEYS = tuple(arg.name for arg in VOCABULARY if arg.name.startswith("lora_"))  # not for full
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}
+VOCABULARY_KEYS = frozenset(_BY_NAME)
 
 
 @dataclass(frozen=True)
@@ -553,15 +605,34 @@ def config_override_message(key: str) -> str:
     )
 
 
-def unknown_key_message(key: str, hint: str = "") -> str:
-    return f"unknown trainer argument {key!r}{hint} Known arguments: {', '.join(_BY_NAME)}"
+def unknown_key_message(key: str) -> str:
+    """An unknown key with no likely meaning: the known ones, listed."""
+    return f"unknown trainer argument {key!r}; the known arguments are {', '.join(_BY_NAME)}"
+
+
+def meant_key_message(key: str, meant: str) -> str:
+    """An unknown key that likely means ``meant`` (``key=value`` spelling)."""
+    return f"unknown trainer argument {key!r}; did you mean {meant!r}?"
+
+
+def likely_meant(key: str) -> tuple[str, str | None] | None:
+    """The argument an unknown key likely means: another tool's name for it, else the closest
+    spelling; with the value the key implies, if any."""
+    if found := foreign_name(key):
+        return found
+    close = difflib.get_close_matches(key, _BY_NAME, n=1) or difflib.get_close_matches(
+        key.lower(), _BY_NAME, n=1
+    )
+    return (close[0], None) if close else None
 
 
 def _unknown_key_message(key: str) -> str:
     if is_config_override(key):
         return config_override_message(key)
-    close = difflib.get_close_matches(key, _BY_NAME, n=1)
-    return unknown_key_message(key, f"; did you mean {close[0]!r}?" if close else "")
+    if meant := likely_meant(key):
+        name, value = meant
+        return meant_key_message(key, name if value is None else f"{name}={value}")
+    return unknown_key_message(key)
 
 
 def unavailable_method_message(entry: ModelEntry, method: str) -> str:

@@ -24,7 +24,8 @@ class Sink:
         self.display = parsed.canonical
         self.log = log
 
-    def publish(self, files: list[LocalFile], manifest: dict) -> None:
+    def publish(self, files: list[LocalFile], manifest: dict) -> bool:
+        """Send the export; False when the destination held it already (nothing sent)."""
         for stale in atomic.remove_stale_partials(self.dest):
             self.log(f"removed {stale.name} left by an interrupted export")
         existing = atomic.read_manifest(self.dest)
@@ -33,7 +34,7 @@ class Sink:
             self.dest, {"kind": MANIFEST_KIND}, hashed
         ):
             self.log(f"{self.dest} already holds this export (every file verified)")
-            return
+            return False
         with atomic.staged(self.dest) as partial:
             for f in files:
                 target = partial / f.rel
@@ -54,6 +55,7 @@ class Sink:
         summary(
             self.log, self.display, len(files), 0, sum(f.size for f in files), "manifest written"
         )
+        return True
 
     def read_manifest(self) -> dict | None:
         return atomic.read_manifest(self.dest)

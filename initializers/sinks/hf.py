@@ -103,7 +103,8 @@ class Sink(RemoteCalls):
             return None
         return manifest if isinstance(manifest, dict) else None
 
-    def publish(self, files: list[LocalFile], manifest: dict) -> None:
+    def publish(self, files: list[LocalFile], manifest: dict) -> bool:
+        """Send the export; False when the destination held it already (nothing sent)."""
         disable_progress_bars()  # a Pod's log is a pipe, not a terminal
         if not self.token:
             raise BadInputError(
@@ -141,7 +142,7 @@ class Sink(RemoteCalls):
                 self.log(f"the export there no longer matches ({error}); committing it again")
             else:
                 self.log(f"{self.display} already holds this export (commit {head.sha}, verified)")
-                return
+                return False
         operations = [CommitOperationAdd(f.rel, str(f.path)) for f in files]
         operations.append(CommitOperationAdd(MANIFEST_FILE, manifest_bytes(manifest)))
         previous = set((existing or {}).get("files") or {}) if isinstance(existing, dict) else set()
@@ -172,6 +173,7 @@ class Sink(RemoteCalls):
             f"exported to {self.display}: {len(files)} files ({human_bytes(total)}) and the "
             f"manifest in commit {made.oid} ({visibility}), verified"
         )
+        return True
 
     def _verify(self, files: list[LocalFile], commit: str) -> None:
         """Every file of the export in the tree of ``commit``, with its size and checksum."""

@@ -98,13 +98,14 @@ class Sink(RemoteCalls):
             return None
         return manifest if isinstance(manifest, dict) else None
 
-    def publish(self, files: list[LocalFile], manifest: dict) -> None:
+    def publish(self, files: list[LocalFile], manifest: dict) -> bool:
+        """Send the export; False when the destination held it already (nothing sent)."""
         existing = self.read_manifest()
         if same_export(existing, manifest) and all(
             self._matches(f, self._head(f.rel)) for f in files
         ):
             self.log(f"{self.display} already holds this export (every file verified)")
-            return
+            return False
         if existing is not None:
             # From here until the new manifest is written the prefix is not a result.
             self._call(
@@ -141,6 +142,7 @@ class Sink(RemoteCalls):
                 "75 so a retry writes it again"
             )
         summary(self.log, self.display, sent, kept, sent_bytes, "manifest written last")
+        return True
 
     # -- verification
 

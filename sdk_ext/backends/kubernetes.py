@@ -14,13 +14,14 @@ changes only what tunepack needs:
 - ``list_runtimes()`` / ``get_runtime()`` report a tunepack runtime as what it takes, a
   ``BuiltinTrainer`` of the ``torchtune`` framework (``base.builtin_torchtune_trainer``), and add
   the catalog's model, methods and default GPUs; other runtimes are the SDK's objects, untouched;
-- ``get_job()`` / ``list_jobs()`` add progress from ``status.trainerStatus`` and the Failed
-  condition's message, read from the same GET (or LIST) the job's status comes from; a job not
-  finished whose pods the scheduler refuses gets the scheduler's reason as its message
-  (``get_job`` only: one more LIST of its pods); their steps include the ``exporter``'s pod
-  (one LIST per job), which the SDK's pod selector leaves out, so ``get_job_logs`` reads it; and
-  ``wait_for_job_status`` stops waiting, with that reason, once a gang has waited longer than
-  its PodGroup allows (``scheduling``).
+- ``get_job()`` / ``list_jobs()`` of a tunepack runtime's job add progress from
+  ``status.trainerStatus`` and the Failed condition's message, read from the same GET (or LIST)
+  the job's status comes from; a job not finished whose pods the scheduler refuses gets the
+  scheduler's reason as its message (``get_job`` only: one more LIST of its pods); their steps
+  include the ``exporter``'s pod (one LIST per job), which the SDK's pod selector leaves out, so
+  ``get_job_logs`` reads it; and ``wait_for_job_status`` stops waiting, with that reason, once a
+  gang has waited longer than its PodGroup allows (``scheduling``); another runtime's job is the
+  SDK's object, untouched.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             export=export_of(self.trainjob_object(name)),
         )
 
-    def get_job(self, name: str) -> TrainJob:
+    def get_job(self, name: str) -> TrainJob | kf.TrainJob:
         try:
             thread = self.custom_api.get_namespaced_custom_object(
                 kc.GROUP, kc.VERSION, self.namespace, kc.TRAINJOB_PLURAL, name, async_req=True
@@ -262,6 +263,10 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         except Exception as e:
             raise RuntimeError(f"Failed to get {kc.TRAINJOB_KIND}: {self.namespace}/{name}") from e
         job = self._from_object(raw)
+        if not isinstance(job, TrainJob):  # not a tunepack runtime's: the SDK's object
+            return job
+        if job.status == kc.TRAINJOB_FAILED:
+            return dataclasses.replace(job, exit_code=self._failed_exit_code(name))
         waiting = None
         if job.status not in (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED) and not job.message:
             held = scheduling.queued(self.custom_api, self.namespace, raw)
@@ -293,7 +298,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             name, status, timeout, polling_interval, [*(callbacks or []), gang_overdue]
         )
 
-    def list_jobs(self, runtime=None) -> list[TrainJob]:
+    def list_jobs(self, runtime=None) -> list[TrainJob | kf.TrainJob]:
         """The TrainJobs in the namespace, each as the LIST returned it (no GET per job, so a
         job deleted meanwhile cannot make the listing fail)."""
         try:
@@ -317,12 +322,15 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             ]
         return [self._from_object(_as_dict(raw)) for raw in items]
 
-    def _from_object(self, raw: dict) -> TrainJob:
+    def _from_object(self, raw: dict) -> TrainJob | kf.TrainJob:
         """tunepack's TrainJob from the API object: the SDK's reading (steps from the pods,
-        status from the conditions) plus the failure message and progress."""
+        status from the conditions) plus the failure message and progress. A job of a runtime
+        that is not tunepack's is the SDK's object, exactly (docs/sdk.md)."""
         # The SDK's private converter (name-mangled in its KubernetesBackend class).
         from_cr = self._KubernetesBackend__get_trainjob_from_cr
         job = from_cr(models.TrainerV1alpha1TrainJob.from_dict(raw))
+        if not submit.is_tunepack_runtime(job.runtime):
+            return job
         status = raw.get("status") or {}
         message = next(
             (
@@ -339,6 +347,26 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             message=message,
             progress=progress_from_status(status.get("trainerStatus")),
         )
+
+    def _failed_exit_code(self, name: str) -> int | None:
+        """The exit code of the container that failed first among the job's pods (one LIST),
+        None where no pod holds one any more."""
+        selector = f"{kc.JOBSET_NAME_LABEL}={name}"
+        try:
+            thread = self.core_api.list_namespaced_pod(
+                self.namespace, label_selector=selector, async_req=True
+            )
+            pods = _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT)).get("items") or []
+        except Exception:  # the code refines the status; the job's status is known already
+            logger.debug("listing the pods of %s failed", name, exc_info=True)
+            return None
+        ended = [
+            (str(ended.get("finished_at") or ""), ended["exit_code"])
+            for pod in pods
+            for status in (pod.get("status") or {}).get("container_statuses") or []
+            if (ended := (status.get("state") or {}).get("terminated")) and ended.get("exit_code")
+        ]
+        return min(ended)[1] if ended else None
 
     def _exporter_steps(self, name: str) -> list[kf.Step]:
         """The exporter's step (``exporter``, its newest pod), which the SDK's pod selector

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from tunepack.cli import clients, output
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 
 
 def cmd_jobs(ns: argparse.Namespace) -> int:
@@ -36,13 +37,18 @@ def cmd_status(ns: argparse.Namespace) -> int:
     for step in job.steps:
         print(f"  {step.name:<22}{step.status}")
     finished = job.status in ("Complete", "Failed")
-    if job.progress and job.progress.percent is not None:
-        print(f"  progress {output.progress_line(job.progress, finished)}")
+    progress = getattr(job, "progress", None)  # None: a job of a runtime not tunepack's
+    if progress and progress.percent is not None:
+        print(f"  progress {output.progress_line(progress, finished)}")
     elif not ns.local:
         print(f"  progress unavailable{_why_no_progress(ns.name, finished)}")
-    if job.message:
+    if getattr(job, "message", None):
         print(f"  message: {job.message}")
-    return 1 if job.status == "Failed" else 0
+    if job.status != "Failed":
+        return 0
+    # As the runtimes' failure policy reads the code: 65 was bad input; anything else was
+    # retried (network, preemption, a crash) until the retries ran out, and may pass.
+    return EXIT_BAD_INPUT if getattr(job, "exit_code", None) == EXIT_BAD_INPUT else EXIT_TRANSIENT
 
 
 def _why_no_progress(name: str, finished: bool) -> str:
@@ -111,7 +117,7 @@ def cmd_download(ns: argparse.Namespace) -> int:
     def log(line: str) -> None:
         print(f"tunepack: {line}", flush=True)
 
-    if "://" in ns.name:
+    if _names_an_export(ns.name):
         fetch_export(ns.name, Path(ns.dir), log)
         return 0
     from tunepack.core.errors import BadInputError
@@ -125,6 +131,18 @@ def cmd_download(ns: argparse.Namespace) -> int:
         )
     client.result(ns.name).download(ns.dir, log)
     return 0
+
+
+def _names_an_export(name: str) -> bool:
+    """Whether ``download``'s NAME is an export's URI or path, not a TrainJob's name: a URI, what
+    no TrainJob can be named (``./result``, ``/data/run``, ``run.v2``), or a directory holding an
+    export (its manifest)."""
+    from tunepack.initializers.sinks import MANIFEST_FILE
+    from tunepack.jobs.naming import DNS_LABEL
+
+    if "://" in name or not DNS_LABEL.match(name):
+        return True
+    return (Path(name) / MANIFEST_FILE).is_file()
 
 
 def cmd_delete(ns: argparse.Namespace) -> int:

@@ -55,20 +55,25 @@ def duration(seconds: int) -> str:
 
 
 def print_nothing_to_do(
-    name: str, workspace: Path, export: str | None, jobs_dir: str | None
+    name: str, workspace: Path, export: str | None, jobs_dir: str | None, exported: bool = False
 ) -> None:
     """The end of a re-run whose trainer found its result complete: nothing trained, and the
-    logs are still those of the run that did (``run_job`` put them back)."""
+    logs are still those of the run that did (``run_job`` put them back); ``exported``: but the
+    exporter sent the result (its log is this run's)."""
     from tunepack.core.workspace import result_file
 
     result = json.loads(result_file(workspace).read_text())
     where = f" --jobs-dir {jobs_dir}" if jobs_dir else ""
     print()
-    print(f"tunepack: job {name} already finished; nothing to do")
+    if exported:
+        print(f"tunepack: job {name} had already trained; its result was exported")
+    else:
+        print(f"tunepack: job {name} already finished; nothing to do")
     print(f"  result      {result['artifact']}")
     if export:
         print(f"  exported    {export} (tunepack download {name} DIR)")
-    print(f"  logs        tunepack logs {name} --local{where} (of the run that trained)")
+    this = "; --step exporter: this export's" if exported else ""
+    print(f"  logs        tunepack logs {name} --local{where} (of the run that trained{this})")
 
 
 def print_summary(
@@ -76,6 +81,7 @@ def print_summary(
 ) -> None:
     from tunepack.core.workspace import result_file
     from tunepack.notebook import tracker_pointer
+    from tunepack.runtimes import methods
 
     result = json.loads(result_file(workspace).read_text())
     print()
@@ -86,17 +92,19 @@ def print_summary(
     print(f"  steps       {result['steps']}")
     first, last = result["first_loss"], result["final_loss"]
     print(f"  loss        {first:.4f} (first step) -> {last:.4f} (last step)")
-    dpo = result.get("dpo") or {}
-    if "reward_margin" in dpo:  # method=dpo: whether it prefers the chosen answers
+    # A method with a loss of its own records its last step's metrics under the loss's name
+    # (trainers/artifacts.py): dpo, orpo, kto, grpo.
+    section = result.get(methods.get(result["method"]).loss.value) or {}
+    if "reward_margin" in section:  # dpo, orpo, kto: whether it prefers the right answers
         print(
-            f"  rewards     margin {dpo['reward_margin']:.4f}, accuracy "
-            f"{dpo['reward_accuracy']:.2f} (last step)"
+            f"  rewards     margin {section['reward_margin']:.4f}, accuracy "
+            f"{section['reward_accuracy']:.2f} (last step)"
         )
-    grpo = result.get("grpo") or {}
-    if "reward_mean" in grpo:  # method=grpo: how its answers score
+    if "reward_mean" in section:  # grpo, grpo_full: how its answers score
         print(
-            f"  rewards     {grpo['reward_mean']:.3f} mean, {grpo['reward_std']:.3f} std, answers "
-            f"{grpo['completion_length']:.1f} tokens (last step; every step in metrics.jsonl)"
+            f"  rewards     {section['reward_mean']:.3f} mean, {section['reward_std']:.3f} std, "
+            f"answers {section['completion_length']:.1f} tokens (last step; every step in "
+            "metrics.jsonl)"
         )
     if result.get("val_loss") is not None:
         kept = ", published" if result.get("keep_best") else ""

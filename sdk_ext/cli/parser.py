@@ -106,7 +106,32 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         from tunepack.core.errors import BadInputError
 
-        raise BadInputError(f"{message} (see `{self.prog} --help`)")
+        hint = _flag_for_an_argument(message)
+        raise BadInputError(f"{message} ({hint or f'see `{self.prog} --help`'})")
+
+
+def _flag_for_an_argument(message: str) -> str | None:
+    """A trainer argument written as a flag (``--learning-rate 1e-4``, ``--lr 1e-4``): the
+    ``key=value`` spelling it takes."""
+    if not message.startswith("unrecognized arguments: "):
+        return None
+    from tunepack.trainers import args as vocabulary
+
+    for token in message.removeprefix("unrecognized arguments: ").split():
+        name = token.removeprefix("--").partition("=")[0]
+        if not token.startswith("--"):
+            continue
+        if name.replace("-", "_") in vocabulary.VOCABULARY_KEYS:
+            key, value = name.replace("-", "_"), None
+        elif meant := vocabulary.foreign_name(name):
+            key, value = meant
+        else:
+            continue
+        return (
+            f"trainer arguments are key=value pairs: write {key}={value or 'VALUE'}; "
+            "see `tunepack args`"
+        )
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -122,8 +122,10 @@ def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
         return failed.exit_code
     from tunepack.jobs.trainjob import export_of
 
-    if outcome.nothing_to_do:
-        output.print_nothing_to_do(name, workspace, export_of(trainjob), ns.jobs_dir)
+    if outcome.nothing_to_do or outcome.exported_only:
+        output.print_nothing_to_do(
+            name, workspace, export_of(trainjob), ns.jobs_dir, outcome.exported_only
+        )
         return 0
     output.print_summary(
         name, runtime, workspace, time.perf_counter() - started, export_of(trainjob)
@@ -237,10 +239,10 @@ def _initializer(ns: argparse.Namespace):
     env = _verbose_env(ns) or {}
     # Checked here, before anything starts: the dataset initializer reads them again.
     if ns.column_map:
-        schemas.parse_column_map(ns.column_map)
+        schemas.parse_column_map(ns.column_map, schemas.FLAGS)
         env[schemas.COLUMN_MAP_ENV] = ns.column_map
     if ns.dataset_schema:
-        schemas.parse_schema(ns.dataset_schema)
+        schemas.parse_schema(ns.dataset_schema, schemas.FLAGS)
         env[schemas.SCHEMA_ENV] = ns.dataset_schema
     return Initializer(
         dataset=ns.dataset,

@@ -35,6 +35,9 @@ CHECKPOINTS_DIR = "checkpoints"  # the trainer's resumable checkpoints
 CACHE_DIR = ".cache"  # the trainer's caches (tokenized datasets)
 LOGS_DIR = "logs"  # the local backend's step logs (a Pod's log is the container's)
 MANIFEST_FILE = "tunepack-manifest.json"  # in dataset/ and model/: what was written, and from what
+# The exporter's record of its latest upload (where, how many files, when), rewritten only when
+# it sent files: a re-run whose trainer had nothing to do still did something if it changed.
+EXPORT_RECORD_FILE = "export.json"
 
 # The result: <workspace>/output/<name>.
 RESULT_FILE = "result.json"  # written last: the run is finished, and what it made
@@ -59,6 +62,10 @@ def model_dir() -> Path:
 
 def output_dir() -> Path:
     return workspace_root() / OUTPUT_DIR
+
+
+def export_record_file(root: Path) -> Path:
+    return root / EXPORT_RECORD_FILE
 
 
 def result_file(root: Path) -> Path:

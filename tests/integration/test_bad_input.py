@@ -396,7 +396,12 @@ def _datasets(tmp: Path, rows: list[dict]) -> dict[str, tuple[Path, list[str]]]:
         ),
         "wrong-schema": (
             _write(tmp / "qa.jsonl", [json.dumps({"question": "q", "answer": "a"})]),
-            ["cannot tell the schema", "'question', 'answer'", "COLUMN_MAP"],
+            # the CLI's words: its flags, not the initializer's variables
+            [
+                "cannot tell the schema",
+                "'question', 'answer'",
+                "rename columns with --column-map from:to,... or set --dataset-schema\n",
+            ],
         ),
         "json-object": (
             _write(tmp / "obj.json", [json.dumps({"rows": []})]),
@@ -436,9 +441,11 @@ def test_the_offending_rows_reach_status_and_python_too(
     code, out, _ = run_cli(capsys, _train(path, tiny_model_dir, "--quiet", "--name", "rows"))
     assert code == EXIT_BAD_INPUT
     code, out, _ = run_cli(capsys, ["status", "rows", "--local"])
-    assert code == 1
+    assert code == EXIT_BAD_INPUT  # the failed step's: bad input (README, Exit codes)
     assert "bad.jsonl row 4: not valid JSON" in out and "bad.jsonl row 9: not valid JSON" in out
-    message = TrainingClient(LocalBackendConfig(root_dir=str(jobs))).get_job("rows").message
+    job = TrainingClient(LocalBackendConfig(root_dir=str(jobs))).get_job("rows")
+    assert job.exit_code == EXIT_BAD_INPUT
+    message = job.message
     assert message.startswith("step 'dataset-initializer' failed with exit code 65")
     assert "\n  bad.jsonl row 4: not valid JSON" in message
 
@@ -583,7 +590,7 @@ def test_result_of_a_failed_job(capsys, failed_job):
         "it has no result",
     )
     code, out, _ = run_cli(capsys, ["status", name, "--local", "--jobs-dir", client.backend.root])
-    assert code == 1  # status of a failed job: 1, with the reason
+    assert code == EXIT_BAD_INPUT  # status of a failed job: its failed step's code, the reason
     assert out.startswith(f"{name}  Failed  runtime {RUNTIME}\n")
     assert "  message: step 'dataset-initializer' failed with exit code 65" in out
 

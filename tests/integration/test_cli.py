@@ -299,6 +299,27 @@ def test_runtimes_lists_the_catalog():
         (None, ["lora_rnk=8"], "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?"),
         (None, ["lora_rank=abc"], "lora_rank='abc' is not valid: expected an integer"),
         (None, ["epochs=1", "--runtime-typo"], "unrecognized arguments"),
+        (
+            None,
+            ["--column-map", "a:text,b:text"],
+            "tunepack: error: --column-map 'a:text,b:text' maps two columns to the same field\n",
+        ),
+        (
+            None,
+            ["--dataset-schema", "dpo"],
+            "tunepack: error: --dataset-schema 'dpo' is not a dataset schema; use one of ",
+        ),
+        (
+            None,
+            ["learning_rate=1e-4"],
+            "unknown trainer argument 'learning_rate'; did you mean 'lr'?\n",
+        ),
+        (
+            None,
+            ["--learning-rate", "1e-4"],
+            "unrecognized arguments: --learning-rate (trainer arguments are key=value pairs: "
+            "write lr=VALUE; see `tunepack args`)\n",
+        ),
     ],
 )
 def test_bad_input_gives_a_clear_message_and_exit_code(

@@ -158,6 +158,44 @@ def test_the_same_command_again_resumes_its_job(
     assert [line for line in listed if name in line] == created
 
 
+def test_an_export_added_to_a_finished_job_is_reported_and_downloaded_from_its_path(
+    tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """Issue 41, 7: a re-run whose trainer has nothing to do but whose exporter sent the result
+    says so (not "nothing to do"), its exporter log is this run's, the training log still the
+    run's that trained; `tunepack download PATH` takes the export's plain path."""
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    cwd.mkdir()
+    first = _train(home, cwd, tiny_model_dir, tiny_dataset_file, "--quiet")
+    assert first.returncode == 0, first.stderr
+    name = re.match(r"tunepack: job (\S+):", first.stdout).group(1)
+    training_log = tunepack(home, "logs", name, "--local").stdout
+    dest = tmp_path / "exports" / "run"
+    exported = _train(home, cwd, tiny_model_dir, tiny_dataset_file, "--export", str(dest))
+    assert exported.returncode == 0, exported.stderr
+    assert exported.stdout.splitlines()[-4:] == [
+        f"tunepack: job {name} had already trained; its result was exported",
+        f"  result      {cwd / '.tunepack' / 'runs' / name / 'output' / 'adapter'}",
+        f"  exported    {dest} (tunepack download {name} DIR)",
+        f"  logs        tunepack logs {name} --local (of the run that trained; --step exporter: "
+        "this export's)",
+    ]
+    assert tunepack(home, "logs", name, "--local").stdout == training_log
+    exporter_log = tunepack(home, "logs", name, "--local", "--step", "exporter").stdout
+    assert exporter_log.startswith(f"exporter: exported to file://{dest}: 5 files uploaded")
+    again = _train(home, cwd, tiny_model_dir, tiny_dataset_file, "--export", str(dest))
+    assert again.stdout.splitlines()[-4] == f"tunepack: job {name} already finished; nothing to do"
+
+    for source, target in ((str(dest), "got-abs"), ("exports/run", "got-rel")):
+        done = tunepack(home, "download", source, target, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("tunepack: downloaded 5 files ("), done.stdout
+        assert (tmp_path / target / "adapter").is_dir()
+    (tmp_path / "run").symlink_to(dest)
+    done = tunepack(home, "download", "run", "got-bare", cwd=tmp_path)  # a directory, not a job
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_default_name_follows_what_the_command_trains(tiny_model_dir, tiny_dataset_file):
     from tunepack.jobs.naming import stable_job_name
 

@@ -207,6 +207,23 @@ CORPUS = [
         "'instruction' and 'output' and an optional string 'input':\n  d.jsonl row 2: field "
         "'output' is missing (COLUMN_MAP maps column 'answer' to it)",
     ),
+    (  # from `tunepack train --local` (its steps get TUNEPACK_SPELLING=cli): its flags' names
+        "column-map-missing-source-cli",
+        {"d.jsonl": [{"instruction": "x", "answer": "y"}, {"instruction": "x", "reply": "y"}]},
+        "d.jsonl",
+        {"COLUMN_MAP": "answer:output", "TUNEPACK_SPELLING": "cli"},
+        "dataset 'd.jsonl' has 1 invalid row; each row must be a JSON object with string fields "
+        "'instruction' and 'output' and an optional string 'input':\n  d.jsonl row 2: field "
+        "'output' is missing (--column-map maps column 'answer' to it)",
+    ),
+    (
+        "schema-unknown-cli",
+        {"d.jsonl": [{"text": "x"}]},
+        "d.jsonl",
+        {"DATASET_SCHEMA": "dpo", "TUNEPACK_SPELLING": "cli"},
+        "--dataset-schema 'dpo' is not a dataset schema; use one of instruction, chat, sharegpt, "
+        "text, preference, prompt, image_chat, unpaired or auto",
+    ),
     (
         "schema-unknown",
         {"d.jsonl": [{"text": "x"}]},

@@ -88,10 +88,28 @@ def test_every_field_defaults_to_none_and_is_frozen():
         FineTune("lora")  # type: ignore[misc]
 
 
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"learning_rate": 1e-4}, "FineTune has no field 'learning_rate'; did you mean 'lr'?"),
+        (
+            {"num_train_epochs": 2},
+            "FineTune has no field 'num_train_epochs'; did you mean 'epochs'?",
+        ),
+        ({"lora_r": 8}, "FineTune has no field 'lora_r'; did you mean 'lora_rank'?"),
+        ({"use_dora": True}, "FineTune has no field 'use_dora'; did you mean method='dora'?"),
+    ],
+)
+def test_names_from_other_tools_are_answered_with_the_field(values, message):
+    with pytest.raises(BadInputError) as err:
+        FineTune(**values)
+    assert str(err.value) == message
+
+
 def test_an_unknown_name_is_refused_before_any_value_is_checked():
     with pytest.raises(BadInputError) as err:
-        FineTune(lora_r=8, epochs=0)
-    assert str(err.value).startswith("FineTune has no field 'lora_r': its fields are")
+        FineTune(lora_rnk=8, epochs=0)
+    assert str(err.value).startswith("FineTune has no field 'lora_rnk': its fields are")
     assert "did you mean 'lora_rank'" in str(err.value)
     # dataclasses.replace goes through the same __init__: its values are checked too.
     with pytest.raises(BadInputError, match="FineTune.epochs: epochs='0' is not valid"):

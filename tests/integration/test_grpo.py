@@ -367,7 +367,7 @@ def test_the_prompt_set_fine_tunes_the_model_first_with_a_column_map(tiny_model_
     )
     assert bad.returncode == EXIT_BAD_INPUT
     assert bad.stderr == (
-        "tunepack: error: COLUMN_MAP='prompt' is not valid: write source:target pairs "
+        "tunepack: error: --column-map 'prompt' is not valid: write source:target pairs "
         "separated by commas (question:instruction,answer:output) or a JSON object of strings\n"
     )
     assert not (tmp_path / "bad").exists()

@@ -201,6 +201,32 @@ def test_the_summary_shows_the_validation_loss(tmp_path, capsys):
     assert "  loss        5.9900 (first step) -> 4.7700 (last step)\n" in out
 
 
+@pytest.mark.parametrize(
+    ("method", "section"),
+    [
+        ("dpo", {"beta": 0.1, "loss": "sigmoid"}),
+        ("orpo", {"beta": 0.1, "log_odds_ratio": 0.05, "nll": 1.2}),
+        ("kto", {"beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 1.0, "kl": 0.0}),
+    ],
+)
+def test_the_summary_shows_each_preference_method_s_rewards(tmp_path, capsys, method, section):
+    """ORPO and KTO record their rewards under their own names, as DPO does (issue 41, 8):
+    the summary says whether the run learned to prefer the right answers."""
+    from tunepack.cli.output import print_summary
+
+    output = tmp_path / "output"
+    output.mkdir()
+    rewards = {"reward_margin": 0.5097, "reward_accuracy": 0.6875}
+    result = {
+        "method": method, "steps": 96, "first_loss": 0.5, "final_loss": 0.4948,
+        "artifact": str(output / "adapter"), method: {**section, **rewards},
+    }  # fmt: skip
+    (output / "result.json").write_text(json.dumps(result))
+    print_summary("job", "tunepack-tiny-llama3", tmp_path, 19.2)
+    out = capsys.readouterr().out
+    assert "  rewards     margin 0.5097, accuracy 0.69 (last step)\n" in out
+
+
 def test_local_progress_reads_the_last_step_and_the_last_evaluation(tmp_path):
     from tunepack.backends.local import read_progress
 

@@ -88,6 +88,18 @@ def _controller_runs(fake, name: str, failed: bool = False):
             "spec": {"containers": [{"name": rjob, "image": "ghcr.io/tunepack/x:0.1.0"}]},
             "status": {"phase": "Failed" if failed and rjob == "node" else "Succeeded"},
         }
+        if failed and rjob == "node":  # the trainer refused its input (EXIT_BAD_INPUT)
+            terminated = {"exitCode": 65, "finishedAt": "2026-01-01T00:09:00Z", "reason": "Error"}
+            fake.objects[("pods", NS, pod)]["status"]["containerStatuses"] = [
+                {
+                    "name": rjob,
+                    "image": "ghcr.io/tunepack/x:0.1.0",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            ]
         fake.logs[(NS, pod, rjob)] = f"hello from {rjob}\nsecond line\n"
     job = fake.objects[("trainjobs", NS, name)]
     condition = {
@@ -256,8 +268,31 @@ def test_failed_job_carries_the_condition_message(server):
     _controller_runs(fake, name, failed=True)
     job = tc.get_job(name)
     assert job.status == "Failed" and job.message == "jobset failed: node exited 65"
+    assert job.exit_code == 65  # the failed container's, read from its pod
     with pytest.raises(RuntimeError, match=f"TrainJob {name} is Failed"):
         tc.wait_for_job_status(name, timeout=5, polling_interval=1)
+
+
+@pytest.mark.parametrize(("container_exit", "status_exit"), [(65, 65), (75, 75), (137, 75)])
+def test_status_of_a_failed_job_exits_as_the_readme_s_table_says(
+    server, cli, container_exit, status_exit
+):
+    """65: a step refused its input; any other failure was retried until the retries ran out
+    (75, run again); never 1, which says the cluster refused the request."""
+    fake, url = server
+    _install(fake, url)
+    name = _client(url).train(
+        runtime=RUNTIME,
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(epochs=1),
+    )
+    _controller_runs(fake, name, failed=True)
+    node = fake.objects[("pods", NS, f"{name}-node-0-0-abcde")]
+    node["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = container_exit
+    done = cli("status", name)
+    assert done.returncode == status_exit, done.stderr
+    assert done.stdout.splitlines()[0] == f"{name}  Failed  runtime {RUNTIME}"
+    assert "  message: jobset failed: node exited 65" in done.stdout.splitlines()
 
 
 def test_train_refuses_a_runtime_that_is_not_installed(server):

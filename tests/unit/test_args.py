@@ -90,6 +90,46 @@ def test_bad_arguments_name_the_value_and_the_expectation(argv, message):
     assert err.value.exit_code == EXIT_BAD_INPUT
 
 
+@pytest.mark.parametrize(
+    ("key", "meant"),
+    [
+        ("learning_rate", "lr"),
+        ("num_train_epochs", "epochs"),
+        ("per_device_train_batch_size", "batch_size"),
+        ("gradient_accumulation_steps", "grad_accum"),
+        ("lora_r", "lora_rank"),
+        ("max_length", "max_seq_len"),
+        ("sequence_len", "max_seq_len"),
+        ("Learning-Rate", "lr"),
+        ("use_dora", "method=dora"),
+        ("Epochs", "epochs"),
+    ],
+)
+def test_names_from_other_tools_are_answered_with_tunepack_s_key(key, meant):
+    """Hugging Face/TRL/Axolotl names: one line naming the tunepack key, not the whole list."""
+    with pytest.raises(BadInputError) as err:
+        parse_trainer_args([f"{key}=2"], TINY)
+    assert str(err.value) == f"unknown trainer argument {key!r}; did you mean {meant!r}?"
+
+
+def test_an_unknown_key_with_no_likely_meaning_lists_the_known_ones():
+    with pytest.raises(BadInputError) as err:
+        parse_trainer_args(["frobnicate=2"], TINY)
+    assert str(err.value).startswith(
+        "unknown trainer argument 'frobnicate'; the known arguments are method, epochs, "
+    )
+
+
+def test_every_foreign_name_means_a_key_and_value_of_the_vocabulary():
+    by_name = {arg.name: arg for arg in VOCABULARY}
+    for foreign, (key, value) in args_module.FOREIGN_NAMES.items():
+        assert foreign not in by_name, foreign
+        if value is not None:
+            by_name[key].parse(key, value)  # raises if the implied value is not valid
+        else:
+            assert key in by_name, foreign
+
+
 def test_sequences_stay_within_a_window_torchtune_does_not_implement():
     """HF's Mistral v0.1 and Phi-3 Mini attend over a sliding window; torchtune's over everything.
     They agree only on sequences no longer than the window (Gemma 2's window is implemented)."""

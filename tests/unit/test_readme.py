@@ -7,6 +7,7 @@ codes the programs return, and they return them."""
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import signal
 
@@ -140,3 +141,27 @@ def test_the_cli_returns_the_tables_codes(argv, code, capsys):
     if code == EXIT_BAD_INPUT:
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("tunepack: error:"), err
+
+
+def _python_blocks() -> list[tuple[str, str]]:
+    """(file, source) of every ```python block of README.md and docs/*.md."""
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for source in re.findall(r"^```python\n(.*?)^```", path.read_text(), re.S | re.M):
+            blocks.append((path.name, source))
+    return blocks
+
+
+def test_python_snippets_print_logs_as_a_notebook_would_show_them():
+    """`get_job_logs` returns an iterator of lines: a bare `client.get_job_logs(job)` shows
+    `<generator object ...>` in a notebook, not the log."""
+    bare = [
+        f"{name}: {ast.unparse(node)}"
+        for name, source in _python_blocks()
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+        and node.value.func.attr == "get_job_logs"
+    ]
+    assert _python_blocks() and not bare, bare

@@ -259,6 +259,10 @@ class LocalBackend(TunepackBackend):
             status=status,
             message=message,
             progress=read_progress(job.metrics_path),
+            exit_code=next(
+                (s["exit_code"] for s in state["steps"].values() if s.get("status") == "Failed"),
+                None,
+            ),
         )
 
     def get_job_logs(

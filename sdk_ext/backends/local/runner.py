@@ -20,6 +20,7 @@ from kubeflow.trainer.constants import constants as kc
 
 from tunepack.backends.local.job import RUNNER_CLI, JobRecord, now
 from tunepack.backends.local.steps import (
+    LOG_SUFFIX,
     RunOutcome,
     describe_exit,
     keep_previous_logs,
@@ -30,7 +31,9 @@ from tunepack.backends.local.steps import (
 )
 from tunepack.core import program
 from tunepack.core.errors import TunepackError
-from tunepack.core.workspace import WorkspaceLock, lock_workspace
+from tunepack.core.workspace import WorkspaceLock, export_record_file, lock_workspace
+from tunepack.initializers.schemas import SPELLING_ENV
+from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
 
 
@@ -102,15 +105,22 @@ def run_job(
         else lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext()
     )
     with held as lock:
-        before = _read_bytes(result)
+        record = export_record_file(workspace)
+        before, exported_before = _read_bytes(result), _read_bytes(record)
         kept = keep_previous_logs(logs)
         steps = resolve_steps(runtime, trainjob, workspace.resolve())
+        if cli:  # the steps' messages name the settings as the command's flags
+            for step in steps:
+                step.env[SPELLING_ENV] = "cli"
         outcome = _run_steps(job, state, steps, logs, echo, lock)
-        # The trainer rewrites result.json whenever it trains: unchanged, nothing was trained.
+        # The trainer rewrites result.json whenever it trains, the exporter its record whenever
+        # it sends files: both unchanged, the run changed nothing.
         if not outcome.failed and before is not None and _read_bytes(result) == before:
-            outcome.nothing_to_do = True
+            exported = _read_bytes(record) != exported_before
+            outcome.nothing_to_do, outcome.exported_only = not exported, exported
             if kept is not None:
-                restore_previous_logs(logs, kept)
+                current = (f"{EXPORT_STEP.job}{LOG_SUFFIX}",) if exported else ()
+                restore_previous_logs(logs, kept, current)
         return outcome
 
 

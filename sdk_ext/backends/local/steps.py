@@ -82,6 +82,9 @@ class RunOutcome:
     # True when every step succeeded and the trainer had nothing to do (its result.json was
     # complete for this configuration and is unchanged): the run changed nothing.
     nothing_to_do: bool = False
+    # True when the trainer had nothing to do but the exporter sent the result (an export added
+    # to a finished job, or a destination that had lost it): the run did that much.
+    exported_only: bool = False
 
     @property
     def failed(self) -> StepOutcome | None:
@@ -281,14 +284,19 @@ def keep_previous_logs(log_dir: Path) -> Path | None:
     return target
 
 
-def restore_previous_logs(log_dir: Path, kept: Path) -> None:
-    """Undo ``keep_previous_logs`` after a run that changed nothing: its logs (which only say
+def restore_previous_logs(log_dir: Path, kept: Path, current: tuple[str, ...] = ()) -> None:
+    """Undo ``keep_previous_logs`` after a run that trained nothing: its logs (which only say
     so) are dropped and the logs of the run before, ``kept``, are ``logs/<step>.log`` again,
-    so that ``tunepack logs`` shows the run that trained."""
+    so that ``tunepack logs`` shows the run that trained; but the logs of the ``current`` steps
+    (an exporter that sent files) are this run's."""
     for path in log_dir.glob(f"*{LOG_SUFFIX}"):
-        path.unlink()
+        if path.name not in current:
+            path.unlink()
     for path in kept.iterdir():
-        path.rename(log_dir / path.name)
+        if path.name not in current:
+            path.rename(log_dir / path.name)
+        else:
+            path.unlink()
     kept.rmdir()
     try:
         kept.parent.rmdir()  # logs/previous/, when that run was the only earlier one
