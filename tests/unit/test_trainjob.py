@@ -18,7 +18,7 @@ from tunepack.jobs.trainjob import (
     pod_resources,
     to_yaml,
 )
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, host
 from tunepack.runtimes.validate import validate_trainjob
 
 ARGS_MODULE = "tunepack.trainers.args"
@@ -213,7 +213,8 @@ def test_processes_follow_what_the_merged_pod_holds(request_, limits, procs):
     assert pod["limits"] == limits
     assert trainer["numProcPerNode"] == procs
     # The runtime's requests stay where the request names nothing else.
-    assert pod["requests"]["memory"] == request_.get("memory", entry.resources.memory)
+    runtime_memory = host.trainer_requests(entry)["memory"]
+    assert pod["requests"]["memory"] == request_.get("memory", runtime_memory)
 
 
 def test_local_trainjobs_leave_num_proc_per_node_to_the_launcher():
