@@ -13,7 +13,7 @@ from tests.fake_apiserver import GROUP_PATH, FakeApiServer
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
-from tunepack.runtimes.contract import pod_spec, replicated_jobs
+from tunepack.runtimes.contract import containers, pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 from tunepack.tools.install import (
     SKIPPED,
@@ -676,7 +676,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
     fake, url = server
     tunepack = cli
 
-    done = tunepack("install")
+    done = tunepack("install", "--no-image-check")
     assert done.returncode == 0, done.stderr
     patches = [r for r in fake.requests if r.method == "PATCH"]
     names = [o["metadata"]["name"] for o in runtime_objects()]
@@ -697,7 +697,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
         done.stdout.splitlines()
         == [f"clustertrainingruntime.trainer.kubeflow.org/{n} created" for n in names] + skipped
     )
-    done = tunepack("install", "--runtime", "tiny-llama3")
+    done = tunepack("install", "--no-image-check", "--runtime", "tiny-llama3")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "clustertrainingruntime.trainer.kubeflow.org/tunepack-tiny-llama3 unchanged",
@@ -955,9 +955,9 @@ def test_install_reports_other_refusals_with_the_server_message(
 def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
     fake, url = server
     tiny = "tunepack-tiny-llama3"
-    assert cli("install", "--runtime", "tiny-llama3").returncode == 0
+    assert cli("install", "--no-image-check", "--runtime", "tiny-llama3").returncode == 0
     _older_failure_policy(fake, tiny)
-    done = cli("install", "--runtime", "tiny-llama3")
+    done = cli("install", "--no-image-check", "--runtime", "tiny-llama3")
     assert done.returncode == 0, done.stderr
     assert (
         done.stdout.splitlines()[0]
@@ -968,7 +968,7 @@ def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
     _older_failure_policy(fake, tiny)
     _stored(fake, tiny)["metadata"]["finalizers"] = [IN_USE]
     _trainjob_using(fake, NS, "cli-job", tiny, None)
-    done = cli("install", "--runtime", "tiny-llama3", "--delete-timeout", "0.5")
+    done = cli("install", "--no-image-check", "--runtime", "tiny-llama3", "--delete-timeout", "0.5")
     assert done.returncode == 75, done.stderr
     assert done.stdout == ""
     assert done.stderr.startswith(
@@ -979,12 +979,26 @@ def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
 
     fake.finalize("clustertrainingruntimes", None, tiny)
     fake.fail[("PATCH", f"{GROUP_PATH}/clustertrainingruntimes/{tiny}")] = (403, "forbidden")
-    done = cli("install", "--runtime", "tiny-llama3")
+    done = cli("install", "--no-image-check", "--runtime", "tiny-llama3")
     assert done.returncode == 1
     assert (
         done.stderr
         == f"tunepack: error: Failed to apply ClusterTrainingRuntime {tiny}: forbidden\n"
     )
+
+
+def test_cli_install_with_a_registry_names_it_in_every_installed_image(server, cli):
+    fake, _ = server
+    done = cli(
+        "install", "--no-image-check", "--runtime", "tiny-llama3",
+        "--registry", "registry.example.com:5000/ml", "--tag", "rc1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    stored = _stored(fake, "tunepack-tiny-llama3")
+    assert {c["image"] for job in replicated_jobs(stored) for c in containers(job)} == {
+        f"registry.example.com:5000/ml/{name}:rc1"
+        for name in ("dataset-initializer", "model-initializer", "trainer")
+    }
 
 
 def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli):
@@ -997,7 +1011,9 @@ def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli)
     assert done.stderr.startswith(f"tunepack: error: runtime {RUNTIME!r} is not installed")
     assert done.stderr.count("\n") == 1
 
-    assert cli("install", "--runtime", RUNTIME, "--namespace", NS).returncode == 0
+    assert (
+        cli("install", "--no-image-check", "--runtime", RUNTIME, "--namespace", NS).returncode == 0
+    )
     assert ("trainingruntimes", NS, RUNTIME) in fake.objects
     done = cli("train", "--runtime", RUNTIME, "--name", "j1", *args)
     assert done.returncode == 0, done.stderr
