@@ -63,6 +63,21 @@ def test_make_push_images_pushes_to_the_given_registry():
     }
 
 
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_push_images_pushes_what_tunepack_install_registry_installs():
+    """The README's two steps agree: `make push-images REGISTRY=R TAG=T` pushes each image the
+    runtimes of `tunepack install --registry R --tag T` run, under the same names."""
+    from tunepack.tools.images import ImageSource, runtime_images
+    from tunepack.tools.install import runtime_objects
+
+    out = _make_n("push-images", f"REGISTRY={REGISTRY}", "TAG=rc1", "CONTAINER=podman")
+    (loop,) = re.findall(r"for image in ([^;]+); do podman push (\S+) ", out)
+    pushed = {loop[1].replace("$image", name) for name in loop[0].split()}
+    installed = runtime_images(runtime_objects(images=ImageSource.parse(REGISTRY, "rc1")))
+    assert pushed == set(installed) == set(re.findall(r"-t (\S+)", out))
+    assert f"tunepack install --registry {REGISTRY} --tag rc1" in out
+
+
 def test_a_kustomization_points_every_runtime_at_the_users_registry(tmp_path):
     """The README's step: the base plus an `images` list naming the user's registry."""
     write_kustomization(tmp_path, ())
