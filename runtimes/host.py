@@ -19,7 +19,9 @@ workers: ``num_workers`` is torchtune's default 0); each gets a core for its ste
 for its host-side work (tokenizing, NCCL's proxy thread, checkpoint writes).
 
 Requests are what the scheduler reserves, not limits: a TrainJob's ``resourcesPerNode`` can
-raise or lower them (docs/cluster.md, "Node shapes").
+raise or lower them (docs/cluster.md, "Node shapes"). A job that asks for another number of GPUs
+per node and names no CPU or memory gets them sized for its processes by the SDK and CLI
+(``tunepack.jobs.trainjob.requested_resources``).
 """
 
 from __future__ import annotations
@@ -61,16 +63,19 @@ def sized_parameters(entry: ModelEntry) -> int:
     return entry.parameter_count
 
 
-def node_shape(entry: ModelEntry) -> NodeShape:
+def node_shape(entry: ModelEntry, gpus: int | None = None) -> NodeShape:
     """What each trainer node of the runtime must offer: sized here for a GPU runtime, the
-    catalog's own requests for a CPU runtime."""
+    catalog's own requests for a CPU runtime. ``gpus``: a job's GPUs per node instead of the
+    runtime's (one trainer process each)."""
     res = entry.resources
-    if res.cpu is not None and res.memory is not None:
-        return NodeShape(res.gpus, res.cpu, res.memory, res.nodes)
-    processes = max(1, res.gpus)
+    if gpus is None:
+        if res.cpu is not None and res.memory is not None:
+            return NodeShape(res.gpus, res.cpu, res.memory, res.nodes)
+        gpus = res.gpus
+    processes = max(1, gpus)
     weights = sized_parameters(entry) * WEIGHT_BYTES / GIB
     memory = math.ceil(weights + processes * PROCESS_GIB + MARGIN_GIB)
-    return NodeShape(res.gpus, str(CPUS_PER_PROCESS * processes), f"{memory}Gi", res.nodes)
+    return NodeShape(gpus, str(CPUS_PER_PROCESS * processes), f"{memory}Gi", res.nodes)
 
 
 def trainer_requests(entry: ModelEntry) -> dict[str, str]:
