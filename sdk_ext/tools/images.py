@@ -163,9 +163,8 @@ def check(
 def failure_message(failed: list[ImageCheck], source: ImageSource) -> str:
     """The one-line error for images the cluster cannot pull, with what to do."""
     shown = "; ".join(f"{c.image}: {c.detail}" for c in failed)
-    registry = (
-        "REGISTRY" if source.registry == IMAGE_REGISTRY else source.registry
-    )  # the default is not published yet: the user needs a registry of their own
+    # The default registry is not published yet: the user needs one of their own.
+    registry = "<your registry>" if source.registry == IMAGE_REGISTRY else source.registry
     return (
         f"the cluster cannot pull {len(failed)} of the runtimes' images ({shown}); nothing was "
         f"installed. Push tunepack's images to a registry the nodes pull from (make push-images "

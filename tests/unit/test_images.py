@@ -212,8 +212,9 @@ def test_the_failure_names_each_image_and_the_commands_that_fix_it():
     assert images.failure_message(failed, ImageSource()) == (
         f"the cluster cannot pull 1 of the runtimes' images ({B}: node gpu-1: ImagePullBackOff); "
         "nothing was installed. Push tunepack's images to a registry the nodes pull from (make "
-        "push-images REGISTRY=REGISTRY) and install naming it (tunepack install --registry "
-        "REGISTRY; docs/cluster.md, 'Images'), or install anyway with --no-image-check"
+        "push-images REGISTRY=<your registry>) and install naming it (tunepack install "
+        "--registry <your registry>; docs/cluster.md, 'Images'), or install anyway with "
+        "--no-image-check"
     )
     mine = ImageSource.parse("r.example/ml", None)
     assert "make push-images REGISTRY=r.example/ml)" in images.failure_message(failed, mine)
