@@ -987,6 +987,44 @@ def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
     )
 
 
+def test_cli_status_says_why_a_placed_trainer_pod_does_not_start(server, cli):
+    """A trainer pod the scheduler placed whose image the node cannot pull: `tunepack status`
+    gives the kubelet's reason and what to do (before, it said nothing: only pods the scheduler
+    refused had a reason)."""
+    fake, _ = server
+    assert cli("install", "--no-image-check", "--runtime", RUNTIME).returncode == 0
+    done = cli("train", "--runtime", RUNTIME, "--name", "pull", "--dataset", "/d", "--model", "/m")
+    assert done.returncode == 0, done.stderr
+    image = "ghcr.io/tunepack/trainer:0.1.0"
+    waiting = {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{image}"'}
+    fake.objects[("pods", NS, "pull-node-0-0-abcde")] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "pull-node-0-0-abcde",
+            "namespace": NS,
+            "labels": {"jobset.sigs.k8s.io/jobset-name": "pull"},
+        },
+        "spec": {"nodeName": "gpu-1", "containers": [{"name": "node", "image": image}]},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [{
+                "name": "node", "image": image, "imageID": "", "ready": False,
+                "restartCount": 0, "state": {"waiting": waiting},
+            }],
+        },
+    }  # fmt: skip
+    done = cli("status", "pull")
+    assert done.returncode == 0, done.stderr
+    assert (
+        "  message: not starting: pod pull-node-0-0-abcde, container node: ImagePullBackOff: "
+        f'Back-off pulling image "{image}"; the node cannot pull the runtime\'s image: push '
+        "tunepack's images to a registry the cluster pulls from (make push-images REGISTRY=...) "
+        "and install the runtimes naming it (tunepack install --registry ...; docs/cluster.md, "
+        "'Images')\n"
+    ) in done.stdout
+
+
 def test_cli_install_with_a_registry_names_it_in_every_installed_image(server, cli):
     fake, _ = server
     done = cli(
