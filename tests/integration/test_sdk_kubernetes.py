@@ -13,6 +13,7 @@ from tests.fake_apiserver import GROUP_PATH, FakeApiServer
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
+from tunepack.core import __version__
 from tunepack.runtimes.contract import containers, pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 from tunepack.tools.install import (
@@ -984,6 +985,55 @@ def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
     assert (
         done.stderr
         == f"tunepack: error: Failed to apply ClusterTrainingRuntime {tiny}: forbidden\n"
+    )
+
+
+def test_cli_install_checks_the_images_first_and_installs_nothing_the_nodes_cannot_pull(
+    server, cli
+):
+    """The fake server plays the kubelet for the probe pods: the trainer image cannot be pulled
+    (ErrImagePull), the initializers' run. The install stops before any runtime is applied."""
+    fake, _ = server
+    registry = "r.example/ml"
+
+    def kubelet(req):
+        if req.method != "POST" or not req.path.endswith("/pods"):
+            return
+        pod = fake.objects[("pods", NS, req.body["metadata"]["name"])]
+        image = pod["spec"]["containers"][0]["image"]
+        state = {"terminated": {"exitCode": 0}}
+        if "/trainer:" in image:
+            state = {"waiting": {"reason": "ErrImagePull", "message": f'"{image}": not found'}}
+        pod["spec"]["nodeName"] = "gpu-1"
+        pod["status"] = {
+            "phase": "Pending",
+            "containerStatuses": [{
+                "name": "probe", "image": image, "imageID": "", "ready": False,
+                "restartCount": 0, "state": state,
+            }],
+        }  # fmt: skip
+
+    fake.after.append(kubelet)
+    done = cli("install", "--runtime", "tiny-llama3", "--registry", registry)
+    assert done.returncode == 65, done.stderr
+    trainer = f"{registry}/trainer:{__version__}"
+    assert done.stdout.splitlines() == [
+        f"image {registry}/dataset-initializer:{__version__}: pullable (pulled on node gpu-1)",
+        f"image {registry}/model-initializer:{__version__}: pullable (pulled on node gpu-1)",
+        f'image {trainer}: NOT PULLABLE (node gpu-1: ErrImagePull: "{trainer}": not found)',
+    ]
+    assert done.stderr == (
+        "tunepack: error: the cluster cannot pull 1 of the runtimes' images ("
+        f'{trainer}: node gpu-1: ErrImagePull: "{trainer}": not found); nothing was installed. '
+        f"Push tunepack's images to a registry the nodes pull from (make push-images "
+        f"REGISTRY={registry}) and install naming it (tunepack install --registry {registry}; "
+        "docs/cluster.md, 'Images'), or install anyway with --no-image-check\n"
+    )
+    assert not [r for r in fake.requests if r.method == "PATCH"]  # nothing applied
+    probes = [r.body["metadata"]["name"] for r in fake.requests if r.method == "POST"]
+    assert len(probes) == 3
+    assert sorted(r.path.rsplit("/", 1)[1] for r in fake.requests if r.method == "DELETE") == (
+        sorted(probes)
     )
 
 
