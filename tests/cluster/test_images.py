@@ -44,8 +44,10 @@ def other_registry():
     for image in IMAGES:
         _podman("tag", f"{IMAGE_REGISTRY}/{image}:{__version__}", f"{OTHER}/{image}:{TAG}")
     yield
-    for image in IMAGES:  # names only: the storage keeps one set (make images-local prunes)
-        subprocess.run(["podman", "untag", f"{OTHER}/{image}:{TAG}"], check=False, timeout=120)
+    # Only the names given here go: `podman untag IMAGE` alone would remove every name of the
+    # image, the runtimes' own included, from the storage other runs share.
+    for image in IMAGES:
+        _podman("untag", f"{IMAGE_REGISTRY}/{image}:{__version__}", f"{OTHER}/{image}:{TAG}")
 
 
 def _install(controlplane, namespace, *args):
