@@ -82,18 +82,22 @@ runtimes: install
 	$(BIN)/python -m tunepack.runtimes.generate
 
 # The three images the runtimes run (docker or podman; build from the repository root). Push them
-# to your registry and point the runtimes there (README, "Images"); the tag is tunepack's version.
+# to your registry, then install the runtimes naming it (README, "Images"):
+#   make push-images REGISTRY=registry.example.com/ml [TAG=...]
+#   tunepack install --registry registry.example.com/ml [--tag ...]
+# The tag defaults to tunepack's version, the one the generated runtimes name.
 CONTAINER ?= docker
 REGISTRY ?= ghcr.io/tunepack
 VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+TAG ?= $(VERSION)
 IMAGES := dataset-initializer model-initializer trainer
 
 images:
 	$(CONTAINER) build -f initializers/Dockerfile --target dataset-initializer \
-		-t $(REGISTRY)/dataset-initializer:$(VERSION) .
+		-t $(REGISTRY)/dataset-initializer:$(TAG) .
 	$(CONTAINER) build -f initializers/Dockerfile --target model-initializer \
-		-t $(REGISTRY)/model-initializer:$(VERSION) .
-	$(CONTAINER) build -f trainers/Dockerfile -t $(REGISTRY)/trainer:$(VERSION) .
+		-t $(REGISTRY)/model-initializer:$(TAG) .
+	$(CONTAINER) build -f trainers/Dockerfile -t $(REGISTRY)/trainer:$(TAG) .
 
 # The same three images built on this machine without a registry: a Debian base made with
 # debootstrap and buildah's layer cache, into local container storage (tests/controlplane/images.sh).
@@ -101,7 +105,8 @@ images-local:
 	bash tests/controlplane/images.sh
 
 push-images: images
-	for image in $(IMAGES); do $(CONTAINER) push $(REGISTRY)/$$image:$(VERSION) || exit 1; done
+	for image in $(IMAGES); do $(CONTAINER) push $(REGISTRY)/$$image:$(TAG) || exit 1; done
+	@echo "pushed; install the runtimes naming them: tunepack install --registry $(REGISTRY)$(if $(filter $(VERSION),$(TAG)),, --tag $(TAG))"
 
 clean:
 	rm -rf $(VENV) .tunepack .pytest_cache .ruff_cache

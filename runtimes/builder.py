@@ -23,7 +23,7 @@ import yaml
 
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.core.workspace import DEFAULT_WORKSPACE, MODEL_ENV, WORKSPACE_ENV
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, host
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.runtimes.contract import (
     ANCESTOR_LABEL,
@@ -291,10 +291,9 @@ def _trainer_container(entry: ModelEntry) -> dict:
 def trainer_resources(entry: ModelEntry) -> dict:
     """The runtime's ``node`` container resources (what a TrainJob's ``resourcesPerNode`` is
     merged into: ``tunepack.jobs.trainjob.pod_resources``)."""
-    res = entry.resources
-    resources: dict = {"requests": {"cpu": res.cpu, "memory": res.memory}}
-    if res.gpus:
-        resources["limits"] = {GPU_RESOURCE: res.gpus}
+    resources: dict = {"requests": host.trainer_requests(entry)}
+    if entry.resources.gpus:
+        resources["limits"] = {GPU_RESOURCE: entry.resources.gpus}
     return resources
 
 

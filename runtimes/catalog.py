@@ -178,13 +178,18 @@ class Tokenizer:
 
 @dataclass(frozen=True)
 class Resources:
-    """Default per-node resources of the runtime's trainer Pods, and how many nodes."""
+    """Default per-node resources of the runtime's trainer Pods, and how many nodes.
+
+    A GPU runtime's CPU and memory requests are not written here: ``runtimes/host.py`` sizes
+    them from the model (the host-side loading peak and the processes). A CPU runtime (the
+    tiny models, one process per CPU) names its own.
+    """
 
     gpus: int
-    cpu: str
-    memory: str
     workspace_storage: str
     nodes: int = 1
+    cpu: str | None = None
+    memory: str | None = None
 
 
 @dataclass(frozen=True)
@@ -542,7 +547,7 @@ FAMILIES: dict[str, Family] = {
 
 @dataclass(frozen=True)
 class _Tier:
-    """Defaults by model size: GPUs (bf16 LoRA with FSDP across them), memory, batch size."""
+    """Defaults by model size: GPUs (bf16 LoRA with FSDP across them), storage, batch size."""
 
     up_to_billions: float
     resources: Resources
@@ -550,14 +555,19 @@ class _Tier:
 
 
 _TIERS = (
-    _Tier(4, Resources(gpus=1, cpu="8", memory="48Gi", workspace_storage="30Gi"), 4),
-    _Tier(10, Resources(gpus=1, cpu="16", memory="96Gi", workspace_storage="60Gi"), 2),
-    _Tier(16, Resources(gpus=2, cpu="16", memory="160Gi", workspace_storage="100Gi"), 2),
-    _Tier(40, Resources(gpus=4, cpu="32", memory="320Gi", workspace_storage="200Gi"), 1),
-    _Tier(100, Resources(gpus=8, cpu="64", memory="640Gi", workspace_storage="500Gi"), 1),
+    _Tier(4, Resources(gpus=1, workspace_storage="30Gi"), 4),
+    _Tier(10, Resources(gpus=1, workspace_storage="60Gi"), 2),
+    _Tier(16, Resources(gpus=2, workspace_storage="100Gi"), 2),
+    _Tier(40, Resources(gpus=4, workspace_storage="200Gi"), 1),
+    _Tier(100, Resources(gpus=8, workspace_storage="500Gi"), 1),
     # 405B in bf16 is 810 GB of weights alone: FSDP over two 8-GPU nodes.
-    _Tier(1000, Resources(gpus=8, cpu="96", memory="1280Gi", workspace_storage="2Ti", nodes=2), 1),
+    _Tier(1000, Resources(gpus=8, workspace_storage="2Ti", nodes=2), 1),
 )
+
+
+# A -custom runtime's checkpoint is known only when a job runs: it gets the defaults of the
+# tier of models up to 10B parameters, and its requests are sized for the largest of them.
+CUSTOM_TIER = _TIERS[1]
 
 
 def _tier(shape: Shape) -> _Tier:
@@ -1006,7 +1016,7 @@ def _custom(arch: str) -> ModelEntry:
         checkpoint_files=(),  # model.safetensors or an index: weight_files
         lora_output=fam.lora_output,
         tokenizer_files={"path": custom.TOKENIZER_JSON},
-        resources=_TIERS[1].resources,
+        resources=CUSTOM_TIER.resources,
         defaults={
             "batch_size": 2,
             "lora_rank": 16,

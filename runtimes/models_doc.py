@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, host
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
@@ -56,7 +56,15 @@ up to its length); Gemma 2's and Gemma 3's are built in.
 |---|---|---|---|---|
 {custom}
 
-| Runtime | Hugging Face checkpoint | Family | Parameters | Methods | Chat template | Default GPUs |
+"Trainer node" is what each trainer Pod of the runtime requests of its node by default: the
+GPUs, and CPU and memory sized from the model (`runtimes/host.py`: the checkpoint loaded into
+host memory in bf16 once per node, 3 GiB per trainer process and a 2 GiB margin; 2 CPUs per
+process). A node with less allocatable CPU or memory leaves the Pod Pending (`tunepack status`
+says which resource); a TrainJob's `resourcesPerNode` changes the requests (docs/cluster.md,
+"Node shapes"). The `-custom` runtimes' trainer node is {custom_node}, sized for checkpoints of
+up to {custom_billions:g}B parameters.
+
+| Runtime | Hugging Face checkpoint | Family | Parameters | Methods | Chat template | Trainer node |
 |---|---|---|---|---|---|---|
 """
 
@@ -102,11 +110,16 @@ def render() -> str:
     rows = [
         f"| `{e.runtime_name}` | `{e.hub_id}` | {e.family.title} | {_billions(e.parameter_count)}"
         f" | {', '.join(e.methods)} | {FAMILY_FORMAT[e.family.name]}"
-        f" | {e.resources.gpus * e.resources.nodes} |"
+        f" | {host.node_shape(e).describe()} |"
         for e in catalog.CATALOG.values()
         if not e.custom
     ]
-    return _HEADER.format(custom=_custom_rows()) + "\n".join(rows) + "\n"
+    header = _HEADER.format(
+        custom=_custom_rows(),
+        custom_node=host.node_shape(next(iter(catalog.CUSTOM.values()))).describe(),
+        custom_billions=catalog.CUSTOM_TIER.up_to_billions,
+    )
+    return header + "\n".join(rows) + "\n"
 
 
 def main() -> int:

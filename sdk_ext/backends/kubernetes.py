@@ -17,8 +17,9 @@ changes only what tunepack needs:
 - ``get_job()`` / ``list_jobs()`` of a tunepack runtime's job add progress from
   ``status.trainerStatus`` and the Failed condition's message, read from the same GET (or LIST)
   the job's status comes from; a job not finished whose pods the scheduler refuses gets the
-  scheduler's reason as its message (``get_job`` only: one more LIST of its pods); their steps
-  include the ``exporter``'s pod (one LIST per job), which the SDK's pod selector leaves out, so
+  scheduler's reason as its message, and one whose placed pod cannot start (its image cannot be
+  pulled) the kubelet's (``get_job`` only: one more LIST of its pods); their steps include the
+  ``exporter``'s pod (one LIST per job), which the SDK's pod selector leaves out, so
   ``get_job_logs`` reads it; and ``wait_for_job_status`` stops waiting, with that reason, once a
   gang has waited longer than its PodGroup allows (``scheduling``); another runtime's job is the
   SDK's object, untouched.
@@ -82,7 +83,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         self.gpu = gpu
         self.memory_check = memory_check
         # What get_job last found of each job's unscheduled pods, for wait_for_job_status.
-        self._unscheduled: dict[str, scheduling.Unscheduled | None] = {}
+        self._unscheduled: dict[str, scheduling.Unscheduled | scheduling.NotStarting | None] = {}
 
     # The SDK's private converter from a runtime object (name-mangled in its KubernetesBackend),
     # which list_runtimes and get_runtime call: tunepack runtimes report a BuiltinTrainer.
@@ -272,7 +273,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             held = scheduling.queued(self.custom_api, self.namespace, raw)
             if held is not None:
                 return dataclasses.replace(job, message=held)
-            waiting = scheduling.unscheduled(self.core_api, self.custom_api, self.namespace, name)
+            waiting = scheduling.pending(self.core_api, self.custom_api, self.namespace, name)
         self._unscheduled[name] = waiting
         return dataclasses.replace(job, message=waiting.message()) if waiting else job
 

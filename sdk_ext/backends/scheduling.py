@@ -10,6 +10,12 @@ that reason instead of waiting until its own timeout. Nothing fails the TrainJob
 platform has no deadline for an unplaced gang; Kueue's ``waitForPodsReady`` is one): it stays
 queued until nodes free up or it is deleted.
 
+A pod the scheduler placed can still wait: its image cannot be pulled (``ErrImagePull``,
+``ImagePullBackOff``: the runtimes name a registry the node cannot reach) or its container
+cannot be made (a missing Secret or ConfigMap). ``pending`` reports that too (``NotStarting``),
+with what to do about an image, so that every Pending trainer pod has its reason in ``tunepack
+status``.
+
 Before any pod exists, Kueue may hold a TrainJob (``kueue.x-k8s.io/queue-name``): suspended
 until its Workload is admitted. ``queued`` reads Kueue's reason from that Workload (e.g. not
 enough quota) so that ``tunepack status`` says why the job waits, not only that it was created.
@@ -46,6 +52,33 @@ class Unscheduled:
         return f"not scheduled ({waited}): pod {self.pod}: {self.reason}"
 
 
+# The kubelet's waiting reasons of a container that will not start without a change.
+IMAGE_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+STUCK_REASONS = (*IMAGE_REASONS, "CreateContainerConfigError", "CreateContainerError")
+IMAGE_HINT = (
+    "the node cannot pull the runtime's image: push tunepack's images to a registry the "
+    "cluster pulls from (make push-images REGISTRY=...) and install the runtimes naming it "
+    "(tunepack install --registry ...; docs/cluster.md, 'Images')"
+)
+
+
+@dataclass(frozen=True)
+class NotStarting:
+    """A pod the scheduler placed whose container waits for something that will not come."""
+
+    pod: str
+    container: str
+    reason: str  # the kubelet's waiting reason
+    detail: str  # and its message
+
+    overdue = False  # nothing to stop waiting for: the pod starts once the cause is fixed
+
+    def message(self) -> str:
+        said = f"{self.reason}: {self.detail}" if self.detail else self.reason
+        hint = f"; {IMAGE_HINT}" if self.reason in IMAGE_REASONS else ""
+        return f"not starting: pod {self.pod}, container {self.container}: {said}{hint}"
+
+
 class GangNotPlaced(TimeoutError):
     """``wait_for_job_status`` gave up on a gang that could not be placed whole in time."""
 
@@ -59,11 +92,35 @@ class GangNotPlaced(TimeoutError):
         self.waiting = waiting
 
 
-def unscheduled(core_api, custom_api, namespace: str, name: str) -> Unscheduled | None:
-    """The first pod of TrainJob ``name`` that the scheduler refused, or None if none is."""
+def pending(core_api, custom_api, namespace: str, name: str) -> Unscheduled | NotStarting | None:
+    """Why a pod of TrainJob ``name`` is Pending: the scheduler's refusal first (``Unscheduled``),
+    else a placed pod's container that cannot start (``NotStarting``); None if neither."""
     pods = core_api.list_namespaced_pod(namespace, label_selector=f"{JOBSET_NAME_LABEL}={name}")
+    return unscheduled(core_api, custom_api, namespace, pods.items) or not_starting(pods.items)
+
+
+def not_starting(pods) -> NotStarting | None:
+    """The first Pending pod (by name) whose container waits for a reason in ``STUCK_REASONS``."""
+    for pod in sorted(pods, key=lambda p: p.metadata.name):
+        if (pod.status.phase or "Pending") != "Pending":
+            continue
+        statuses = [
+            *(pod.status.init_container_statuses or []),
+            *(pod.status.container_statuses or []),
+        ]
+        for status in statuses:
+            waiting = status.state.waiting if status.state else None
+            if waiting is not None and waiting.reason in STUCK_REASONS:
+                return NotStarting(
+                    pod.metadata.name, status.name, waiting.reason, (waiting.message or "").strip()
+                )
+    return None
+
+
+def unscheduled(core_api, custom_api, namespace: str, pods) -> Unscheduled | None:
+    """The first of ``pods`` (a TrainJob's) that the scheduler refused, or None if none is."""
     refused = []
-    for pod in pods.items:
+    for pod in pods:
         if pod.spec.node_name or (pod.status.phase or "Pending") != "Pending":
             continue
         cond = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)

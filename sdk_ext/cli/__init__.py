@@ -10,7 +10,7 @@ tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the clu
 tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
 tunepack render serving --runtime R --name TRAINJOB [key=value ...]   # vLLM for its result
 tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu h100]
-tunepack install [--namespace NS]     # server-side apply of the runtimes (re-created if needed)
+tunepack install [--namespace NS] [--registry R]  # apply the runtimes (images checked first)
 tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
 tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
 tunepack logs NAME [--step node] [--local]   # a step as the console names it (node-1: 2nd node)

@@ -300,6 +300,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long to wait for a runtime that must be re-created to be deleted (default 60)",
     )
+    p.add_argument(
+        "--registry",
+        help="pull tunepack's images from this registry, e.g. registry.example.com/ml (default "
+        "ghcr.io/tunepack; push them there with `make push-images REGISTRY=...`)",
+    )
+    p.add_argument("--tag", help="the images' tag (default: tunepack's version)")
+    p.add_argument(
+        "--no-image-check",
+        dest="image_check",
+        action="store_false",
+        help="install without first checking that the cluster's nodes can pull the images "
+        "(the check runs a short probe Pod per image the nodes do not hold yet)",
+    )
+    p.add_argument(
+        "--image-check-timeout",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long the image check waits for the probes' pulls (default 60)",
+    )
     p.set_defaults(func=cmd_install)
 
     p = sub.add_parser("render", help="print Kubernetes objects as YAML")

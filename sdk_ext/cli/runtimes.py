@@ -35,8 +35,10 @@ def cmd_args(_: argparse.Namespace) -> int:
 def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client
 
+    from tunepack.cli.cluster import backend_config
     from tunepack.core.errors import BadInputError
     from tunepack.jobs.naming import check_dns_label
+    from tunepack.tools import images
     from tunepack.tools.install import admission_objects, describe, install, runtime_objects
 
     if ns.namespace is not None:
@@ -45,11 +47,31 @@ def cmd_install(ns: argparse.Namespace) -> int:
         raise BadInputError(
             f"--delete-timeout {ns.delete_timeout:g} is not valid: expected a number of seconds > 0"
         )
-    objects = runtime_objects(ns.runtime or None, namespace=ns.namespace)
+    if not ns.image_check_timeout > 0:
+        raise BadInputError(
+            f"--image-check-timeout {ns.image_check_timeout:g} is not valid: expected a number "
+            "of seconds > 0"
+        )
+    source = images.ImageSource.parse(ns.registry, ns.tag)
+    objects = runtime_objects(ns.runtime or None, namespace=ns.namespace, images=source)
     objects += admission_objects(ns.namespace)
     check_cluster(ns.context, local_option=False)
     load_config(ns.context)
     api = client.ApiClient()
+    if ns.image_check:
+        # Before anything is applied: runtimes whose images no node can pull would only show
+        # it as TrainJobs stuck in ImagePullBackOff.
+        checks = images.check(
+            client.CoreV1Api(api),
+            images.runtime_images(objects),
+            backend_config(ns).namespace,
+            timeout=ns.image_check_timeout,
+        )
+        for found in checks:
+            print(found.line(), flush=True)
+        failed = [c for c in checks if c.pullable is False]
+        if failed:
+            raise images.ImageNotPullable(images.failure_message(failed, source))
     for obj in objects:
         action = install(api, obj, delete_timeout=ns.delete_timeout)
         print(f"{describe(obj)} {action}", flush=True)

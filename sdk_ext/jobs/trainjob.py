@@ -36,7 +36,7 @@ from tunepack.core import workspace
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage
 from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
-from tunepack.runtimes import builder, catalog, contract, custom
+from tunepack.runtimes import builder, catalog, contract, custom, host
 from tunepack.runtimes.validate import validate_trainjob
 
 if TYPE_CHECKING:
@@ -332,10 +332,23 @@ def pod_resources(resources: dict | None, entry: catalog.ModelEntry) -> dict:
 
 
 def requested_resources(resources_per_node: dict | None, entry: catalog.ModelEntry) -> dict | None:
-    """The ``resourcesPerNode`` a TrainJob on ``entry``'s runtime gets for the SDK's dict."""
+    """The ``resourcesPerNode`` a TrainJob on ``entry``'s runtime gets for the SDK's dict.
+
+    Another number of GPUs than the runtime's, with no CPU or memory named, also gets the CPU
+    and memory requests of that many trainer processes (``runtimes/host.py``): the runtime's
+    are sized for its own GPUs, and the Trainer would keep them.
+    """
     if not resources_per_node:
         return None
-    return _mig_replaces_gpu(resource_requirements(resources_per_node), entry)
+    resources = _mig_replaces_gpu(resource_requirements(resources_per_node), entry)
+    gpus = gpus_per_node(resources, entry)
+    named = {key for kind in resources.values() for key in kind}
+    if gpus != entry.resources.gpus and not named & {"cpu", "memory"}:
+        shape = host.node_shape(entry, gpus)
+        sized = {"cpu": shape.cpu, "memory": shape.memory}
+        if sized != host.trainer_requests(entry):
+            resources["requests"] = {**(resources.get("requests") or {}), **sized}
+    return resources
 
 
 def names_gpus(resources: dict | None) -> bool:

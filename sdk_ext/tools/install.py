@@ -3,6 +3,10 @@
 Cluster-wide installs also apply the admission policy and its binding (``admission_objects``,
 ``tunepack.tools.admission``), so that the API server refuses TrainJobs that could not run.
 
+The runtimes name tunepack's images in ``ghcr.io/tunepack``; ``--registry``/``--tag`` install
+them naming a registry of the user's (``tunepack.tools.images``, which also checks, before
+anything is applied, that the cluster's nodes can pull them).
+
 Each object is sent as ``PATCH`` with ``Content-Type: application/apply-patch+yaml``,
 ``fieldManager=tunepack`` and ``force=true`` (tunepack owns these objects' fields), through the
 ``kubernetes`` client, so it works from a notebook or CI without kubectl.
@@ -29,6 +33,7 @@ from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import API_GROUP, KIND, NAMESPACED_KIND
 from tunepack.runtimes.store import load_runtime
 from tunepack.tools import admission
+from tunepack.tools.images import ImageSource, retarget
 
 FIELD_MANAGER = "tunepack"
 PLURALS = {
@@ -51,13 +56,17 @@ class RuntimeInUseError(TransientError):
     """A runtime that must be re-created is still being deleted: TrainJobs hold it."""
 
 
-def runtime_objects(names: list[str] | None = None, namespace: str | None = None) -> list[dict]:
+def runtime_objects(
+    names: list[str] | None = None,
+    namespace: str | None = None,
+    images: ImageSource | None = None,
+) -> list[dict]:
     """The generated runtimes (all, or ``names``); namespace-scoped TrainingRuntimes when
-    ``namespace`` is given."""
+    ``namespace`` is given; their images from ``images`` (``tunepack install --registry``)."""
     entries = [catalog.get(n) for n in names] if names else list(catalog.CATALOG.values())
     objects = []
     for entry in entries:
-        obj = load_runtime(entry.runtime_name)
+        obj = retarget(load_runtime(entry.runtime_name), images or ImageSource())
         if namespace:
             obj["kind"] = NAMESPACED_KIND
             obj["metadata"]["namespace"] = namespace

@@ -63,8 +63,10 @@ def namespace(api):
 @pytest.fixture
 def installed_runtimes(api, controlplane):
     """Every tunepack runtime, installed with ``tunepack install`` (the CLI, as a user would;
-    idempotent, and per test because the install tests delete them)."""
-    done = kube.tunepack("install", kubeconfig=controlplane.kubeconfig)
+    idempotent, and per test because the install tests delete them). Without the image check,
+    which would put probe pods on whichever nodes a test left schedulable: it has its own tests
+    (tests/cluster/test_images.py)."""
+    done = kube.tunepack("install", "--no-image-check", kubeconfig=controlplane.kubeconfig)
     assert done.returncode == 0, done.stderr
     return done
 

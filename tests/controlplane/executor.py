@@ -626,6 +626,8 @@ class PodRunner:
     # ----------------------------------------------------------------------------- containers
     def run_container(self, c: dict, st: ContainerState) -> bool:
         """Run one container (restarting it as restartPolicy says); True when it succeeded."""
+        if self.ex.images is not None and not self._pull(c, st):
+            return False
         delay = 1
         while not self.deletion.is_set() and not self.ex.stopping.is_set():
             try:
@@ -651,6 +653,29 @@ class PodRunner:
                 return False
             delay = min(delay * 2, 30)
         return False
+
+    def _pull(self, c: dict, st: ContainerState) -> bool:
+        """--images: wait for the container's image as a kubelet does for one it cannot pull:
+        the container waits (ErrImagePull, then ImagePullBackOff with the kubelet's back-off)
+        and the pod stays Pending until the image appears or the pod is deleted."""
+        delay, reason = 1.0, "ErrImagePull"
+        while True:
+            try:
+                self.ex.images.get(c.get("image") or "")
+                return True
+            except oci.ImageMissing as e:
+                with self.lock:
+                    st.waiting = (reason, str(e))
+                self.patch_status()
+                log.info("pod %s/%s container %s: %s", self.ns, self.name, st.name, e)
+            if self.deletion.wait(delay) or self.ex.stopping.is_set():
+                return False
+            with self.lock:
+                st.waiting = ("ImagePullBackOff", f'Back-off pulling image "{c.get("image")}"')
+            self.patch_status()
+            if self.deletion.wait(delay) or self.ex.stopping.is_set():
+                return False
+            delay = min(delay * 2, 10.0)
 
     def _plan(self, c: dict, st: ContainerState) -> dict:
         env = podspec.resolve_env(

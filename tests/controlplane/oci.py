@@ -55,6 +55,10 @@ class Image:
     user: str = ""
 
 
+class ImageMissing(ConfigError):
+    """The pod's image is not here: a kubelet's ErrImagePull / ImagePullBackOff."""
+
+
 class Images:
     """Images of this machine's container storage, mounted once each, unmounted at stop."""
 
@@ -72,9 +76,9 @@ class Images:
     def _mount(self, name: str) -> Image:
         found = self._run("image", "inspect", name)
         if found.returncode != 0:
-            raise ConfigError(
-                f'image "{name}" is not in this node\'s container storage (the tier builds '
-                "tunepack's images with `make images-local`; nothing is pulled here)"
+            raise ImageMissing(
+                f'failed to pull image "{name}": not in this node\'s container storage (the '
+                "tier builds tunepack's images with `make images-local`; nothing is pulled here)"
             )
         inspected = json.loads(found.stdout)[0]
         cfg = inspected.get("Config") or {}

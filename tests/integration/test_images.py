@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import tomllib
+from pathlib import Path
 
 import pytest
 import yaml
@@ -63,6 +64,21 @@ def test_make_push_images_pushes_to_the_given_registry():
     }
 
 
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_push_images_pushes_what_tunepack_install_registry_installs():
+    """The README's two steps agree: `make push-images REGISTRY=R TAG=T` pushes each image the
+    runtimes of `tunepack install --registry R --tag T` run, under the same names."""
+    from tunepack.tools.images import ImageSource, runtime_images
+    from tunepack.tools.install import runtime_objects
+
+    out = _make_n("push-images", f"REGISTRY={REGISTRY}", "TAG=rc1", "CONTAINER=podman")
+    (loop,) = re.findall(r"for image in ([^;]+); do podman push (\S+) ", out)
+    pushed = {loop[1].replace("$image", name) for name in loop[0].split()}
+    installed = runtime_images(runtime_objects(images=ImageSource.parse(REGISTRY, "rc1")))
+    assert pushed == set(installed) == set(re.findall(r"-t (\S+)", out))
+    assert f"tunepack install --registry {REGISTRY} --tag rc1" in out
+
+
 def test_a_kustomization_points_every_runtime_at_the_users_registry(tmp_path):
     """The README's step: the base plus an `images` list naming the user's registry."""
     write_kustomization(tmp_path, ())
@@ -112,3 +128,40 @@ def test_the_trainer_image_pins_every_dependency_inside_the_projects_ranges():
         assert req.specifier.contains(pins[name]), f"{name}=={pins[name]} is outside {req}"
     assert set(pins) == {canonicalize_name(r.name) for r in wanted}
     assert pins["torch"] == "2.13.0"  # the torch every test runs (Makefile's TORCH_SPEC)
+
+
+def test_what_the_trainer_image_prunes_nothing_it_runs_can_load():
+    """trainers/image-prune.txt's files are named by no library of torch, triton, torchvision,
+    torchao, cuda-bindings or the NVIDIA wheels (so neither linked nor dlopen'd by name) and by
+    none of their Python files: checked against this venv's packages, the versions the image
+    pins (test_the_trainer_image_pins_every_dependency_inside_the_projects_ranges)."""
+    import site
+
+    site_packages = Path(site.getsitepackages()[0])
+    if not (site_packages / "nvidia").is_dir():
+        pytest.skip("this venv has torch's CPU build: no NVIDIA libraries to check against")
+    patterns = [
+        line.split("#")[0].strip()
+        for line in (ROOT / "trainers" / "image-prune.txt").read_text().splitlines()
+    ]
+    pruned = {path for p in patterns if p for path in site_packages.glob(p)}
+    assert all(any(site_packages.glob(p)) for p in patterns if p), "a pattern matches nothing"
+    # What a loader would look for: the file name without its version suffix.
+    names = {re.sub(r"\.so(\.[0-9.]*)?$|\.a$", "", path.name).encode() for path in pruned}
+    users = {}
+    for package in ("torch", "triton", "torchvision", "torchao", "cuda", "nvidia"):
+        for path in (site_packages / package).rglob("*"):
+            if path in pruned or not path.is_file():
+                continue
+            if not (".so" in path.name or path.suffix == ".py"):
+                continue
+            data = path.read_bytes()
+            for name in names:
+                if name in data:
+                    users.setdefault(name.decode(), []).append(str(path.relative_to(site_packages)))
+    # cuda-bindings' catalog of every CUDA library it could load on request (cuda.pathfinder)
+    # names them all; torch and triton never ask it for these.
+    users = {
+        name: found for name, found in users.items() if any("pathfinder" not in f for f in found)
+    }
+    assert users == {}

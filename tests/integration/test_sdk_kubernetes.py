@@ -13,7 +13,8 @@ from tests.fake_apiserver import GROUP_PATH, FakeApiServer
 from tests.helpers import run_program
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
-from tunepack.runtimes.contract import pod_spec, replicated_jobs
+from tunepack.core import __version__
+from tunepack.runtimes.contract import containers, pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 from tunepack.tools.install import (
     SKIPPED,
@@ -711,7 +712,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
     fake, url = server
     tunepack = cli
 
-    done = tunepack("install")
+    done = tunepack("install", "--no-image-check")
     assert done.returncode == 0, done.stderr
     patches = [r for r in fake.requests if r.method == "PATCH"]
     names = [o["metadata"]["name"] for o in runtime_objects()]
@@ -732,7 +733,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
         done.stdout.splitlines()
         == [f"clustertrainingruntime.trainer.kubeflow.org/{n} created" for n in names] + skipped
     )
-    done = tunepack("install", "--runtime", "tiny-llama3")
+    done = tunepack("install", "--no-image-check", "--runtime", "tiny-llama3")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [
         "clustertrainingruntime.trainer.kubeflow.org/tunepack-tiny-llama3 unchanged",
@@ -990,9 +991,9 @@ def test_install_reports_other_refusals_with_the_server_message(
 def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
     fake, url = server
     tiny = "tunepack-tiny-llama3"
-    assert cli("install", "--runtime", "tiny-llama3").returncode == 0
+    assert cli("install", "--no-image-check", "--runtime", "tiny-llama3").returncode == 0
     _older_failure_policy(fake, tiny)
-    done = cli("install", "--runtime", "tiny-llama3")
+    done = cli("install", "--no-image-check", "--runtime", "tiny-llama3")
     assert done.returncode == 0, done.stderr
     assert (
         done.stdout.splitlines()[0]
@@ -1003,7 +1004,7 @@ def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
     _older_failure_policy(fake, tiny)
     _stored(fake, tiny)["metadata"]["finalizers"] = [IN_USE]
     _trainjob_using(fake, NS, "cli-job", tiny, None)
-    done = cli("install", "--runtime", "tiny-llama3", "--delete-timeout", "0.5")
+    done = cli("install", "--no-image-check", "--runtime", "tiny-llama3", "--delete-timeout", "0.5")
     assert done.returncode == 75, done.stderr
     assert done.stdout == ""
     assert done.stderr.startswith(
@@ -1014,12 +1015,113 @@ def test_cli_install_replaces_and_explains_in_use_and_refusals(server, cli):
 
     fake.finalize("clustertrainingruntimes", None, tiny)
     fake.fail[("PATCH", f"{GROUP_PATH}/clustertrainingruntimes/{tiny}")] = (403, "forbidden")
-    done = cli("install", "--runtime", "tiny-llama3")
+    done = cli("install", "--no-image-check", "--runtime", "tiny-llama3")
     assert done.returncode == 1
     assert (
         done.stderr
         == f"tunepack: error: Failed to apply ClusterTrainingRuntime {tiny}: forbidden\n"
     )
+
+
+def test_cli_install_checks_the_images_first_and_installs_nothing_the_nodes_cannot_pull(
+    server, cli
+):
+    """The fake server plays the kubelet for the probe pods: the trainer image cannot be pulled
+    (ErrImagePull), the initializers' run. The install stops before any runtime is applied."""
+    fake, _ = server
+    registry = "r.example/ml"
+
+    def kubelet(req):
+        if req.method != "POST" or not req.path.endswith("/pods"):
+            return
+        pod = fake.objects[("pods", NS, req.body["metadata"]["name"])]
+        image = pod["spec"]["containers"][0]["image"]
+        state = {"terminated": {"exitCode": 0}}
+        if "/trainer:" in image:
+            state = {"waiting": {"reason": "ErrImagePull", "message": f'"{image}": not found'}}
+        pod["spec"]["nodeName"] = "gpu-1"
+        pod["status"] = {
+            "phase": "Pending",
+            "containerStatuses": [{
+                "name": "probe", "image": image, "imageID": "", "ready": False,
+                "restartCount": 0, "state": state,
+            }],
+        }  # fmt: skip
+
+    fake.after.append(kubelet)
+    done = cli("install", "--runtime", "tiny-llama3", "--registry", registry)
+    assert done.returncode == 65, done.stderr
+    trainer = f"{registry}/trainer:{__version__}"
+    assert done.stdout.splitlines() == [
+        f"image {registry}/dataset-initializer:{__version__}: pullable (pulled on node gpu-1)",
+        f"image {registry}/model-initializer:{__version__}: pullable (pulled on node gpu-1)",
+        f'image {trainer}: NOT PULLABLE (node gpu-1: ErrImagePull: "{trainer}": not found)',
+    ]
+    assert done.stderr == (
+        "tunepack: error: the cluster cannot pull 1 of the runtimes' images ("
+        f'{trainer}: node gpu-1: ErrImagePull: "{trainer}": not found); nothing was installed. '
+        f"Push tunepack's images to a registry the nodes pull from (make push-images "
+        f"REGISTRY={registry}) and install naming it (tunepack install --registry {registry}; "
+        "docs/cluster.md, 'Images'), or install anyway with --no-image-check\n"
+    )
+    assert not [r for r in fake.requests if r.method == "PATCH"]  # nothing applied
+    probes = [r.body["metadata"]["name"] for r in fake.requests if r.method == "POST"]
+    assert len(probes) == 3
+    assert sorted(r.path.rsplit("/", 1)[1] for r in fake.requests if r.method == "DELETE") == (
+        sorted(probes)
+    )
+
+
+def test_cli_status_says_why_a_placed_trainer_pod_does_not_start(server, cli):
+    """A trainer pod the scheduler placed whose image the node cannot pull: `tunepack status`
+    gives the kubelet's reason and what to do (before, it said nothing: only pods the scheduler
+    refused had a reason)."""
+    fake, _ = server
+    assert cli("install", "--no-image-check", "--runtime", RUNTIME).returncode == 0
+    done = cli("train", "--runtime", RUNTIME, "--name", "pull", "--dataset", "/d", "--model", "/m")
+    assert done.returncode == 0, done.stderr
+    image = "ghcr.io/tunepack/trainer:0.1.0"
+    waiting = {"reason": "ImagePullBackOff", "message": f'Back-off pulling image "{image}"'}
+    fake.objects[("pods", NS, "pull-node-0-0-abcde")] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "pull-node-0-0-abcde",
+            "namespace": NS,
+            "labels": {"jobset.sigs.k8s.io/jobset-name": "pull"},
+        },
+        "spec": {"nodeName": "gpu-1", "containers": [{"name": "node", "image": image}]},
+        "status": {
+            "phase": "Pending",
+            "containerStatuses": [{
+                "name": "node", "image": image, "imageID": "", "ready": False,
+                "restartCount": 0, "state": {"waiting": waiting},
+            }],
+        },
+    }  # fmt: skip
+    done = cli("status", "pull")
+    assert done.returncode == 0, done.stderr
+    assert (
+        "  message: not starting: pod pull-node-0-0-abcde, container node: ImagePullBackOff: "
+        f'Back-off pulling image "{image}"; the node cannot pull the runtime\'s image: push '
+        "tunepack's images to a registry the cluster pulls from (make push-images REGISTRY=...) "
+        "and install the runtimes naming it (tunepack install --registry ...; docs/cluster.md, "
+        "'Images')\n"
+    ) in done.stdout
+
+
+def test_cli_install_with_a_registry_names_it_in_every_installed_image(server, cli):
+    fake, _ = server
+    done = cli(
+        "install", "--no-image-check", "--runtime", "tiny-llama3",
+        "--registry", "registry.example.com:5000/ml", "--tag", "rc1",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    stored = _stored(fake, "tunepack-tiny-llama3")
+    assert {c["image"] for job in replicated_jobs(stored) for c in containers(job)} == {
+        f"registry.example.com:5000/ml/{name}:rc1"
+        for name in ("dataset-initializer", "model-initializer", "trainer")
+    }
 
 
 def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli):
@@ -1032,7 +1134,9 @@ def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli)
     assert done.stderr.startswith(f"tunepack: error: runtime {RUNTIME!r} is not installed")
     assert done.stderr.count("\n") == 1
 
-    assert cli("install", "--runtime", RUNTIME, "--namespace", NS).returncode == 0
+    assert (
+        cli("install", "--no-image-check", "--runtime", RUNTIME, "--namespace", NS).returncode == 0
+    )
     assert ("trainingruntimes", NS, RUNTIME) in fake.objects
     done = cli("train", "--runtime", RUNTIME, "--name", "j1", *args)
     assert done.returncode == 0, done.stderr

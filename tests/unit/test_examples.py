@@ -20,9 +20,9 @@ import yaml
 from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.initializers import uri as storage_uri
-from tunepack.jobs import submit
+from tunepack.jobs import submit, trainjob
 from tunepack.jobs.naming import max_name_length
-from tunepack.runtimes import catalog, contract
+from tunepack.runtimes import catalog, contract, host
 from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.trainers.args import parse_trainer_args
@@ -193,6 +193,25 @@ def test_example_fits_the_gpu_its_comments_name(name):
         entry, args, trainer.get("numNodes", 1), per_node, EXAMPLES[name], "refuse"
     )
     assert plan is not None and plan.fits
+
+
+_QUANTITY = {"Gi": 1, "Ti": 1024}
+
+
+def _gib(quantity) -> float:
+    return float(quantity[:-2]) * _QUANTITY[quantity[-2:]]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_requests_the_cpu_and_memory_of_its_processes(name):
+    """The pod the Trainer makes (resourcesPerNode merged into the runtime's requests) asks for
+    what its trainer processes need (runtimes/host.py), not only the runtime's default GPUs'."""
+    entry = catalog.get(_load(name)["spec"]["runtimeRef"]["name"])
+    resources = _load(name)["spec"]["trainer"]["resourcesPerNode"]
+    pod = trainjob.pod_resources(resources, entry)["requests"]
+    need = host.node_shape(entry, trainjob.gpus_per_node(resources, entry))
+    assert float(pod["cpu"]) >= float(need.cpu), pod
+    assert _gib(pod["memory"]) >= _gib(need.memory), pod
 
 
 def _secret_refs(obj) -> list[tuple[str, str | None]]:

@@ -10,7 +10,7 @@ import yaml
 
 from tunepack import __version__
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
-from tunepack.runtimes import builder, catalog, contract, generate
+from tunepack.runtimes import builder, catalog, contract, generate, host
 from tunepack.runtimes.builder import build_runtime
 from tunepack.runtimes.contract import container, env, env_refs, pod_spec, replicated_jobs
 from tunepack.runtimes.store import list_runtimes, load_runtime
@@ -265,7 +265,7 @@ def test_environment(entry):
 def test_trainer_resources_and_shm():
     gpu_node, cpu_node = _jobs(build_runtime(GPU))["node"], _jobs(build_runtime(TINY))["node"]
     assert _container(gpu_node)["resources"] == {
-        "requests": {"cpu": GPU.resources.cpu, "memory": GPU.resources.memory},
+        "requests": host.trainer_requests(GPU),
         "limits": {"nvidia.com/gpu": GPU.resources.gpus},
     }
     assert "limits" not in _container(cpu_node)["resources"]  # the tiny model runs on CPU

@@ -1,11 +1,15 @@
-"""What ``tunepack status`` says about a TrainJob Kueue holds (``backends.scheduling.queued``);
-the real Kueue's words are checked in tests/cluster/test_queues.py."""
+"""What ``tunepack status`` says about a TrainJob Kueue holds (``backends.scheduling.queued``)
+and about its Pending pods (``pending``); the real Kueue's words are checked in
+tests/cluster/test_queues.py, the real scheduler's in tests/cluster/test_gang.py."""
 
 from __future__ import annotations
 
-import pytest
+from datetime import UTC, datetime
 
-from tunepack.backends.scheduling import JOB_UID_LABEL, queued
+import pytest
+from kubernetes import client
+
+from tunepack.backends.scheduling import JOB_UID_LABEL, JOBSET_NAME_LABEL, pending, queued
 from tunepack.jobs.trainjob import QUEUE_LABEL
 
 
@@ -74,3 +78,73 @@ def test_no_workload_yet_and_no_access_are_said_plainly():
     assert queued(denied, "ns", _job()) == (
         "queued in Kueue LocalQueue team (its Workload cannot be read)"
     )
+
+
+# --- pods that are Pending: the scheduler's reason, or the kubelet's ---------------------------
+
+
+class Pods:
+    """The reads ``pending`` makes of the core API, answered from lists."""
+
+    def __init__(self, pods, events=()):
+        self.pods, self.events = list(pods), list(events)
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        assert label_selector == f"{JOBSET_NAME_LABEL}=job"
+        return client.V1PodList(items=self.pods)
+
+    def list_namespaced_event(self, namespace, field_selector):
+        return client.CoreV1EventList(items=self.events)
+
+
+def _pod(name, *, node=None, condition=None, waiting=None, phase="Pending"):
+    conditions = []
+    if condition:
+        conditions.append(client.V1PodCondition(
+            type="PodScheduled", status="False", reason="Unschedulable", message=condition,
+            last_transition_time=datetime.now(UTC),
+        ))  # fmt: skip
+    statuses = None
+    if waiting:
+        state = client.V1ContainerState(waiting=client.V1ContainerStateWaiting(*waiting))
+        statuses = [client.V1ContainerStatus(
+            name="node", image="ghcr.io/tunepack/trainer:0.1.0", image_id="", ready=False,
+            restart_count=0, state=state,
+        )]  # fmt: skip
+    return client.V1Pod(
+        metadata=client.V1ObjectMeta(name=name, labels={}),
+        spec=client.V1PodSpec(containers=[], node_name=node),
+        status=client.V1PodStatus(phase=phase, conditions=conditions, container_statuses=statuses),
+    )
+
+
+def test_a_pending_pod_without_a_gang_gets_the_schedulers_reason():
+    reason = "0/3 nodes are available: 3 Insufficient memory. preemption: 0/3 nodes are available"
+    api = Pods([_pod("job-node-0-0-x", condition=reason)])
+    found = pending(api, None, "ns", "job")
+    assert found.gang_timeout is None and not found.overdue
+    assert found.message().startswith("not scheduled (for ")
+    assert found.message().endswith(f" s): pod job-node-0-0-x: {reason}")
+
+
+def test_a_placed_pod_whose_image_cannot_be_pulled_says_so_and_what_to_do():
+    api = Pods([
+        _pod("job-dataset-initializer-0-0-a", node="n1", phase="Succeeded"),
+        _pod("job-node-0-0-b", node="n1", waiting=(
+            'Back-off pulling image "ghcr.io/tunepack/trainer:0.1.0"', "ImagePullBackOff",
+        )),
+    ])  # fmt: skip
+    found = pending(api, None, "ns", "job")
+    assert not found.overdue
+    assert found.message() == (
+        "not starting: pod job-node-0-0-b, container node: ImagePullBackOff: Back-off pulling "
+        'image "ghcr.io/tunepack/trainer:0.1.0"; the node cannot pull the runtime\'s image: push '
+        "tunepack's images to a registry the cluster pulls from (make push-images REGISTRY=...) "
+        "and install the runtimes naming it (tunepack install --registry ...; docs/cluster.md, "
+        "'Images')"
+    )
+
+
+def test_a_pod_that_is_only_creating_its_container_is_not_reported():
+    api = Pods([_pod("job-node-0-0-b", node="n1", waiting=("", "ContainerCreating"))])
+    assert pending(api, None, "ns", "job") is None

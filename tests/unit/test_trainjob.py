@@ -18,7 +18,7 @@ from tunepack.jobs.trainjob import (
     pod_resources,
     to_yaml,
 )
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, host
 from tunepack.runtimes.validate import validate_trainjob
 
 ARGS_MODULE = "tunepack.trainers.args"
@@ -212,8 +212,22 @@ def test_processes_follow_what_the_merged_pod_holds(request_, limits, procs):
     pod = pod_resources(trainer["resourcesPerNode"], entry)
     assert pod["limits"] == limits
     assert trainer["numProcPerNode"] == procs
-    # The runtime's requests stay where the request names nothing else.
-    assert pod["requests"]["memory"] == request_.get("memory", entry.resources.memory)
+    # The runtime's requests stay where the request names nothing else, but for more GPUs
+    # (more processes) than the runtime's: sized for them (the next test).
+    runtime_memory = host.trainer_requests(entry)["memory"]
+    sized = host.node_shape(entry, procs).memory if "gpu" in request_ else runtime_memory
+    assert pod["requests"]["memory"] == request_.get("memory", sized)
+
+
+def test_more_gpus_than_the_runtimes_get_cpu_and_memory_for_their_processes():
+    # tunepack-llama3.1-8b is sized for 1 GPU: 2 CPUs, 20Gi (15 GiB of weights + 3 + 2).
+    job = _build(runtime="tunepack-llama3.1-8b", resources_per_node={"gpu": 4})
+    requested = job["spec"]["trainer"]["resourcesPerNode"]
+    assert requested["requests"] == {"nvidia.com/gpu": 4, "cpu": "8", "memory": "29Gi"}
+    assert requested["limits"] == {"nvidia.com/gpu": 4}
+    # A request that names CPU or memory itself is the user's: nothing is added.
+    job = _build(runtime="tunepack-llama3.1-8b", resources_per_node={"gpu": 4, "memory": "64Gi"})
+    assert "cpu" not in job["spec"]["trainer"]["resourcesPerNode"]["requests"]
 
 
 def test_local_trainjobs_leave_num_proc_per_node_to_the_launcher():
