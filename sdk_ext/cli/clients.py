@@ -43,3 +43,18 @@ def local_client(ns: argparse.Namespace):
             "TUNEPACK_HOME)"
         )
     return client
+
+
+def complete_job(client, name: str, has_no: str):
+    """``client.get_job(name)``, or BadInputError when the job has not completed: it has no
+    ``has_no`` (``result``, ``result to serve``), yet or ever."""
+    from tunepack.core.errors import BadInputError
+
+    job = client.get_job(name)
+    if job.status != "Complete":
+        message = f": {job.message}" if getattr(job, "message", None) else ""
+        raise BadInputError(
+            f"TrainJob {name} is {job.status}, not Complete{message}; it has no {has_no}"
+            + (" yet (tunepack status)" if job.status != "Failed" else "")
+        )
+    return job

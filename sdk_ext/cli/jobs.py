@@ -87,16 +87,8 @@ def cmd_logs(ns: argparse.Namespace) -> int:
 
 
 def cmd_result(ns: argparse.Namespace) -> int:
-    from tunepack.core.errors import BadInputError
-
     client = clients.client(ns)
-    job = client.get_job(ns.name)
-    if job.status != "Complete":
-        message = f": {job.message}" if getattr(job, "message", None) else ""
-        raise BadInputError(
-            f"TrainJob {ns.name} is {job.status}, not Complete{message}; it has no result"
-            + (" yet (tunepack status)" if job.status != "Failed" else "")
-        )
+    job = clients.complete_job(client, ns.name, "result")
     result = client.result(ns.name)
     print(f"{ns.name}  {job.runtime.name}")
     print(f"  result      {result.path}")

@@ -111,7 +111,6 @@ def _finished_run(ns: argparse.Namespace):
     """The run ``--job`` or ``--result`` names (a ``serving.FinishedRun``), or None."""
     from pathlib import Path
 
-    from tunepack.core.errors import BadInputError
     from tunepack.tools import serving
 
     if ns.result is not None:
@@ -121,11 +120,5 @@ def _finished_run(ns: argparse.Namespace):
     from tunepack.cli import clients
 
     client = clients.client(ns)
-    job = client.get_job(ns.job)
-    if job.status != "Complete":
-        message = f": {job.message}" if getattr(job, "message", None) else ""
-        raise BadInputError(
-            f"TrainJob {ns.job} is {job.status}, not Complete{message}; it has no result to serve"
-            + (" yet (tunepack status)" if job.status != "Failed" else "")
-        )
+    clients.complete_job(client, ns.job, "result to serve")
     return serving.run_of_trainjob(client.backend.trainjob_object(ns.job))
