@@ -1,17 +1,9 @@
 """Parallel, resumable, verified downloads into the workspace's download cache.
 
-Layout, under ``<workspace>/.tunepack-downloads/<kind>-<source id>/``:
-
-- ``<path>``: a file that is complete and verified (size and every checksum the source
-  publishes). Only ever created by a rename, so it is never a half-file.
-- ``.incomplete/<key>``: bytes received so far, keyed by path and file version; the next run
-  resumes it with a range request, and a changed version starts a new key instead of splicing.
-- ``.tunepack-verified.json``: what was verified (size, mtime, checksums), so a re-run after
-  ``kill -9`` neither downloads nor re-hashes complete files.
-
-The initializer links the verified files into its staged output and removes the cache once the
-output is published. A cache left by a different source is removed at the start of a run.
-"""
+Under ``<workspace>/.tunepack-downloads/<kind>-<source id>/``: verified files (created only by
+rename), ``.incomplete/<key>`` (resumed by range; the key holds the file's version, so versions
+are never spliced) and ``.tunepack-verified.json`` (so a re-run neither downloads nor re-hashes).
+docs/initializers.md, "Robustness"."""
 
 from __future__ import annotations
 

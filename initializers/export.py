@@ -1,28 +1,8 @@
 """The exporter: ``python -m tunepack.initializers.export``, the step after the trainer.
 
-It sends a finished run's result out of the workspace to ``EXPORT_URI``:
-
-- ``s3://bucket/prefix``: objects under ``prefix/`` (S3 or an S3-compatible store; credentials
-  and endpoint from the AWS environment, as the initializers read them);
-- ``hf://org/name[@branch]``: a Hub model repository, created **private** unless
-  ``EXPORT_PRIVATE=false`` (token: ``HF_TOKEN``); one commit holds every file;
-- ``file:///abs/path`` or a plain path (a PVC mounted in the exporter's Pod, or a local disk).
-
-What is exported: the adapter (LoRA methods) or the model (``full``), the merged model when the
-run made one, ``result.json``, ``config.yaml`` and ``metrics.jsonl``, plus
-``tunepack-manifest.json`` listing every file with its size and sha256.
-
-For the reader the export is all-or-nothing: the manifest is written last, after every file has
-been uploaded and read back (sizes and checksums; for the Hub, the commit's tree); an earlier
-manifest at the destination is removed first, so a destination with a manifest is complete and a
-destination without one is not a result. A re-run (after ``kill -9``, a preemption, a network
-failure) skips the files already uploaded and verified, resumes a multipart S3 upload at its
-first missing part, and finishes; a destination already holding this very export is left alone.
-
-Same contract as the initializers: one ``exporter: error: ...`` line and exit 65 for what the
-user must fix (bad URI, wrong credentials, no result to export), 75 for what may pass (network,
-preemption); secrets never reach the log. ``EXPORT_URI`` unset: nothing to do, exit 0.
-"""
+Sends a finished run's result to ``EXPORT_URI`` (``s3://``, ``hf://``, a directory), verified and
+all-or-nothing for the reader (the manifest last); a re-run finishes without sending anything
+twice. ``EXPORT_URI`` unset: nothing to do, exit 0. docs/export.md."""
 
 from __future__ import annotations
 

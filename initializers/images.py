@@ -1,19 +1,9 @@
 """The images of an image-text dataset: found, checked and stored beside its rows.
 
-A row's ``images`` entries are resolved here, one at a time, by the dataset initializer:
-
-- a path relative to the dataset (a local directory, or an https tar/zip archive once extracted),
-  which must stay inside it;
-- a URL (``https://``, ``s3://``, ``hf://``), downloaded through the same sources, retries,
-  checksums and credentials as the dataset itself;
-- embedded bytes (the ``{"bytes": ..., "path": ...}`` cells of a Parquet/Arrow image column, as
-  ``datasets`` writes an ``Image`` feature).
-
-Every image is decoded before it is kept (Pillow: a real JPEG, PNG, WebP, GIF or BMP, at most
-``MAX_IMAGE_BYTES`` and ``MAX_IMAGE_PIXELS``), then stored once by content as
-``images/<sha256>.<ext>`` in the dataset directory; the normalized row names that file, so the
-trainer reads only what was checked here, and no URL (nor any credential in one) is kept.
-"""
+Each image (a path inside the dataset, a URL, or embedded bytes) is decoded before it is kept,
+then stored once by content as ``images/<sha256>.<ext>``, so the trainer reads only what was
+checked here and no URL, nor any credential in one, is kept (docs/initializers.md, "Image-text
+datasets")."""
 
 from __future__ import annotations
 

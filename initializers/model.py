@@ -1,16 +1,9 @@
 """The model initializer: ``python -m tunepack.initializers.model``.
 
-Checks that ``STORAGE_URI`` holds every file the catalog entry named by ``TUNEPACK_MODEL`` needs
-(config, checkpoint, tokenizer) before copying or downloading anything, then delivers the tree to
-``<workspace>/model`` with a manifest recording each file's size and sha256.
-
-Remote sources (``hf://``, ``s3://``, an ``https://`` archive) are listed first, so a missing file
-fails in seconds; ``config.json`` is fetched and checked against the catalog next, and only then
-the weights. Which remote files are fetched is decided by ``ALLOW_PATTERNS`` and
-``IGNORE_PATTERNS`` (comma-separated globs); the defaults take safetensors, JSON configs and
-tokenizer files and never pickle checkpoints (``*.bin``, ``*.pt``), which can run code when
-loaded. The files the catalog requires are always fetched.
-"""
+Checks that ``STORAGE_URI`` holds every file the catalog entry (``TUNEPACK_MODEL``) needs before
+fetching the weights (remote sources listed first, ``config.json`` checked next, so a wrong model
+fails in seconds), then delivers ``<workspace>/model`` with its manifest. Which files are fetched,
+and why never pickle checkpoints: docs/initializers.md, "Environment"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,7 @@
 """Dataset schemas: detecting them, checking every row, and normalizing what the trainer reads.
 
-====================  ======================================  ================================
-schema                a row holds                             written as (manifest ``schema``)
-====================  ======================================  ================================
-instruction (alpaca)  instruction, optional input, output     the same three fields (instruction)
-chat                  messages: [{role, content}, ...]        {"messages": [...]} (chat)
-sharegpt              conversations: [{from, value}, ...]     {"messages": [...]} (chat)
-text                  text                                    {"text": ...} (text)
-preference            prompt, chosen, rejected (strings), or  {"chosen": [...], "rejected":
-                      chosen, rejected as message arrays      [...]} as messages (preference)
-prompt                prompt (a string or turns ending with   {"messages": [...], "answer":
-                      a user turn), optional answer           ...} (prompt, method=grpo)
-unpaired              prompt, completion (strings), label     {"messages": [...], "label":
-                      (true: a desirable answer)              ...} (unpaired, method=kto)
-image_chat            messages whose contents may hold        {"messages": [...], "images":
-                      {"type": "image"} parts, and images:    ["images/<sha256>.png", ...]}
-                      one path, URL or embedded image each    (image_chat; checked and stored
-                                                              by initializers/images.py)
-====================  ======================================  ================================
-
-``DATASET_SCHEMA`` picks one; otherwise the first row decides. ``COLUMN_MAP`` renames columns
-first (``question:instruction,answer:output`` or a JSON object), so a dataset with other names
-fits a schema without being rewritten.
-"""
+The schemas, what a row holds and what it is written as: docs/initializers.md, "Datasets".
+``DATASET_SCHEMA`` picks one, else the first row decides; ``COLUMN_MAP`` renames columns first."""
 
 from __future__ import annotations
 

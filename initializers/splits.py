@@ -1,17 +1,7 @@
-"""Choosing a dataset split's files by the Hugging Face Hub's naming conventions.
+"""Choosing a dataset split's files by the Hugging Face Hub's naming conventions, and slicing it.
 
-A file belongs to a split when a directory in its path is named after it (``train/x.parquet``) or
-its file name starts with it followed by a separator (``train.jsonl``,
-``data/train-00000-of-00002.parquet``, ``test_set.csv``). Common synonyms count (``valid``,
-``dev`` for validation; ``eval`` for test). Files named after no split at all form the ``train``
-split, as ``datasets.load_dataset`` treats them. Custom ``configs`` in a dataset card are not read:
-give the subpath (``hf://datasets/org/name/<config dir>``) instead.
-
-A split may be sliced as ``datasets`` slices it (``train[:1000]``, ``train[10%:20%]``,
-``train[-100:]``): the bounds are row positions in the split (its files in reading order, every
-row counted), or percentages of its rows rounded to the closest row; a bound past the end stops
-there. Only the rows in the slice are checked and written.
-"""
+The rules (directory or file-name prefix, synonyms, unnamed files as ``train``, ``datasets``-style
+slices): docs/initializers.md, "Datasets"."""
 
 from __future__ import annotations
 

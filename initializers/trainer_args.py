@@ -1,15 +1,9 @@
 """The initializers refuse bad trainer arguments before they download anything.
 
-The trainer's arguments are ``spec.trainer.args`` of the TrainJob, which the Trainer renders into
-the trainer's (``node``) container only: an initializer Pod cannot see them (it gets its own
-``storageUri``, ``env`` and ``secretRef`` from the TrainJob, and no API access). TrainJobs that
-tunepack writes (the SDK, the CLI, ``tunepack render``) therefore also give each initializer the
-arguments as ``TUNEPACK_TRAINER_ARGS``, a JSON list of ``key=value`` strings, and both
-initializers check them first, with the trainer's own vocabulary for the runtime's model
-(``tunepack.trainers.args``, standard library only): a bad argument fails the TrainJob with exit
-65 before the model download, not after it. For TrainJob YAML written without it, the admission
-policy (``tunepack.tools.admission``) is the check.
-"""
+An initializer Pod cannot see ``spec.trainer.args``, so TrainJobs tunepack writes also give it
+the arguments as ``TUNEPACK_TRAINER_ARGS`` (a JSON list of ``key=value``), checked here with the
+trainer's own vocabulary: exit 65 before the download, not after it (docs/cluster.md, end of
+"Admission: TrainJobs that could not run are refused")."""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """The builder: the ClusterTrainingRuntime of one catalog entry, and the files ``generated/`` holds.
 
-``build_runtime`` makes the runtime dict from a ``catalog.ModelEntry`` (runtimes/catalog.py and
-runtimes/custom.py are the catalog); ``generated_files`` renders every entry's runtime, and the
-kustomization listing them, as the YAML committed under ``runtimes/generated/`` (written and
-checked by the command, ``python -m tunepack.runtimes.generate``).
-
-The names the platform and the programs rely on (API kind, labels, step and volume names) are the
-contract's (``runtimes/contract.py``); what is decided here is how a runtime runs: resources,
-environment, security, failure handling. Platform facts (Kubeflow Trainer v2.3) this encodes on
-top of the contract: ``trainer.kubeflow.org/framework: torch`` (the torchtune plugin would refuse
-a tunepack runtime, see DESIGN.md), ``mlPolicy.torch`` with no ``numProcPerNode`` (gone in v2.3:
-it comes from the TrainJob), no ``podGroupPolicy`` (see ``build_runtime``), and ``STORAGE_URI`` /
-``PET_*`` being injected by the controller. The exporter gets ``EXPORT_URI`` from the TrainJob's
-``runtimePatches`` (the only per-job way to give a container other than the initializers' and the
-trainer's its environment); JobSet's default success policy (every replicatedJob) keeps the
-JobSet running until the exporter has finished.
-"""
+The names are the contract's (``runtimes/contract.py``); what is decided here is how a runtime
+runs: resources, environment, security, failure handling (docs/architecture.md, "Runtimes").
+The platform facts it encodes (the ``torch`` framework label, no ``numProcPerNode``, no
+``podGroupPolicy``, the exporter's ``EXPORT_URI`` by ``runtimePatches``): docs/sdk.md, "How
+tunepack runtimes are reported"; docs/cluster.md, "From a notebook" and "Gang scheduling and
+queues"; docs/export.md, "On a cluster"."""
 
 from __future__ import annotations
 

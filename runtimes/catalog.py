@@ -1,26 +1,10 @@
 """The model catalog: the one place where tunepack's knowledge of each model is written.
 
-Everything else is derived from it: the ClusterTrainingRuntime YAML (``runtimes/builder.py``,
-written by ``python -m tunepack.runtimes.generate``), the trainer's torchtune configuration
-(``trainers/config.py``), the model initializer's file checks, the runtime list the CLI and SDK
-show (``runtimes/store.py``), the tiny test models (``tunepack.tiny``) and the docs.
-
-It is organised in two layers:
-
-- a ``Family`` per torchtune model package (``torchtune.models.<family>``): the facts shared by
-  every size, such as the Hugging Face format, the tokenizer, the checkpoint conversion and the
-  shape-taking component builders;
-- a ``ModelEntry`` per published size: hub id, shape (read from torchtune's model builders; a
-  test builds every entry on the meta device and compares parameter counts), named builders and
-  resources.
-
-``TINY`` holds one tiny random variant per family for tests and offline work. Only
-``tiny-llama3`` is published as a runtime (the quickstart uses it); the others train through the
-same code paths but stay out of the runtime list.
-
-Component paths here (``torchtune.models...``) are chosen by tunepack, never by a user: user
-arguments only fill in values such as the LoRA rank.
-"""
+A ``Family`` per torchtune model package holds what every size shares (format, tokenizer,
+checkpoint conversion, shape-taking builders); a ``ModelEntry`` per published size its hub id,
+shape, builders and resources. ``TINY`` holds a tiny random variant per family for tests; only
+``tiny-llama3`` is published as a runtime. Component paths are chosen here, never by a user.
+What is derived from it: docs/architecture.md, "Runtimes"."""
 
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
 """The chat templates tunepack knows, as the Hugging Face Jinja of each family's published model.
 
-Each catalog family trains in the chat format of its published instruct model (the
-``chat_template`` of the repository's ``tokenizer_config.json``). This module holds that Jinja, by
-format name, for three readers:
-
-- the tiny model generator (``tunepack.tiny``), which writes it into the tiny model's
-  ``tokenizer_config.json`` so that tests can render a conversation with transformers'
-  ``apply_chat_template`` and compare it, token by token, with the trainer's rendering
-  (``trainers/prompt_format.py``, which implements each format in Python);
-- the serving builder (``sdk_ext/tools/serving.py``), which passes a template to vLLM
-  (``--chat-template``) when a run was trained in another format than the model's own, or with a
-  default system prompt;
-- the docs.
-
-The templates are written from the published files named beside each one, and render
-conversations as those files do (docs/trainer.md, "Chat format", names the copies checked). The
-branches for tool calls (Llama 3.1+, Qwen 2.5, Qwen 3) are left out: tunepack trains on
-system/user/assistant conversations, and a conversation without tools renders the same through
-the full template.
-These strings are tunepack's, never taken from user input.
-"""
+Read by the tiny model generator (so tests can compare transformers' rendering with the
+trainer's, token by token), by serving (vLLM's ``--chat-template``) and by the docs. Written from
+the published files named beside each, without the tool-call branches (docs/trainer.md, "Chat
+format"); never taken from user input."""
 
 from __future__ import annotations
 

@@ -1,24 +1,9 @@
-"""The runtime contract: the names a tunepack ClusterTrainingRuntime shares with Kubeflow Trainer
-v2.3, JobSet, the steps' programs and the SDK, and the one way to walk to its jobs and containers.
+"""The runtime contract: the names a tunepack runtime shares with Kubeflow Trainer v2.3, JobSet,
+the steps' programs and the SDK, and the one way to walk to its jobs and containers.
 
-A runtime is a JobSet template with four steps (replicatedJobs) sharing a ``/workspace`` volume:
-
-    dataset-initializer ─┐
-                         ├─> node (the trainer; torchrun inside, one Pod per node) ─> exporter
-    model-initializer ───┘
-
-Everything here is a fact other parties rely on: the API group/version/kind the controller serves,
-the labels it reads, the step (job and container) names it looks for, the shared volume's name
-(its webhook requires it), the PVC name JobSet derives from it, the Secrets users create. How a
-runtime is put together from the catalog (resources, environment, failure policy) is the
-builder's (``runtimes/builder.py``); reading the committed runtimes is the store's
-(``runtimes/store.py``).
-
-The accessors take any object that holds a JobSet template: a ClusterTrainingRuntime or
-TrainingRuntime (``spec.template.spec``), a TrainJob's ``runtimePatches`` entry
-(``trainingRuntimeSpec.template.spec``) or a JobSet (``spec``); a replicatedJob's Pod spec is at
-``template.spec.template.spec``. Nothing else walks these paths.
-"""
+The accessors take any object holding a JobSet template (a runtime's ``spec.template.spec``, a
+``runtimePatches`` entry's ``trainingRuntimeSpec.template.spec``, a JobSet's ``spec``); nothing
+else walks these paths. docs/architecture.md, "Runtimes"."""
 
 from __future__ import annotations
 

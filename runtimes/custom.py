@@ -1,17 +1,9 @@
 """Bring your own checkpoint of a supported architecture: the ``tunepack-<arch>-custom`` runtimes.
 
-A catalog entry publishes one size; a custom entry (``ModelEntry.custom``) publishes an
-architecture. Its model is built by the family's shape-taking torchtune builders with the
-dimensions of the checkpoint's own ``config.json`` (layers, heads, key/value heads, hidden and
-intermediate sizes, head_dim, vocabulary, RoPE base and Llama 3 scaling, tied embeddings, norm
-epsilon, sliding window, Gemma 2's soft-capping), and its text is encoded by the checkpoint's own
-``tokenizer.json`` in the family's chat format (``trainers/prompt_format.py``).
-
-``read_config`` is the one reader: the model initializer calls it before anything is copied or
-downloaded (a checkpoint the builders cannot reproduce is refused there, naming the field and
-its value: exit 65), the trainer calls it to build the model, the planner to size it. Nothing in
-``config.json`` selects code: it only fills in numbers the table below allows.
-"""
+``read_config`` is the one reader of the checkpoint's ``config.json`` (model initializer, trainer,
+planner); it only fills in numbers its table allows, never selects code, and refuses what the
+family's builders cannot reproduce. docs/trainer.md, "Your own checkpoint: the ``-custom``
+runtimes"."""
 
 from __future__ import annotations
 

@@ -1,28 +1,8 @@
 """What a trainer Pod needs of its node besides GPUs: CPU and memory requests, from the model.
 
-The runtimes' ``node`` container requests (``runtimes/builder.py``) come from here, so that a
-runtime schedules on the smallest node that can run it (one L4 or A10G with 4 CPUs and 16 GiB
-for the 1B-3B models) instead of a fixed tier's 8 CPUs and 48 GiB.
-
-Memory. The host-side peak is loading the checkpoint: the trainer reads the base model's whole
-state dict into host memory before it goes to the GPUs (``trainers/recipe.py``,
-``_load_base_weights``), once per node: rank 0 streams it to the other ranks' FSDP shards. The
-published checkpoints are bf16, and the trainer loads in bf16, so that is 2 bytes per parameter
-(every expert of a mixture of experts included). QLoRA on several GPUs is the exception that
-is not sized for: each rank quantizes its shard from its own full copy, so such a job holds one
-copy per GPU and should raise its memory request (``resourcesPerNode``). Each process adds what
-torch, its CUDA libraries and context, the tokenizer and the dataset hold on the host; a margin
-covers torchrun's agent and the page cache of the files being read.
-
-CPU. The trainer starts one process per GPU and loads data in that process (no DataLoader
-workers: ``num_workers`` is torchtune's default 0); each gets a core for its step loop and one
-for its host-side work (tokenizing, NCCL's proxy thread, checkpoint writes).
-
-Requests are what the scheduler reserves, not limits: a TrainJob's ``resourcesPerNode`` can
-raise or lower them (docs/cluster.md, "Node shapes"). A job that asks for another number of GPUs
-per node and names no CPU or memory gets them sized for its processes by the SDK and CLI
-(``tunepack.jobs.trainjob.requested_resources``).
-"""
+Sized so a runtime schedules on the smallest node that can run it, not a fixed tier: host memory
+for loading the bf16 checkpoint once per node plus each process's share; two cores a process (no
+DataLoader workers). docs/cluster.md, "Node shapes"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """The fine-tuning methods: one record each, the one place that says what a method is.
 
-A record says what the method trains (adapters on a frozen base, or every weight), how the
-frozen base is stored, which data it learns from, which loss it trains, the learning rate it
-starts from, the trainer arguments only it takes and how the memory planner sizes it. The
-argument vocabulary and its validation (``tunepack.trainers.args``), the model builders, the
-recipe's loss, the catalog's runtimes, the planner, serving and the docs all read these records:
-adding a method is one record here plus its loss in the trainer.
-
-Standard library and ``tunepack.core`` only (the initializer images read it through the
-vocabulary).
-"""
+Adding a method is one record here plus its loss in the trainer (docs/architecture.md,
+"Runtimes"). Standard library and ``tunepack.core`` only: the initializer images read it through
+the vocabulary."""
 
 from __future__ import annotations
 

@@ -1,56 +1,15 @@
 """Memory planner: will a fine-tune fit on the GPUs, and on how many?
 
-``plan()`` estimates the peak GPU memory one device needs for a catalog model, a method, a sequence
-length and a per-device batch size, from the model's shape in the catalog (``Shape``); it then
-recommends the smallest nodes x GPUs layout that fits. The terms are those of tunepack's trainer
-(torchtune 0.6.1's layers, activation checkpointing per layer, the fused loss, AdamW); each is
-derived in ``docs/planner.md`` and checked against the H100 measurements in
+``plan()`` estimates one device's peak GPU memory from the catalog's ``Shape`` and recommends the
+smallest nodes x GPUs layout that fits; ``choose_step`` is the step the trainer takes for its
+device. Each term is derived in docs/planner.md and checked against the H100 measurements in
 ``benchmarks/results/`` (``tests/integration/test_planner.py``).
 
     >>> from tunepack.runtimes.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)
     >>> p.fits, round(p.peak_gib, 1)            # one H100-80GB, activation checkpointing
     (True, 17.3)
-    >>> print(p.summary())                       # the breakdown, in GiB
-
-Per device (``N`` devices share the model with FSDP when ``N > 1``; ``w`` bytes per value of the
-training dtype), what is always held:
-
-- weights: the base in the dtype (QLoRA: its adapted projections in NF4, ``NF4_BYTES`` a value)
-  and the trainable weights, over ``N``; plus the RoPE table (context x head_dim fp32);
-- AdamW's two states ``2 * T * w / N`` for the ``T`` trainable weights, and their gradients
-  ``T * w / N`` (at the loss only with gradient accumulation: the update drops them);
-
-and what one moment of the step holds on top, of which the peak takes the largest:
-
-- ``activations``, the backward of the first layer it reaches: each layer's input (activation
-  checkpointing; without it every layer's saved tensors), that layer's recomputed tensors and the
-  gradients in flight in its MLP (or, if larger, a QLoRA weight dequantized / DoRA's weight
-  norm);
-- ``logits``, the loss, with the activations the forward kept: the fused loss (every method
-  whose loss is cross-entropy) holds one chunk of fp32 logits, the gradient w.r.t. the hidden
-  states and, when the output weight trains, its fp32 gradient; DPO holds the whole logits, 12
-  bytes each (three fp32 tensors in the backward of its log-softmax);
-- ``update``, the optimizer step: AdamW's temporary square root of the second moments.
-
-DPO (``dpo``) trains LoRA adapters on two sequences per example (chosen and rejected): its
-activations and logits count ``2 * s * b`` tokens. Its reference forward pass (adapters off, no
-gradient) keeps no activations and is reduced to one number per sequence before the policy's
-pass starts, so it adds compute (about a third more per sequence), not peak memory.
-
-GRPO (``grpo``) trains on ``num_generations`` sampled answers per prompt, each a sequence of up
-to ``s`` tokens (prompt and answer): its activations and logits count ``G * s * b`` tokens, the
-whole logits (log-probabilities of the sampled tokens). It adds a fourth moment, ``generation``:
-the KV cache of every answer being sampled (keys and values of each layer for ``G * b``
-sequences of ``s`` tokens, in the dtype) and one position's fp32 logits per answer with what
-sampling makes of them (probabilities, their sorted copy and its cumulative sum, the order);
-the cache is freed before the loss's forward passes. Its reference pass, as DPO's, adds compute.
-``grpo_full`` trains every weight and holds a frozen copy of them as its KL reference (counted
-in ``weights``).
-
-The estimate is what ``torch.cuda.max_memory_allocated`` measures; for "fits" it is compared with
-the GPU's memory less ``CUDA_RESERVE_GIB`` (CUDA context, allocator fragmentation).
-"""
+    >>> print(p.summary())                       # the breakdown, in GiB"""
 
 from __future__ import annotations
 
@@ -388,17 +347,10 @@ def lora_parameters(shape: Shape, rank: int, attn_modules=LORA_TARGETS_ALL, mlp=
 
 
 def layer_saved_bytes(shape: Shape, width: int, *, dora: bool = False, adapted=()) -> int:
-    """Bytes per token one layer keeps for its backward (torchtune 0.6.1's layer, flash attention):
+    """Bytes per token one layer keeps for its backward (torchtune 0.6.1's layer, flash attention).
 
-    - each RMSNorm keeps its input as fp32 (torchtune normalises ``x.float()``), and the two before
-      attention and MLP pass on an output in the dtype that the projections keep;
-    - attention keeps q after RoPE, k and v expanded to every query head (torchtune repeats the
-      KV heads before ``scaled_dot_product_attention``) and its output; Qwen 3's q/k norms also
-      keep their fp32 inputs;
-    - the MLP keeps its gate and up projections, the activation of the gate and their product;
-    - DoRA keeps each adapted projection's base output and adapter output, which the gradient of
-      its magnitude needs (``adapted``: their (in, out)).
-    """
+    Norms, attention, MLP and DoRA's parts, each derived in docs/planner.md, "Formulas (per device)"
+    (``S``); ``adapted``: the (in, out) of DoRA's adapted projections."""
     d, kv = shape.embed_dim, shape.num_kv_heads * shape.head_dim
     q, i = shape.num_heads * shape.head_dim, mlp_width(shape)
     saved = shape.norms_per_layer * FP32 * d + 2 * width * d
@@ -622,15 +574,9 @@ def choose_step(
     job: _Job, capacity_bytes: float, activation_checkpointing="auto", loss_chunk="auto"
 ) -> Step:
     """The fastest step that fits in ``capacity_bytes`` less ``STEP_MARGIN``: what a setting of
-    ``auto`` becomes on a GPU, the explicit ones kept.
-
-    From fastest to most frugal: no recomputation and the whole logits; the logits in chunks of
-    ``LOSS_EFFICIENT_ROWS`` (nearly free: each chunk is still a large matmul); then one more
-    recomputed layer at a time, each again with the whole logits before the efficient chunks
-    (recomputing a layer costs about a third of its forward and backward); with every layer
-    recomputed, the CPU-sized chunks last. When nothing fits, the most frugal step: the plan
-    then says it does not fit. A model that takes images recomputes every layer under ``auto``:
-    its vision tower's activations are not planned."""
+    ``auto`` becomes on a GPU, the explicit ones kept. When nothing fits, the most frugal step (the
+    plan then says it does not fit). The order of the candidates and why: docs/planner.md, "The
+    step chosen for the device"."""
     layers = job.entry.shape.num_layers
     whole = job.tokens if job.fused_loss else None
     if not job.fused_loss:

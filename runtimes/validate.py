@@ -1,17 +1,9 @@
 """Strict validation of Kubernetes objects against the ``kubeflow-trainer-api`` models.
 
-The generated pydantic models' ``from_dict`` silently drops fields it does not know, so a typo
-such as ``volumeMount`` (for ``volumeMounts``) would pass a plain parse and vanish when the object
-is applied. Strict validation therefore parses the object, dumps it back with ``to_dict`` and
-reports every path of the input that did not survive the round trip.
-
-What the round trip normalizes without losing anything (found by trying it), and is accepted:
-
-- ``null`` values are dropped; in Kubernetes ``null`` and an absent field mean the same;
-- integer quantities come back as floats (``nvidia.com/gpu: 1`` -> ``1.0``): the same number;
-- ``metav1.Time`` strings come back as ``datetime`` objects: the same instant;
-- some defaults are added (``ports[].protocol: TCP``): additions lose nothing.
-"""
+The models' ``from_dict`` silently drops unknown fields, so a typo (``volumeMount``) would vanish
+when applied; strict validation round-trips the object (``to_dict``) and reports every input path
+that did not survive. Accepted, because nothing is lost: ``null`` values dropped, integer
+quantities as floats, ``metav1.Time`` as ``datetime``, defaults added (found by trying it)."""
 
 from __future__ import annotations
 

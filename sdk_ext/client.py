@@ -1,12 +1,8 @@
 """``TrainingClient``: the Kubeflow SDK's ``TrainerClient`` with tunepack's runtimes.
 
-Same methods and semantics as ``kubeflow.trainer.TrainerClient`` (``list_runtimes``,
-``get_runtime``, ``train``, ``list_jobs``, ``get_job``, ``get_job_logs``, ``wait_for_job_status``,
-``delete_job``), so notebooks keep working; on tunepack runtimes ``train`` takes a ``FineTune``
-(or the SDK's ``BuiltinTrainer(config=TorchTuneConfig(...))``) and, on a cluster, the SDK's
-``Name``, ``Labels``, ``Annotations``, ``ActiveDeadlineSeconds`` and ``RuntimePatch`` options
-(``kubeflow.trainer.options``; e.g. ``Labels({"kueue.x-k8s.io/queue-name": "team-queue"})`` to
-queue the job in Kueue). The client adds ``progress``, ``plot_loss`` and ``result``.
+Same methods and semantics, so notebooks keep working; on tunepack runtimes ``train`` takes a
+``FineTune`` (or the SDK's ``BuiltinTrainer``), and the client adds ``progress``, ``plot_loss``
+and ``result`` (docs/sdk.md).
 
     >>> from tunepack import TrainingClient, FineTune, Initializer, LocalBackendConfig
     >>> client = TrainingClient(LocalBackendConfig())        # or TrainingClient() for a cluster
@@ -17,8 +13,7 @@ queue the job in Kueue). The client adds ``progress``, ``plot_loss`` and ``resul
     ...     trainer=FineTune(method="lora", epochs=1),
     ... )
     >>> client.wait_for_job_status(job, progress=True)
-    >>> client.result(job).generate("Write a haiku about GPUs")
-"""
+    >>> client.result(job).generate("Write a haiku about GPUs")"""
 
 from __future__ import annotations
 

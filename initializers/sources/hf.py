@@ -1,15 +1,8 @@
 """``hf://``: models and datasets on the Hugging Face Hub (or any Hub-compatible ``HF_ENDPOINT``).
 
-Forms: ``hf://org/name[/subpath][@revision]`` for a model repository and
-``hf://datasets/org/name[/subpath][@revision][?split=test]`` for a dataset repository. A revision
-with slashes (``refs/pr/1``) may be written as is or percent-encoded.
-
-huggingface_hub is used for what it does well: the repository and tree API (which publish every
-file's size, the sha256 of LFS files and the git blob id of the others), URLs and auth headers,
-and its error classes. Bytes are fetched by tunepack's own ranged GET because huggingface_hub 2.x
-downloads into a process-unique temporary file that it deletes on failure, so a download killed
-by preemption could never be resumed.
-"""
+The URI forms: docs/initializers.md, "Storage URIs". huggingface_hub is used for the repository
+and tree API, URLs, auth and errors; bytes come by tunepack's own ranged GET so a preempted
+download resumes (docs/initializers.md, "Implementation notes")."""
 
 from __future__ import annotations
 

@@ -1,29 +1,10 @@
-"""tunepack's Kubernetes backend: the Kubeflow SDK's, plus tunepack runtimes.
+"""tunepack's Kubernetes backend: the Kubeflow SDK's, changed only where tunepack runtimes need it.
 
-It subclasses ``kubeflow.trainer.backends.kubernetes.backend.KubernetesBackend`` (kubeconfig or
-in-cluster config, the CustomObjects API, pods found by the JobSet labels the platform sets) and
-changes only what tunepack needs:
-
-- ``train()`` on a tunepack runtime submits the TrainJob ``tunepack.jobs.submit`` builds (validated
-  strictly, trainer args in tunepack's vocabulary, the memory planner's check); other runtimes go
-  to the SDK unchanged. The TrainJob references the runtime ``get_runtime`` finds, as the SDK
-  does: a ``TrainingRuntime`` of that name in the job's namespace (``tunepack install
-  --namespace``), else the ``ClusterTrainingRuntime``. The SDK's options that set TrainJob
-  fields tunepack writes as given (``Name``, ``Labels``, ``Annotations``,
-  ``ActiveDeadlineSeconds``, ``RuntimePatch``) are honoured; others are refused by name;
-- ``list_runtimes()`` / ``get_runtime()`` report a tunepack runtime as what it takes, a
-  ``BuiltinTrainer`` of the ``torchtune`` framework (``base.builtin_torchtune_trainer``), and add
-  the catalog's model, methods and default GPUs; other runtimes are the SDK's objects, untouched;
-- ``get_job()`` / ``list_jobs()`` of a tunepack runtime's job add progress from
-  ``status.trainerStatus`` and the Failed condition's message, read from the same GET (or LIST)
-  the job's status comes from; a job not finished whose pods the scheduler refuses gets the
-  scheduler's reason as its message, and one whose placed pod cannot start (its image cannot be
-  pulled) the kubelet's (``get_job`` only: one more LIST of its pods); their steps include the
-  ``exporter``'s pod (one LIST per job), which the SDK's pod selector leaves out, so
-  ``get_job_logs`` reads it; and ``wait_for_job_status`` stops waiting, with that reason, once a
-  gang has waited longer than its PodGroup allows (``scheduling``); another runtime's job is the
-  SDK's object, untouched.
-"""
+On a tunepack runtime: ``train()`` submits what ``tunepack.jobs.submit`` builds (the SDK's
+options that set TrainJob fields honoured, others refused by name); runtimes are reported as the
+SDK's torchtune ones are; jobs get progress, a failure's or a Pending pod's reason, and the
+exporter's pod among their steps. Other runtimes and their jobs are the SDK's, untouched.
+docs/sdk.md and docs/cluster.md, "From a notebook"."""
 
 from __future__ import annotations
 

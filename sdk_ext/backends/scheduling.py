@@ -1,25 +1,9 @@
-"""Why a TrainJob's pods are not running yet: the scheduler's own reason, and a gang's deadline.
+"""Why a TrainJob's pods are not running yet, in the scheduler's, the kubelet's or Kueue's words.
 
-A TrainJob whose pods cannot be placed stays Pending without a word in its status: the
-scheduler writes its reason on each pod (condition ``PodScheduled=False``, reason
-``Unschedulable``). ``unscheduled`` reads it back for ``get_job().message`` and ``tunepack
-status``. For a gang (the Trainer's PodGroup, ``manifests/components/gang-coscheduling``) the
-PodGroup's ``scheduleTimeoutSeconds`` says how long a group may wait to be placed whole:
-``Unscheduled.overdue`` turns true after it, and ``wait_for_job_status`` then stops waiting with
-that reason instead of waiting until its own timeout. Nothing fails the TrainJob itself (the
-platform has no deadline for an unplaced gang; Kueue's ``waitForPodsReady`` is one): it stays
-queued until nodes free up or it is deleted.
-
-A pod the scheduler placed can still wait: its image cannot be pulled (``ErrImagePull``,
-``ImagePullBackOff``: the runtimes name a registry the node cannot reach) or its container
-cannot be made (a missing Secret or ConfigMap). ``pending`` reports that too (``NotStarting``),
-with what to do about an image, so that every Pending trainer pod has its reason in ``tunepack
-status``.
-
-Before any pod exists, Kueue may hold a TrainJob (``kueue.x-k8s.io/queue-name``): suspended
-until its Workload is admitted. ``queued`` reads Kueue's reason from that Workload (e.g. not
-enough quota) so that ``tunepack status`` says why the job waits, not only that it was created.
-"""
+``unscheduled`` (and a gang's deadline, ``Unscheduled.overdue``), ``pending`` (a placed pod that
+cannot start) and ``queued`` (a Workload Kueue has not admitted) give ``get_job().message`` and
+``tunepack status`` a reason for every Pending job; docs/cluster.md, "Gang scheduling and
+queues" and "Node shapes"."""
 
 from __future__ import annotations
 

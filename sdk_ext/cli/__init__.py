@@ -1,36 +1,7 @@
-"""The ``tunepack`` command line.
+"""The ``tunepack`` command line: ``main``, every failure as one error line and an exit code.
 
-tunepack runtimes                     # the runtimes tunepack ships
-tunepack args                         # the trainer argument vocabulary
-tunepack tiny-model DIR               # a tiny random Llama-3 model, offline
-tunepack tiny-dataset FILE            # a small instruction dataset, offline
-tunepack train --local --runtime R --dataset URI --model URI [--verbose] [key=value ...]
-                                      # the same command again resumes the same job
-tunepack train --runtime R ... [--queue Q] [key=value ...]   # submit to the cluster (kubeconfig)
-tunepack render trainjob --runtime R --dataset URI --model URI [--namespaced] [key=value ...]
-tunepack render serving --runtime R --name TRAINJOB [key=value ...]   # vLLM for its result
-tunepack plan --model M --method lora --seq-len 2048 --batch-size 2 [--gpu h100]
-tunepack install [--namespace NS] [--registry R]  # apply the runtimes (images checked first)
-tunepack jobs [--local]               # the jobs: name, runtime, status, created, workspace
-tunepack status NAME [--local]        # job status (local: by job name under the jobs dir)
-tunepack logs NAME [--step node] [--local]   # a step as the console names it (node-1: 2nd node)
-tunepack result NAME [--local]        # a finished job's adapter (or model) and final loss
-tunepack download NAME DIR [--local]  # fetch an exported result (train --export URI), verified;
-                                      # NAME may also be the export URI itself
-tunepack delete NAME [--local] [--workspace-too]   # the workspace is kept unless asked
-tunepack --version
-
-Exit codes: 0 done; 65 bad input or configuration (a usage mistake and a missing kubeconfig
-included: fix it, do not retry); 75 transient (an API server that cannot be reached; a step
-stopped by SIGTERM: retry);
-130 interrupted (Ctrl-C), 143 SIGTERM, 129 SIGHUP (every process of a local run is stopped
-first, the trainer after a checkpoint); 1 the cluster refused a request, (status) the job
-failed, or (plan) the job does not fit; other codes: a local step's own exit code.
-
-Local jobs live in the local backend's jobs dir (``$TUNEPACK_HOME/jobs``, default
-``~/.tunepack/jobs``, or ``--jobs-dir``), the same place ``TrainingClient(LocalBackendConfig())``
-keeps them: a ``train --local`` run is a job there, and so is a job started from Python.
-"""
+The commands, the exit codes (besides which ``train --local`` passes on a failed step's own) and
+where local jobs live: README, "The command line" and "Exit codes"."""
 
 from __future__ import annotations
 

@@ -1,22 +1,7 @@
 """Stopping ``tunepack train --local``: Ctrl-C, SIGTERM or SIGHUP stop every process of the run.
 
-The local backend runs each step as a child process (the trainer may start torchrun and its
-workers below it). While a run is under way the CLI handles SIGINT, SIGTERM and SIGHUP (a closed
-terminal) itself instead of dying in the middle of the backend:
-
-- the first stop signal asks the steps to stop as a Pod is asked to: SIGTERM to each step process
-  (the trainer checkpoints after the current step and exits 75; an initializer removes its partial
-  download). A step that also got the signal directly (Ctrl-C or ``kill -- -PGID`` reach the whole
-  process group) takes the two as one request (``tunepack.core.lifetime.StopRequests``); where the
-  terminal delivered Ctrl-C, the steps are not signalled again at all;
-- a second stop signal (after ``lifetime.REPEAT_WINDOW_S``), or ``grace`` seconds without the
-  run ending, kills (SIGKILL) every process of the run that is still alive;
-- when the backend returns, any process of the run still alive is killed, so nothing outlives the
-  CLI. Should the CLI itself be killed (SIGKILL), each step gets SIGTERM from the kernel
-  (``tunepack.core.lifetime.die_with_parent``) and stops the same way.
-
-Processes are tracked by ancestry (``psutil``), sampled every 0.1 s from the first signal on.
-"""
+The first signal asks the steps to stop (SIGTERM, as to a Pod); a second one, or the grace period,
+kills what is left; nothing outlives the CLI. docs/architecture.md, "Process lifetime"."""
 
 from __future__ import annotations
 

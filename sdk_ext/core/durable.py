@@ -1,17 +1,8 @@
-"""All-or-nothing, crash-safe writes, shared by the initializers, the trainer and the backends.
+"""All-or-nothing, crash-safe writes: the one place staged content is renamed into place.
 
-A reader (or a restarted Pod) must find either the old content or the complete new one, never a
-half-written file: every write goes to a temporary name in the same directory, is flushed to
-disk, and is renamed into place; the directory entry is then flushed too. This module is the one
-place that renames staged content into place: ``write_bytes`` (and ``write_text``,
-``write_json``) for a file, ``rename_dir`` for a directory built under a staging name (the
-initializers' outputs, the trainer's checkpoints and results, extracted archives).
-
-What is written is readable by every user (files 0644, directories 0755) whatever the umask: a
-result is read by a serving Pod that may run as another user. A failed write (a full disk
-included) removes its temporary file or directory before the error propagates, so nothing
-partial is left visible.
-"""
+A reader, or a restarted Pod, finds the old content or the complete new one, never half a file;
+a failed write (a full disk included) removes what it staged. Files 0644 and directories 0755
+whatever the umask, because a serving Pod may read a result as another user."""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """Steps that start together hand their results over through the workspace.
 
-A tunepack runtime starts its steps in order: JobSet creates the ``node`` Job only once both
-initializer Jobs are Complete, and the exporter's once ``node`` is. A gang scheduler cannot place
-such a job: it admits a pod only when every member of its PodGroup exists, and the Trainer counts
-the pods of every step in that group. The gang-scheduled runtimes
-(``manifests/components/gang-coscheduling``) therefore drop ``dependsOn``: every step's pod is
-created, and scheduled, at once, and a step that needs another's result waits for it here.
-
-A step that ends well leaves ``<workspace>/.steps/<step>`` naming the run it belongs to: the
-JobSet's uid and restart attempt, which the runtime gives each container from its pod's labels.
-A step listed in ``TUNEPACK_WAIT_FOR`` is waited for until its marker names this very run, so a
-result left on a retained volume by an earlier TrainJob of the same name, or by an attempt before
-a restart, never counts: the initializers verify their files again (seconds, when nothing
-changed) and say so. Without these variables (the ordered runtimes, the local backend) nothing
-here does anything.
-
-Waiting has no deadline of its own: a step that fails ends the JobSet (bad input) or restarts it,
-and either deletes the waiting pods.
-"""
+The gang-scheduled runtimes drop ``dependsOn``, so a step that needs another's result waits here
+for its ``<workspace>/.steps/<step>`` marker naming this very run (the JobSet's uid and restart
+attempt): a result left by an earlier TrainJob or attempt never counts. Why and how:
+docs/cluster.md, "Gang scheduling and queues". Waiting has no deadline of its own: a failed step
+ends or restarts the JobSet, which deletes the waiting pods. Without ``TUNEPACK_WAIT_FOR`` (the
+ordered runtimes, the local backend) nothing here does anything."""
 
 from __future__ import annotations
 

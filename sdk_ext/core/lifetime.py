@@ -1,25 +1,7 @@
 """Process lifetime: every process of a run dies with the one that started it, and stops cleanly.
 
-A run is a tree: the CLI (or the detached runner) starts each step; the trainer step starts
-torchrun in its own session; torchrun starts the workers. Killing the top with SIGKILL, or a
-SIGHUP when the terminal closes, must not leave the rest training (and a later run on the same
-workspace racing it). Two rules make that hold:
-
-- **die with the parent**: each child asks the kernel for a signal when its parent dies
-  (``PR_SET_PDEATHSIG``). A child we start but do not write (torchrun) gets it from the exec
-  shim ``python -m tunepack.core.lifetime --parent PID [--signal KILL] -- COMMAND...``, since the
-  setting survives ``execve`` and setting it between ``fork`` and ``exec`` is unsafe in a
-  threaded parent. A step gets SIGTERM: its parent (the CLI, the runner) killed alone, the step
-  stops as it would on a stop request, checkpoint first. Below the step it is SIGKILL: torchrun
-  dies with the trainer's launcher, and each worker with torchrun. The launcher forwards every
-  stop request itself, so it dies only when killed outright, and then with the rest of the group
-  (``kill -9 -- -PGID``, ``timeout -s KILL``): a group kill stops every process of the run at
-  once, and none of them writes anything after it;
-- **one stop request per signal burst**: SIGTERM, SIGINT and SIGHUP all ask for a checkpoint and
-  a stop. A signal sent to a whole process group reaches a process both directly and as the copy
-  its parent forwards; a repeat within ``REPEAT_WINDOW_S`` is the same request, not the second
-  one that means "stop now".
-"""
+The two rules (die with the parent; one burst of stop signals is one stop request) and why:
+docs/architecture.md, "Process lifetime"."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""The program entry/exit contract every tunepack program shares: the error line and exit code.
+"""The entry/exit contract every tunepack program shares: the error line and the exit code.
 
-A program (an initializer, the trainer, the ``tunepack`` command) that fails says why in one
-line on stderr, ``<program>: error: <message>``, possibly followed by indented lines that
-detail it (the first offending rows of a dataset), and exits with the code of its error
-(``tunepack.core.errors``: 65 bad input, 75 retriable). The local backend reads that line back
-from a step's log to say why the step failed: ``error_line`` writes it and ``last_error``
-finds it, here, so the two cannot drift apart.
-
-``run`` is the wrapper around a program's body: a ``TunepackError`` becomes its line and code,
-a full disk one line and 75, anything else is a bug (its traceback, code 1). Stop signals
-(SIGTERM from Kubernetes on preemption or drain, the local backend on Ctrl-C) become a
-``TransientError``, so the staging code removes what it had half-written on the way out.
-Where a gang-scheduled runtime starts every step at once, ``run`` first waits for the steps this
-one needs and, once it ended well, marks it done for the others (``tunepack.core.handoff``).
-"""
+``error_line`` writes ``<program>: error: <message>`` and ``last_error`` reads it back from a log
+(the local backend's reason for a failed step), here together so the two cannot drift apart.
+``run`` wraps a program's body: docs/architecture.md, "The contract: tunepack.core"."""
 
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
 """TrainJob names: the name each entry point gives a job when none is asked for, and the limits
-every name meets.
+every name (and namespace, Secret name) meets.
 
-- ``random_job_name``: ``TrainingClient.train`` without ``Name(...)``, named as the Kubeflow SDK
-  names a job;
-- ``timestamped_job_name``: ``tunepack train`` on a cluster and ``tunepack render trainjob``
-  without ``--name``: ``<model>-<YYYYmmdd-HHMMSS>``;
-- ``stable_job_name``: ``tunepack train --local`` without ``--name``: ``<model>-<digest>`` of what
-  the command trains, so that the same command finds (and resumes) the same job;
-- ``max_name_length``, ``check_name``, ``check_dns_label``: the limits ``build_trainjob`` checks
-  every TrainJob's name (and namespace, Secret names) against.
-"""
+``stable_job_name`` (``train --local``) is a digest of what the command trains, so that the same
+command finds, and resumes, the same job (docs/sdk.md)."""
 
 from __future__ import annotations
 

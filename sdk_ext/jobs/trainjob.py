@@ -1,25 +1,8 @@
 """Build TrainJob objects that reference a tunepack runtime, from one typed ``TrainJobSpec``.
 
-The SDK and the CLI submit what this module builds, and ``tunepack render`` prints it for people
-who apply YAML themselves. Everything that can be checked without a cluster is checked here
-(name, runtime, trainer arguments, storage URIs, labels, the API schema), so mistakes surface
-before any Pod starts.
-
-What the Trainer (v2.3) needs of a TrainJob, and this module therefore always writes:
-
-- ``spec.initializer.*.storageUri`` in the form ``scheme://...`` (the API's CEL rule): an
-  absolute path becomes ``file:///abs/path``; a relative path is refused, because the path is
-  read inside the initializer container, not where the TrainJob was written;
-- ``spec.trainer.numProcPerNode``: with it unset the platform's ``auto`` puts the CPU request
-  into ``PET_NPROC_PER_NODE`` on nodes without a GPU, so it is set to the GPUs per node, or 1.
-
-``resourcesPerNode`` is merged into the runtime's ``node`` resources key by key, as the Trainer
-does: the GPUs a pod holds, hence its processes and the memory check, are counted on the merged
-resources (``pod_resources``), never on the request alone.
-
-TrainJobs for tunepack's local backend (``local=True``) keep plain paths, which are read on this
-machine, and leave ``numProcPerNode`` to the launcher's ``auto`` unless it is given.
-"""
+Everything checkable without a cluster is checked here, so mistakes surface before any Pod
+starts. What the Trainer needs of a TrainJob (``storageUri`` as ``scheme://``,
+``numProcPerNode``, resources merged key by key): docs/cluster.md, "From a notebook"."""
 
 from __future__ import annotations
 
@@ -60,37 +43,18 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 
 @dataclass(frozen=True)
 class TrainJobSpec:
-    """Everything a TrainJob of a tunepack runtime says, as one typed record.
+    """Everything a TrainJob of a tunepack runtime says, as one typed record (checked by
+    ``build_trainjob``, never here).
 
-    The single source the TrainJob is built from (``build_trainjob``): ``tunepack render
-    trainjob`` fills it from its flags, ``submit.build`` from the SDK's inputs for both backends'
-    ``train()``. Nothing here is checked yet: ``build_trainjob`` checks every field.
-
-    ``runtime`` is a runtime name or model name from the catalog. ``trainer_args`` are
-    tunepack's trainer arguments, parsed (``TrainArgs``: the SDK and the CLI parse them where
-    they enter, ``parse_trainer_args_for``) or as ``key=value`` strings, which
-    ``build_trainjob`` parses once; ``dataset_uri`` and ``model_uri`` become the
-    initializers' ``STORAGE_URI`` (an absolute path is written as ``file:///...``, a relative one
-    refused: see the module docstring). ``resources_per_node`` takes the Kubeflow SDK's dict
-    (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper).
-    ``num_proc_per_node`` defaults to the GPUs per node (``resources_per_node``, else the
-    runtime's default), or 1 where there is none. Credentials are passed only by reference:
-    ``dataset_secret`` / ``model_secret`` name a Secret in the TrainJob's namespace (the
-    initializer's ``secretRef``). ``dataset_split`` is the split the dataset initializer reads,
-    sliced or not (``train[:1000]``, as ``datasets`` writes it): its ``DATASET_SPLIT``.
-
-    ``runtime_kind`` is ``ClusterTrainingRuntime`` (``tunepack install``) or ``TrainingRuntime``
-    (``tunepack install --namespace``: one in the TrainJob's namespace). ``labels`` and
-    ``annotations`` go to the TrainJob's metadata; ``queue`` is the Kueue LocalQueue (the label
-    ``kueue.x-k8s.io/queue-name``). ``active_deadline_seconds`` and ``runtime_patches`` are the
-    TrainJob fields of those names (what the SDK's ``ActiveDeadlineSeconds`` and ``RuntimePatch``
-    options produce). ``export_uri`` (``s3://``, ``hf://``, an absolute path in the exporter's Pod)
-    is where the exporter step uploads the result, ``export_secret`` a Secret whose keys
-    (``HF_TOKEN``, ``AWS_ACCESS_KEY_ID``, ...) it gets as environment variables; both reach the
-    exporter through a ``runtimePatches`` entry (``export_patch``). ``local=True`` builds for
-    tunepack's local backend: plain paths are kept (a relative export path made absolute) and
-    ``numProcPerNode`` is only written when given.
-    """
+    ``runtime``: a runtime or catalog model name. ``trainer_args``: parsed (``TrainArgs``) or
+    ``key=value`` strings, which ``build_trainjob`` parses once. ``dataset_uri``/``model_uri``: the
+    initializers' ``STORAGE_URI``; ``dataset_split`` their ``DATASET_SPLIT`` (``train[:1000]``).
+    ``resources_per_node``: the Kubeflow SDK's dict; ``num_proc_per_node`` defaults to its GPUs
+    (else the runtime's), or 1. Credentials go by reference only: ``*_secret`` name Secrets in the
+    TrainJob's namespace. ``runtime_kind``: ``ClusterTrainingRuntime`` or ``TrainingRuntime``
+    (``install --namespace``). ``queue``: the Kueue LocalQueue label. ``export_uri`` and
+    ``export_secret`` reach the exporter through a ``runtimePatches`` entry (``export_patch``).
+    ``local=True``: for the local backend (plain paths kept, ``numProcPerNode`` only when given)."""
 
     name: str
     runtime: str

@@ -1,19 +1,8 @@
-"""Translate the Kubeflow SDK's trainer and initializer types into tunepack's.
+"""Translate the Kubeflow SDK's trainer and initializer types into tunepack's, and ``Initializer``.
 
-Notebooks written for ``kubeflow.trainer`` keep working on tunepack runtimes:
-
-- ``BuiltinTrainer(config=TorchTuneConfig(...))`` becomes a ``FineTune``;
-- ``HuggingFaceDatasetInitializer`` / ``HuggingFaceModelInitializer`` / ``S3...Initializer``
-  become tunepack storage URIs (``hf://``, ``s3://``).
-
-Whatever has no tunepack equivalent is refused with the field's name and what to do instead;
-nothing is dropped silently.
-
-    >>> from kubeflow.trainer import BuiltinTrainer, LoraConfig, TorchTuneConfig
-    >>> to_finetune(BuiltinTrainer(config=TorchTuneConfig(
-    ...     epochs=2, peft_config=LoraConfig(lora_rank=8, lora_alpha=16)))).to_args()
-    ['method=lora', 'epochs=2', 'lora_rank=8', 'lora_alpha=16', 'lora_attn_modules=...']
-"""
+``BuiltinTrainer(config=TorchTuneConfig(...))`` becomes a ``FineTune``, the SDK's initializers
+storage URIs, so notebooks written for ``kubeflow.trainer`` keep working; whatever has no
+equivalent is refused by name, never dropped. docs/sdk.md, "BuiltinTrainer" and "Initializer"."""
 
 from __future__ import annotations
 

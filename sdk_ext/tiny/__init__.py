@@ -1,17 +1,8 @@
 """Offline generators of tiny random models, their tokenizers and a small instruction dataset.
 
-The quickstart and the tests need models and a dataset without a GPU or the internet. This
-package writes them from nothing:
-
-- ``write_tiny_dataset``: a deterministic alpaca-schema JSONL file of simple, learnable tasks
-  (``dataset``);
-- ``write_tiny_model``: a model directory in the Hugging Face format of any catalog family, with
-  random weights (shape from the catalog's tiny variant, ``catalog.TINY``) and a tokenizer of the
-  family's kind learned from the dataset text (``model``, ``hf``, ``bpe``, ``spm``). Without an
-  entry it writes ``tiny-llama3``, the quickstart's model.
-
-Everything is seeded: the same arguments give the same bytes.
-"""
+The quickstart and the tests need a model and data without a GPU or the internet:
+``write_tiny_dataset`` and ``write_tiny_model`` (any catalog family; ``tiny-llama3`` by default)
+write them from nothing, seeded, so the same arguments give the same bytes."""
 
 from tunepack.tiny.bpe import (
     SPECIAL_TOKENS,

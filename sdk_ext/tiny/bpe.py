@@ -1,14 +1,9 @@
-"""Byte-level BPE tokenizers learned from the tiny corpus, in two on-disk formats.
+"""Byte-level BPE tokenizers learned from the tiny corpus, as Llama 3 (tiktoken) and GPT-2 style
+families (Qwen 2, Qwen 2.5, Phi-4) ship them.
 
-- Llama 3's: a tiktoken ranks file (``original/tokenizer.model``) plus a ``tokenizer.json`` whose
-  ``added_tokens`` torchtune reads for the special tokens (``TiktokenFormat``);
-- GPT-2's: ``vocab.json`` + ``merges.txt`` plus a ``tokenizer.json`` with the special tokens, as
-  Qwen 2, Qwen 2.5 and Phi-4 ship them (``GptBpeFormat``).
-
-Both learn merges the same way (``train_bpe``) within the pieces of the family's own
-pre-tokenizer split, so the tokenizer applies them exactly as they were learned. Both write a
-complete ``tokenizers`` file, so transformers and vLLM load the same tokenizer.
-"""
+Merges are learned within the family's own pre-tokenizer pieces, so the tokenizer applies them
+exactly as learned; each writes a complete ``tokenizer.json``, so transformers and vLLM load the
+same tokenizer."""
 
 from __future__ import annotations
 

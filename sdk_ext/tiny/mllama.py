@@ -1,21 +1,9 @@
 """A tiny random Llama 3.2 Vision (``MllamaForConditionalGeneration``), written by transformers.
 
-Unlike the text families (``tunepack.tiny.hf``, which writes weights key by key), the model here
-is transformers' own class, saved with ``save_pretrained``: the checkpoint is exactly what
-transformers writes for the real model, in the Hub's layout. transformers is a test-time
-dependency, imported only here.
-
-- Text model: the catalog entry's shape (``catalog.TINY_VISION["mllama"]``), one
-  cross-attention layer among ``TEXT_LAYERS`` (index 1), Llama 3's RoPE with llama3 scaling.
-- Vision tower: 28-pixel tiles of 7-pixel patches (17 tokens per tile), up to 4 tiles in the
-  published 8 aspect ratios, 3 local layers (features of 0 and 2) and 1 global layer.
-- Tokenizer: the tiny Llama 3 tokenizer (``TiktokenFormat``) whose last special token,
-  ``<|image|>``, is the id right after the text vocabulary, as the published model's 128256.
-- ``preprocessor_config.json``: transformers' ``MllamaImageProcessor`` for those tiles.
-
-Gates (transformers initialises the cross-attention and tile gates to 0, which would keep the
-images out of the text) are drawn away from 0, so the images change the logits.
-"""
+Unlike the text families (``tunepack.tiny.hf``, weights key by key), this is transformers' own
+class saved with ``save_pretrained``, so the checkpoint is the Hub's layout exactly; transformers
+is imported only here. Its cross-attention and tile gates are drawn away from transformers'
+initial 0, which would keep the images out of the text."""
 
 from __future__ import annotations
 

@@ -1,34 +1,9 @@
 """The admission policy: the API server refuses a TrainJob on a tunepack runtime that cannot run.
 
-A ``ValidatingAdmissionPolicy`` and its binding (CEL in the API server, GA since Kubernetes 1.30:
-no webhook, no server of tunepack's), written here from the trainer argument vocabulary
-(``tunepack.trainers.args``: keys, the rule of each value, the conflicts and their messages) and
-the catalog (each runtime's methods, context window, sliding window, packing), never by hand:
-
-    python -m tunepack.tools.admission          # write manifests/components/admission/policy.yaml
-    python -m tunepack.tools.admission --check  # exit 1 if the committed file is stale
-
-``tunepack install`` applies the same objects (``policy_objects``), and ``manifests/base``
-includes the component. The policy refuses, with the SDK's and the launcher's words: a missing
-``spec.initializer.dataset/model.storageUri``, a malformed, unknown, repeated or torchtune-override
-key in ``spec.trainer.args``, a value its key's rule refuses, a method the model does not offer,
-``max_seq_len`` beyond the model's context or sliding window, and the argument conflicts
-(LoRA keys or ``merge=true`` with ``method=full``, DPO keys without ``method=dpo``, ``packed``
-with ``group_by_length`` or ``method=dpo`` or a family that cannot pack, ``tracker_uri``
-without ``tracker=mlflow``). Not here: the chat template and system prompt, which depend on the
-model's tokenizer (the SDK and the trainer check them).
-
-Which TrainJobs: CEL in a policy sees the object under admission only. The runtime a TrainJob
-names is another object, and ``paramKind`` binds a policy to parameters chosen by its binding,
-not by the object, so the policy cannot read it. It matches ``spec.runtimeRef.name`` starting
-with the catalog's prefix (``tunepack-``: every runtime tunepack ships and every name the SDK and
-CLI write); the per-model facts are maps from runtime name to value, and a ``tunepack-`` runtime
-that is not in the catalog gets the vocabulary's checks only. A copy of a runtime under another
-name is not checked.
-
-Which requests: creations, and updates that change the spec. A metadata-only update (a finalizer
-removed on delete, a label) of a TrainJob admitted before the policy existed is never blocked.
-"""
+Generated from the trainer argument vocabulary and the catalog, never by hand (``python -m
+tunepack.tools.admission [--check]`` writes ``manifests/components/admission/policy.yaml``). What
+it refuses, which TrainJobs it sees and why (the ``tunepack-`` prefix): docs/cluster.md,
+"Admission: TrainJobs that could not run are refused"."""
 
 from __future__ import annotations
 

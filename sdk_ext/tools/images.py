@@ -1,25 +1,8 @@
 """The images tunepack's runtimes run: where they come from, and whether the cluster can pull them.
 
-The generated runtimes name ``ghcr.io/tunepack/<image>:<version>`` (``runtimes/contract.py``).
-Until those are published, a cluster pulls them from a registry of its own: ``make push-images
-REGISTRY=...`` pushes the three images there, and ``tunepack install --registry ...`` (``--tag``)
-installs the runtimes naming it (``retarget``), as the kustomize component
-``manifests/components/registry-mirror`` does for kubectl.
-
-tunepack cannot pull an image itself: only the nodes can, with their own credentials and
-network. ``check`` therefore asks the cluster, image by image, before any TrainJob needs it:
-
-1. a node that already holds the image (``status.images`` of the Node objects) has pulled it;
-2. otherwise a short-lived probe Pod runs the image (``python -c pass``, the images' Python) with
-   ``imagePullPolicy: IfNotPresent`` and no API token; the kubelet's answer is the verdict:
-   ``ErrImagePull``/``ImagePullBackOff``/``InvalidImageName`` (cannot be pulled), a started or
-   finished container (pulled). A registry that refuses a name or a credential answers within
-   seconds; a large image still downloading when the wait ends (the trainer image is GBs) has
-   shown no error, which is said as such. A probe that no node takes, or that this user may not
-   create, is a check that could not tell, and is said as such too.
-
-The probes are deleted when the check ends, whatever happened.
-"""
+``retarget`` names a registry of the user's; ``check`` asks the cluster, image by image, since
+only a node can pull (a node's ``status.images``, else a short-lived probe Pod, deleted whatever
+happens). docs/cluster.md, "Images"."""
 
 from __future__ import annotations
 

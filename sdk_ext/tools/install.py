@@ -1,24 +1,9 @@
-"""Install tunepack's runtimes: server-side apply, as ``kubectl apply --server-side`` does it.
+"""Install tunepack's runtimes (and, cluster-wide, the admission policy) by server-side apply.
 
-Cluster-wide installs also apply the admission policy and its binding (``admission_objects``,
-``tunepack.tools.admission``), so that the API server refuses TrainJobs that could not run.
-
-The runtimes name tunepack's images in ``ghcr.io/tunepack``; ``--registry``/``--tag`` install
-them naming a registry of the user's (``tunepack.tools.images``, which also checks, before
-anything is applied, that the cluster's nodes can pull them).
-
-Each object is sent as ``PATCH`` with ``Content-Type: application/apply-patch+yaml``,
-``fieldManager=tunepack`` and ``force=true`` (tunepack owns these objects' fields), through the
-``kubernetes`` client, so it works from a notebook or CI without kubectl.
-
-Runtimes cannot always be changed in place: the runtime CRDs mark fields such as the JobSet's
-``failurePolicy``, ``volumeClaimPolicies`` and ``dependsOn`` immutable (``self == oldSelf``), and
-the API server answers an apply that changes them with 422 "... Value is immutable". ``install``
-then deletes the runtime, waits until it is gone and applies it again (``replaced``). A runtime
-can stay behind a finalizer while TrainJobs use it; if it is not gone within the wait,
-``RuntimeInUseError`` names it and the TrainJobs that reference it: run the install again when
-they have finished.
-"""
+``PATCH`` as ``application/apply-patch+yaml`` (``fieldManager=tunepack``, ``force=true``) through
+the ``kubernetes`` client, so it works from a notebook or CI without kubectl. Images checked
+first, immutable fields, runtimes in use: docs/cluster.md, "Install the runtimes", "Images" and
+"Upgrading installed runtimes"."""
 
 from __future__ import annotations
 

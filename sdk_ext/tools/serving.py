@@ -1,26 +1,9 @@
 """Serving a tunepack result with vLLM: the Deployment and Service, from what was trained.
 
-One builder makes both ``manifests/serving/vllm.yaml`` (the kustomize entry point, for a LoRA
-result of the default ranks; regenerate it with ``python -m tunepack.tools.serving``, a test fails
-when it is stale) and ``tunepack render serving``, which takes the training's runtime, TrainJob
-name and ``key=value`` arguments (read from the finished TrainJob or its ``result.json``:
-``run_of_trainjob``, ``run_of_result``) and serves exactly that result, on the GPUs
-``serving_memory`` plans for it (tensor parallelism over all of them):
-
-- LoRA and QLoRA: the base from ``/workspace/model`` plus the adapter from
-  ``/workspace/output/adapter``, with ``--max-lora-rank`` the smallest rank vLLM accepts that
-  holds the trained ``lora_rank`` (vLLM refuses an adapter above it; its default is 16);
-- ``merge=true``: the merged model, ``/workspace/output/merged``, without LoRA;
-- ``method=full``: the fine-tuned model, ``/workspace/output/model``;
-- DoRA without ``merge=true``: refused, since vLLM does not load DoRA adapters; so is a
-  mixture of experts' LoRA on its experts (``lora_mlp=true``), which vLLM v0.11.0 refuses;
-- the chat template: the model's own (its ``tokenizer_config.json``) where the run trained in
-  it; otherwise (``chat_template=`` another format, a ``system_prompt=``, Qwen 3's thinking
-  off) the template the run trained in, from a ConfigMap (``--chat-template``).
-
-Everything is read from the TrainJob's workspace PVC, ``initializer-<trainjob>``, read-only
-(docs/serving.md).
-"""
+One builder makes both ``manifests/serving/vllm.yaml`` (``python -m tunepack.tools.serving``; a
+test fails while it is stale) and ``tunepack render serving``, which serves exactly the run it
+reads (``run_of_trainjob``, ``run_of_result``) on the GPUs ``serving_memory`` plans. Which
+weights, which flags, what is refused and why: docs/serving.md."""
 
 from __future__ import annotations
 

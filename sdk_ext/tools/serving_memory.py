@@ -1,22 +1,7 @@
 """How much GPU memory vLLM needs to serve a model, and on how many GPUs (tensor parallelism).
 
-vLLM splits each layer's attention heads and MLP over the GPUs of one pod (tensor parallelism,
-``--tensor-parallel-size``); at start-up it takes ``--gpu-memory-utilization`` (0.9) of each
-GPU's memory, loads its share of the weights, measures a forward pass and gives the rest to the
-KV cache, and refuses to start when that cannot hold one sequence of ``--max-model-len``. The
-plan per GPU is:
-
-- weights: every parameter in the served dtype (2 bytes), split over the GPUs, except the key and
-  value projections of a model with fewer KV heads than GPUs, which vLLM replicates (one head
-  each);
-- the KV cache: keys and values of every layer for ``concurrency`` sequences of the context, over
-  the GPUs' share of the KV heads (every layer counted at the whole context, an upper bound for
-  sliding-window layers);
-- LoRA: the buffers vLLM preallocates for one adapter of ``--max-lora-rank`` (not split: an upper
-  bound);
-- vLLM's own: ``FIXED_OVERHEAD_GIB`` plus the activations of its profiling forward pass (one
-  chunk of prefill tokens) and the sampler's fp32 logits of its largest batch.
-"""
+What each part of the plan counts (weights, KV cache, LoRA buffers, vLLM's own): docs/serving.md,
+"Serve a result: ``tunepack render serving``"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """``LocalBackend``: ``TrainingClient``'s backend for TrainJobs run as processes on this machine.
 
-A thin facade over the package's other modules: each job is a ``job.JobRecord`` under
-``<root_dir>/<name>/``; ``train()`` starts its detached runner (``runner.start``), which runs
-the runtime's steps (``steps``) and records their state; progress comes from the trainer's
-metrics (``progress``).
+A thin facade over the package's other modules. ``tunepack train --local`` registers its jobs
+here too and runs them through the same ``runner.run_job``, so the CLI and Python see one set of
+jobs (docs/sdk.md, "Local jobs and the command line").
 
-``tunepack train --local`` creates its jobs here too (``register``), and runs them in the
-foreground through the same ``runner.run_job``, in the workspace it was given. So the CLI
-(``tunepack jobs``, ``status``, ``logs``, ``result``, ``delete``) and Python (``list_jobs()``,
-``get_job()``, ...) see the same jobs, whichever created them.
-
-    >>> from tunepack import TrainingClient, LocalBackendConfig
-    >>> client = TrainingClient(LocalBackendConfig(root_dir="/tmp/tunepack-jobs"))
-"""
+    >>> from tunepack import TrainingClient, LocalBackendConfig"""
 
 from __future__ import annotations
 

@@ -1,17 +1,8 @@
 """One local TrainJob's record, ``<root>/<name>/``: the one module that reads and writes its files.
 
-    <root>/<name>/
-        trainjob.yaml   the TrainJob, as train() or ``tunepack train --local`` built it
-        state.json      status, message, created, steps (each step's status and times),
-                        workspace (when not the one below), runner (``cli``: run in the
-                        foreground by ``tunepack train --local``)
-        pid             the runner's process id (the detached runner, or the CLI)
-        runner.log      the detached runner's own output
-        workspace/      where the steps run, unless state.json names another directory
-
-``state.json`` is written whole and atomically (``tunepack.core.durable``): the backend and the
-runner are different processes, and a reader never sees half a state.
-"""
+``trainjob.yaml``, ``state.json`` (written whole and atomically: the backend and the runner are
+different processes), ``pid`` (the runner's, or the CLI's), ``runner.log`` and ``workspace/``
+unless ``state.json`` names another (docs/sdk.md, "Local jobs and the command line")."""
 
 from __future__ import annotations
 
