@@ -121,12 +121,9 @@ def build_runtime(entry: ModelEntry) -> dict:
         },
         "spec": {
             "mlPolicy": {"numNodes": entry.resources.nodes, "torch": {}},
-            # No podGroupPolicy: the Trainer's coscheduling and Volcano plugins make a PodGroup
-            # whose minMember counts the pods of every replicatedJob, initializers included,
-            # while JobSet creates the node Job only after both initializers complete, so the
-            # gang could never be whole (and without the PodGroup CRD the controller cannot
-            # build the TrainJob at all). Upstream's torchtune runtimes carry none either. Kueue
-            # admits a TrainJob labelled kueue.x-k8s.io/queue-name as a whole.
+            # No podGroupPolicy: its PodGroup counts every step's pods while JobSet orders the
+            # steps, so the gang could never be whole (docs/cluster.md, "Gang scheduling and
+            # queues"), and without the PodGroup CRD the controller cannot build the TrainJob.
             "template": {"spec": _jobset_spec(entry)},
         },
     }

@@ -3,11 +3,8 @@
     python -m tunepack.runtimes.generate          # (re)write runtimes/generated/
     python -m tunepack.runtimes.generate --check  # exit 1 if the committed files are stale
 
-The YAML is committed (``make runtimes``) so that ``kubectl apply -k`` needs no Python; a test
-fails when it no longer matches the catalog. What the files hold is the builder's
-(``runtimes/builder.py``); the names they share with the platform are the contract's
-(``runtimes/contract.py``); reading them at run time is the store's (``runtimes/store.py``).
-"""
+The YAML is committed (``make runtimes``) so that ``kubectl apply -k`` needs no Python
+(docs/architecture.md, "Runtimes")."""
 
 from __future__ import annotations
 

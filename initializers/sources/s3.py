@@ -1,13 +1,9 @@
 """``s3://bucket/prefix``: objects in Amazon S3 or an S3-compatible store (MinIO, Ceph, R2...).
 
-The client (endpoint, credentials and addressing from the AWS environment) and the mapping of
-its failures are ``tunepack.initializers.s3``'s, shared with the s3:// export sink.
-
-A prefix names a "directory" (every object under ``prefix/``) or, failing that, one object.
-Objects are transferred in parallel, each resumable by byte range and pinned to the ETag seen in
-the listing (``If-Match``), so a resumed file never mixes two versions. Single-part uploads have
-an MD5 ETag, which is verified; multipart ETags are not content hashes, so only sizes are.
-"""
+The client and the mapping of its failures are ``tunepack.initializers.s3``'s, shared with the
+export sink. A prefix names a "directory" (every object under ``prefix/``) or, failing that, one
+object; each transfer is pinned to the listed ETag (``If-Match``), so a resumed file never mixes
+two versions (docs/initializers.md, "Robustness")."""
 
 from __future__ import annotations
 
