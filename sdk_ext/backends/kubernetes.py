@@ -47,10 +47,10 @@ from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
 from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
-from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
 from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
+from tunepack.types import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 
 logger = logging.getLogger(__name__)
 

@@ -826,7 +826,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
 def test_cluster_only_operations_say_where_the_files_are(server):
     """Per-step metrics and the result's files live on the job's volume on a cluster."""
     from tunepack.core.errors import NotAvailableError
-    from tunepack.notebook import Result
+    from tunepack.types import Result
 
     _, url = server
     with pytest.raises(NotAvailableError, match="per-step metrics live on the job's workspace"):
