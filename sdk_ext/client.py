@@ -27,8 +27,8 @@ from tunepack import notebook_progress
 from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import BadInputError, NotAvailableError
-from tunepack.notebook import Result
 from tunepack.runtimes import planner
+from tunepack.types import Result
 
 
 class TrainingClient(TrainerClient):

@@ -53,7 +53,7 @@ class TunepackBackend(RuntimeBackend):
         ``spec.trainer.args``, ...)."""
 
     def result(self, name: str):
-        """Where the finished job's adapter or model is (a ``tunepack.notebook.Result``).
+        """Where the finished job's adapter or model is (a ``tunepack.types.Result``).
         ``ValueError`` while the job is not Complete."""
         job = self.get_job(name)
         if job.status != kc.TRAINJOB_COMPLETE:

@@ -28,10 +28,10 @@ from tunepack.core.errors import BadInputError, NotAvailableError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
 from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
-from tunepack.notebook import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
 from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
+from tunepack.types import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,18 @@ SUPPORTED_OPTIONS = (
     kf_options.ActiveDeadlineSeconds,
     kf_options.RuntimePatch,
 )
+# The one private name of the Kubeflow SDK that tunepack uses, and why. The SDK's converter from a
+# TrainJob object to its ``TrainJob`` (steps from the job's pods, status from its conditions) is
+# private to its KubernetesBackend (name-mangled); its public get_job and list_jobs read the
+# object themselves, and tunepack needs the same object's trainerStatus and Failed message:
+# through them each TrainJob would be read twice, and the two reads could disagree. tunepack
+# calls it, never overrides it; tests/unit/test_sdk_private.py fails when an SDK release moves it.
+SDK_TRAINJOB_FROM_CR = "_KubernetesBackend__get_trainjob_from_cr"
+# The API model of each kind of runtime object, to read its trainer container as the SDK does.
+_RUNTIME_MODELS = {
+    kf.RuntimeKind.CLUSTER_TRAINING_RUNTIME: models.TrainerV1alpha1ClusterTrainingRuntime,
+    kf.RuntimeKind.TRAINING_RUNTIME: models.TrainerV1alpha1TrainingRuntime,
+}
 _WHY_NOT = {
     "TrainerCommand": "the trainer's command is tunepack's fine-tuning program, set by the runtime",
     "TrainerArgs": "the trainer's arguments come from trainer=FineTune(...) (or "
@@ -66,20 +78,78 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         # What get_job last found of each job's unscheduled pods, for wait_for_job_status.
         self._unscheduled: dict[str, scheduling.Unscheduled | scheduling.NotStarting | None] = {}
 
-    # The SDK's private converter from a runtime object (name-mangled in its KubernetesBackend),
-    # which list_runtimes and get_runtime call: tunepack runtimes report a BuiltinTrainer.
-    def _KubernetesBackend__get_runtime_from_cr(self, runtime_cr) -> kf.Runtime:
-        runtime = SdkBackend._KubernetesBackend__get_runtime_from_cr(self, runtime_cr)
-        if submit.is_tunepack_runtime(runtime):
-            container = get_runtime_trainer_container(runtime_cr.spec.template.spec.replicated_jobs)
-            runtime.trainer = builtin_torchtune_trainer(runtime.trainer, container.command)
-        return runtime
-
     def list_runtimes(self) -> RuntimeList:
-        return RuntimeList(_reported(r) for r in super().list_runtimes())
+        runtimes = super().list_runtimes()
+        ours = [r for r in runtimes if submit.is_tunepack_runtime(r)]
+        # One LIST per kind that holds a tunepack runtime, not a GET per runtime.
+        objects = {kind: self._runtime_objects(kind) for kind in {r.kind for r in ours}}
+        return RuntimeList(
+            self._reported(r, objects[r.kind].get(r.name))
+            if submit.is_tunepack_runtime(r)
+            else r  # another runtime: exactly the SDK's object (docs/sdk.md)
+            for r in runtimes
+        )
 
     def get_runtime(self, name: str) -> kf.Runtime:
-        return _reported(super().get_runtime(name))
+        runtime = super().get_runtime(name)
+        # Another runtime is exactly the SDK's object (docs/sdk.md: code written for the SDK
+        # must see the SDK's object).
+        return self._reported(runtime) if submit.is_tunepack_runtime(runtime) else runtime
+
+    def _reported(self, runtime: kf.Runtime, obj: dict | None = None) -> TunepackRuntime:
+        """A tunepack runtime as what it takes, a ``BuiltinTrainer`` of the ``torchtune``
+        framework running its trainer container's command (``base.builtin_torchtune_trainer``),
+        with the catalog's fields. ``obj``: the runtime's object, when it was listed; else it is
+        read (the SDK's ``Runtime`` does not carry the container's command)."""
+        if obj is None:
+            obj = self._runtime_object(runtime.kind, runtime.name)
+        model = _RUNTIME_MODELS[runtime.kind].from_dict(obj)
+        container = get_runtime_trainer_container(model.spec.template.spec.replicated_jobs)
+        trainer = builtin_torchtune_trainer(runtime.trainer, container.command)
+        return TunepackRuntime.wrap(dataclasses.replace(runtime, trainer=trainer))
+
+    def _runtime_object(self, kind: kf.RuntimeKind, name: str) -> dict:
+        """The runtime object ``get_runtime`` found, read again through the API."""
+        where = (
+            name if kind == kf.RuntimeKind.CLUSTER_TRAINING_RUNTIME else f"{self.namespace}/{name}"
+        )
+        try:
+            if kind == kf.RuntimeKind.CLUSTER_TRAINING_RUNTIME:
+                thread = self.custom_api.get_cluster_custom_object(
+                    kc.GROUP, kc.VERSION, kc.CLUSTER_TRAINING_RUNTIME_PLURAL, name, async_req=True
+                )
+            else:
+                thread = self.custom_api.get_namespaced_custom_object(
+                    kc.GROUP,
+                    kc.VERSION,
+                    self.namespace,
+                    kc.TRAINING_RUNTIME_PLURAL,
+                    name,
+                    async_req=True,
+                )
+            return _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT))
+        except multiprocessing.TimeoutError as e:
+            raise TimeoutError(f"Timeout to get {kind.value}: {where}") from e
+        except Exception as e:
+            raise RuntimeError(f"Failed to get {kind.value}: {where}") from e
+
+    def _runtime_objects(self, kind: kf.RuntimeKind) -> dict[str, dict]:
+        """The runtime objects of ``kind`` that ``list_runtimes`` listed, by name, listed again."""
+        try:
+            if kind == kf.RuntimeKind.CLUSTER_TRAINING_RUNTIME:
+                thread = self.custom_api.list_cluster_custom_object(
+                    kc.GROUP, kc.VERSION, kc.CLUSTER_TRAINING_RUNTIME_PLURAL, async_req=True
+                )
+            else:
+                thread = self.custom_api.list_namespaced_custom_object(
+                    kc.GROUP, kc.VERSION, self.namespace, kc.TRAINING_RUNTIME_PLURAL, async_req=True
+                )
+            items = _as_dict(thread.get(common_constants.DEFAULT_TIMEOUT)).get("items") or []
+        except multiprocessing.TimeoutError as e:
+            raise TimeoutError(f"Timeout to list {kind.value}s") from e
+        except Exception as e:
+            raise RuntimeError(f"Failed to list {kind.value}s") from e
+        return {item["metadata"]["name"]: item for item in items}
 
     def train(self, runtime=None, initializer=None, trainer=None, options=None) -> str:
         if isinstance(runtime, str):
@@ -308,8 +378,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         """tunepack's TrainJob from the API object: the SDK's reading (steps from the pods,
         status from the conditions) plus the failure message and progress. A job of a runtime
         that is not tunepack's is the SDK's object, exactly (docs/sdk.md)."""
-        # The SDK's private converter (name-mangled in its KubernetesBackend class).
-        from_cr = self._KubernetesBackend__get_trainjob_from_cr
+        from_cr = getattr(self, SDK_TRAINJOB_FROM_CR)  # the SDK's reading, private: see there
         job = from_cr(models.TrainerV1alpha1TrainJob.from_dict(raw))
         if not submit.is_tunepack_runtime(job.runtime):
             return job
@@ -322,7 +391,10 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             ),
             None,
         )
-        fields = {**job.__dict__, "runtime": _reported(job.runtime)}
+        runtime = job.runtime  # the SDK's converter took it from get_runtime: reported already
+        if not isinstance(runtime, TunepackRuntime):
+            runtime = self._reported(runtime)
+        fields = {**job.__dict__, "runtime": runtime}
         fields["steps"] = [*job.steps, *self._exporter_steps(raw["metadata"]["name"])]
         return TrainJob(
             **fields,
@@ -373,12 +445,6 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         pod = max(pods, key=lambda p: str(p["metadata"].get("creation_timestamp") or ""))
         phase = (pod.get("status") or {}).get("phase")
         return [kf.Step(name=EXPORT_STEP.job, status=phase, pod_name=pod["metadata"]["name"])]
-
-
-def _reported(runtime: kf.Runtime) -> kf.Runtime:
-    """A tunepack runtime with the catalog's fields; any other exactly as the SDK returned it
-    (docs/sdk.md: code written for the SDK must see the SDK's object)."""
-    return TunepackRuntime.wrap(runtime) if submit.is_tunepack_runtime(runtime) else runtime
 
 
 def _as_dict(obj) -> dict:

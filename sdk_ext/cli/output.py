@@ -80,8 +80,8 @@ def print_summary(
     name: str, runtime: str, workspace: Path, elapsed: float, export: str | None = None
 ) -> None:
     from tunepack.core.workspace import result_file
-    from tunepack.notebook import tracker_pointer
     from tunepack.runtimes import methods
+    from tunepack.types import tracker_pointer
 
     result = json.loads(result_file(workspace).read_text())
     print()

@@ -117,8 +117,8 @@ def test_progress_bar_counts_steps_and_shows_both_losses(tmp_path, capsys):
     validation loss, as the local backend reads them from metrics.jsonl; a job that reports
     only a percentage (a cluster's trainerStatus) counts percent."""
     from tunepack.backends.local import read_progress
-    from tunepack.notebook import Progress, TrainJob
     from tunepack.notebook_progress import ProgressBar
+    from tunepack.types import Progress, TrainJob
 
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"event": "step", "step": s, "total_steps": 40, "loss": 6.0 - s / 10} for s in (1, 2)]

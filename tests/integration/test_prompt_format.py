@@ -304,8 +304,8 @@ def test_a_chat_run_records_its_format_and_generate_asks_in_it(initialized_works
     from transformers import AutoTokenizer
 
     from tests.helpers import run_program, setup_recipe
-    from tunepack.notebook import Result
     from tunepack.tiny import tiny_dataset_rows
+    from tunepack.types import Result
 
     entry = catalog.get("tiny-llama3")
     rows = tiny_dataset_rows(32)

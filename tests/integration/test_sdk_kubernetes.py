@@ -488,6 +488,38 @@ def test_tunepack_runtimes_report_a_builtin_torchtune_trainer(server):
         )
 
 
+def test_a_tunepack_runtime_reports_the_command_its_trainer_container_runs(server):
+    """The command is read from the runtime object the cluster holds (a namespaced
+    TrainingRuntime or a ClusterTrainingRuntime), not the catalog's and not the torch plugin's
+    the SDK reports: from get_runtime, list_runtimes and a job's runtime."""
+    from tunepack.runtimes.contract import TRAINER_STEP, container, replicated_job
+
+    fake, url = server
+    _install(fake, url)
+    (namespaced,) = runtime_objects([RUNTIME], namespace=NS)
+    container(replicated_job(namespaced, TRAINER_STEP.job))["command"] = ["site-launch", "--x"]
+    apply(_api_client(url), namespaced)
+    tiny = "tunepack-tiny-llama3"
+    container(replicated_job(_stored(fake, tiny), TRAINER_STEP.job))["command"] = ["tiny-launch"]
+    tc = _client(url)
+
+    listed = {r.name: r for r in tc.list_runtimes()}
+    for name, kind, command in (
+        (RUNTIME, "TrainingRuntime", ("site-launch", "--x")),
+        (tiny, "ClusterTrainingRuntime", ("tiny-launch",)),
+    ):
+        for runtime in (listed[name], tc.get_runtime(name)):
+            assert (runtime.kind.value, runtime.trainer.command) == (kind, command)
+            assert runtime.trainer.framework == "torchtune"
+    job = tc.train(
+        runtime=RUNTIME,
+        initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
+        trainer=FineTune(),
+    )
+    assert tc.get_job(job).runtime.trainer.command == ("site-launch", "--x")
+    assert [j.runtime.trainer.command for j in tc.list_jobs()] == [("site-launch", "--x")]
+
+
 def test_other_runtimes_are_exactly_what_the_sdk_returns(server):
     """docs/sdk.md: only tunepack runtimes get the catalog's fields; a torch runtime of the
     cluster comes back as the upstream client returns it (same class, same attributes), from
@@ -826,7 +858,7 @@ def test_cli_install_train_status_logs_against_the_server(server, cli):
 def test_cluster_only_operations_say_where_the_files_are(server):
     """Per-step metrics and the result's files live on the job's volume on a cluster."""
     from tunepack.core.errors import NotAvailableError
-    from tunepack.notebook import Result
+    from tunepack.types import Result
 
     _, url = server
     with pytest.raises(NotAvailableError, match="per-step metrics live on the job's workspace"):

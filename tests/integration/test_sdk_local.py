@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers import assert_local_status_complete, run_program
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
-from tunepack.notebook import RuntimeList, TunepackRuntime
+from tunepack.types import RuntimeList, TunepackRuntime
 
 RUNTIME = "tunepack-tiny-llama3"
 

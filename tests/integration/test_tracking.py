@@ -85,7 +85,7 @@ def test_tensorboard_event_files_read_back(initialized_workspace, tmp_path):
 
 
 def _pointer(workspace: Path) -> str | None:
-    from tunepack.notebook import tracker_pointer
+    from tunepack.types import tracker_pointer
 
     return tracker_pointer(
         json.loads((workspace / "output" / "result.json").read_text())["tracker"]

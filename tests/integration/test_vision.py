@@ -570,8 +570,8 @@ def test_result_generate_answers_about_an_image_as_the_trained_model_does(worksp
         get_cross_attention_token_mask,
     )
 
-    from tunepack.notebook import Result
     from tunepack.trainers.mllama import mllama_inputs_to_tune
+    from tunepack.types import Result
 
     run = _published_workspace(workspace, tmp_path / "ws")  # trained as the 11B runtime does
     recipe = setup_recipe(
@@ -631,7 +631,7 @@ def test_result_generate_answers_about_an_image_as_the_trained_model_does(worksp
 
 def test_result_generate_refuses_an_image_for_a_text_model(tmp_path):
     from tunepack.core.errors import BadInputError
-    from tunepack.notebook import Result
+    from tunepack.types import Result
 
     (tmp_path / "output").mkdir()
     (tmp_path / "output" / "result.json").write_text(json.dumps({"model": "tiny-llama3"}))

@@ -28,11 +28,11 @@ from tunepack.core.errors import BadInputError, TransientError
 from tunepack.core.workspace import MODEL_DIR
 from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
-from tunepack.notebook import Result, RuntimeList, TrainJob, TunepackRuntime
 from tunepack.runtimes import catalog, contract
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK
 from tunepack.runtimes.store import load_runtime
+from tunepack.types import Result, RuntimeList, TrainJob, TunepackRuntime
 
 HOME_ENV = "TUNEPACK_HOME"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tunepack.notebook import Progress
+from tunepack.types import Progress
 
 
 def read_progress(metrics: Path) -> Progress | None:

@@ -1,4 +1,5 @@
-"""What a notebook gets back from ``TrainingClient``: runtimes, jobs and a finished job's result.
+"""The types tunepack's backends return, as ``kubeflow.trainer.types`` holds the SDK's: runtimes,
+jobs and a finished job's result (what a notebook gets back from ``TrainingClient``).
 
 - ``TunepackRuntime`` and ``TrainJob`` subclass the Kubeflow SDK's dataclasses
   (``kubeflow.trainer.types``), so code written for ``TrainerClient`` (``runtime.name``,
@@ -13,7 +14,8 @@
   where the exporter put it (``Result.export``), and ``Result.download(dir)`` fetches it from
   there, verified (docs/export.md).
 
-The progress bar and the loss plot are ``tunepack.notebook_progress``'s.
+What a notebook shows of them, the progress bar and the loss plot, is
+``tunepack.notebook_progress``'s.
 """
 
 from __future__ import annotations
