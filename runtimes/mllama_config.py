@@ -43,6 +43,37 @@ def _index_list(where: str, config: dict, field: str, limit: int) -> list[int]:
 
 
 def _text_kwargs(where: str, text: dict) -> dict:
+    """The text model's builder arguments from ``text_config``, its fields checked in this order
+    (the first one wrong is the one reported)."""
+    dims, kv_heads = _text_shape(where, text)
+    heads, width = dims["num_attention_heads"], dims["hidden_size"]
+    layers = dims["num_hidden_layers"]
+    cross = _cross_attention_layers(where, text, layers)
+    dropout = text.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise _fail(where, "text_config.dropout", dropout, "a number in [0, 1)")
+    kwargs = _text_rope(where, text)
+    return kwargs | {
+        "vocab_size": dims["vocab_size"],
+        "num_layers": layers,
+        "cross_attention_layers": sorted(cross),
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "embed_dim": width,
+        "intermediate_dim": dims["intermediate_size"],
+        "max_seq_len": dims["max_position_embeddings"],
+        "norm_eps": _positive_number(
+            where,
+            {"text_config.rms_norm_eps": text.get("rms_norm_eps", 1e-5)},
+            "text_config.rms_norm_eps",
+        ),  # fmt: skip
+        "attn_dropout": float(dropout),
+    }
+
+
+def _text_shape(where: str, text: dict) -> tuple[dict, int]:
+    """The text model's sizes (by config field) and its key/value heads; its activation, tied
+    embeddings and biases as the build has them."""
     model_type = text.get("model_type", "mllama_text_model")
     if model_type != "mllama_text_model":
         raise _fail(where, "text_config.model_type", model_type, "'mllama_text_model'")
@@ -80,7 +111,10 @@ def _text_kwargs(where: str, text: dict) -> dict:
     for field in ("attention_bias", "mlp_bias"):
         if text.get(field) not in (None, False):
             raise _fail(where, f"text_config.{field}", text[field], "false")
-    layers = dims["num_hidden_layers"]
+    return dims, kv_heads
+
+
+def _cross_attention_layers(where: str, text: dict, layers: int) -> list[int]:
     cross = text.get("cross_attention_layers")
     cross = _index_list(where, {"text_config.cross_attention_layers": cross},
                         "text_config.cross_attention_layers", layers)  # fmt: skip
@@ -91,10 +125,11 @@ def _text_kwargs(where: str, text: dict) -> dict:
                     f"each followed by a self-attention layer ({err})") from None  # fmt: skip
     if len(set(cross)) != len(cross):
         raise _fail(where, "text_config.cross_attention_layers", cross, "distinct indices")
-    dropout = text.get("dropout", 0.0)
-    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-        raise _fail(where, "text_config.dropout", dropout, "a number in [0, 1)")
+    return cross
 
+
+def _text_rope(where: str, text: dict) -> dict:
+    """The builder's RoPE arguments: Llama 3's scaling, or none."""
     rope, scaling = _rope(text)
     theta = rope.get("rope_theta", 500_000.0)
     kwargs = {
@@ -122,22 +157,7 @@ def _text_kwargs(where: str, text: dict) -> dict:
     partial_rotary = rope.get("partial_rotary_factor", 1.0)
     if partial_rotary != 1.0:
         raise _fail(where, "text_config.partial_rotary_factor", partial_rotary, "1.0")
-    return kwargs | {
-        "vocab_size": dims["vocab_size"],
-        "num_layers": layers,
-        "cross_attention_layers": sorted(cross),
-        "num_heads": heads,
-        "num_kv_heads": kv_heads,
-        "embed_dim": width,
-        "intermediate_dim": dims["intermediate_size"],
-        "max_seq_len": dims["max_position_embeddings"],
-        "norm_eps": _positive_number(
-            where,
-            {"text_config.rms_norm_eps": text.get("rms_norm_eps", 1e-5)},
-            "text_config.rms_norm_eps",
-        ),  # fmt: skip
-        "attn_dropout": float(dropout),
-    }
+    return kwargs
 
 
 def _square(where: str, vision: dict, field: str) -> int:

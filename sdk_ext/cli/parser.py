@@ -135,13 +135,32 @@ def _flag_for_an_argument(message: str) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: the commands in the order ``tunepack --help`` lists them."""
     parser = _Parser(prog="tunepack", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-
     sub.add_parser("runtimes", help="list tunepack runtimes").set_defaults(func=cmd_runtimes)
     sub.add_parser("args", help="list trainer arguments").set_defaults(func=cmd_args)
+    _add_tiny_model(sub)
+    _add_tiny_dataset(sub)
+    _add_train(sub)
+    _add_jobs(sub)
+    _add_status(sub)
+    _add_logs(sub)
+    _add_result(sub)
+    _add_delete(sub)
+    _add_download(sub)
+    _add_plan(sub)
+    _add_install(sub)
+    _add_render(sub)
+    return parser
 
+
+# The subcommands' parsers, one function each; ``sub`` is build_parser's subparsers action.
+_Commands = argparse._SubParsersAction
+
+
+def _add_tiny_model(sub: _Commands) -> None:
     p = sub.add_parser("tiny-model", help="write a tiny random Llama-3 model (offline)")
     p.add_argument("directory", help="directory to write the model to (config, weights, tokenizer)")
     p.add_argument(
@@ -149,6 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_tiny_model)
 
+
+def _add_tiny_dataset(sub: _Commands) -> None:
     p = sub.add_parser("tiny-dataset", help="write a small instruction dataset (offline)")
     p.add_argument("file", help="the JSON Lines file to write (e.g. data/instructions.jsonl)")
     kind = p.add_mutually_exclusive_group()
@@ -173,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_tiny_dataset)
 
+
+def _add_train(sub: _Commands) -> None:
     p = sub.add_parser("train", help="fine-tune: run a TrainJob")
     _add_job_arguments(p)
     p.add_argument("--local", action="store_true", help="run on this machine (local backend)")
@@ -194,42 +217,59 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="do not echo step output")
     p.set_defaults(func=cmd_train)
 
+
+def _add_jobs(sub: _Commands) -> None:
     p = sub.add_parser("jobs", help="list TrainJobs: name, runtime, status, created, workspace")
     _add_backend_arguments(p)
     p.set_defaults(func=cmd_jobs)
 
-    for cmd, func, helptext in (
-        ("status", cmd_status, "a TrainJob's status, steps and progress"),
-        ("logs", cmd_logs, "a TrainJob step's log"),
-        ("result", cmd_result, "a finished TrainJob's adapter (or model) and final loss"),
-        ("delete", cmd_delete, "delete a TrainJob (its workspace is kept)"),
-    ):
-        p = sub.add_parser(cmd, help=helptext)
-        p.add_argument("name", help="TrainJob name")
-        _add_backend_arguments(p)
-        if cmd == "logs":
-            p.add_argument(
-                "--step",
-                default="node-0",
-                help="dataset-initializer, model-initializer, node (a one-node job's trainer, as "
-                "the console and logs/node.log name it; node-0, node-1 ... of several nodes), "
-                "export (default: the first node's)",
-            )
-            p.add_argument(
-                "--follow",
-                "-f",
-                action="store_true",
-                help="keep printing new lines until the job ends (Ctrl-C stops following, "
-                "not the job)",
-            )
-        if cmd == "delete":
-            p.add_argument(
-                "--workspace-too",
-                action="store_true",
-                help="also remove the local job's workspace (default: kept)",
-            )
-        p.set_defaults(func=func)
 
+def _add_one_job_command(sub: _Commands, cmd: str, func, helptext: str) -> argparse.ArgumentParser:
+    """A command about one TrainJob: its name and the backend flags; the caller adds the rest."""
+    p = sub.add_parser(cmd, help=helptext)
+    p.add_argument("name", help="TrainJob name")
+    _add_backend_arguments(p)
+    p.set_defaults(func=func)
+    return p
+
+
+def _add_status(sub: _Commands) -> None:
+    _add_one_job_command(sub, "status", cmd_status, "a TrainJob's status, steps and progress")
+
+
+def _add_logs(sub: _Commands) -> None:
+    p = _add_one_job_command(sub, "logs", cmd_logs, "a TrainJob step's log")
+    p.add_argument(
+        "--step",
+        default="node-0",
+        help="dataset-initializer, model-initializer, node (a one-node job's trainer, as "
+        "the console and logs/node.log name it; node-0, node-1 ... of several nodes), "
+        "export (default: the first node's)",
+    )
+    p.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="keep printing new lines until the job ends (Ctrl-C stops following, not the job)",
+    )
+
+
+def _add_result(sub: _Commands) -> None:
+    _add_one_job_command(
+        sub, "result", cmd_result, "a finished TrainJob's adapter (or model) and final loss"
+    )
+
+
+def _add_delete(sub: _Commands) -> None:
+    p = _add_one_job_command(sub, "delete", cmd_delete, "delete a TrainJob (its workspace is kept)")
+    p.add_argument(
+        "--workspace-too",
+        action="store_true",
+        help="also remove the local job's workspace (default: kept)",
+    )
+
+
+def _add_download(sub: _Commands) -> None:
     p = sub.add_parser(
         "download", help="fetch a TrainJob's exported result (or the export at a URI), verified"
     )
@@ -238,6 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arguments(p)
     p.set_defaults(func=cmd_download)
 
+
+def _add_plan(sub: _Commands) -> None:
     p = sub.add_parser("plan", help="estimate GPU memory and recommend nodes x GPUs")
     p.add_argument("--model", required=True, help="catalog model or runtime name")
     p.add_argument("--method", default=methods.DEFAULT, help=", ".join(methods.NAMES))
@@ -282,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", help="checkpoint directory a -custom runtime is sized from")
     p.set_defaults(func=cmd_plan)
 
+
+def _add_install(sub: _Commands) -> None:
     p = sub.add_parser(
         "install",
         help="server-side apply tunepack's runtimes to the cluster",
@@ -322,8 +366,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_install)
 
+
+def _add_render(sub: _Commands) -> None:
     p = sub.add_parser("render", help="print Kubernetes objects as YAML")
     render = p.add_subparsers(dest="kind", required=True)
+    _add_render_trainjob(render)
+    _add_render_serving(render)
+
+
+def _add_render_trainjob(render: _Commands) -> None:
     p = render.add_parser("trainjob", help="the TrainJob for `kubectl apply -f -`")
     _add_job_arguments(p)
     p.add_argument("--namespace", help="metadata.namespace of the TrainJob")
@@ -335,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_memory_arguments(p)
     p.set_defaults(func=cmd_render_trainjob)
+
+
+def _add_render_serving(render: _Commands) -> None:
     p = render.add_parser(
         "serving",
         help="vLLM serving a finished TrainJob's result (give --job NAME, or the training's "
@@ -384,7 +438,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the training arguments (with --job or --result: the ones to change)",
     )
     p.set_defaults(func=cmd_render_serving)
-    return parser
 
 
 def _version() -> str:

@@ -86,6 +86,44 @@ def build_trainjob(job: TrainJobSpec) -> dict:
 
     Raises ``BadInputError`` with a hint on bad input.
     """
+    # The checks run in this order, so that a job with several mistakes is told of the same one
+    # first every time.
+    _check_placement(job)
+    entry = catalog.get(job.runtime)  # BadInputError listing the runtimes when unknown
+    args = trainer_args_of(job)
+    uris = _storage_uris(job)
+    dataset_env = _dataset_split_env(job)
+    _check_counts(job)
+    patches = _runtime_patches(job)
+    _check_secret_names(job)
+    metadata = _metadata(job)
+    trainer = _trainer(job, entry, args)
+    initializer = _initializer(job, uris, dataset_env, args.argv())
+    spec: dict = {
+        "runtimeRef": {
+            "name": entry.runtime_name,
+            "apiGroup": contract.API_GROUP,
+            "kind": job.runtime_kind,
+        },
+        "initializer": initializer,
+        "trainer": trainer,
+    }
+    if job.active_deadline_seconds is not None:
+        spec["activeDeadlineSeconds"] = job.active_deadline_seconds
+    if patches:
+        spec["runtimePatches"] = patches
+    trainjob = {
+        "apiVersion": contract.API_VERSION,
+        "kind": TRAINJOB_KIND,
+        "metadata": metadata,
+        "spec": spec,
+    }
+    validate_trainjob(trainjob)
+    return trainjob
+
+
+def _check_placement(job: TrainJobSpec) -> None:
+    """The job's node count, name, namespace and runtime kind."""
     if job.num_nodes is not None and (
         isinstance(job.num_nodes, bool) or not isinstance(job.num_nodes, int) or job.num_nodes < 1
     ):
@@ -99,8 +137,10 @@ def build_trainjob(job: TrainJobSpec) -> dict:
             f"{CLUSTER_RUNTIME_KIND} (cluster-wide) or {NAMESPACED_RUNTIME_KIND} (in the "
             "TrainJob's namespace)"
         )
-    entry = catalog.get(job.runtime)  # BadInputError listing the runtimes when unknown
-    args = trainer_args_of(job)
+
+
+def _storage_uris(job: TrainJobSpec) -> dict[str, str]:
+    """The initializers' ``storageUri`` by step ("dataset", "model"), each checked."""
     uris = {}
     for what, uri in (("dataset", job.dataset_uri), ("model", job.model_uri)):
         if not isinstance(uri, str) or not uri.strip():
@@ -110,8 +150,11 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         storage.parse(uri)
         storage.refuse_credentials(uri, what, f"--{what}-secret, Initializer({what}_secret=)")
         uris[what] = uri if job.local else cluster_storage_uri(uri, what)
-    dataset_env = _dataset_split_env(job)
+    return uris
 
+
+def _check_counts(job: TrainJobSpec) -> None:
+    """num_proc_per_node and active_deadline_seconds, when given."""
     if job.num_proc_per_node is not None and (
         isinstance(job.num_proc_per_node, bool)
         or not isinstance(job.num_proc_per_node, int)
@@ -129,19 +172,30 @@ def build_trainjob(job: TrainJobSpec) -> dict:
             "active_deadline_seconds must be a positive integer, got "
             f"{job.active_deadline_seconds!r}"
         )
+
+
+def _runtime_patches(job: TrainJobSpec) -> list[dict]:
+    """The caller's runtimePatches, and the export's when the job exports its result."""
     patches = list(job.runtime_patches or [])
     if job.export_uri is not None or job.export_secret is not None:
         patches.append(export_patch(job.export_uri, job.export_secret, local=job.local))
+    return patches
+
+
+def _check_secret_names(job: TrainJobSpec) -> None:
     for what, secret in (
         ("dataset_secret", job.dataset_secret),
         ("model_secret", job.model_secret),
     ):
         if secret is not None:
             check_dns_label(what, secret)
+
+
+def _metadata(job: TrainJobSpec) -> dict:
+    """The TrainJob's metadata: name, namespace, labels (the queue's among them), annotations."""
     metadata_labels = _labels(job.labels, job.queue)
     if job.annotations is not None:
         _check_annotations(job.annotations)
-
     metadata: dict = {"name": job.name}
     if job.namespace is not None:
         metadata["namespace"] = job.namespace
@@ -149,6 +203,11 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         metadata["labels"] = metadata_labels
     if job.annotations:
         metadata["annotations"] = dict(job.annotations)
+    return metadata
+
+
+def _trainer(job: TrainJobSpec, entry: catalog.ModelEntry, args: TrainArgs) -> dict:
+    """``spec.trainer``: arguments, nodes, processes and resources per node, env."""
     resources = requested_resources(job.resources_per_node, entry)
     num_proc_per_node = job.num_proc_per_node
     if num_proc_per_node is None and not job.local:
@@ -163,9 +222,16 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         trainer["resourcesPerNode"] = resources
     if job.trainer_env:
         trainer["env"] = _env(job.trainer_env)
+    return trainer
+
+
+def _initializer(
+    job: TrainJobSpec, uris: dict[str, str], dataset_env: list[dict], trainer_args: list[str]
+) -> dict:
+    """``spec.initializer``: each step's storageUri, env and Secret."""
     dataset: dict = {"storageUri": uris["dataset"]}
     model: dict = {"storageUri": uris["model"]}
-    initializer_env = _initializer_env(job.initializer_env, args.argv())
+    initializer_env = _initializer_env(job.initializer_env, trainer_args)
     for block, secret in ((dataset, job.dataset_secret), (model, job.model_secret)):
         if initializer_env:
             block["env"] = [dict(var) for var in initializer_env]
@@ -173,27 +239,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
             block.setdefault("env", []).extend(dataset_env)
         if secret:
             block["secretRef"] = {"name": secret}
-    spec: dict = {
-        "runtimeRef": {
-            "name": entry.runtime_name,
-            "apiGroup": contract.API_GROUP,
-            "kind": job.runtime_kind,
-        },
-        "initializer": {"dataset": dataset, "model": model},
-        "trainer": trainer,
-    }
-    if job.active_deadline_seconds is not None:
-        spec["activeDeadlineSeconds"] = job.active_deadline_seconds
-    if patches:
-        spec["runtimePatches"] = patches
-    trainjob = {
-        "apiVersion": contract.API_VERSION,
-        "kind": TRAINJOB_KIND,
-        "metadata": metadata,
-        "spec": spec,
-    }
-    validate_trainjob(trainjob)
-    return trainjob
+    return {"dataset": dataset, "model": model}
 
 
 # The runtimePatches entry that carries the export settings to the exporter container.

@@ -70,6 +70,20 @@ def _gemma3_extra(entry: ModelEntry) -> dict:
     }
 
 
+def _qwen2_extra(entry: ModelEntry) -> dict:
+    """Every Qwen's: full attention in every layer (no sliding window)."""
+    return {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": entry.shape.num_layers,
+    }
+
+
+def _qwen3_extra(entry: ModelEntry) -> dict:
+    """Qwen 3's: Qwen 2's, without the q/k/v biases."""
+    return {"attention_bias": False, **_qwen2_extra(entry)}
+
+
 @dataclass(frozen=True)
 class HfFormat:
     hidden_act: str = "silu"
@@ -205,28 +219,11 @@ PHI3 = HfFormat(
         "embd_pdrop": 0.0,
     },
 )
-QWEN2 = HfFormat(
-    extra=lambda entry: {
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": entry.shape.num_layers,
-    }
-)
-QWEN3 = HfFormat(
-    extra=lambda entry: {
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": entry.shape.num_layers,
-    }
-)
-
+QWEN2 = HfFormat(extra=_qwen2_extra)
+QWEN3 = HfFormat(extra=_qwen3_extra)
 QWEN3_MOE = HfFormat(
     extra=lambda entry: {
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": entry.shape.num_layers,
+        **_qwen3_extra(entry),
         "num_experts": entry.shape.num_experts,
         "num_experts_per_tok": entry.shape.experts_per_token,
         "moe_intermediate_size": entry.shape.moe_intermediate_dim,

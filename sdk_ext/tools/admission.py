@@ -152,7 +152,7 @@ def _cel_map(items: dict, value: Callable = q) -> str:
 # --------------------------------------------------------------------------------- the policy
 def _variables() -> list[dict]:
     by_name = {arg.name: arg for arg in vocab.VOCABULARY}
-    true_spellings = cel_list(by_name["packed"].rule.choices[: len(vocab._TRUE)])
+    true_spellings = _true_spellings("packed")
     max_seq = by_name["max_seq_len"].rule
     entries = list(catalog.CATALOG.values())
     unavailable = {
@@ -240,38 +240,65 @@ def _check(expression: str, message: str) -> dict:
 
 
 def _validations() -> list[dict]:
+    """The policy's checks, in the order the API server evaluates them: the first that fails is
+    the one message the user sees."""
+    return [
+        _storage_check("dataset"),
+        _storage_check("model"),
+        *_argument_checks(),
+        *_value_checks(),
+        *_method_checks(),
+        *_runtime_limit_checks(),
+        *_method_key_checks(),
+        *_lora_target_checks(),
+        *_packing_checks(),
+        *_tracker_checks(),
+    ]
+
+
+def _true_spellings(key: str) -> str:
+    """A CEL list of the spellings of true that boolean argument ``key`` accepts."""
+    rule = next(a.rule for a in vocab.VOCABULARY if a.name == key)
+    return cel_list(rule.choices[: len(vocab._TRUE)])
+
+
+def _adapters() -> str:
+    """A CEL list of the methods that train an adapter (lora, qlora, dora)."""
+    return cel_list(m.name for m in methods.METHODS.values() if m.adapters)
+
+
+def _argument_checks() -> list[dict]:
+    """Every argument is a key=value pair, of a known key, given once, overriding no config."""
     known = "variables.known"
     override = " || ".join(f"k.contains({q(m)})" for m in vocab.CONFIG_OVERRIDE_MARKERS)
-    out = [_storage_check("dataset"), _storage_check("model")]
     malformed = "!a.contains('=') || a.split('=', 2)[0].trim() == ''"
-    out.append(
+    twice = "variables.keys.filter(x, x == k).size() > 1"
+    return [
         _check(
             f"!variables.args.exists(a, {malformed})",
             cel_message(vocab.malformed_message, f"variables.args.filter(a, {malformed})[0]"),
-        )
-    )
-    out.append(
+        ),
         _check(
             f"!variables.keys.exists(k, {override})",
             cel_message(vocab.config_override_message, f"variables.keys.filter(k, {override})[0]"),
-        )
-    )
-    out.append(
+        ),
         _check(
             f"variables.keys.all(k, k in {known} || {override})",
             cel_message(
                 vocab.unknown_key_message,
                 f"variables.keys.filter(k, !(k in {known}) && !({override}))[0]",
             ),
-        )
-    )
-    twice = "variables.keys.filter(x, x == k).size() > 1"
-    out.append(
+        ),
         _check(
             f"!variables.keys.exists(k, {twice})",
             cel_message(vocab.given_twice_message, f"variables.keys.filter(k, {twice})[0]"),
-        )
-    )
+        ),
+    ]
+
+
+def _value_checks() -> list[dict]:
+    """Each argument's value as its rule wants it; a URI carries no credentials."""
+    out = []
     for arg in vocab.VOCABULARY:
         valid = value_check(arg.rule, "p[1]")
         if valid is None:
@@ -296,28 +323,27 @@ def _validations() -> list[dict]:
                     q(vocab.credentials_in_uri_message(arg.name)),
                 )
             )
-    out.append(
+    return out
+
+
+def _method_checks() -> list[dict]:
+    """The method is one the runtime offers; LoRA settings and merge only with an adapter."""
+    adapters = _adapters()
+    lora = f"p[0] in {cel_list(vocab.LORA_KEYS)}"
+    lora_given = f"variables.kv.filter(p, {lora}).map(p, p[0] + '=' + p[1]).join(', ')"
+    merge = f"p[0] == 'merge' && p[1].lowerAscii() in {_true_spellings('merge')}"
+    return [
         _check(
             "!(variables.runtime in variables.unavailable) || "
             "!(variables.method in variables.unavailable[variables.runtime])",
             "variables.unavailable[variables.runtime][variables.method]",
-        )
-    )
-    lora = f"p[0] in {cel_list(vocab.LORA_KEYS)}"
-    adapters = cel_list(m.name for m in methods.METHODS.values() if m.adapters)
-    lora_given = f"variables.kv.filter(p, {lora}).map(p, p[0] + '=' + p[1]).join(', ')"
-    out.append(
+        ),
         _check(
             f"variables.method in {adapters} || !variables.kv.exists(p, {lora})",
             f"variables.kv.filter(p, {lora}).size() == 1 ? "
             f"{cel_message(_lora_with_full(1), lora_given, 'variables.method')} : "
             f"{cel_message(_lora_with_full(2), lora_given, 'variables.method')}",
-        )
-    )
-    merge_rule = next(a.rule for a in vocab.VOCABULARY if a.name == "merge")
-    merge_true = cel_list(merge_rule.choices[: len(vocab._TRUE)])
-    merge = f"p[0] == 'merge' && p[1].lowerAscii() in {merge_true}"
-    out.append(
+        ),
         _check(
             f"variables.method in {adapters} || !variables.kv.exists(p, {merge})",
             cel_message(
@@ -325,9 +351,14 @@ def _validations() -> list[dict]:
                 f"variables.kv.filter(p, {merge}).map(p, p[0] + '=' + p[1])[0]",
                 "variables.method",
             ),
-        )
-    )
-    out.append(
+        ),
+    ]
+
+
+def _runtime_limit_checks() -> list[dict]:
+    """What the runtime's model cannot do: a longer max_seq_len than its context (or sliding)
+    window, packing where its family cannot pack."""
+    return [
         _check(
             "!(variables.runtime in variables.contextWindow) || "
             "variables.maxSeqLen <= variables.contextWindow[variables.runtime]",
@@ -337,9 +368,7 @@ def _validations() -> list[dict]:
                 "variables.model",
                 "string(variables.contextWindow[variables.runtime])",
             ),
-        )
-    )
-    out.append(
+        ),
         _check(
             "!(variables.runtime in variables.slidingWindow) || "
             "variables.maxSeqLen <= variables.slidingWindow[variables.runtime]",
@@ -350,9 +379,7 @@ def _validations() -> list[dict]:
                 "string(variables.slidingWindow[variables.runtime])",
                 "variables.family[variables.runtime]",
             ),
-        )
-    )
-    out.append(
+        ),
         _check(
             "!variables.packed || !(variables.runtime in variables.noPacking)",
             cel_message(
@@ -360,8 +387,13 @@ def _validations() -> list[dict]:
                 "variables.model",
                 "variables.noPacking[variables.runtime]",
             ),
-        )
-    )
+        ),
+    ]
+
+
+def _method_key_checks() -> list[dict]:
+    """A key that only some methods read (beta, num_generations, ...) only with one of them."""
+    out = []
     for owners, keys in methods.key_groups().items():
         only = f"p[0] in {cel_list(keys)}"
         out.append(
@@ -375,38 +407,38 @@ def _validations() -> list[dict]:
                 ),
             )
         )
-    by_name = {arg.name: arg for arg in vocab.VOCABULARY}
-    true_spellings = cel_list(by_name["group_by_length"].rule.choices[: len(vocab._TRUE)])
+    return out
+
+
+def _lora_target_checks() -> list[dict]:
+    """LoRA on a mixture of experts' experts, and on a vision model's projector."""
+    true_spellings = _true_spellings("group_by_length")
     # LoRA on the experts (a mixture of experts' lora_mlp, given or the runtime's default)
     # takes no dropout and no DoRA (catalog.expert_lora_obstacle).
     mlp_true = f"p[0] == 'lora_mlp' && p[1].lowerAscii() in {true_spellings}"
     on_experts = (
-        f"variables.method in {adapters} && variables.runtime in variables.experts && "
+        f"variables.method in {_adapters()} && variables.runtime in variables.experts && "
         f"({_given('lora_mlp')} ? variables.kv.exists(p, {mlp_true}) : "
         "variables.experts[variables.runtime])"
     )
-    dropout_rule = by_name["lora_dropout"].rule
+    dropout_rule = next(a.rule for a in vocab.VOCABULARY if a.name == "lora_dropout")
     dropout = (
         f"p[0] == 'lora_dropout' && {value_check(dropout_rule, 'p[1]')} && "
         "double(p[1].replace('_', '')) != 0.0"
     )
-    out.append(
+    projector = f"p[0] == 'lora_projector' && p[1].lowerAscii() in {true_spellings}"
+    return [
         _check(
             f"!({on_experts}) || !variables.kv.exists(p, {dropout})",
             cel_message(
                 catalog.expert_dropout_message,
                 f"variables.kv.filter(p, {dropout}).map(p, p[0] + '=' + p[1])[0]",
             ),
-        )
-    )
-    out.append(
+        ),
         _check(
             f"!({on_experts}) || variables.method != 'dora' || variables.kv.exists(p, {dropout})",
             q(catalog.EXPERT_DORA_MESSAGE),
-        )
-    )
-    projector = f"p[0] == 'lora_projector' && p[1].lowerAscii() in {true_spellings}"
-    out.append(
+        ),
         _check(
             f"variables.runtime in variables.readsImages || !variables.kv.exists(p, {projector})",
             cel_message(
@@ -414,15 +446,19 @@ def _validations() -> list[dict]:
                 f"variables.kv.filter(p, {projector}).map(p, p[0] + '=' + p[1])[0]",
                 "variables.model",
             ),
-        )
-    )
-    out.append(
+        ),
+    ]
+
+
+def _packing_checks() -> list[dict]:
+    """packed=true with neither group_by_length nor a method that cannot pack."""
+    out = [
         _check(
             "!variables.packed || !variables.kv.exists(p, p[0] == 'group_by_length' && "
-            f"p[1].lowerAscii() in {true_spellings})",
+            f"p[1].lowerAscii() in {_true_spellings('group_by_length')})",
             q(vocab.PACKED_WITH_GROUP_BY_LENGTH),
         )
-    )
+    ]
     for method in (m for m in methods.METHODS.values() if m.no_packing):
         out.append(
             _check(
@@ -430,13 +466,17 @@ def _validations() -> list[dict]:
                 q(vocab.method_packing_message(method.name, method.no_packing)),
             )
         )
-    out.append(
+    return out
+
+
+def _tracker_checks() -> list[dict]:
+    """tracker_uri only for the tracker that reads it."""
+    return [
         _check(
             f"!{_given('tracker_uri')} || variables.tracker == 'mlflow'",
             cel_message(vocab.unused_tracker_uri_message, "variables.tracker"),
         )
-    )
-    return out
+    ]
 
 
 def policy_objects() -> list[dict]:

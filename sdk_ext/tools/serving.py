@@ -197,42 +197,8 @@ def manifests(
     context of ``max_model_len`` tokens (None: the model's own, vLLM's default)."""
     name = serving_name(trainjob)
     selector = {"app.kubernetes.io/name": APP, "app.kubernetes.io/instance": trainjob}
-    args = [f"--model={served.model}", f"--served-model-name={BASE_NAME}"]
-    if served.adapter:
-        args += [
-            "--enable-lora",
-            f"--lora-modules={ADAPTER_NAME}={served.adapter}",
-            f"--max-lora-rank={served.max_lora_rank}",
-        ]
-    if served.chat_template:
-        args.append(f"--chat-template={CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}")
-    if max_model_len is not None:
-        args.append(f"--max-model-len={max_model_len}")
-    if gpus > 1:  # vLLM uses one GPU unless told to split the model over the pod's
-        args.append(f"--tensor-parallel-size={gpus}")
-    args.append("--port=8000")
     labels = {**selector, "app.kubernetes.io/part-of": "tunepack"}
-    container = {
-        "name": "vllm",
-        "image": VLLM_IMAGE,
-        "args": args,
-        "env": [
-            {"name": "HF_HUB_OFFLINE", "value": "1"},  # everything it needs is on the PVC
-            {"name": "HOME", "value": "/tmp"},
-        ],
-        "ports": [{"name": "http", "containerPort": 8000}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
-        "resources": {
-            "limits": {"nvidia.com/gpu": gpus},
-            "requests": {"cpu": "4", "memory": "32Gi"},
-        },
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        "volumeMounts": [
-            {"name": "workspace", "mountPath": DEFAULT_WORKSPACE, "readOnly": True},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-    }
+    container = _vllm_container(served, gpus, max_model_len)
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -242,36 +208,10 @@ def manifests(
             "selector": {"matchLabels": dict(selector)},
             "template": {
                 "metadata": {"labels": dict(selector)},
-                "spec": {
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": 1000,
-                        "fsGroup": 1000,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [container],
-                    "volumes": [
-                        {
-                            "name": "workspace",
-                            "persistentVolumeClaim": {
-                                "claimName": workspace_pvc(trainjob),
-                                "readOnly": True,
-                            },
-                        },
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
-                        {"name": "tmp", "emptyDir": {}},
-                    ],
-                },
+                "spec": _pod_spec(trainjob, served, container),
             },
         },
     }
-    if served.chat_template:  # from a ConfigMap, mounted read-only
-        pod = deployment["spec"]["template"]["spec"]
-        config = {"name": chat_template_map(trainjob)}
-        pod["volumes"].append({"name": "chat-template", "configMap": config})
-        container["volumeMounts"].append(
-            {"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True}
-        )
     service = {
         "apiVersion": "v1",
         "kind": "Service",
@@ -293,6 +233,82 @@ def manifests(
         "data": {CHAT_TEMPLATE_FILE: served.chat_template},
     }
     return [deployment, service, config_map]
+
+
+def _vllm_args(served: Served, gpus: int, max_model_len: int | None) -> list[str]:
+    """vLLM's command line: the model, the adapter, the chat template, the context, the GPUs."""
+    args = [f"--model={served.model}", f"--served-model-name={BASE_NAME}"]
+    if served.adapter:
+        args += [
+            "--enable-lora",
+            f"--lora-modules={ADAPTER_NAME}={served.adapter}",
+            f"--max-lora-rank={served.max_lora_rank}",
+        ]
+    if served.chat_template:
+        args.append(f"--chat-template={CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_FILE}")
+    if max_model_len is not None:
+        args.append(f"--max-model-len={max_model_len}")
+    if gpus > 1:  # vLLM uses one GPU unless told to split the model over the pod's
+        args.append(f"--tensor-parallel-size={gpus}")
+    args.append("--port=8000")
+    return args
+
+
+def _vllm_container(served: Served, gpus: int, max_model_len: int | None) -> dict:
+    container = {
+        "name": "vllm",
+        "image": VLLM_IMAGE,
+        "args": _vllm_args(served, gpus, max_model_len),
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},  # everything it needs is on the PVC
+            {"name": "HOME", "value": "/tmp"},
+        ],
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10},
+        "resources": {
+            "limits": {"nvidia.com/gpu": gpus},
+            "requests": {"cpu": "4", "memory": "32Gi"},
+        },
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "volumeMounts": [
+            {"name": "workspace", "mountPath": DEFAULT_WORKSPACE, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    if served.chat_template:  # from a ConfigMap (_pod_spec's volume), mounted read-only
+        container["volumeMounts"].append(
+            {"name": "chat-template", "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True}
+        )
+    return container
+
+
+def _pod_spec(trainjob: str, served: Served, container: dict) -> dict:
+    """The vLLM pod: non-root, the TrainJob's workspace PVC read-only, shared memory."""
+    volumes = [
+        {
+            "name": "workspace",
+            "persistentVolumeClaim": {
+                "claimName": workspace_pvc(trainjob),
+                "readOnly": True,
+            },
+        },
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if served.chat_template:
+        config = {"name": chat_template_map(trainjob)}
+        volumes.append({"name": "chat-template", "configMap": config})
+    return {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
 
 
 def render(objects: list[dict]) -> str:
