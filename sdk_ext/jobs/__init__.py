@@ -10,6 +10,8 @@
 - ``naming``: the name each entry point gives a job, and the limits every TrainJob name meets.
 
 Trainer arguments enter as strings in two places (the CLI's words, a spec given strings) and as
-``FineTune`` fields in the SDK; each door parses them once (``trainjob.parse_trainer_args_for``,
-``submit.build``) into ``TrainArgs``, which the spec holds and the TrainJob is written from.
+``FineTune`` fields in the SDK. Words are parsed once where they enter
+(``trainjob.parse_trainer_args_for``: ``tunepack.trainers.args.parse_args``); a ``FineTune`` holds
+its values parsed already, and ``submit.build`` only resolves them against the model
+(``resolve_args``). Either way the spec holds ``TrainArgs``, which the TrainJob is written from.
 """

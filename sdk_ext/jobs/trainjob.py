@@ -67,12 +67,13 @@ class TrainJobSpec:
     ``train()``. Nothing here is checked yet: ``build_trainjob`` checks every field.
 
     ``runtime`` is a runtime name or model name from the catalog. ``trainer_args`` are
-    tunepack's trainer arguments, parsed (``TrainArgs``: the SDK and the CLI parse them where
-    they enter, ``parse_trainer_args_for``) or as ``key=value`` strings, which
-    ``build_trainjob`` parses once; ``dataset_uri`` and ``model_uri`` become the
-    initializers' ``STORAGE_URI`` (an absolute path is written as ``file:///...``, a relative one
-    refused: see the module docstring). ``resources_per_node`` takes the Kubeflow SDK's dict
-    (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own helper).
+    tunepack's trainer arguments, resolved (``TrainArgs``: ``submit.build`` resolves a
+    ``FineTune``'s parsed values, ``parse_trainer_args_for`` parses words where they enter) or
+    as ``key=value`` strings, which ``build_trainjob`` parses once; ``dataset_uri`` and
+    ``model_uri`` become the initializers' ``STORAGE_URI`` (an absolute path is written as
+    ``file:///...``, a relative one refused: see the module docstring). ``resources_per_node``
+    takes the Kubeflow SDK's dict (``{"gpu": 4, "memory": "200Gi"}``, translated by the SDK's own
+    helper).
     ``num_proc_per_node`` defaults to the GPUs per node (``resources_per_node``, else the
     runtime's default), or 1 where there is none. Credentials are passed only by reference:
     ``dataset_secret`` / ``model_secret`` name a Secret in the TrainJob's namespace (the
