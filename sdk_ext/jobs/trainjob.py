@@ -191,7 +191,8 @@ def build_trainjob(job: TrainJobSpec) -> dict:
     if num_proc_per_node is None and not job.local:
         # Never the platform's "auto": on nodes without a GPU it means the CPU request.
         num_proc_per_node = gpus_per_node(resources, entry) or 1
-    trainer: dict = {"args": args.argv()}
+    words = args.argv()  # the words, written once: the trainer's args, the initializers' env
+    trainer: dict = {"args": words}
     if job.num_nodes is not None:
         trainer["numNodes"] = job.num_nodes
     if num_proc_per_node is not None:
@@ -202,7 +203,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
         trainer["env"] = _env(job.trainer_env)
     dataset: dict = {"storageUri": uris["dataset"]}
     model: dict = {"storageUri": uris["model"]}
-    initializer_env = _initializer_env(job.initializer_env, args.argv())
+    initializer_env = _initializer_env(job.initializer_env, words)
     for block, secret in ((dataset, job.dataset_secret), (model, job.model_secret)):
         if initializer_env:
             block["env"] = [dict(var) for var in initializer_env]
