@@ -35,10 +35,8 @@ def check_from_env() -> int | None:
     from tunepack.trainers import args as vocabulary
 
     model = os.environ.get(workspace.MODEL_ENV, "").strip()
-    if model:
-        vocabulary.parse_trainer_args(args, catalog.get(model))
-    else:  # no catalog entry to hold the arguments against: the keys and values alone
-        by_name = {arg.name: arg for arg in vocabulary.VOCABULARY}
-        for key, value in vocabulary.split_pairs(args).items():
-            by_name[key].parse(key, value)
+    entry = catalog.get(model) if model else None  # an unknown model first, as it always was
+    parsed = vocabulary.parse_args(args)
+    if entry is not None:  # else no catalog entry to hold them against: keys and values alone
+        vocabulary.resolve_args(parsed, entry)
     return len(args)

@@ -43,10 +43,11 @@ from tunepack.trainers.args import (
     LORA_KEYS,
     VOCABULARY,
     Arg,
+    ParsedArgs,
     foreign_name,
     lora_with_full_message,
     merge_with_full_message,
-    split_pairs,
+    parse_args,
 )
 from tunepack.trainers.args_docs import write_block
 
@@ -224,10 +225,15 @@ class FineTune:
     # generated from VOCABULARY: end
 
     def __post_init__(self) -> None:
+        # Each set field checked with the vocabulary's parser, and the value it reads kept with
+        # the field's key=value spelling: parsed_args() hands both to the job builder.
+        checked: dict[str, tuple[str, object]] = {}
         for arg in VOCABULARY:
             value = getattr(self, arg.name)
             if value is not None:
-                _check_value(arg, value)
+                raw = _raw(value)
+                checked[arg.name] = (raw, _check_value(arg, value, raw))
+        object.__setattr__(self, "_checked", checked)  # not a field: repr and == leave it out
         if self.method is not None and not methods.get(self.method).adapters:
             lora = [f"{k}={getattr(self, k)!r}" for k in LORA_KEYS if getattr(self, k) is not None]
             if lora:
@@ -278,6 +284,22 @@ class FineTune:
             if getattr(self, arg.name) is not None
         ]
 
+    def parsed_args(self) -> ParsedArgs:
+        """The trainer arguments as checked when this object was made: each set field's typed
+        value and its spelling in ``to_args()`` (what the TrainJob's ``spec.trainer.args`` says),
+        in vocabulary order. The job builder resolves these against the model
+        (``tunepack.trainers.args.resolve_args``); no words are written and read back."""
+        values: dict[str, object] = {}
+        spelled: dict[str, str] = {}
+        for name, (raw, value) in self._checked.items():
+            # As a key=value word is read (split_pairs strips the value): the same spelling, and
+            # for a value with spaces at its ends, the same typed value and message.
+            spelled[name] = raw.strip()
+            values[name] = (
+                value if raw == spelled[name] else _BY_NAME[name].parse(name, raw.strip())
+            )
+        return ParsedArgs(values, spelled)
+
     @classmethod
     def from_args(cls, args: list[str], **placement: typing.Any) -> FineTune:
         """A ``FineTune`` from tunepack's ``key=value`` trainer arguments (as the CLI takes them).
@@ -289,9 +311,7 @@ class FineTune:
             raise BadInputError(
                 f"trainer arguments must be a list of 'key=value' strings, got {args!r}"
             )
-        by_name = {arg.name: arg for arg in VOCABULARY}
-        values = {key: by_name[key].parse(key, raw) for key, raw in split_pairs(args).items()}
-        return cls(**values, **placement)
+        return cls(**parse_args(args).values, **placement)
 
 
 def _refuse_unknown_names(init: typing.Callable[..., None]) -> typing.Callable[..., None]:
@@ -352,7 +372,12 @@ _KIND = {
 }
 
 
-def _check_value(arg: Arg, value: object) -> None:
+_BY_NAME = {arg.name: arg for arg in VOCABULARY}
+
+
+def _check_value(arg: Arg, value: object, raw: str) -> object:
+    """``value`` (spelled ``raw``) checked against ``arg``'s type and parser; returns what the
+    parser reads of it (a tuple for a list of names, ``Weighted`` pairs for rewards, ...)."""
     expected = _value_type(arg)
     # The parser checks the range; the type check keeps True from passing as 1, 2.5 as "2.5"...
     ok = {
@@ -368,7 +393,7 @@ def _check_value(arg: Arg, value: object) -> None:
                 f"{arg.name}={value!r} is not valid: expected "
                 f"{_KIND.get(expected, expected.__name__)} ({arg.help})"
             )
-        arg.parse(arg.name, _raw(value))
+        return arg.parse(arg.name, raw)
     except BadInputError as err:
         raise BadInputError(f"FineTune.{arg.name}: {err}") from None
 

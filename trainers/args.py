@@ -53,7 +53,7 @@ class Rule:
     policy (``tunepack.tools.admission``) writes its CEL checks and messages from the rest."""
 
     # int, float, bool, auto_bool, choice, subset, uri, name, rewards (name[:weight],...),
-    # pattern (a regular expression: its length) or model (checked in parse_trainer_args)
+    # pattern (a regular expression: its length) or model (checked in resolve_args)
     kind: str
     expected: str = ""  # "<key>=<value> is not valid: expected <this>"
     lo: float | None = None
@@ -212,7 +212,7 @@ _ruled(
 
 
 def _as_given(key: str, raw: str) -> str:
-    """Checked against the model in ``parse_trainer_args`` (chat formats depend on it)."""
+    """Checked against the model in ``resolve_args`` (chat formats depend on it)."""
     return raw
 
 
@@ -704,10 +704,37 @@ def unused_tracker_uri_message(tracker: str) -> str:
     return f"tracker_uri is only used by tracker=mlflow, but tracker={tracker!r}"
 
 
-def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
-    """Validate ``key=value`` trainer arguments for a catalog model and fill in the defaults."""
+@dataclass(frozen=True)
+class ParsedArgs:
+    """Trainer arguments as given, parsed but not yet held against a model: each given key's
+    typed value (``values``) and its ``key=value`` spelling (``spelled``), in the order given.
+
+    ``parse_args`` makes it of words (the CLI's, a TrainJob's, the launcher's argv); ``FineTune``
+    makes it of its fields (``FineTune.parsed_args``) without writing words first; either way
+    ``resolve_args`` turns it into ``TrainArgs`` for a model.
+    """
+
+    values: dict[str, object]
+    spelled: dict[str, str]
+
+
+def parse_args(args: Iterable[str]) -> ParsedArgs:
+    """Words to typed values: ``key=value`` strings split (malformed, repeated and unknown keys
+    refused) and each value read by its vocabulary parser. Knows no model."""
     pairs = split_pairs(args)
-    values = {name: _BY_NAME[name].parse(name, raw) for name, raw in pairs.items()}
+    return ParsedArgs({name: _BY_NAME[name].parse(name, raw) for name, raw in pairs.items()}, pairs)
+
+
+def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
+    """Validate ``key=value`` trainer arguments for a catalog model and fill in the defaults: the
+    parse (``parse_args``), then the resolve (``resolve_args``)."""
+    return resolve_args(parse_args(args), entry)
+
+
+def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
+    """Typed values to ``TrainArgs`` for a catalog model: defaults by precedence, the method's
+    keys, the model's limits; every rule's message names the values as ``parsed`` spells them."""
+    values, pairs = parsed.values, parsed.spelled
     method = methods.get(values.get("method", methods.DEFAULT))
     if method.name not in available_methods(entry):
         raise BadInputError(unavailable_method_message(entry, method.name))
@@ -770,7 +797,7 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     missing = sorted(n for n in names if resolved.get(n) is None and not _BY_NAME[n].optional)
     if missing:  # a catalog entry without a default for a required key is a tunepack bug
         raise RuntimeError(f"catalog entry {entry.name} has no default for {missing}")
-    return TrainArgs(**{n: resolved[n] for n in names}, given=pairs)
+    return TrainArgs(**{n: resolved[n] for n in names}, given=dict(pairs))
 
 
 def _check_generation(resolved: dict, entry: ModelEntry) -> None:

@@ -50,7 +50,7 @@ from tunepack.core import durable, lifetime, program, workspace
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.args import parse_args, resolve_args
 from tunepack.trainers.config import (
     build_config,
     identity_changes,
@@ -150,7 +150,7 @@ def run(argv: list[str]) -> int:
         )
     # A bring-your-own runtime's model is the one the checkpoint's config.json describes.
     entry = custom.resolve(catalog.get(model_name), workspace.model_dir())
-    args = parse_trainer_args(argv, entry)
+    args = resolve_args(parse_args(argv), entry)  # the launcher's one parse, then its resolve
 
     root = workspace.workspace_root()
     output = workspace.output_dir()

@@ -32,7 +32,7 @@ from tunepack.jobs.translate import (
     to_initializer,
 )
 from tunepack.runtimes import catalog, custom, planner
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.args import resolve_args
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +101,10 @@ def build(
     finetune = to_finetune(trainer)
     entry = model_entry_for(runtime_name, storage_uri(init.model, "model"))
     refuse_upstream_full(trainer, entry)
-    # The SDK's one parse: the FineTune's fields against the model (method availability,
-    # seq_len limit); the TrainJob is written from what it returns.
-    resolved = parse_trainer_args(finetune.to_args(), entry)
+    # The FineTune's values, parsed when it was made, held against the model once (method
+    # availability, seq_len limit, ...): no words written and read back; the TrainJob's
+    # spec.trainer.args are written from what this returns (TrainArgs.argv).
+    resolved = resolve_args(finetune.parsed_args(), entry)
     resources = finetune.resources_per_node
     num_proc = check_plan(
         entry,

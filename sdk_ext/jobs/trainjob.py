@@ -46,8 +46,9 @@ class TrainJobSpec:
     """Everything a TrainJob of a tunepack runtime says, as one typed record (checked by
     ``build_trainjob``, never here).
 
-    ``runtime``: a runtime or catalog model name. ``trainer_args``: parsed (``TrainArgs``) or
-    ``key=value`` strings, which ``build_trainjob`` parses once. ``dataset_uri``/``model_uri``: the
+    ``runtime``: a runtime or catalog model name. ``trainer_args``: resolved (``TrainArgs``;
+    ``submit.build`` resolves a ``FineTune``'s values) or ``key=value`` strings, which
+    ``build_trainjob`` parses once. ``dataset_uri``/``model_uri``: the
     initializers' ``STORAGE_URI``; ``dataset_split`` their ``DATASET_SPLIT`` (``train[:1000]``).
     ``resources_per_node``: the Kubeflow SDK's dict; ``num_proc_per_node`` defaults to its GPUs
     (else the runtime's), or 1. Credentials go by reference only: ``*_secret`` name Secrets in the
@@ -97,8 +98,9 @@ def build_trainjob(job: TrainJobSpec) -> dict:
     patches = _runtime_patches(job)
     _check_secret_names(job)
     metadata = _metadata(job)
-    trainer = _trainer(job, entry, args)
-    initializer = _initializer(job, uris, dataset_env, args.argv())
+    words = args.argv()  # the words, written once: the trainer's args, the initializers' env
+    trainer = _trainer(job, entry, words)
+    initializer = _initializer(job, uris, dataset_env, words)
     spec: dict = {
         "runtimeRef": {
             "name": entry.runtime_name,
@@ -206,14 +208,14 @@ def _metadata(job: TrainJobSpec) -> dict:
     return metadata
 
 
-def _trainer(job: TrainJobSpec, entry: catalog.ModelEntry, args: TrainArgs) -> dict:
+def _trainer(job: TrainJobSpec, entry: catalog.ModelEntry, words: list[str]) -> dict:
     """``spec.trainer``: arguments, nodes, processes and resources per node, env."""
     resources = requested_resources(job.resources_per_node, entry)
     num_proc_per_node = job.num_proc_per_node
     if num_proc_per_node is None and not job.local:
         # Never the platform's "auto": on nodes without a GPU it means the CPU request.
         num_proc_per_node = gpus_per_node(resources, entry) or 1
-    trainer: dict = {"args": args.argv()}
+    trainer: dict = {"args": words}
     if job.num_nodes is not None:
         trainer["numNodes"] = job.num_nodes
     if num_proc_per_node is not None:
