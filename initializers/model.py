@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from tunepack.core import workspace
-from tunepack.core.errors import BadInputError, BadModelError, BadValueError
+from tunepack.core.errors import BadModelError, BadValueError
 from tunepack.initializers import atomic, download, trainer_args, uri
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
@@ -235,7 +235,7 @@ def _check_required_files(
 
 def _missing_files_error(
     entry: catalog.ModelEntry, source_uri: uri.StorageUri, missing: list[str]
-) -> BadInputError:
+) -> BadModelError:
     parts = "; and ".join(f"{rel}, which {_purpose(entry, rel)} needs" for rel in missing)
     return BadModelError(
         f"model at {source_uri.display!r} is missing {parts}. Point "
@@ -333,7 +333,7 @@ def check_safetensors(source_uri: uri.StorageUri, rel: str, path: Path) -> None:
     """``BadInputError`` unless ``path`` is a complete, readable safetensors file: a truncated
     download or copy is refused here, before the trainer starts, naming the file and sizes."""
 
-    def bad(why: str) -> BadInputError:
+    def bad(why: str) -> BadModelError:
         return BadModelError(
             f"model at {source_uri.display!r} has a damaged {rel}: {why}. Copy or download it "
             "again (a complete copy of the model's original file)"

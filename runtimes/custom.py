@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tunepack.core.errors import BadInputError, BadModelError
+from tunepack.core.errors import BadModelError
 
 CUSTOM_SUFFIX = "-custom"
 TOKENIZER_JSON = "tokenizer.json"
@@ -145,7 +145,7 @@ class Built:
     softcapping: tuple[float, float] | None = None
 
 
-def _fail(where: str, field: str, value: object, expected: str) -> BadInputError:
+def _fail(where: str, field: str, value: object, expected: str) -> BadModelError:
     return BadModelError(
         f"{where}: config.json has {field}={value!r}, which tunepack cannot build: expected "
         f"{expected}"
