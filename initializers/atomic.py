@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tunepack.core import durable
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError, DeniedError
 from tunepack.core.workspace import MANIFEST_FILE, WORKSPACE_ENV
 
 PARTIAL_MARK = ".partial-"
@@ -122,7 +122,7 @@ def staged(dest: Path, needed: int | None = None) -> Iterator[Path]:
     try:
         partial.mkdir(parents=True)
     except PermissionError:
-        raise BadInputError(
+        raise DeniedError(
             f"cannot create {partial.parent}: permission denied; set {WORKSPACE_ENV} to a "
             f"writable directory"
         ) from None
@@ -138,13 +138,13 @@ def staged(dest: Path, needed: int | None = None) -> Iterator[Path]:
 def _check_replaceable(dest: Path) -> None:
     if os.path.ismount(dest):
         # A rename cannot replace a mount point; the workspace volume belongs one level up.
-        raise BadInputError(
+        raise BadValueError(
             f"{dest} is a mount point, so it cannot be replaced atomically; mount the workspace "
             f"volume at {dest.parent} instead"
         )
     if dest.is_dir() and not (dest / MANIFEST_FILE).exists() and any(dest.iterdir()):
         # Never delete content tunepack did not write.
-        raise BadInputError(
+        raise ConflictError(
             f"{dest} holds files that tunepack did not write (no {MANIFEST_FILE}); move them "
             f"away or point {WORKSPACE_ENV} at another directory"
         )

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from tunepack.core import workspace
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadDatasetError
 from tunepack.initializers import (
     atomic,
     download,
@@ -152,14 +152,14 @@ def _local_files(source_uri: uri.StorageUri, source: Path, split: str) -> dict[s
     """Data files by display name, in reading order (a directory's files sorted by path)."""
     if source.is_file():
         if formats.format_of(source.name) is None:
-            raise BadInputError(
+            raise BadDatasetError(
                 f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file; give a "
                 f"data file or a directory of them"
             )
         splits.check_single_file(source.name, split, source_uri.display)
         return {source.name: source}
     if not source.is_dir():
-        raise BadInputError(
+        raise BadDatasetError(
             f"dataset {source_uri.display!r} is neither a regular file nor a directory"
         )
     found, skipped = {}, []
@@ -173,7 +173,7 @@ def _local_files(source_uri: uri.StorageUri, source: Path, split: str) -> dict[s
             else:
                 skipped.append(rel)
     if not found:
-        raise BadInputError(
+        raise BadDatasetError(
             f"dataset directory {source_uri.display!r} has no {formats.SUFFIX_TEXT} files; put "
             f"the training rows there"
         )
@@ -225,7 +225,7 @@ def _remote_files(
                 files = _local_files(source_uri, root, split)
             return files, listing.facts, _local_validation_files(root, split), root
         if formats.format_of(file.path) is None:
-            raise BadInputError(
+            raise BadDatasetError(
                 f"dataset {source_uri.display!r} is not a {formats.SUFFIX_TEXT} file or a "
                 f"tar/zip archive; name the file with its format's extension"
             )
@@ -234,7 +234,7 @@ def _remote_files(
     else:
         data = [f for f in listing.files if formats.format_of(f.path)]
         if not data:
-            raise BadInputError(
+            raise BadDatasetError(
                 f"dataset {source_uri.display!r} has no {formats.SUFFIX_TEXT} files; "
                 f"found: {', '.join(f.path for f in listing.files[:5])}"
             )
@@ -321,18 +321,18 @@ def _write_dataset(
     if bad_rows:
         shown = f" (first {MAX_REPORTED} shown)" if bad_rows > MAX_REPORTED else ""
         plural = "s" if bad_rows > 1 else ""
-        raise BadInputError(
+        raise BadDatasetError(
             f"dataset {source_uri.display!r} has {bad_rows} invalid row{plural}{shown}; "
             f"{hint}:\n" + "\n".join(f"  {p}" for p in problems)
         )
     split_rows = total if total is not None else position if read_whole else None
     if rows == 0 and split is not None:
         has = f"; the {split.name} split has {split_rows}" if split_rows is not None else ""
-        raise BadInputError(
+        raise BadDatasetError(
             f"dataset {source_uri.display!r}: split {split.spec!r} selects no rows{has}"
         )
     if rows == 0:
-        raise BadInputError(f"dataset {source_uri.display!r} has no rows; {hint}")
+        raise BadDatasetError(f"dataset {source_uri.display!r} has no rows; {hint}")
     return {
         **({"split_rows": split_rows} if split is not None and split_rows is not None else {}),
         "rows": rows,

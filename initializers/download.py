@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from tunepack.core import durable
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, BadValueError
 from tunepack.initializers import uri
 from tunepack.initializers.retry import retrying
 from tunepack.initializers.sources import Listing, RemoteFile, RemoteSource
@@ -170,7 +170,7 @@ def _workers(source: RemoteSource) -> int:
     if not raw:
         return source.concurrency
     if not raw.isdigit() or int(raw) < 1:
-        raise BadInputError(f"{WORKERS_ENV}={raw!r} is not valid: expected a positive integer")
+        raise BadValueError(f"{WORKERS_ENV}={raw!r} is not valid: expected a positive integer")
     return int(raw)
 
 

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tunepack.core import durable, workspace
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, BadModelError, NotFoundError
 from tunepack.initializers import atomic
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.uri import redact
@@ -71,14 +71,14 @@ def collect(output: Path) -> tuple[list[LocalFile], dict]:
     try:
         result = json.loads(result_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BadInputError(
+        raise NotFoundError(
             f"there is no finished result to export: {result_path} does not exist (the trainer "
             "writes it when training completes); run the training first"
         ) from None
     except (OSError, ValueError) as error:
-        raise BadInputError(f"cannot read {result_path}: {error}") from None
+        raise BadModelError(f"cannot read {result_path}: {error}") from None
     if not isinstance(result, dict) or not result.get("artifact"):
-        raise BadInputError(f"{result_path} names no artifact; it was not written by tunepack")
+        raise BadModelError(f"{result_path} names no artifact; it was not written by tunepack")
     dirs = [Path(result["artifact"]).name]
     if result.get("merged_model"):
         dirs.append(Path(result["merged_model"]).name)
@@ -86,7 +86,7 @@ def collect(output: Path) -> tuple[list[LocalFile], dict]:
     for name in dirs:
         directory = output / name
         if not directory.is_dir():
-            raise BadInputError(
+            raise NotFoundError(
                 f"{result_path} names {name}/, but {directory} is not there; the result is "
                 "incomplete: run the training again"
             )

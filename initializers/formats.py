@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadDatasetError, DeniedError
 
 Row = tuple[int, object, str | None]
 FORMATS = {
@@ -48,14 +48,14 @@ def read_rows(name: str, path: Path) -> Iterator[Row]:
         else:
             raise AssertionError(f"not a data file: {name}")
     except PermissionError:
-        raise BadInputError(f"cannot read dataset file {path}: permission denied") from None
+        raise DeniedError(f"cannot read dataset file {path}: permission denied") from None
 
 
 def _json_rows(name: str, path: Path) -> Iterator[Row]:
     try:
         text = path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as error:
-        raise BadInputError(
+        raise BadDatasetError(
             f"{name}: not UTF-8 text (byte {error.start}); save it as UTF-8 JSON"
         ) from None
     try:
@@ -64,12 +64,12 @@ def _json_rows(name: str, path: Path) -> Iterator[Row]:
         if text.lstrip().startswith("{"):  # JSON Lines saved with a .json name
             yield from _jsonl_rows(path)
             return
-        raise BadInputError(
+        raise BadDatasetError(
             f"{name}: not valid JSON ({error.msg} at line {error.lineno} column {error.colno}); "
             f"expected an array of rows"
         ) from None
     if not isinstance(data, list):
-        raise BadInputError(
+        raise BadDatasetError(
             f"{name}: holds a JSON {json_type(data)}, not an array of rows; write the rows as "
             f"a JSON array or as JSON Lines (.jsonl)"
         )
@@ -115,11 +115,11 @@ def _csv_rows(name: str, path: Path) -> Iterator[Row]:
                     continue
                 yield reader.line_num, row, None
     except UnicodeDecodeError as error:
-        raise BadInputError(
+        raise BadDatasetError(
             f"{name}: not UTF-8 text (byte {error.start}); save it as UTF-8 CSV"
         ) from None
     except csv.Error as error:
-        raise BadInputError(f"{name}: not valid CSV ({error})") from None
+        raise BadDatasetError(f"{name}: not valid CSV ({error})") from None
 
 
 def _parquet_rows(name: str, path: Path) -> Iterator[Row]:
@@ -131,7 +131,7 @@ def _parquet_rows(name: str, path: Path) -> Iterator[Row]:
         batches = parquet.iter_batches(batch_size=_BATCH)
         yield from _batch_rows(batches)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as error:
-        raise BadInputError(f"{name}: not a readable Parquet file ({error})") from None
+        raise BadDatasetError(f"{name}: not a readable Parquet file ({error})") from None
 
 
 def _arrow_rows(name: str, path: Path) -> Iterator[Row]:
@@ -148,7 +148,7 @@ def _arrow_rows(name: str, path: Path) -> Iterator[Row]:
             batches = iter(pa.ipc.open_stream(source))
         yield from _batch_rows(batches)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as error:
-        raise BadInputError(f"{name}: not a readable Arrow file ({error})") from None
+        raise BadDatasetError(f"{name}: not a readable Arrow file ({error})") from None
 
 
 def _batch_rows(batches) -> Iterator[Row]:

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tunepack.core import workspace
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError, BadValueError
 from tunepack.initializers import atomic, download, trainer_args, uri
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
@@ -115,7 +115,7 @@ def initialize() -> None:
 
 def _checked_local(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source: Path) -> Path:
     if not source.is_dir():
-        raise BadInputError(
+        raise BadModelError(
             f"model at {source_uri.display!r} is not a directory; point "
             f"{workspace.STORAGE_URI_ENV} at the directory holding "
             f"{', '.join(entry.required_files())}"
@@ -157,7 +157,7 @@ def _fetch_remote(
     if source_uri.scheme in ("https", "http"):
         (archive,) = listing.files
         if not is_archive(archive.path):
-            raise BadInputError(
+            raise BadModelError(
                 f"model at {source_uri.display!r} is a single file, but a model is a "
                 f"directory; give a .tar, .tar.gz or .zip archive of it, an hf:// repository "
                 f"or an s3:// prefix"
@@ -205,7 +205,7 @@ def _catalog_entry() -> catalog.ModelEntry:
     name = os.environ.get(workspace.MODEL_ENV, "").strip()
     if not name:
         known = ", ".join(catalog.CATALOG)
-        raise BadInputError(
+        raise BadValueError(
             f"{workspace.MODEL_ENV} is not set; it names the catalog model the runtime was made "
             f"for, one of: {known}"
         )
@@ -228,9 +228,9 @@ def _check_required_files(
 
 def _missing_files_error(
     entry: catalog.ModelEntry, source_uri: uri.StorageUri, missing: list[str]
-) -> BadInputError:
+) -> BadModelError:
     parts = "; and ".join(f"{rel}, which {_purpose(entry, rel)} needs" for rel in missing)
-    return BadInputError(
+    return BadModelError(
         f"model at {source_uri.display!r} is missing {parts}. Point "
         f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
     )
@@ -240,7 +240,7 @@ def _check_shards(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source:
     """A sharded checkpoint's index names its shards; every one must be there too."""
     missing = [rel for rel in entry.weight_files(source) if not (source / rel).is_file()]
     if missing:
-        raise BadInputError(
+        raise BadModelError(
             f"model at {source_uri.display!r} is missing {len(missing)} checkpoint shard(s) "
             f"named by {catalog.SAFETENSORS_INDEX}: {', '.join(missing)}. Point "
             f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
@@ -272,12 +272,12 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
         config = json.loads(path.read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         detail = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
-        raise BadInputError(
+        raise BadModelError(
             f"model at {source_uri.display!r} has a config.json that is not valid JSON "
             f"({detail}); replace it with the model's original config.json"
         ) from None
     if not isinstance(config, dict):
-        raise BadInputError(
+        raise BadModelError(
             f"model at {source_uri.display!r} has a config.json that is not a JSON object; "
             f"replace it with the model's original config.json"
         )
@@ -305,7 +305,7 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
             0, f"model_type={config['model_type']!r} (expected {entry.family.hf_model_type!r})"
         )
     if mismatches:
-        raise BadInputError(
+        raise BadModelError(
             f"model at {source_uri.display!r} is not {entry.name}: its config.json has "
             f"{', '.join(mismatches)}; use the runtime made for this model or point "
             f"{workspace.STORAGE_URI_ENV} at {entry.hub_id}"
@@ -326,8 +326,8 @@ def check_safetensors(source_uri: uri.StorageUri, rel: str, path: Path) -> None:
     """``BadInputError`` unless ``path`` is a complete, readable safetensors file: a truncated
     download or copy is refused here, before the trainer starts, naming the file and sizes."""
 
-    def bad(why: str) -> BadInputError:
-        return BadInputError(
+    def bad(why: str) -> BadModelError:
+        return BadModelError(
             f"model at {source_uri.display!r} has a damaged {rel}: {why}. Copy or download it "
             "again (a complete copy of the model's original file)"
         )

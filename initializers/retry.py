@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.errors import BadValueError, TransientError
 
 T = TypeVar("T")
 
@@ -39,7 +39,7 @@ def _env_number(name: str, default: float, kind: type) -> float:
         value = -1
     if value < 0 or (kind is int and value < 1):
         expected = "a positive integer" if kind is int else "a non-negative number"
-        raise BadInputError(f"{name}={raw!r} is not valid: expected {expected}")
+        raise BadValueError(f"{name}={raw!r} is not valid: expected {expected}")
     return value
 
 

@@ -28,9 +28,14 @@ from botocore.exceptions import (
 )
 from urllib3.exceptions import HTTPError as Urllib3Error
 
-from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.errors import (
+    BadInputError,
+    DeniedError,
+    NoObjectsError,
+    NotFoundError,
+    TransientError,
+)
 from tunepack.initializers.retry import Retryable
-from tunepack.initializers.sources import NotFoundError
 
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL", "S3_ENDPOINT")
 CREDENTIALS_HINT = (
@@ -129,7 +134,7 @@ def problem(
     if streaming and isinstance(error, STREAM_ERRORS):
         return Retryable(f"{type(error).__name__}: {error}")
     if isinstance(error, NoCredentialsError | PartialCredentialsError):
-        return BadInputError(f"no AWS credentials were found for {shown!r}; {CREDENTIALS_HINT}")
+        return DeniedError(f"no AWS credentials were found for {shown!r}; {CREDENTIALS_HINT}")
     if isinstance(error, _TRANSPORT_ERRORS):
         return Retryable(f"{type(error).__name__}: {error}")
     if not isinstance(error, ClientError):
@@ -139,29 +144,29 @@ def problem(
     if code in _RETRYABLE_CODES or (http is not None and http >= 500):
         return Retryable(f"S3 answered {code or http}")
     if code in _CREDENTIAL_CODES:
-        return BadInputError(
+        return DeniedError(
             f"S3 rejected the credentials for {shown!r} ({code}); {CREDENTIALS_HINT}"
         )
     if code == "NoSuchBucket":
         create = "create it or " if writing else ""
-        return BadInputError(
+        return NotFoundError(
             f"bucket {bucket!r} of {shown!r} does not exist; {create}check the bucket name "
             f"and AWS_ENDPOINT_URL"
         )
     if code in ("AccessDenied", "403", "AllAccessDisabled") or http == 403:
         if writing:
-            return BadInputError(
+            return DeniedError(
                 f"writing to {shown!r} was denied (403); grant the credentials or role "
                 "s3:PutObject, s3:GetObject, s3:DeleteObject, s3:ListBucket and "
                 "s3:ListBucketMultipartUploads on it"
             )
-        return BadInputError(
+        return DeniedError(
             f"access to {shown!r} was denied (403); grant the credentials or role "
             f"s3:ListBucket and s3:GetObject on it"
         )
     if code in ("NoSuchKey", "404", "NotFound") or http == 404:
         what = f"object {key!r}" if key else "it"
-        return NotFoundError(
+        return NoObjectsError(
             f"S3 URI {shown!r} matches no objects ({what} not found); check the bucket and prefix"
         )
     if code in ("PreconditionFailed", "412") or http == 412:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tunepack.core import workspace
 from tunepack.core.durable import size_text
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadDatasetError, BadValueError
 from tunepack.initializers.formats import json_type
 from tunepack.runtimes import catalog
 
@@ -449,7 +449,7 @@ def parse_schema(raw: str, names: Spelling = VARIABLES) -> Schema | None:
     if key == "alpaca":
         key = "instruction"
     if key not in SCHEMAS:
-        raise BadInputError(
+        raise BadValueError(
             f"{names.given(names.schema, raw.strip())} is not a dataset schema; use one of "
             f"{', '.join(SCHEMAS)} or auto"
         )
@@ -466,7 +466,7 @@ def detect(row: object, source: str) -> Schema:
         problem = f"its first row has {fields}"
     else:
         problem = f"its first row is a JSON {json_type(row)}, not an object"
-    raise BadInputError(
+    raise BadDatasetError(
         f"cannot tell the schema of dataset {source!r}: {problem}. Rows need 'instruction' and "
         f"'output' (instruction), 'messages' (chat), 'messages' and 'images' (image_chat), "
         f"'conversations' (sharegpt), 'text', "
@@ -492,7 +492,7 @@ def parse_column_map(raw: str, names: Spelling = VARIABLES) -> dict[str, str]:
     if not raw:
         return {}
     given = names.given(names.column_map, raw)
-    bad = BadInputError(
+    bad = BadValueError(
         f"{given} is not valid: write source:target pairs separated by "
         f"commas (question:instruction,answer:output) or a JSON object of strings"
     )
@@ -512,7 +512,7 @@ def parse_column_map(raw: str, names: Spelling = VARIABLES) -> dict[str, str]:
             mapping[src] = dst
     targets = list(mapping.values())
     if len(set(targets)) != len(targets):
-        raise BadInputError(f"{given} maps two columns to the same field")
+        raise BadValueError(f"{given} maps two columns to the same field")
     return mapping
 
 

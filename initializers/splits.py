@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, NotFoundError
 
 SPLIT_ENV = "DATASET_SPLIT"
 DEFAULT_SPLIT = "train"
@@ -76,7 +76,7 @@ def parse(spec: str) -> Split:
         return Split(spec, spec=spec)
     match = _SLICE.match(spec)
     if match is None:
-        raise BadInputError(
+        raise BadValueError(
             f"dataset split {spec!r} is not a split name or a slice of one; write "
             f"<name>[<from>:<to>], {_SLICE_FORMS} (one slice; no '+' or rounding suffix)"
         )
@@ -89,19 +89,19 @@ def parse(spec: str) -> Split:
             continue
         bound = _BOUND.match(text)
         if bound is None:
-            raise BadInputError(
+            raise BadValueError(
                 f"dataset split {spec!r}: bound {text!r} is not a whole number of rows or a "
                 f"percentage; {_SLICE_FORMS}"
             )
         value, percent = int(bound[1]), bool(bound[2])
         if percent and not -100 <= value <= 100:
-            raise BadInputError(
+            raise BadValueError(
                 f"dataset split {spec!r}: {text} is not a percentage from -100% to 100%"
             )
         bounds.append(value)
         units.add(percent)
     if len(units) > 1:
-        raise BadInputError(
+        raise BadValueError(
             f"dataset split {spec!r} mixes a row count and a percentage; give both bounds in "
             f"rows or both in percent ({_SLICE_FORMS})"
         )
@@ -110,7 +110,7 @@ def parse(spec: str) -> Split:
 
 def _check_name(name: str, spec: str) -> None:
     if not _SPLIT_NAME.match(name):
-        raise BadInputError(
+        raise BadValueError(
             f"dataset split {spec!r} is not a valid split name (letters, digits, '_', '-', '.')"
         )
 
@@ -153,7 +153,7 @@ def select(paths: list[str], split: str, source: str) -> list[str]:
     present = sorted({s for s in named.values() if s is not None})
     if not present and paths:
         present = [DEFAULT_SPLIT]
-    raise BadInputError(
+    raise NotFoundError(
         f"dataset {source!r} has no {split!r} split; it has: {', '.join(present) or 'no data'}. "
         f"Set {SPLIT_ENV} or ?split= to one of them"
     )
@@ -173,7 +173,7 @@ def check_single_file(name: str, split: str, source: str) -> None:
     split = parse(split).name
     if split == DEFAULT_SPLIT or split_of(name) == split or _matches_custom(name, split):
         return
-    raise BadInputError(
+    raise NotFoundError(
         f"dataset {source!r} is a single file, which has no {split!r} split: a file is the "
         "train split unless its name says otherwise. Give the file of that split, or a "
         "directory with one file per split (train.jsonl, test.jsonl), and no split to train "

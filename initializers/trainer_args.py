@@ -11,7 +11,7 @@ import json
 import os
 
 from tunepack.core import workspace
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.runtimes import catalog
 
 
@@ -27,7 +27,7 @@ def check_from_env() -> int | None:
     except ValueError:
         args = None
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise BadInputError(
+        raise BadValueError(
             f"{workspace.TRAINER_ARGS_ENV} must be a JSON list of key=value strings (the "
             'TrainJob\'s spec.trainer.args), e.g. ["method=lora", "epochs=1"]'
         )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, NotFoundError, UnknownKeyError, UnsupportedError
 from tunepack.core.workspace import STORAGE_URI_ENV
 
 # "scheme://..." per RFC 3986; anything else is a plain local path.
@@ -112,7 +112,7 @@ def refuse_credentials(uri: str, what: str, secret_by: str) -> None:
     found = credentials_in(uri)
     if found is None:
         return
-    raise BadInputError(
+    raise UnsupportedError(
         f"{what} storage URI {redact(uri)!r} carries {found}: tunepack never writes a credential "
         f"into a TrainJob or a job record; give the URI without it and the credential in the "
         f"environment ({HTTPS_USERNAME_ENV} and {HTTPS_PASSWORD_ENV} for https://, the AWS_* keys "
@@ -125,7 +125,7 @@ def parse(raw: str | None) -> StorageUri:
     """Parse and validate a storage URI; raise BadInputError naming it when it is unusable."""
     raw = (raw or "").strip()
     if not raw:
-        raise BadInputError(
+        raise BadValueError(
             f"{STORAGE_URI_ENV} is not set; set it to where the initializer reads from: "
             f"hf://org/name, s3://bucket/prefix, https://host/file, file:///absolute/path or a "
             f"plain path"
@@ -138,7 +138,7 @@ def parse(raw: str | None) -> StorageUri:
 
     scheme = match.group(1).lower()
     if scheme not in _SOURCES:
-        raise BadInputError(
+        raise BadValueError(
             f"unsupported storage URI {redact(raw)!r}: expected one of {_supported_text()}"
         )
     if scheme == "file":
@@ -174,18 +174,18 @@ def _module(scheme: str):
 def _parse_file_uri(raw: str) -> StorageUri:
     parts = urlsplit(raw)
     if parts.netloc not in ("", "localhost"):
-        raise BadInputError(
+        raise BadValueError(
             f"file URI {redact(raw)!r} has a host part ({parts.netloc!r}); write "
             f"file:///absolute/path (three slashes) or a plain path"
         )
     path = unquote(parts.path)
     if not path:
-        raise BadInputError(f"file URI {redact(raw)!r} has no path; write file:///absolute/path")
+        raise BadValueError(f"file URI {redact(raw)!r} has no path; write file:///absolute/path")
     options = dict(parse_qsl(parts.query, keep_blank_values=True))
     unknown = sorted(set(options) - _FILE_OPTIONS)
     if unknown or (parts.query and not options):
         what = f"unknown option {unknown[0]!r}" if unknown else f"a query {parts.query!r}"
-        raise BadInputError(
+        raise UnknownKeyError(
             f"file URI {redact(raw)!r} has {what}; the only option is ?split=<name> for a "
             "dataset directory (write a '?' in a file name as %3F)"
         )
@@ -204,7 +204,7 @@ def _absolute(path: str) -> str:
 def _local_path(uri: StorageUri) -> Path:
     path = Path(uri.location)
     if not path.exists():
-        raise BadInputError(
+        raise NotFoundError(
             f"storage URI {uri.display!r} points to {path}, which does not exist "
             f"(file:// paths are read on the machine that runs the initializer)"
         )

@@ -296,13 +296,13 @@ class ModelEntry:
 
     def weight_files(self, model_dir: Path) -> tuple[str, ...]:
         """The weight files of the model in ``model_dir``, shards resolved through the index."""
-        from tunepack.core.errors import BadInputError
+        from tunepack.core.errors import BadModelError
 
         path = Path(model_dir) / SAFETENSORS_INDEX
         if self.custom and not path.is_file():  # a bring-your-own checkpoint: either layout
             if (Path(model_dir) / "model.safetensors").is_file():
                 return ("model.safetensors",)
-            raise BadInputError(
+            raise BadModelError(
                 f"{model_dir} has neither model.safetensors nor {SAFETENSORS_INDEX}: a "
                 f"{self.runtime_name} checkpoint is Hugging Face safetensors, in one file or "
                 "sharded with its index"
@@ -313,12 +313,12 @@ class ModelEntry:
             weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
-            raise BadInputError(
+            raise BadModelError(
                 f"cannot read the shard list of {self.name} from {path} ({error}); it must be the "
                 f"{SAFETENSORS_INDEX} of {self.hub_id}, with a weight_map of tensor -> file"
             ) from None
         if not shards or not all(isinstance(s, str) and "/" not in s for s in shards):
-            raise BadInputError(
+            raise BadModelError(
                 f"{path} names no usable shard files ({shards!r}); replace it with the "
                 f"{SAFETENSORS_INDEX} of {self.hub_id}"
             )
@@ -1029,13 +1029,13 @@ CATALOG: dict[str, ModelEntry] = {
 
 def get(name: str) -> ModelEntry:
     """Return the entry for a model name or runtime name (``tunepack-<model>``)."""
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import UnknownRuntimeError
 
     key = name.removeprefix(RUNTIME_PREFIX)
     try:
         return CATALOG[key]
     except KeyError:
         known = ", ".join(entry.runtime_name for entry in CATALOG.values())
-        raise BadInputError(
+        raise UnknownRuntimeError(
             f"unknown runtime or model {name!r}; tunepack runtimes are: {known}"
         ) from None

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError
 
 CUSTOM_SUFFIX = "-custom"
 TOKENIZER_JSON = "tokenizer.json"
@@ -137,8 +137,8 @@ class Built:
     softcapping: tuple[float, float] | None = None
 
 
-def _fail(where: str, field: str, value: object, expected: str) -> BadInputError:
-    return BadInputError(
+def _fail(where: str, field: str, value: object, expected: str) -> BadModelError:
+    return BadModelError(
         f"{where}: config.json has {field}={value!r}, which tunepack cannot build: expected "
         f"{expected}"
     )
@@ -148,7 +148,7 @@ def _positive_int(where: str, config: dict, field: str) -> int:
     value = config.get(field)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         if value is None and field not in config:
-            raise BadInputError(
+            raise BadModelError(
                 f"{where}: config.json has no {field}; expected a positive integer (give the "
                 "checkpoint's original config.json)"
             )
@@ -191,7 +191,7 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
 
     arch = ARCHITECTURES[arch_name]
     if not isinstance(config, dict):
-        raise BadInputError(f"{where}: config.json is not a JSON object")
+        raise BadModelError(f"{where}: config.json is not a JSON object")
     if arch.gemma3:
         config = text_config(config)
     config = dict(arch.defaults) | config
@@ -478,14 +478,14 @@ def load_config(path: Path, where: str) -> dict:
     try:
         config = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
-        raise BadInputError(f"{where} has no config.json") from None
+        raise BadModelError(f"{where} has no config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadInputError(
+        raise BadModelError(
             f"{where} has a config.json that is not valid JSON; give the checkpoint's original "
             "config.json"
         ) from None
     if not isinstance(config, dict):
-        raise BadInputError(f"{where}: config.json is not a JSON object")
+        raise BadModelError(f"{where}: config.json is not a JSON object")
     return config
 
 
@@ -562,18 +562,18 @@ def special_token_ids(
         except FileNotFoundError:
             return {}
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadInputError(f"{where} has a {name} that is not valid JSON") from None
+            raise BadModelError(f"{where} has a {name} that is not valid JSON") from None
         return data if isinstance(data, dict) else {}
 
     if not (model_dir / TOKENIZER_JSON).is_file():
-        raise BadInputError(
+        raise BadModelError(
             f"{where} has no {TOKENIZER_JSON}: a custom runtime encodes text with the "
             "checkpoint's own Hugging Face fast tokenizer (save it with "
             "tokenizer.save_pretrained)"
         )
     tokenizer = read(TOKENIZER_JSON)
     if not isinstance(tokenizer.get("model"), dict):
-        raise BadInputError(f"{where} has a {TOKENIZER_JSON} without a tokenizer model")
+        raise BadModelError(f"{where} has a {TOKENIZER_JSON} without a tokenizer model")
     ids: dict[str, int] = {}
     vocab = tokenizer["model"].get("vocab")
     if isinstance(vocab, dict):
@@ -595,7 +595,7 @@ def special_token_ids(
         field = f"tokenizer_config.json {role}_token"
         if isinstance(token, str):
             if token not in ids:
-                raise BadInputError(
+                raise BadModelError(
                     f"{where}: {field}={token!r} is not a token of its {TOKENIZER_JSON}"
                 )
             value = ids[token]
@@ -610,23 +610,23 @@ def special_token_ids(
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size
         ):
-            raise BadInputError(
+            raise BadModelError(
                 f"{where}: {field}={value!r} is not a token id of the model (0 to {vocab_size - 1})"
             )
         found[role] = value
     if found["eos"] is None:
-        raise BadInputError(
+        raise BadModelError(
             f"{where} names no end-of-sequence token: expected eos_token in "
             "tokenizer_config.json or eos_token_id in config.json"
         )
     for name in FORMAT_TOKENS.get(chat_format or "", ()):
         if name == "<bos>" and found["bos"] is None:
-            raise BadInputError(
+            raise BadModelError(
                 f"{where} names no BOS token (tokenizer_config.json bos_token or config.json "
                 f"bos_token_id), which the {chat_format} chat format starts with"
             )
         if name not in ("<bos>", "<eos>") and name not in ids:
-            raise BadInputError(
+            raise BadModelError(
                 f"{where}: its {TOKENIZER_JSON} has no {name} token, which the {chat_format} "
                 "chat format needs (the family's format is what a custom runtime trains in)"
             )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 
 
 class Loss(Enum):
@@ -218,7 +218,7 @@ def get(name: str) -> Method:
     try:
         return METHODS[name]
     except (KeyError, TypeError):
-        raise BadInputError(invalid_method_message(name)) from None
+        raise BadValueError(invalid_method_message(name)) from None
 
 
 def takers(key: str) -> tuple[Method, ...]:

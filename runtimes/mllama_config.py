@@ -5,7 +5,7 @@ cannot reproduce, in one line naming the field and its value, as the trainer wou
 
 from __future__ import annotations
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError
 from tunepack.runtimes.custom import _fail, _positive_int, _positive_number, _rope
 
 # transformers' MllamaTextModel: vocab_size + 8 embedding rows (<|image|> and 7 reserved).
@@ -233,7 +233,7 @@ def mllama_builder_kwargs(config: dict, where: str = "model") -> dict:
     layout of its RoPE fields); ``BadInputError`` in one line naming the field and value of
     anything the build cannot reproduce."""
     if not isinstance(config, dict):
-        raise BadInputError(f"{where}: config.json is not a JSON object")
+        raise BadModelError(f"{where}: config.json is not a JSON object")
     if config.get("model_type") != "mllama":
         raise _fail(where, "model_type", config.get("model_type"), "'mllama'")
     for field in ("text_config", "vision_config"):

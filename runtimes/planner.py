@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
 from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.catalog import Shape
 
@@ -91,7 +91,7 @@ def parse_activation_checkpointing(value: object) -> str | bool:
     """``auto``, True or False (the trainer argument's parsed forms), or BadInputError."""
     if value in ("auto", True, False):
         return value
-    raise BadInputError(
+    raise BadValueError(
         f"activation_checkpointing={value!r} is not valid: expected 'auto', True or False"
     )
 
@@ -100,7 +100,7 @@ def parse_loss_chunk(value: object) -> str | int:
     """``auto`` or a number of rows >= 1 (the trainer argument's parsed forms), or BadInputError."""
     if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
         return value
-    raise BadInputError(f"loss_chunk={value!r} is not valid: expected 'auto' or an integer >= 1")
+    raise BadValueError(f"loss_chunk={value!r} is not valid: expected 'auto' or an integer >= 1")
 
 
 def cpu_step(layers: int, vocab: int, fused_loss: bool, activation_checkpointing, loss_chunk):
@@ -126,10 +126,10 @@ def gpu_type(gpu: object) -> str:
         if exact or len(family) == 1:
             return (exact or family)[0]
         if family:
-            raise BadInputError(
+            raise BadValueError(
                 f"gpu={gpu!r} is ambiguous: give its memory size, one of {', '.join(family)}"
             )
-    raise BadInputError(
+    raise BadValueError(
         f"gpu={gpu!r} is not known: expected one of {', '.join(GPUS)} (any case; the size may be "
         "left out where only one exists, e.g. h100)"
     )
@@ -486,18 +486,18 @@ def _job(entry, method, seq_len, batch_size, gpu, *, nodes, gpus_per_node, dtype
     if how.adapters and (
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
     ):
-        raise BadInputError(f"lora_rank={lora_rank!r} is not valid: expected an integer >= 1")
+        raise BadValueError(f"lora_rank={lora_rank!r} is not valid: expected an integer >= 1")
     if isinstance(grad_accum, bool) or not isinstance(grad_accum, int) or grad_accum < 1:
-        raise BadInputError(f"grad_accum={grad_accum!r} is not valid: expected an integer >= 1")
+        raise BadValueError(f"grad_accum={grad_accum!r} is not valid: expected an integer >= 1")
     # The trainer fuses the loss into a decoder's output projection; a model that takes images
     # (torchtune's DeepFusionModel) hands it whole logits.
     fusable = how.loss is methods.Loss.CROSS_ENTROPY and not entry.family.reads_images
     if fused_loss is None:
         fused_loss = fusable
     elif fused_loss and how.loss is not methods.Loss.CROSS_ENTROPY:
-        raise BadInputError(f"method={method} needs the whole logits: its loss cannot be fused")
+        raise ConflictError(f"method={method} needs the whole logits: its loss cannot be fused")
     elif fused_loss and not fusable:
-        raise BadInputError(f"{entry.name} takes images: its loss cannot be fused")
+        raise UnsupportedError(f"{entry.name} takes images: its loss cannot be fused")
     width = DTYPE_BYTES[dtype]
     adapted = _adapted(entry.shape, lora_attn_modules, lora_mlp) if how.adapters else []
     trainable, weights = _weights(
@@ -510,7 +510,7 @@ def _job(entry, method, seq_len, batch_size, gpu, *, nodes, gpus_per_node, dtype
             or not isinstance(num_generations, int)
             or (num_generations < 2)
         ):
-            raise BadInputError(
+            raise BadValueError(
                 f"num_generations={num_generations!r} is not valid: expected an integer >= 2"
             )
         sequences = num_generations
@@ -749,7 +749,7 @@ def model_entry(model: str | catalog.ModelEntry, model_dir: str | Path | None = 
     if model_dir is not None and entry.custom:
         return custom.resolve(entry, Path(model_dir))
     if custom.is_placeholder(entry):
-        raise BadInputError(
+        raise BadValueError(
             f"{entry.runtime_name} is sized from its checkpoint's config.json: give the "
             "checkpoint's local directory (tunepack plan --model-dir DIR; "
             "plan(..., model_dir=DIR)); without it the trainer checks the shape when it starts"
@@ -759,7 +759,7 @@ def model_entry(model: str | catalog.ModelEntry, model_dir: str | Path | None = 
 
 def _check(seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry) -> None:
     if dtype not in DTYPE_BYTES:
-        raise BadInputError(f"dtype={dtype!r} is not valid: expected one of bf16, fp32")
+        raise BadValueError(f"dtype={dtype!r} is not valid: expected one of bf16, fp32")
     for name, value in (
         ("seq_len", seq_len),
         ("batch_size", batch_size),
@@ -767,9 +767,9 @@ def _check(seq_len, batch_size, gpu, nodes, gpus_per_node, dtype, entry) -> None
         ("gpus_per_node", gpus_per_node),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadInputError(f"{name}={value!r} is not valid: expected an integer >= 1")
+            raise BadValueError(f"{name}={value!r} is not valid: expected an integer >= 1")
     if seq_len > entry.shape.max_seq_len:
-        raise BadInputError(
+        raise BadValueError(
             f"seq_len={seq_len} is larger than {entry.name}'s context of "
             f"{entry.shape.max_seq_len} tokens"
         )
@@ -785,7 +785,7 @@ def gpus_from_resources(resources: dict | None, default: int) -> int:
             try:
                 return max(int(math.ceil(float(value))), 0)
             except (TypeError, ValueError):
-                raise BadInputError(
+                raise BadValueError(
                     f"resources_per_node[{key!r}]={value!r} is not a number"
                 ) from None
     return default

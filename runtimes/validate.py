@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import kubeflow_trainer_api.models as api
 from pydantic import BaseModel, ValidationError
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -31,16 +31,16 @@ def validate_strict(obj: dict, model_cls: type[Model]) -> Model:
     """
     kind = _describe(obj, model_cls)
     if not isinstance(obj, dict):
-        raise BadInputError(f"{kind} must be a mapping, got {type(obj).__name__}")
+        raise BadValueError(f"{kind} must be a mapping, got {type(obj).__name__}")
     try:
         model = model_cls.from_dict(obj)
     except (ValidationError, ValueError, TypeError) as err:
         # ValidationError is a ValueError; the oneOf models (quantities) raise plain ValueErrors.
         lines = _type_errors(err, obj)
-        raise BadInputError(f"{kind} is invalid:\n  " + "\n  ".join(lines)) from None
+        raise BadValueError(f"{kind} is invalid:\n  " + "\n  ".join(lines)) from None
     problems = list(_diff(obj, model.to_dict(), ""))
     if problems:
-        raise BadInputError(
+        raise BadValueError(
             f"{kind} has fields the Kubeflow Trainer API does not know or cannot keep "
             "(they would be silently dropped):\n  " + "\n  ".join(problems)
         )

@@ -26,7 +26,7 @@ from kubeflow.trainer.constants import constants as kc
 from tunepack import notebook_progress
 from tunepack.backends.base import TunepackBackend
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
-from tunepack.core.errors import BadInputError, NotAvailableError
+from tunepack.core.errors import BadValueError, NotAvailableError
 from tunepack.runtimes import planner
 from tunepack.types import Result
 
@@ -63,7 +63,7 @@ class TrainingClient(TrainerClient):
                 from tunepack.cli.cluster import configuration_problem
 
                 local = ", or pass LocalBackendConfig() to use the local backend"
-                raise BadInputError(configuration_problem(err, local)) from None
+                raise BadValueError(configuration_problem(err, local)) from None
         else:
             super().__init__(backend_config)
 

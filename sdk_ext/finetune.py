@@ -14,7 +14,7 @@ fails in the notebook cell that wrote it, naming the field and the allowed range
     >>> FineTune(epochs=0)
     Traceback (most recent call last):
     ...
-    tunepack.core.errors.BadInputError: FineTune.epochs: epochs='0' is not valid: expected an
+    tunepack.core.errors.BadValueError: FineTune.epochs: epochs='0' is not valid: expected an
     integer from 1 to 1000
 
 Besides the trainer arguments, ``FineTune`` carries the trainer's placement, which is not part of
@@ -37,7 +37,7 @@ import sys
 import textwrap
 import typing
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, BadValueError, ConflictError, UnknownKeyError
 from tunepack.runtimes import methods
 from tunepack.trainers.args import (
     LORA_KEYS,
@@ -239,19 +239,19 @@ class FineTune:
             if lora:
                 given = ", ".join(lora)
                 message = lora_with_full_message(given, len(lora), self.method)
-                raise BadInputError(f"FineTune: {message}")
+                raise ConflictError(f"FineTune: {message}")
             if self.merge:
                 message = merge_with_full_message("merge=True", self.method)
-                raise BadInputError(f"FineTune: {message}")
+                raise ConflictError(f"FineTune: {message}")
         nodes, procs = self.num_nodes, self.num_proc_per_node
         for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
             bad_type = not isinstance(value, int) or isinstance(value, bool)
             if value is not None and (bad_type or value < 1):
-                raise BadInputError(
+                raise BadValueError(
                     f"FineTune.{name}={value!r} is not valid: expected an integer >= 1"
                 )
         if self.resources_per_node is not None and not isinstance(self.resources_per_node, dict):
-            raise BadInputError(
+            raise BadValueError(
                 "FineTune.resources_per_node must be a dict such as {'gpu': 1, 'memory': '64Gi'}, "
                 f"got {self.resources_per_node!r}"
             )
@@ -259,7 +259,7 @@ class FineTune:
             isinstance(self.env, dict)
             and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
         ):
-            raise BadInputError(f"FineTune.env must map names to string values, got {self.env!r}")
+            raise BadValueError(f"FineTune.env must map names to string values, got {self.env!r}")
         if self.export is not None:
             from tunepack.initializers.export import export_uri_problem
 
@@ -269,9 +269,9 @@ class FineTune:
                 else f"expected a string such as 's3://bucket/prefix', got {self.export!r}"
             )
             if problem:
-                raise BadInputError(f"FineTune.export: {problem}")
+                raise BadValueError(f"FineTune.export: {problem}")
         if self.export_secret is not None and self.export is None:
-            raise BadInputError(
+            raise ConflictError(
                 "FineTune.export_secret names the exporter's credentials, but export is not set; "
                 "give export='s3://bucket/prefix' (or hf://org/name) too"
             )
@@ -308,7 +308,7 @@ class FineTune:
         would; ``placement`` takes the non-argument fields (``num_nodes=2``, ...).
         """
         if isinstance(args, str) or not all(isinstance(a, str) for a in args):
-            raise BadInputError(
+            raise BadValueError(
                 f"trainer arguments must be a list of 'key=value' strings, got {args!r}"
             )
         return cls(**parse_args(args).values, **placement)
@@ -324,7 +324,7 @@ def _refuse_unknown_names(init: typing.Callable[..., None]) -> typing.Callable[.
         names = [f.name for f in dataclasses.fields(self)]
         unknown = [key for key in values if key not in names]
         if unknown:
-            raise BadInputError(_no_field_message(unknown[0], names))
+            raise UnknownKeyError(_no_field_message(unknown[0], names))
         init(self, *args, **values)
 
     return __init__
@@ -389,13 +389,13 @@ def _check_value(arg: Arg, value: object, raw: str) -> object:
     }.get(expected, lambda v: True)
     try:
         if not ok(value):
-            raise BadInputError(
+            raise BadValueError(
                 f"{arg.name}={value!r} is not valid: expected "
                 f"{_KIND.get(expected, expected.__name__)} ({arg.help})"
             )
         return arg.parse(arg.name, raw)
-    except BadInputError as err:
-        raise BadInputError(f"FineTune.{arg.name}: {err}") from None
+    except BadInputError as err:  # the same narrow type, the field named first
+        raise type(err)(f"FineTune.{arg.name}: {err}") from None
 
 
 # ---------------------------------------------------------------- the generated block

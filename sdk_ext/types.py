@@ -30,7 +30,7 @@ from pathlib import Path
 
 from kubeflow.trainer.types import types as kf
 
-from tunepack.core.errors import BadInputError, NotAvailableError
+from tunepack.core.errors import BadValueError, NotAvailableError, UnsupportedError
 from tunepack.runtimes import catalog, methods
 
 COLUMNS = ("name", "model", "methods", "parameters", "default_gpus", "description")
@@ -234,7 +234,9 @@ class Result:
                 name = self._entry().name
             except FileNotFoundError:
                 name = self.base_model
-            raise BadInputError(f"image= needs a model that takes images; {name} reads text only")
+            raise UnsupportedError(
+                f"image= needs a model that takes images; {name} reads text only"
+            )
         model, tokenizer = self.load()
         ids = self.prompt_ids(prompt, input=input, image=image is not None)
         if ids is None:
@@ -334,7 +336,7 @@ class Result:
             try:
                 image = load_image(path)
             except (OSError, ValueError) as error:
-                raise BadInputError(f"image={str(path)!r} cannot be read ({error})") from None
+                raise BadValueError(f"image={str(path)!r} cannot be read ({error})") from None
         image = image.convert("RGB")
         if "image_processor" not in self._loaded:
             self._loaded["image_processor"] = MllamaImageProcessor.from_pretrained(self.base_model)

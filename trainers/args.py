@@ -12,7 +12,13 @@ import difflib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import (
+    BadInputError,
+    BadValueError,
+    ConflictError,
+    UnknownKeyError,
+    UnsupportedError,
+)
 from tunepack.runtimes import methods
 from tunepack.runtimes.catalog import ModelEntry, expert_lora_obstacle
 from tunepack.trainers import rewards
@@ -81,7 +87,7 @@ def _int(lo: int, hi: int | None = None) -> Callable[[str, str], int]:
         except ValueError:
             value = None
         if value is None or value < lo or (hi is not None and value > hi):
-            raise BadInputError(invalid_value_message(key, raw, rule.expected))
+            raise BadValueError(invalid_value_message(key, raw, rule.expected))
         return value
 
     return _ruled(parse, rule)
@@ -100,7 +106,7 @@ def _float(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Call
         too_low = value is not None and (value <= lo if lo_open else value < lo)
         too_high = value is not None and hi is not None and value >= hi
         if value is None or value != value or too_low or too_high:
-            raise BadInputError(invalid_value_message(key, raw, rule.expected))
+            raise BadValueError(invalid_value_message(key, raw, rule.expected))
         return value
 
     return _ruled(parse, rule)
@@ -115,7 +121,7 @@ def _bool(key: str, raw: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise BadInputError(invalid_value_message(key, raw, _bool.rule.expected))
+    raise BadValueError(invalid_value_message(key, raw, _bool.rule.expected))
 
 
 _ruled(_bool, Rule("bool", "true or false", choices=_TRUE + _FALSE))
@@ -128,7 +134,7 @@ def _auto_bool(key: str, raw: str) -> str | bool:
     try:
         return _bool(key, raw)
     except BadInputError:
-        raise BadInputError(invalid_value_message(key, raw, _auto_bool.rule.expected)) from None
+        raise BadValueError(invalid_value_message(key, raw, _auto_bool.rule.expected)) from None
 
 
 _ruled(_auto_bool, Rule("auto_bool", "auto, true or false", choices=("auto", *_TRUE, *_FALSE)))
@@ -145,7 +151,7 @@ def _auto_int(lo: int) -> Callable[[str, str], str | int]:
         try:
             return number(key, raw)
         except BadInputError:
-            raise BadInputError(invalid_value_message(key, raw, rule.expected)) from None
+            raise BadValueError(invalid_value_message(key, raw, rule.expected)) from None
 
     return _ruled(parse, rule)
 
@@ -156,7 +162,7 @@ def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
 
     def parse(key: str, raw: str) -> str:
         if raw not in allowed:
-            raise BadInputError(invalid_value_message(key, raw, rule.expected))
+            raise BadValueError(invalid_value_message(key, raw, rule.expected))
         return raw
 
     return _ruled(parse, rule)
@@ -166,7 +172,7 @@ def _modules(key: str, raw: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in raw.split(",") if part.strip())
     bad = [n for n in names if n not in LORA_ATTN_MODULES]
     if not names or bad:
-        raise BadInputError(invalid_value_message(key, raw, _modules.rule.expected))
+        raise BadValueError(invalid_value_message(key, raw, _modules.rule.expected))
     return names
 
 
@@ -195,9 +201,9 @@ def _tracker_uri(key: str, raw: str) -> str:
         or not rest
         or any(c.isspace() for c in raw)
     ):
-        raise BadInputError(invalid_value_message(key, raw, _tracker_uri.rule.expected))
+        raise BadValueError(invalid_value_message(key, raw, _tracker_uri.rule.expected))
     if "@" in rest.split("/", 1)[0]:
-        raise BadInputError(credentials_in_uri_message(key))
+        raise UnsupportedError(credentials_in_uri_message(key))
     return raw
 
 
@@ -222,7 +228,7 @@ NAME_MAX = 128
 
 def _name(key: str, raw: str) -> str:
     if not raw or len(raw) > NAME_MAX or not all(c.isalnum() or c in "-_." for c in raw):
-        raise BadInputError(invalid_value_message(key, raw, _name.rule.expected))
+        raise BadValueError(invalid_value_message(key, raw, _name.rule.expected))
     return raw
 
 
@@ -571,11 +577,11 @@ def split_pairs(args: Iterable[str]) -> dict[str, str]:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise BadInputError(malformed_message(item))
+            raise BadValueError(malformed_message(item))
         if key not in _BY_NAME:
-            raise BadInputError(_unknown_key_message(key))
+            raise UnknownKeyError(_unknown_key_message(key))
         if key in pairs:
-            raise BadInputError(given_twice_message(key))
+            raise UnknownKeyError(given_twice_message(key))
         pairs[key] = raw.strip()
     return pairs
 
@@ -737,12 +743,12 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
     values, pairs = parsed.values, parsed.spelled
     method = methods.get(values.get("method", methods.DEFAULT))
     if method.name not in available_methods(entry):
-        raise BadInputError(unavailable_method_message(entry, method.name))
+        raise UnsupportedError(unavailable_method_message(entry, method.name))
     if not method.adapters and (lora := [k for k in values if k in LORA_KEYS]):
         given = ", ".join(f"{k}={pairs[k]}" for k in lora)
-        raise BadInputError(lora_with_full_message(given, len(lora), method.name))
+        raise ConflictError(lora_with_full_message(given, len(lora), method.name))
     if not method.adapters and values.get("merge"):
-        raise BadInputError(merge_with_full_message(f"merge={pairs['merge']}", method.name))
+        raise ConflictError(merge_with_full_message(f"merge={pairs['merge']}", method.name))
     # Precedence: the user's value, then the catalog entry's, then the method's, then the key's;
     # for a key the method owns (Method.owns), the method's before the catalog entry's.
     resolved = {arg.name: arg.default for arg in VOCABULARY}
@@ -753,46 +759,46 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
     )
     resolved.update(values)
     if resolved["max_seq_len"] > entry.shape.max_seq_len:
-        raise BadInputError(
+        raise BadValueError(
             context_window_message(resolved["max_seq_len"], entry.name, entry.shape.max_seq_len)
         )
     if (window := entry.window_limit) and resolved["max_seq_len"] > window:
-        raise BadInputError(
+        raise BadValueError(
             sliding_window_message(resolved["max_seq_len"], entry.name, window, entry.family.title)
         )
     if resolved["packed"] and entry.family.no_packing:
-        raise BadInputError(no_packing_message(entry.name, entry.family.no_packing))
+        raise UnsupportedError(no_packing_message(entry.name, entry.family.no_packing))
     for owners, keys in methods.key_groups().items():
         if method.name not in owners and (only := [k for k in keys if k in values]):
             given = ", ".join(f"{k}={pairs[k]}" for k in only)
-            raise BadInputError(
+            raise ConflictError(
                 method_only_message(given, " and ".join(only), methods.either(owners), method.name)
             )
     if resolved["packed"] and values.get("group_by_length"):
-        raise BadInputError(PACKED_WITH_GROUP_BY_LENGTH)
+        raise ConflictError(PACKED_WITH_GROUP_BY_LENGTH)
     if method.no_packing and resolved["packed"]:
-        raise BadInputError(method_packing_message(method.name, method.no_packing))
+        raise ConflictError(method_packing_message(method.name, method.no_packing))
     resolved["chat_template"] = check_chat_template(entry.family.name, resolved["chat_template"])
     if "system_prompt" in pairs:
         check_system_prompt(resolved["system_prompt"], resolved["chat_template"])
     if method.sequences_key:
         _check_generation(resolved, entry)
     if method.loss is methods.Loss.KTO and resolved["batch_size"] < 2:
-        raise BadInputError(
+        raise ConflictError(
             f"batch_size={resolved['batch_size']} is too small for method=kto: its reference "
             "point comes from each batch's prompts paired with other rows' answers; use "
             "batch_size=2 or more"
         )
     if resolved["lora_projector"] and not entry.family.reads_images:
-        raise BadInputError(
+        raise UnsupportedError(
             no_projector_message(f"lora_projector={pairs['lora_projector']}", entry.name)
         )
     if method.adapters and resolved["lora_mlp"] and entry.shape.num_experts:
         given = f"lora_dropout={pairs['lora_dropout']}" if "lora_dropout" in pairs else None
         if obstacle := expert_lora_obstacle(resolved["lora_dropout"], method.dora, given):
-            raise BadInputError(obstacle)
+            raise ConflictError(obstacle)
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
-        raise BadInputError(unused_tracker_uri_message(resolved["tracker"]))
+        raise ConflictError(unused_tracker_uri_message(resolved["tracker"]))
     names = {f.name for f in fields(TrainArgs)} - {"given"}
     missing = sorted(n for n in names if resolved.get(n) is None and not _BY_NAME[n].optional)
     if missing:  # a catalog entry without a default for a required key is a tunepack bug
@@ -804,25 +810,25 @@ def _check_generation(resolved: dict, entry: ModelEntry) -> None:
     """A generating method's arguments against each other: the answers fit max_seq_len, and the
     format reward has its pattern."""
     if resolved["max_new_tokens"] >= resolved["max_seq_len"]:
-        raise BadInputError(
+        raise ConflictError(
             f"max_new_tokens={resolved['max_new_tokens']} leaves no room for the prompt in "
             f"max_seq_len={resolved['max_seq_len']} (a prompt and its answer share it): lower "
             "max_new_tokens or raise max_seq_len"
         )
     if resolved["compile"] is True:
-        raise BadInputError(
+        raise ConflictError(
             f"compile=true is not available with method={resolved['method']}: answers are "
             "generated one token at a time into a growing cache, a new shape for torch.compile "
             "at every token; leave compile out"
         )
     named = {w.name for w in resolved["rewards"]}
     if "format" in named and not resolved["reward_pattern"]:
-        raise BadInputError(
+        raise ConflictError(
             "rewards=format needs reward_pattern, the regular expression an answer must match "
             "(for example reward_pattern='^\\d+$')"
         )
     if resolved["reward_pattern"] and "format" not in named:
-        raise BadInputError(
+        raise ConflictError(
             f"reward_pattern is only read by the format reward, but rewards="
             f"{rewards.spelled(resolved['rewards'])}: add format to rewards or drop reward_pattern"
         )

@@ -40,7 +40,7 @@ from torchtune.modules import (
     TransformerSelfAttentionLayer,
 )
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import UnsupportedError
 
 # RoPE modules that are fully described by (dim, max_seq_len, base), so can be rebuilt from them.
 # Llama 3.1's scaled RoPE is not among them: its builders already take the right base.
@@ -69,7 +69,7 @@ def build(
     if "apply_lora_to_output" in takes:
         kwargs["apply_lora_to_output"] = apply_lora_to_output
     elif apply_lora_to_output:
-        raise BadInputError(
+        raise UnsupportedError(
             f"{builder} cannot apply LoRA to the output projection: it is tied to the "
             "embeddings; train without output LoRA"
         )

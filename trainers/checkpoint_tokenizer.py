@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError
 from tunepack.runtimes import custom
 
 
@@ -30,7 +30,7 @@ class CheckpointTokenizer:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:  # the library raises plain Exception on a bad file
             first = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise BadInputError(
+            raise BadModelError(
                 f"{where}: {Path(path).name} cannot be loaded as a Hugging Face tokenizer "
                 f"({first}); give the checkpoint's original tokenizer.json"
             ) from None
@@ -51,7 +51,7 @@ class CheckpointTokenizer:
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if add_bos:
             if self.bos_id is None:
-                raise BadInputError(
+                raise BadModelError(
                     "the checkpoint's tokenizer names no BOS token (tokenizer_config.json "
                     "bos_token or config.json bos_token_id), which this chat format needs"
                 )

@@ -15,7 +15,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from tunepack.core.digest import json_digest as _sha256_json
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import (
+    BadDatasetError,
+    BadModelError,
+    ConflictError,
+    DoesNotFitError,
+    NotFoundError,
+    UnsupportedError,
+)
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
@@ -82,7 +89,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise BadInputError("device=cuda was asked for, but no CUDA GPU is visible to PyTorch")
+        raise DoesNotFitError("device=cuda was asked for, but no CUDA GPU is visible to PyTorch")
     return device
 
 
@@ -97,12 +104,12 @@ def read_dataset_manifest(dataset_dir: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise BadInputError(
+        raise NotFoundError(
             f"no dataset manifest at {path}: the dataset-initializer step has not completed"
         ) from None
     schema = manifest.get("schema")
     if schema not in DATASET_BUILDERS and schema not in IMAGE_SCHEMAS:
-        raise BadInputError(
+        raise BadDatasetError(
             f"dataset schema {schema!r} in {path} is not supported by this trainer: "
             f"expected one of {', '.join([*DATASET_BUILDERS, *IMAGE_SCHEMAS])}"
         )
@@ -116,7 +123,7 @@ def read_model_hashes(model_dir: Path) -> dict[str, str | None] | None:
     except FileNotFoundError:
         return None  # a model directory not made by the initializer (tests, benchmarks)
     except ValueError:
-        raise BadInputError(
+        raise BadModelError(
             f"the model manifest {model_dir / MANIFEST_FILE} is not valid JSON: run the "
             "model-initializer step again"
         ) from None
@@ -226,12 +233,12 @@ def identity_changes(old: dict | None, new: dict[str, str], of: str) -> str:
 
 def _check_method_fits_data(method: str, schema: str) -> None:
     if schema not in (record := methods.get(method)).data.schemas:
-        raise BadInputError(methods.wrong_data_message(record, schema))
+        raise ConflictError(methods.wrong_data_message(record, schema))
 
 
 def _check_model_reads_data(entry: ModelEntry, schema: str) -> None:
     if schema in IMAGE_SCHEMAS and not entry.family.reads_images:
-        raise BadInputError(
+        raise UnsupportedError(
             f"the dataset holds images (schema image_chat), but {entry.name} "
             f"({entry.family.title}) reads text only; an image-text dataset needs a model that "
             "takes images"
@@ -249,9 +256,9 @@ def read_model_config(model_dir: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BadInputError(f"no config.json in the model directory {model_dir}") from None
+        raise BadModelError(f"no config.json in the model directory {model_dir}") from None
     except ValueError as error:
-        raise BadInputError(f"{path} is not valid JSON ({error})") from None
+        raise BadModelError(f"{path} is not valid JSON ({error})") from None
 
 
 def model_component(entry: ModelEntry, method: str, model_dir: Path | None = None) -> dict:
@@ -370,14 +377,14 @@ def _check_validation(args: TrainArgs, own_validation: dict | None) -> bool:
             if k in args.given
         ]
         if given:
-            raise BadInputError(
+            raise ConflictError(
                 f"{', '.join(given)}: method={method.name} has no validation loss to compute "
                 "(its progress is the reward in each step's metrics); leave "
                 f"{'it' if len(given) == 1 else 'them'} out"
             )
         return False  # a dataset's own validation split is not read
     if own_validation and args.val_fraction > 0:
-        raise BadInputError(
+        raise ConflictError(
             f"val_fraction={args.val_fraction} would hold out training rows, but the dataset has "
             f"its own {own_validation.get('split', 'validation')} split "
             f"({own_validation.get('rows', '?')} rows), which the trainer evaluates on: "
@@ -385,12 +392,12 @@ def _check_validation(args: TrainArgs, own_validation: dict | None) -> bool:
         )
     has_validation = args.val_fraction > 0 or bool(own_validation)
     if not has_validation and args.keep_best:
-        raise BadInputError(
+        raise ConflictError(
             "keep_best=true needs a validation split, and this run has none: set val_fraction "
             "(for example val_fraction=0.05) or give a dataset with a validation split"
         )
     if not has_validation and args.eval_every_steps:
-        raise BadInputError(
+        raise ConflictError(
             f"eval_every_steps={args.eval_every_steps} needs a validation split, and this run "
             "has none: set val_fraction (for example val_fraction=0.05) or give a dataset with a "
             "validation split"

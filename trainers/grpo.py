@@ -40,7 +40,7 @@ from torchtune.data import Message
 from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.peft import disable_adapter
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import ConflictError
 from tunepack.trainers import rewards, vocab_loss
 from tunepack.trainers.rewards import Sample, Weighted
 
@@ -93,7 +93,7 @@ class PromptDataset(Dataset):
                 messages.append(Message("assistant", ""))
                 tokens, _ = tokenizer.tokenize_messages(messages, add_end_tokens=False)
                 if tokenizer.max_seq_len and len(tokens) > room:
-                    raise BadInputError(
+                    raise ConflictError(
                         f"row {index + 1} of the prompt dataset is {len(tokens)} tokens long, "
                         f"more than the {room} that max_seq_len={tokenizer.max_seq_len} leaves "
                         f"next to max_new_tokens={max_new_tokens}: raise max_seq_len, lower "

@@ -47,7 +47,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from tunepack.core import durable, lifetime, program, workspace
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadValueError, DoesNotFitError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 from tunepack.trainers.args import parse_args, resolve_args
@@ -81,7 +81,7 @@ def _positive_int(name: str, raw: str) -> int:
     except ValueError:
         value = 0
     if value < 1:
-        raise BadInputError(f"{name}={raw!r} is not valid: expected a positive integer")
+        raise BadValueError(f"{name}={raw!r} is not valid: expected a positive integer")
     return value
 
 
@@ -101,7 +101,7 @@ def layout_from_env(device: str) -> Layout:
     else:
         nproc = _positive_int("PET_NPROC_PER_NODE", raw_nproc)
     if device == "cuda" and nproc > _gpu_count():
-        raise BadInputError(
+        raise DoesNotFitError(
             f"PET_NPROC_PER_NODE={raw_nproc} asks for {nproc} processes, one per GPU, but this "
             f"node has {_gpu_count()} GPUs; set numProcPerNode to at most that (or auto)"
         )
@@ -110,13 +110,13 @@ def layout_from_env(device: str) -> Layout:
     except ValueError:
         node_rank = -1
     if not 0 <= node_rank < nnodes:
-        raise BadInputError(
+        raise BadValueError(
             f"PET_NODE_RANK={env.get('PET_NODE_RANK')!r} is not valid: expected 0 to {nnodes - 1}"
         )
     addr = env.get("PET_MASTER_ADDR") or "127.0.0.1"
     port = _positive_int("PET_MASTER_PORT", env.get("PET_MASTER_PORT") or "29500")
     if nnodes > 1 and not env.get("PET_MASTER_ADDR"):
-        raise BadInputError(f"PET_NNODES={nnodes} but PET_MASTER_ADDR is not set")
+        raise BadValueError(f"PET_NNODES={nnodes} but PET_MASTER_ADDR is not set")
     return Layout(nnodes, nproc, node_rank, addr, port)
 
 
@@ -145,7 +145,7 @@ def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str
 def run(argv: list[str]) -> int:
     model_name = os.environ.get(workspace.MODEL_ENV)
     if not model_name:
-        raise BadInputError(
+        raise BadValueError(
             f"{workspace.MODEL_ENV} is not set: the runtime must name its catalog model"
         )
     # A bring-your-own runtime's model is the one the checkpoint's config.json describes.

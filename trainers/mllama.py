@@ -103,7 +103,7 @@ from torchtune.modules.model_fusion import (
 from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training import FullModelHFCheckpointer
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import UnsupportedError
 from tunepack.runtimes.mllama_config import (
     NUM_SPECIAL_TOKENS,
     fusion_positions,
@@ -127,7 +127,7 @@ def require_vision() -> None:
     try:
         import torchvision  # noqa: F401
     except ImportError:
-        raise BadInputError(
+        raise UnsupportedError(
             "Llama 3.2 Vision needs torchvision, which torchtune's vision modules import: "
             "install tunepack[vision] (pip install 'tunepack[vision]')"
         ) from None

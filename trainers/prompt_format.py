@@ -31,7 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import (
+    BadDatasetError,
+    BadInputError,
+    BadValueError,
+    ConflictError,
+    UnknownRuntimeError,
+    UnsupportedError,
+)
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, QWEN2_5_SYSTEM, formats_for
 
 # Markers the tokenizer resolves to its own BOS / EOS ids.
@@ -77,7 +84,7 @@ def _alternating(fmt: str, turns: list[tuple[int, Turn]]) -> None:
         expected = "user" if position % 2 == 0 else "assistant"
         if turn.role != expected:
             roles = "/".join(t.role for _, t in turns)
-            raise BadInputError(
+            raise BadDatasetError(
                 f"the {fmt} chat format needs turns alternating user/assistant after an optional "
                 f"system message, but a conversation has {roles}"
             )
@@ -185,7 +192,7 @@ def _llama3_2_vision(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     has_images = any(IMAGE_TOKEN in turn.content for _, turn in rest)
     out = [_tok(BOS)]
     if has_images and system is not None and system.content.strip():
-        raise BadInputError(
+        raise BadDatasetError(
             "the llama3.2-vision chat format refuses a system message in a conversation with "
             "images (as the published template does): drop the system message or system_prompt"
         )
@@ -207,7 +214,7 @@ def _llama3_2_vision(turns: Sequence[Turn], generation: bool) -> list[Piece]:
 def _gemma(turns: Sequence[Turn], generation: bool) -> list[Piece]:
     system, rest = _split_system(turns)
     if system is not None:
-        raise BadInputError(
+        raise BadDatasetError(
             "the gemma chat format has no system role (Gemma's published template refuses it), "
             "but a conversation starts with a system message: drop it, or fold it into the first "
             "user message"
@@ -356,7 +363,7 @@ class FormattedTokenizer:
 
     def __init__(self, base, chat_template: str, system_prompt: str | None = None):
         if chat_template not in FORMATS:
-            raise BadInputError(
+            raise BadValueError(
                 f"chat_template={chat_template!r} is not valid: expected one of "
                 f"{', '.join(FORMATS)}"
             )
@@ -381,7 +388,7 @@ class FormattedTokenizer:
         base = self._base
         if name == BOS:
             if base.bos_id is None:
-                raise BadInputError(
+                raise UnsupportedError(
                     f"the {self.chat_template} chat format starts with a BOS token, which this "
                     "model's tokenizer does not name (tokenizer_config.json bos_token or "
                     "config.json bos_token_id)"
@@ -400,7 +407,7 @@ class FormattedTokenizer:
             piece = spm.piece_to_id(name)
             if piece != spm.unk_id() and spm.id_to_piece(piece) == name:
                 return piece
-        raise BadInputError(
+        raise UnsupportedError(
             f"the {self.chat_template} chat format needs the token {name}, which this model's "
             "tokenizer does not have: pick the model's own chat_template"
         )
@@ -531,7 +538,7 @@ def build_tokenizer(
     from tunepack.runtimes.catalog import FAMILIES
 
     if family not in FAMILIES:
-        raise BadInputError(f"unknown model family {family!r}")
+        raise UnknownRuntimeError(f"unknown model family {family!r}")
     fmt = check_chat_template(family, chat_template)
     if checkpoint_tokenizer:
         from tunepack.trainers.checkpoint_tokenizer import CheckpointTokenizer
@@ -569,7 +576,7 @@ def check_conversations(path: Path, chat_template: str, system_prompt: str | Non
             try:
                 render(chat_template, turns)
             except BadInputError as error:
-                raise BadInputError(f"{path.name} row {number}: {error}") from None
+                raise BadDatasetError(f"{path.name} row {number}: {error}") from None
 
 
 def check_chat_template(family: str, chat_template: str | None) -> str:
@@ -579,7 +586,7 @@ def check_chat_template(family: str, chat_template: str | None) -> str:
     if chat_template in (None, "", "model"):
         return FAMILY_FORMAT[family]
     if chat_template not in allowed:
-        raise BadInputError(
+        raise BadValueError(
             f"chat_template={chat_template!r} is not valid for this model: expected model (its "
             f"own, {allowed[0]}) or one of {', '.join(allowed)}"
         )
@@ -597,23 +604,23 @@ _MARKUP = re.compile(
 def check_system_prompt(text: str, chat_template: str) -> str:
     """A default system message for ``chat_template``, refused in one line where unusable."""
     if not text.strip():
-        raise BadInputError(
+        raise BadValueError(
             f"system_prompt={text!r} is not valid: expected the text of a system message"
         )
     if len(text) > SYSTEM_PROMPT_MAX:
-        raise BadInputError(
+        raise BadValueError(
             f"system_prompt is {len(text)} characters long: expected at most {SYSTEM_PROMPT_MAX}"
         )
     if chat_template in NO_SYSTEM:
-        raise BadInputError(
+        raise ConflictError(
             f"system_prompt={text[:40]!r}: the {chat_template} chat format has no system role "
             "(the model's published template refuses one); leave system_prompt out"
         )
     if found := _MARKUP.search(text):
-        raise BadInputError(
+        raise BadValueError(
             f"system_prompt must not contain the special token {found.group(0)}: it would open "
             "or close a turn of the chat format; give plain text"
         )
     if any(ord(c) < 32 and c not in "\n\t" for c in text):
-        raise BadInputError("system_prompt must not contain control characters: give plain text")
+        raise BadValueError("system_prompt must not contain control characters: give plain text")
     return text

@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from torchtune.modules import TransformerDecoder
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import ConflictError, UnsupportedError
 from tunepack.runtimes.catalog import QWEN3_MOE_SIZES, expert_lora_obstacle
 from tunepack.trainers.decoder_parts import lora_decoder_args, sized
 from tunepack.trainers.moe import MoEFeedForward
@@ -62,9 +62,9 @@ def _decoder(
     if apply_lora_to_mlp and (
         obstacle := expert_lora_obstacle(kwargs.get("dropout", 0.0), kwargs.get("use_dora", False))
     ):
-        raise BadInputError(obstacle)
+        raise ConflictError(obstacle)
     if quantize_base:
-        raise BadInputError(
+        raise UnsupportedError(
             "quantize_base: Qwen3-MoE's experts are stacked weights that tunepack does not "
             "quantize to NF4; use method=lora"
         )

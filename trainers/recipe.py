@@ -53,7 +53,15 @@ from torchtune.modules.peft import (
 )
 
 from tunepack.core import durable, lifetime
-from tunepack.core.errors import BadInputError, TransientError, TunepackError
+from tunepack.core.errors import (
+    BadDatasetError,
+    BadInputError,
+    ConflictError,
+    DoesNotFitError,
+    NonFiniteLossError,
+    StoppedError,
+    TunepackError,
+)
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
 from tunepack.runtimes import methods, planner
 from tunepack.runtimes.methods import Loss
@@ -97,14 +105,6 @@ VALIDATION_SEED = 0x5EED
 # reference): ``forward`` gives a micro-batch's summed loss and its count (pairs, answers) and
 # leaves the sums its ``metrics`` are made of in ``batch_stats``.
 Objective = dpo.DPO | orpo.ORPO | kto.KTO | grpo.GRPO
-
-
-class NonFiniteLoss(TransientError):
-    """The loss became NaN or infinite after some steps: the run stops before applying it."""
-
-
-class Stopped(TransientError):
-    """The process was asked to stop (SIGTERM: pod eviction, preemption) and has checkpointed."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ class FineTuneRecipe:
         # Micro-batches that make whole optimizer steps; a ragged remainder is left out.
         self.steps_per_epoch = len(self.dataloader) // cfg.gradient_accumulation_steps
         if self.steps_per_epoch == 0:
-            raise BadInputError(
+            raise ConflictError(
                 f"the dataset has {len(self.dataloader.dataset)} examples, fewer than one "
                 f"optimizer step needs ({self.topo.world_size} processes x batch_size="
                 f"{cfg.batch_size} x grad_accum={cfg.gradient_accumulation_steps}); "
@@ -389,7 +389,7 @@ class FineTuneRecipe:
         # Unpacked here: packing (below) comes after the validation rows are set aside.
         dataset = config.instantiate(cfg.dataset, self.tokenizer, packed=False)
         if len(dataset) == 0:
-            raise BadInputError(f"the dataset in {cfg.dataset.data_files} has no examples")
+            raise BadDatasetError(f"the dataset in {cfg.dataset.data_files} has no examples")
         # Each row's length before max_seq_len cuts it: said once, and the sampler's lengths.
         with self.tokenizer.untruncated():
             if isinstance(dataset, vision_data.ImageChatDataset):  # tokens only, no images
@@ -414,7 +414,7 @@ class FineTuneRecipe:
         elif self.method.data is methods.PROMPTS:
             collate = grpo.collate
             if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
-                raise BadInputError(problem)
+                raise BadDatasetError(problem)
         elif cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
             collate = partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
         else:
@@ -459,7 +459,7 @@ class FineTuneRecipe:
         size = len(dataset)
         n_val = max(1, round(size * fraction))
         if size - n_val < 1:
-            raise BadInputError(
+            raise ConflictError(
                 f"val_fraction={fraction} leaves no training rows of the dataset's {size}: "
                 "lower val_fraction or add data"
             )
@@ -793,7 +793,7 @@ class FineTuneRecipe:
             self.save_checkpoint()
             attempt.last_checkpoint = time.monotonic()
         if step.stop:
-            raise Stopped(
+            raise StoppedError(
                 f"asked to stop (SIGTERM); checkpoint of step {progress.step} written, a restart "
                 "resumes from it"
             )
@@ -811,7 +811,7 @@ class FineTuneRecipe:
                 f"the loss is {loss} at the first step, before any update: check the base model's "
                 "weights, the data and the arguments (dtype, max_seq_len); nothing was published"
             )
-        raise NonFiniteLoss(
+        raise NonFiniteLossError(
             f"the loss became {loss} at step {done + 1} (the step before: "
             f"{self.progress.last_loss}): training diverged; lower lr (now "
             f"{self.cfg.optimizer.lr}) or raise warmup_steps; nothing was published"
@@ -1182,7 +1182,7 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
         if not isinstance(err, torch.OutOfMemoryError):
             raise
         step = f" with the step {recipe.step.describe()}" if recipe.step else ""
-        raise BadInputError(
+        raise DoesNotFitError(
             f"out of memory on {recipe.device}{step}: lower batch_size or max_seq_len (raise "
             "grad_accum to keep the effective batch), or set activation_checkpointing=true and "
             f"loss_chunk={planner.LOSS_EFFICIENT_ROWS} (less memory, slower steps); {err}"

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, BadValueError
 
 PLUGIN_GROUP = "tunepack.rewards"
 PATTERN_MAX = 500  # characters of reward_pattern
@@ -123,7 +123,7 @@ class Weighted:
 def parse(key: str, raw: str) -> tuple[Weighted, ...]:
     """``rewards=match,format:0.5`` as (name, weight) pairs; names are checked for shape here and
     resolved (built-in or installed plugin) when the trainer starts (``resolve``)."""
-    bad = BadInputError(f"{key}={raw!r} is not valid: expected {EXPECTED}")
+    bad = BadValueError(f"{key}={raw!r} is not valid: expected {EXPECTED}")
     parts = [part.strip() for part in raw.split(",")]
     if not raw.strip() or any(not part for part in parts):
         raise bad
@@ -137,11 +137,11 @@ def parse(key: str, raw: str) -> tuple[Weighted, ...]:
         except ValueError:
             raise bad from None
         if not math.isfinite(value) or value == 0:
-            raise BadInputError(
+            raise BadValueError(
                 f"{key}={raw!r} is not valid: the weight of {name!r} must be a non-zero number"
             )
         if any(w.name == name for w in chosen):
-            raise BadInputError(f"{key}={raw!r} is not valid: {name!r} is named twice")
+            raise BadValueError(f"{key}={raw!r} is not valid: {name!r} is named twice")
         chosen.append(Weighted(name, value))
     return tuple(chosen)
 
@@ -153,14 +153,14 @@ def spelled(rewards: tuple[Weighted, ...]) -> str:
 
 def parse_pattern(key: str, raw: str) -> str:
     if len(raw) > PATTERN_MAX:
-        raise BadInputError(
+        raise BadValueError(
             f"{key}={raw!r} is not valid: expected a regular expression of at most "
             f"{PATTERN_MAX} characters"
         )
     try:
         re.compile(raw)
     except re.error as err:
-        raise BadInputError(
+        raise BadValueError(
             f"{key}={raw!r} is not valid: expected a Python regular expression ({err})"
         ) from None
     return raw
@@ -183,7 +183,7 @@ def resolve(rewards: tuple[Weighted, ...]) -> list[tuple[Weighted, Reward]]:
         entry = installed.get(weighted.name)
         if entry is None:
             have = ", ".join([*BUILT_IN, *sorted(installed)])
-            raise BadInputError(
+            raise BadValueError(
                 f"rewards: {weighted.name!r} is neither a built-in reward nor an installed "
                 f"plugin (entry point group {PLUGIN_GROUP!r}): expected one of {have}"
             )

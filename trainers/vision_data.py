@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadDatasetError, BadModelError, ConflictError
 from tunepack.trainers.prompt_format import IMAGE_TOKEN, Turn, render
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -73,27 +73,27 @@ def image_settings(model_dir: Path, config: dict) -> ImageSettings:
         try:
             pre = json.loads(path.read_text(encoding="utf-8"))
         except ValueError as error:
-            raise BadInputError(f"{path} is not valid JSON ({error})") from None
+            raise BadModelError(f"{path} is not valid JSON ({error})") from None
     size = pre.get("size") or {}
     if size and (size.get("height") != tile or size.get("width") != tile):
-        raise BadInputError(
+        raise BadModelError(
             f"{path}: size {size} differs from vision_config.image_size {tile} of config.json; "
             "the tiles the model reads are image_size pixels square"
         )
     if pre.get("max_image_tiles", tiles) != tiles:
-        raise BadInputError(
+        raise BadModelError(
             f"{path}: max_image_tiles {pre['max_image_tiles']} differs from "
             f"vision_config.max_num_tiles {tiles} of config.json"
         )
     resample = pre.get("resample", 2)
     if resample not in _RESAMPLE:
-        raise BadInputError(
+        raise BadModelError(
             f"{path}: resample {resample!r} is not one tunepack reproduces (2: bilinear, "
             "3: bicubic)"
         )
     for flag in ("do_resize", "do_rescale", "do_normalize", "do_pad"):
         if pre.get(flag, True) is not True:
-            raise BadInputError(
+            raise BadModelError(
                 f"{path}: {flag}={pre[flag]!r}; tunepack processes images with it on"
             )
     return ImageSettings(
@@ -198,14 +198,14 @@ class ImageChatDataset(Dataset):
             try:
                 picture = load_image(root / name)
             except (OSError, ValueError) as error:
-                raise BadInputError(
+                raise BadDatasetError(
                     f"row {number} of {root}: cannot read its image {name} ({error})"
                 ) from None
             tiles = self.transform({"image": picture})
             images.append(tiles["image"])
             ratios.append(tiles["aspect_ratio"])
         if len(images) != kept:
-            raise BadInputError(
+            raise BadDatasetError(
                 f"row {number} of {root}: {kept} image places in its messages, "
                 f"{len(row.get('images', []))} images"
             )
@@ -228,7 +228,7 @@ def image_chat_dataset(
 ) -> ImageChatDataset:
     """The recipe's dataset builder for ``image_chat`` (``packed`` is refused earlier)."""
     if packed:
-        raise BadInputError("packed=true cannot join rows that carry images; leave it out")
+        raise ConflictError("packed=true cannot join rows that carry images; leave it out")
     return ImageChatDataset(tokenizer, list(data_files), dict(image), train_on_input)
 
 

@@ -18,12 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tunepack.core import durable
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError, BadValueError, NoObjectsError, NotFoundError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import atomic, uri
 from tunepack.initializers.export import MANIFEST_KIND, SCHEMES
 from tunepack.initializers.retry import retrying
-from tunepack.initializers.sources import NotFoundError
 from tunepack.initializers.transfer_progress import human_bytes
 
 Log = Callable[[str], None]
@@ -36,24 +35,24 @@ def parse(raw: str) -> uri.StorageUri:
     raw = (raw or "").strip()
     shown = uri.redact(raw)
     if not raw:
-        raise BadInputError(f"the export destination is empty; expected {SCHEMES}")
+        raise BadValueError(f"the export destination is empty; expected {SCHEMES}")
     scheme = raw.partition("://")[0].lower() if "://" in raw else "file"
     if scheme not in _SINKS:
-        raise BadInputError(
+        raise BadValueError(
             f"cannot export to {shown!r}: expected {SCHEMES} (https:// is read-only)"
         )
     parsed = uri.parse(raw)
     if parsed.scheme == "file" and parsed.options:
-        raise BadInputError(f"export path {shown!r} has a query; write a plain directory path")
+        raise BadValueError(f"export path {shown!r} has a query; write a plain directory path")
     if parsed.scheme == "hf":
         segments = parsed.location.split("/")
         if segments[0] in ("datasets", "models") or len(segments) != 2 or parsed.options:
-            raise BadInputError(
+            raise BadValueError(
                 f"cannot export to {shown!r}: a result goes to a model repository, written "
                 "hf://org/name (or hf://org/name@branch), with no sub-path or options"
             )
     if parsed.scheme == "s3" and not parsed.location.partition("/")[2].strip("/"):
-        raise BadInputError(
+        raise BadValueError(
             f"export URI {shown!r} names no prefix; write s3://bucket/prefix so the result "
             "has a directory of its own"
         )
@@ -110,7 +109,7 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
         files = {rel: source_dir / rel for rel in manifest["files"]}
         for rel, path in files.items():
             if not path.is_file():
-                raise BadInputError(f"{parsed.display!r} lists {rel}, which is missing there")
+                raise NotFoundError(f"{parsed.display!r} lists {rel}, which is missing there")
         known = {}
     else:
         cache = dest.with_name(f".{dest.name}.tunepack-download")
@@ -124,7 +123,7 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
             source.api = HfApi(endpoint=source.endpoint, token=source._auth)
         try:
             listing = retrying(f"listing {parsed.display!r}", source.list, log)
-        except NotFoundError:
+        except NoObjectsError:
             _check_manifest(None, parsed.display)  # an empty prefix: no export there
         by_path = {f.path: f for f in listing.files}
         if MANIFEST_FILE not in by_path:
@@ -141,7 +140,7 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
         for rel, record in manifest["files"].items():
             listed = by_path.get(rel)
             if listed is None:
-                raise BadInputError(
+                raise NotFoundError(
                     f"{parsed.display!r} lists {rel} in its manifest, but the file is not "
                     "there; export the result again"
                 )
@@ -159,7 +158,7 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
             record = manifest["files"][rel]
             sha256 = known.get(rel) or atomic.sha256_file(target)
             if target.stat().st_size != record["size"] or sha256 != record["sha256"]:
-                raise BadInputError(
+                raise BadModelError(
                     f"{rel} from {parsed.display!r} does not match its manifest (size or "
                     "sha256); export the result again"
                 )
@@ -176,17 +175,17 @@ def _check_manifest(manifest: dict | None, shown: str) -> None:
     from tunepack.initializers.download import safe_relpath
 
     if manifest is None:
-        raise BadInputError(
+        raise NotFoundError(
             f"{shown!r} holds no complete tunepack export (no {MANIFEST_FILE}): the export did "
             "not finish, or it was never made; run the export again"
         )
     files = manifest.get("files")
     if manifest.get("kind") != MANIFEST_KIND or not isinstance(files, dict) or not files:
-        raise BadInputError(f"{shown!r} holds a {MANIFEST_FILE} that is not an export's")
+        raise BadModelError(f"{shown!r} holds a {MANIFEST_FILE} that is not an export's")
     for rel, record in files.items():
         safe_relpath(rel, shown)
         if not isinstance(record, dict) or not {"size", "sha256"} <= set(record):
-            raise BadInputError(f"{shown!r}: the manifest entry of {rel} is malformed")
+            raise BadModelError(f"{shown!r}: the manifest entry of {rel} is malformed")
 
 
 def _already(dest: Path, manifest: dict) -> bool:

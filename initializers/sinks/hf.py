@@ -20,7 +20,13 @@ from huggingface_hub.utils import (
     hf_raise_for_status,
 )
 
-from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.errors import (
+    BadInputError,
+    BadValueError,
+    DeniedError,
+    NotFoundError,
+    TransientError,
+)
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import uri
 from tunepack.initializers.export import PRIVATE_ENV, LocalFile, manifest_bytes, same_export
@@ -39,7 +45,7 @@ def _private() -> bool:
         return True
     if raw in ("false", "0", "no"):
         return False
-    raise BadInputError(f"{PRIVATE_ENV}={raw!r} is not valid: expected true or false")
+    raise BadValueError(f"{PRIVATE_ENV}={raw!r} is not valid: expected true or false")
 
 
 def hub_endpoint() -> str:
@@ -107,7 +113,7 @@ class Sink(RemoteCalls):
         """Send the export; False when the destination held it already (nothing sent)."""
         disable_progress_bars()  # a Pod's log is a pipe, not a terminal
         if not self.token:
-            raise BadInputError(
+            raise DeniedError(
                 f"exporting to {self.display!r} needs a hub token with write access; "
                 f"{hub_source.TOKEN_HINT}"
             )
@@ -212,17 +218,17 @@ class Sink(RemoteCalls):
         status = error.response.status_code if error.response is not None else None
         hint = hub_source.TOKEN_HINT
         if status == 401:
-            return BadInputError(
+            return DeniedError(
                 f"the hub rejected the token given for {self.display!r} (401 Unauthorized); "
                 f"create a token with write access and {hint}"
             )
         if status == 403:
-            return BadInputError(
+            return DeniedError(
                 f"the hub denied writing to {self.what} (403 Forbidden); give the token write "
                 f"access to {self.repo_id.split('/')[0]!r} and {hint}"
             )
         if isinstance(error, RepositoryNotFoundError) or status == 404:
-            return BadInputError(
+            return NotFoundError(
                 f"{self.what} was not found and could not be created with the token given; "
                 f"check the name in {self.display!r} and the token's permissions"
             )

@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 
-from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.errors import BadValueError, TransientError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import s3, uri
 from tunepack.initializers.export import LocalFile, manifest_bytes, same_export
@@ -30,7 +30,7 @@ def _part_size() -> int:
     if not raw:
         return DEFAULT_PART_MB << 20
     if not raw.isdigit() or int(raw) < MIN_PART_MB:
-        raise BadInputError(
+        raise BadValueError(
             f"{PART_SIZE_ENV}={raw!r} is not valid: expected a whole number of MiB, at least "
             f"{MIN_PART_MB}"
         )

@@ -13,13 +13,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from tunepack.core.errors import BadInputError
 from tunepack.initializers.uri import StorageUri
-
-
-class NotFoundError(BadInputError):
-    """The URI names nothing there (an empty s3:// prefix, a missing object). Typed so that
-    fetching an export tells "no export there" from every other bad input."""
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx2
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.initializers.retry import Retryable
 
 TIMEOUT_ENV = "TUNEPACK_HTTP_TIMEOUT_SECONDS"
@@ -24,7 +24,7 @@ def timeout() -> httpx2.Timeout:
     try:
         read = float(raw) if raw else DEFAULT_READ_TIMEOUT
     except ValueError:
-        raise BadInputError(
+        raise BadValueError(
             f"{TIMEOUT_ENV}={raw!r} is not valid: expected a number of seconds"
         ) from None
     return httpx2.Timeout(read, connect=min(CONNECT_TIMEOUT, read))

@@ -30,7 +30,14 @@ from huggingface_hub.utils import (
     validate_repo_id,
 )
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import (
+    BadInputError,
+    BadValueError,
+    ConflictError,
+    DeniedError,
+    NotFoundError,
+    UnknownKeyError,
+)
 from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
 from tunepack.initializers.uri import StorageUri, redact
@@ -45,11 +52,11 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     shown = redact(raw)
     rest, _, query = rest.partition("?")
     if "#" in rest or "#" in query:
-        raise BadInputError(f"hub URI {shown!r} has a '#' fragment, which hf:// does not use")
+        raise BadValueError(f"hub URI {shown!r} has a '#' fragment, which hf:// does not use")
     body, at, revision = rest.partition("@")
     revision = unquote(revision)
     if at and not revision:
-        raise BadInputError(
+        raise BadValueError(
             f"hub URI {shown!r} ends with '@' but names no revision; write "
             f"hf://org/name@<branch, tag or commit> or leave out the '@'"
         )
@@ -58,7 +65,7 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     if prefix:
         segments = segments[1:]
     if len(segments) < 2:
-        raise BadInputError(
+        raise BadValueError(
             f"hub URI {shown!r} does not name a repository; write hf://org/name for a model "
             f"or hf://datasets/org/name for a dataset"
         )
@@ -66,14 +73,14 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise BadInputError(
+        raise BadValueError(
             f"hub URI {shown!r} names {repo_id!r}, which is not a valid repository id "
             f"(letters, digits, '-', '_' and '.', at most 96 characters per part)"
         ) from None
     options = dict(parse_qsl(query, keep_blank_values=True))
     unknown = sorted(set(options) - _OPTIONS)
     if unknown:
-        raise BadInputError(
+        raise UnknownKeyError(
             f"hub URI {shown!r} has unknown option {unknown[0]!r}; the only option is "
             f"?split=<name> for datasets"
         )
@@ -134,7 +141,7 @@ class Source(RemoteSource):
         except Exception as error:  # noqa: BLE001 - mapped or re-raised below
             raise self._problem(error) from None
         if self.token is None and getattr(info, "gated", False):
-            raise BadInputError(
+            raise DeniedError(
                 f"{self.what} is gated and no token was given: accept its terms on "
                 f"{self.endpoint}/{self._web_path()} with your account, then {TOKEN_HINT}"
             )
@@ -152,7 +159,7 @@ class Source(RemoteSource):
         ]
         if not listed:
             where = f"under {self.subpath!r} " if self.subpath else ""
-            raise BadInputError(
+            raise NotFoundError(
                 f"{self.what} has no files {where}at revision {self.revision!r}; check the "
                 f"path in {self.uri.display!r}"
             )
@@ -204,7 +211,7 @@ class Source(RemoteSource):
         if isinstance(error, httpx2.TransportError):
             return _http.transport_problem(error)
         if isinstance(error, OfflineModeIsEnabled):
-            return BadInputError(
+            return ConflictError(
                 f"HF_HUB_OFFLINE is set, so {self.what} cannot be downloaded; unset it for the "
                 f"model and dataset initializers"
             )
@@ -213,38 +220,38 @@ class Source(RemoteSource):
         status = error.response.status_code if error.response is not None else None
         with_token = "the token given" if self.token else "no token"
         if isinstance(error, GatedRepoError):
-            return BadInputError(
+            return DeniedError(
                 f"{self.what} is gated and {with_token} has access to it: accept its terms on "
                 f"{self.endpoint}/{self._web_path()} with the token's account"
                 + ("" if self.token else f", then {TOKEN_HINT}")
             )
         if isinstance(error, RevisionNotFoundError):
-            return BadInputError(
+            return NotFoundError(
                 f"revision {self.revision!r} of {self.what} does not exist; use one of its "
                 f"branches, tags or commits in {self.uri.display!r}"
             )
         if isinstance(error, RemoteEntryNotFoundError):
-            return BadInputError(
+            return NotFoundError(
                 f"{path or 'a listed file'} disappeared from {self.what} during the download; "
                 f"pin a commit with @<revision> in {self.uri.display!r}"
             )
         if isinstance(error, RepositoryNotFoundError) or status == 404:
             if self.token:
-                return BadInputError(
+                return NotFoundError(
                     f"{self.what} was not found, or the token given cannot read it; check the "
                     f"name in {self.uri.display!r} and the token's permissions"
                 )
-            return BadInputError(
+            return NotFoundError(
                 f"{self.what} was not found, or it is private and no token was given; check "
                 f"the name in {self.uri.display!r}, or {TOKEN_HINT}"
             )
         if status == 401:
-            return BadInputError(
+            return DeniedError(
                 f"the hub rejected the token given for {self.what} (401 Unauthorized); "
                 f"create a new read token and {TOKEN_HINT}"
             )
         if status == 403:
-            return BadInputError(
+            return DeniedError(
                 f"the hub denied access to {self.what} (403 Forbidden); give the token read "
                 f"permission on it and {TOKEN_HINT}"
             )

@@ -21,7 +21,14 @@ from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import httpx2
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import (
+    BadInputError,
+    BadValueError,
+    ConflictError,
+    DeniedError,
+    NotFoundError,
+    UnknownKeyError,
+)
 from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
 from tunepack.initializers.uri import (
@@ -43,18 +50,18 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
         host = parts.hostname
         parts.port  # noqa: B018 - raises ValueError on a malformed port
     except ValueError:
-        raise BadInputError(f"URL {shown!r} is malformed; write https://host/path") from None
+        raise BadValueError(f"URL {shown!r} is malformed; write https://host/path") from None
     if not host:
-        raise BadInputError(f"URL {shown!r} has no host; write https://host/path")
+        raise BadValueError(f"URL {shown!r} has no host; write https://host/path")
     if scheme == "http" and not _is_loopback(host):
-        raise BadInputError(
+        raise BadValueError(
             f"URL {shown!r} uses plain http://, which tunepack accepts only for loopback test "
             f"servers (127.0.0.1, localhost, ::1); use https://"
         )
     options = dict(parse_qsl(parts.fragment, keep_blank_values=True))
     unknown = sorted(set(options) - _FRAGMENT_KEYS)
     if unknown:
-        raise BadInputError(
+        raise UnknownKeyError(
             f"URL {shown!r} has fragment key {unknown[0]!r}; the fragment may only carry "
             f"sha256=<hex> and size=<bytes>"
         )
@@ -62,12 +69,12 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     if env_sha and "sha256" not in options:
         options["sha256"] = env_sha
     if "sha256" in options and not _HEX64.match(options["sha256"]):
-        raise BadInputError(
+        raise BadValueError(
             f"the sha256 given for {shown!r} is not 64 hexadecimal digits; copy it from "
             f"`sha256sum <file>`"
         )
     if "size" in options and not options["size"].isdigit():
-        raise BadInputError(f"the size given for {shown!r} is not a number of bytes")
+        raise BadValueError(f"the size given for {shown!r} is not a number of bytes")
     return StorageUri(raw=raw, scheme=scheme, location=rest, options=options)
 
 
@@ -114,7 +121,7 @@ class Source(RemoteSource):
         except httpx2.TransportError as error:
             raise _http.transport_problem(error) from None
         if self.size is not None and size is not None and size != self.size:
-            raise BadInputError(
+            raise ConflictError(
                 f"{self.uri.display!r} is {size} bytes, but size={self.size} was given; check "
                 f"the URL or the expected size"
             )
@@ -156,13 +163,13 @@ class Source(RemoteSource):
             return
         shown = self.uri.display
         if status in (401, 403):
-            raise BadInputError(
+            raise DeniedError(
                 f"{shown!r} answered {status} ({response.reason_phrase}): access denied; check "
                 f"{HTTPS_USERNAME_ENV} and {HTTPS_PASSWORD_ENV} (or the credentials in the URL), "
                 "or whether a presigned URL has expired"
             )
         if status in (404, 410):
-            raise BadInputError(f"{shown!r} answered {status}: no such file; check the URL")
+            raise NotFoundError(f"{shown!r} answered {status}: no such file; check the URL")
         if status in _http.RETRYABLE_STATUS:
             raise Retryable(f"the server answered HTTP {status}")
         raise BadInputError(f"{shown!r} answered HTTP {status}; check the URL")

@@ -11,9 +11,9 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, NoObjectsError
 from tunepack.initializers import s3
-from tunepack.initializers.sources import Body, Listing, NotFoundError, RemoteFile, RemoteSource
+from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource
 from tunepack.initializers.uri import StorageUri, redact
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -24,13 +24,13 @@ _CHUNK = 1 << 20
 def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     shown = redact(raw)
     if "?" in rest or "#" in rest:
-        raise BadInputError(
+        raise BadValueError(
             f"S3 URI {shown!r} has a query or fragment, which s3:// does not use; write "
             f"s3://bucket/prefix"
         )
     bucket, _, prefix = rest.partition("/")
     if not _BUCKET_RE.match(bucket) or ".." in bucket:
-        raise BadInputError(
+        raise BadValueError(
             f"S3 URI {shown!r} names bucket {bucket!r}, which is not a valid bucket name "
             f"(3-63 lowercase letters, digits, '.' and '-'); write s3://bucket/prefix"
         )
@@ -64,7 +64,7 @@ class Source(RemoteSource):
         except Exception as error:  # noqa: BLE001 - mapped or re-raised below
             raise self._problem(error) from None
         if not files:
-            raise NotFoundError(
+            raise NoObjectsError(
                 f"S3 URI {self.uri.display!r} matches no objects; check the bucket and prefix"
             )
         return Listing(files, facts={"bucket": self.bucket, "prefix": self.prefix})

@@ -24,7 +24,7 @@ from kubeflow_trainer_api import models
 from tunepack.backends import scheduling
 from tunepack.backends.api_errors import api_message, api_status
 from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer
-from tunepack.core.errors import BadInputError, NotAvailableError
+from tunepack.core.errors import BadValueError, GangNotPlaced, NotAvailableError, UnsupportedError
 from tunepack.core.workspace import ADAPTER_DIR, MODEL_DIR, OUTPUT_DIR, in_pod
 from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
@@ -244,7 +244,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         if not options:
             return {}
         if not isinstance(options, list | tuple):
-            raise BadInputError(
+            raise BadValueError(
                 f"options must be a list, e.g. options=[Labels({{...}})], got {options!r}"
             )
         supported = ", ".join(o.__name__ for o in SUPPORTED_OPTIONS)
@@ -252,7 +252,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             if not isinstance(option, SUPPORTED_OPTIONS):
                 kind = type(option).__name__
                 why = _WHY_NOT.get(kind, "tunepack builds these TrainJobs itself")
-                raise BadInputError(
+                raise UnsupportedError(
                     f"option {kind} cannot be used with tunepack runtimes: {why}. "
                     f"Supported options: {supported}"
                 )
@@ -261,7 +261,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             try:
                 option(job_spec, trainer, self)
             except ValueError as err:
-                raise BadInputError(f"option {type(option).__name__}: {err}") from None
+                raise BadValueError(f"option {type(option).__name__}: {err}") from None
         metadata, spec = job_spec.get("metadata", {}), job_spec.get("spec", {})
         return {
             "name": metadata.get("name"),
@@ -338,12 +338,12 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
     ):
         """As the SDK's, but a gang that the scheduler could not place whole within its
         PodGroup's scheduleTimeoutSeconds ends the wait with the scheduler's reason
-        (``scheduling.GangNotPlaced``, a TimeoutError) instead of the wait's own timeout."""
+        (``GangNotPlaced``, a TimeoutError) instead of the wait's own timeout."""
 
         def gang_overdue(job) -> None:
             waiting = self._unscheduled.get(name)
             if waiting is not None and waiting.overdue:
-                raise scheduling.GangNotPlaced(name, waiting)
+                raise GangNotPlaced(name, waiting)
 
         self._unscheduled.pop(name, None)
         return super().wait_for_job_status(

@@ -63,19 +63,6 @@ class NotStarting:
         return f"not starting: pod {self.pod}, container {self.container}: {said}{hint}"
 
 
-class GangNotPlaced(TimeoutError):
-    """``wait_for_job_status`` gave up on a gang that could not be placed whole in time."""
-
-    def __init__(self, name: str, waiting: Unscheduled) -> None:
-        super().__init__(
-            f"TrainJob {name} could not be placed whole within its gang's "
-            f"{waiting.gang_timeout} s (pod {waiting.pod}: {waiting.reason}); it stays queued "
-            "until the nodes it needs are free: free them, ask for fewer nodes or GPUs, or "
-            "delete it"
-        )
-        self.waiting = waiting
-
-
 def pending(core_api, custom_api, namespace: str, name: str) -> Unscheduled | NotStarting | None:
     """Why a pod of TrainJob ``name`` is Pending: the scheduler's refusal first (``Unscheduled``),
     else a placed pod's container that cannot start (``NotStarting``); None if neither."""

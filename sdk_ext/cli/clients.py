@@ -26,10 +26,10 @@ def local_client(ns: argparse.Namespace):
     """``TrainingClient(LocalBackendConfig(root_dir=..., gpu=..., memory_check=...))``."""
     from tunepack.backends.local import LocalBackendConfig
     from tunepack.client import TrainingClient
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import BadValueError
 
     if ns.jobs_dir is not None and not ns.jobs_dir.strip():
-        raise BadInputError(
+        raise BadValueError(
             "--jobs-dir is empty; give a directory, or leave --jobs-dir out for the default "
             "($TUNEPACK_HOME/jobs or ~/.tunepack/jobs)"
         )
@@ -38,7 +38,7 @@ def local_client(ns: argparse.Namespace):
     root = client.backend.root
     if os.path.exists(root) and not os.path.isdir(root):  # False if unreadable
         given = f"--jobs-dir {ns.jobs_dir}" if ns.jobs_dir else f"the jobs dir {root}"
-        raise BadInputError(
+        raise BadValueError(
             f"{given} is a file, not a directory; give a directory for the local jobs (or set "
             "TUNEPACK_HOME)"
         )
@@ -48,12 +48,12 @@ def local_client(ns: argparse.Namespace):
 def complete_job(client, name: str, has_no: str):
     """``client.get_job(name)``, or BadInputError when the job has not completed: it has no
     ``has_no`` (``result``, ``result to serve``), yet or ever."""
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import ConflictError
 
     job = client.get_job(name)
     if job.status != "Complete":
         message = f": {job.message}" if getattr(job, "message", None) else ""
-        raise BadInputError(
+        raise ConflictError(
             f"TrainJob {name} is {job.status}, not Complete{message}; it has no {has_no}"
             + (" yet (tunepack status)" if job.status != "Failed" else "")
         )

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.errors import BadValueError, TransientError
 
 DEFAULT_KUBECONFIG = "~/.kube/config"
 PROBE_TIMEOUT_S = 5.0
@@ -124,13 +124,13 @@ def check_cluster(context: str | None = None, *, local_option: bool = True) -> s
             )
         except ConfigException as err:
             reason = str(err).rstrip(".")
-            raise BadInputError(
+            raise BadValueError(
                 f"invalid Kubernetes configuration in {source}: {reason}; fix the file, or "
                 f"choose a context that exists with --context{alternative}"
             ) from None
         except (OSError, ValueError, AttributeError, TypeError, yaml.YAMLError) as err:
             # Unreadable, not YAML, or YAML that is not a kubeconfig mapping.
-            raise BadInputError(
+            raise BadValueError(
                 f"cannot read the Kubernetes configuration {source}: {_yaml_reason(err)}; fix the "
                 f"file or point KUBECONFIG at a valid kubeconfig{alternative}"
             ) from None
@@ -138,9 +138,9 @@ def check_cluster(context: str | None = None, *, local_option: bool = True) -> s
         try:
             config.load_incluster_config(client_configuration=configuration)
         except ConfigException as err:
-            raise BadInputError(f"invalid in-cluster Kubernetes configuration: {err}") from None
+            raise BadValueError(f"invalid in-cluster Kubernetes configuration: {err}") from None
     else:
-        raise BadInputError(no_configuration_message(alternative))
+        raise BadValueError(no_configuration_message(alternative))
     server = configuration.host
     last_server = server
     if not configuration.proxy:

@@ -67,7 +67,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     from kubeflow.trainer.constants import constants as kc
 
     from tunepack.backends.base import sdk_step
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import NotFoundError
 
     client = clients.client(ns)
     job = client.get_job(ns.name)
@@ -78,7 +78,7 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     steps += [f"{kc.NODE}-{i}" for i in range(job.num_nodes or 1)]
     step = sdk_step(ns.step, steps)  # node: node-0 of a one-node job, as the console says
     if step not in steps:
-        raise BadInputError(
+        raise NotFoundError(
             f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} (--step)"
         )
     for line in client.get_job_logs(ns.name, follow=ns.follow, step=step):
@@ -112,12 +112,12 @@ def cmd_download(ns: argparse.Namespace) -> int:
     if _names_an_export(ns.name):
         fetch_export(ns.name, Path(ns.dir), log)
         return 0
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import ConflictError
 
     client = clients.client(ns)
     job = client.get_job(ns.name)
     if job.status != "Complete":
-        raise BadInputError(
+        raise ConflictError(
             f"TrainJob {ns.name} is {job.status}, not Complete; it has no exported result"
             + (" yet (tunepack status)" if job.status != "Failed" else "")
         )
@@ -138,12 +138,12 @@ def _names_an_export(name: str) -> bool:
 
 
 def cmd_delete(ns: argparse.Namespace) -> int:
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import UnsupportedError
     from tunepack.runtimes.contract import workspace_pvc
 
     if not ns.local:
         if ns.workspace_too:
-            raise BadInputError(
+            raise UnsupportedError(
                 f"--workspace-too is for local jobs; on a cluster the workspace is the PVC "
                 f"{workspace_pvc(ns.name)}: kubectl delete pvc {workspace_pvc(ns.name)}"
             )

@@ -104,10 +104,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage mistake reported like any other bad input: one line, exit 65."""
 
     def error(self, message: str):
-        from tunepack.core.errors import BadInputError
+        from tunepack.core.errors import BadValueError, UnknownKeyError
 
         hint = _flag_for_an_argument(message)
-        raise BadInputError(f"{message} ({hint or f'see `{self.prog} --help`'})")
+        # argparse tells an option it does not know only by its words; any other usage mistake
+        # (a missing argument, an invalid choice or value) is a bad value.
+        unknown = message.startswith("unrecognized arguments")
+        kind = UnknownKeyError if unknown else BadValueError
+        raise kind(f"{message} ({hint or f'see `{self.prog} --help`'})")
 
 
 def _flag_for_an_argument(message: str) -> str | None:

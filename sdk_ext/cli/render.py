@@ -53,7 +53,7 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
 
 
 def cmd_render_serving(ns: argparse.Namespace) -> int:
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import BadValueError
     from tunepack.jobs.naming import check_dns_label
     from tunepack.runtimes import custom
     from tunepack.runtimes.planner import gpu_type
@@ -65,18 +65,18 @@ def cmd_render_serving(ns: argparse.Namespace) -> int:
         ("--concurrency", ns.concurrency),
     ):
         if value is not None and value < 1:
-            raise BadInputError(f"{flag} {value} is not valid: expected at least 1")
+            raise BadValueError(f"{flag} {value} is not valid: expected at least 1")
     gpu = gpu_type(ns.gpu)
     run = _finished_run(ns)
     name = ns.name or ns.job
     if name is None:
-        raise BadInputError(
+        raise BadValueError(
             "--name is missing: give the TrainJob whose workspace PVC is served (or --job NAME)"
         )
     check_dns_label("TrainJob name (--name)", name)
     runtime = ns.runtime or (run.runtime if run else None)
     if runtime is None:
-        raise BadInputError(
+        raise BadValueError(
             "--runtime is missing: give the runtime the TrainJob ran, or --job NAME (or "
             "--result PATH) to read it from the finished run"
         )
@@ -89,7 +89,7 @@ def cmd_render_serving(ns: argparse.Namespace) -> int:
         gpus = ns.gpus or 1
     else:
         if context > entry.shape.max_seq_len:
-            raise BadInputError(
+            raise BadValueError(
                 f"--max-model-len {context} is longer than {entry.name}'s context of "
                 f"{entry.shape.max_seq_len} tokens"
             )

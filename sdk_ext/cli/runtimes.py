@@ -36,7 +36,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
     from kubernetes import client
 
     from tunepack.cli.cluster import backend_config
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import BadValueError, ImageNotPullable
     from tunepack.jobs.naming import check_dns_label
     from tunepack.tools import images
     from tunepack.tools.install import admission_objects, describe, install, runtime_objects
@@ -44,11 +44,11 @@ def cmd_install(ns: argparse.Namespace) -> int:
     if ns.namespace is not None:
         check_dns_label("--namespace", ns.namespace)
     if not ns.delete_timeout > 0:
-        raise BadInputError(
+        raise BadValueError(
             f"--delete-timeout {ns.delete_timeout:g} is not valid: expected a number of seconds > 0"
         )
     if not ns.image_check_timeout > 0:
-        raise BadInputError(
+        raise BadValueError(
             f"--image-check-timeout {ns.image_check_timeout:g} is not valid: expected a number "
             "of seconds > 0"
         )
@@ -71,7 +71,7 @@ def cmd_install(ns: argparse.Namespace) -> int:
             print(found.line(), flush=True)
         failed = [c for c in checks if c.pullable is False]
         if failed:
-            raise images.ImageNotPullable(images.failure_message(failed, source))
+            raise ImageNotPullable(images.failure_message(failed, source))
     for obj in objects:
         action = install(api, obj, delete_timeout=ns.delete_timeout)
         print(f"{describe(obj)} {action}", flush=True)

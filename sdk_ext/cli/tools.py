@@ -22,7 +22,7 @@ def cmd_tiny_model(ns: argparse.Namespace) -> int:
 
 
 def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import BadValueError
     from tunepack.tiny import write_tiny_dataset
     from tunepack.tiny.dataset import (
         write_tiny_preference_dataset,
@@ -31,7 +31,7 @@ def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
     )
 
     if os.path.isdir(ns.file):
-        raise BadInputError(
+        raise BadValueError(
             f"{ns.file} is a directory; give the path of the dataset file to write "
             f"(e.g. {os.path.join(ns.file, 'instructions.jsonl')})"
         )
@@ -59,36 +59,36 @@ class _writing:
         return self
 
     def __exit__(self, kind, err, tb):
-        from tunepack.core.errors import BadInputError
+        from tunepack.core.errors import DeniedError
 
         if isinstance(err, OSError) and not isinstance(err, BlockingIOError):
             reason = (err.strerror or str(err)).lower()
             if err.filename and err.filename != self.path:
                 shown = str(err.filename)
                 reason = f"{shown} is a file" if os.path.isfile(shown) else f"{reason} ({shown})"
-            raise BadInputError(
+            raise DeniedError(
                 f"cannot write {self.path}: {reason}; give {self.wanted} you can write to"
             ) from None
         return False
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import ConflictError
     from tunepack.runtimes.planner import model_entry, plan
 
     if ns.lora_rank is not None and not methods.get(ns.method).adapters:
-        raise BadInputError(
+        raise ConflictError(
             f"--lora-rank {ns.lora_rank} is a LoRA setting, but --method {ns.method} trains every "
             "weight and has no adapters; leave out --lora-rank, or use --method lora"
         )
     if ns.lora_mlp is not None and not methods.get(ns.method).adapters:
         flag = "--lora-mlp" if ns.lora_mlp else "--no-lora-mlp"
-        raise BadInputError(
+        raise ConflictError(
             f"{flag} is a LoRA setting, but --method {ns.method} trains every weight and has no "
             f"adapters; leave out {flag}, or use --method lora"
         )
     if ns.num_generations is not None and not methods.get(ns.method).sequences_key:
-        raise BadInputError(
+        raise ConflictError(
             f"--num-generations {ns.num_generations} is a setting of method grpo, but --method "
             f"{ns.method} samples no answers; leave it out, or use --method grpo"
         )

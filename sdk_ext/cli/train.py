@@ -25,17 +25,17 @@ def cmd_train(ns: argparse.Namespace) -> int:
         output.console_logging(verbose=True)
     if not ns.local:
         return _train_on_cluster(ns)
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import BadValueError, UnsupportedError
 
     if ns.queue is not None:
-        raise BadInputError(
+        raise UnsupportedError(
             f"--queue {ns.queue} names a Kueue queue on a cluster; the local backend has none "
             "(leave out --queue, or --local)"
         )
     from tunepack.core.workspace import lock_workspace
 
     if ns.workspace is not None and not ns.workspace.strip():
-        raise BadInputError(
+        raise BadValueError(
             "--workspace is empty; give a directory, or leave --workspace out to use the job's"
         )
     backend = clients.local_client(ns).backend  # the foreground run is the local backend's own
@@ -162,11 +162,11 @@ def _record_failure(job_dir: Path, message: str) -> None:
 
 def _check_workspace(workspace: Path, given: str | None) -> None:
     """Refuse a workspace that cannot be one (a file, a read-only place) before any work."""
-    from tunepack.core.errors import BadInputError
+    from tunepack.core.errors import BadValueError, DeniedError
 
     shown = given or str(workspace)
     if workspace.exists() and not workspace.is_dir():
-        raise BadInputError(
+        raise BadValueError(
             f"--workspace {shown} is a file, not a directory; give a directory (it is created "
             "when missing)"
         )
@@ -181,7 +181,7 @@ def _check_workspace(workspace: Path, given: str | None) -> None:
             reason = f"{existing} is a file"
         elif err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             reason = f"{existing} is not writable ({reason})"
-        raise BadInputError(
+        raise DeniedError(
             f"--workspace {shown} cannot be written: {reason}; give a directory you can write to"
         ) from None
 

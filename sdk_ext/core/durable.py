@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tunepack.core.errors import TransientError, TunepackError
+from tunepack.core.errors import DiskFullError, TunepackError
 
 FILE_MODE = 0o644
 DIR_MODE = 0o755
@@ -23,14 +23,6 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # How libraries that hide the OSError (safetensors, torch's C++ writers) still say it.
 _FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
 _NEARLY_FULL = 1 << 20  # free bytes below which an opaque write failure is taken as disk-full
-
-
-class DiskFullError(TransientError):
-    """A write failed for want of space (ENOSPC) or quota (EDQUOT).
-
-    Exit code 75: the input is fine; once space is freed (or the volume enlarged) a restart
-    resumes from the newest checkpoint. The message names the path and the space needed.
-    """
 
 
 def is_disk_full(err: BaseException) -> bool:

@@ -2,6 +2,11 @@
 
 The codes are part of the runtime contract: the JobSet failure policy in the generated runtimes
 restarts a step only when its exit code says retrying can help.
+
+This module holds the whole vocabulary, so a caller tells errors apart by type, never by their
+words: the kinds (``BadInputError``, ``TransientError``, ``NotAvailableError``) carry the exit
+code, and the narrow types under them say what went wrong. A narrow type is still its kind, so
+``except BadInputError`` (or ``ValueError``) and the exit codes work as before.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ class TunepackError(Exception):
         self.cli_message = cli_message
 
 
+# The kinds, one per exit code and meaning.
+
+
 class BadInputError(TunepackError, ValueError):
     """The user's input (argument, URI, dataset, model files) is wrong; retrying cannot help.
 
@@ -46,3 +54,103 @@ class TransientError(TunepackError):
     """A failure that may pass on its own (network, preemption); the step may be retried."""
 
     exit_code = EXIT_TRANSIENT
+
+
+# Bad input, narrowed (exit 65): what the user gave must change. A message that fits none of
+# these stays a plain BadInputError.
+
+
+class UnknownRuntimeError(BadInputError):
+    """A runtime, model or model family that tunepack does not know."""
+
+
+class UnknownKeyError(BadInputError):
+    """A key outside its vocabulary, or given twice: a trainer argument, FineTune field, option."""
+
+
+class BadValueError(BadInputError):
+    """A value missing or of the wrong type, form or range: argument, option, URI, variable."""
+
+
+class ConflictError(BadInputError):
+    """Settings that exclude each other or disagree, or a request the job's state refuses."""
+
+
+class NotFoundError(BadInputError):
+    """What the input names is not there: a file, URI, bucket, repository, job, step, split."""
+
+
+class NoObjectsError(NotFoundError):
+    """An s3:// URI that matches no objects: fetching an export reads it as "no export there"."""
+
+
+class DeniedError(BadInputError):
+    """Credentials or permissions refused: no or a rejected token, access denied, unwritable."""
+
+
+class BadDatasetError(BadInputError):
+    """The dataset's files or rows cannot be trained on: format, encoding, schema, rows."""
+
+
+class BadModelError(BadInputError):
+    """A model's files (a checkpoint, an exported result) are missing, damaged or not its own."""
+
+
+class DoesNotFitError(BadInputError):
+    """The run needs more than the hardware has: GPU memory, GPUs, a CUDA device."""
+
+
+class UnsupportedError(BadInputError):
+    """What tunepack, the chosen model or backend, or vLLM does not do (nor would, for a secret)."""
+
+
+# Transient, narrowed (exit 75): retrying the same input can succeed.
+
+
+class WorkspaceBusyError(TransientError):
+    """Another run holds the workspace; retrying once it has finished succeeds."""
+
+
+class DiskFullError(TransientError):
+    """A write failed for want of space (ENOSPC) or quota (EDQUOT).
+
+    Exit code 75: the input is fine; once space is freed (or the volume enlarged) a restart
+    resumes from the newest checkpoint. The message names the path and the space needed.
+    """
+
+
+class RuntimeInUseError(TransientError):
+    """A runtime that must be re-created is still being deleted: TrainJobs hold it."""
+
+
+class StoppedError(TransientError):
+    """The process was asked to stop (a signal: preemption, eviction, shutdown)."""
+
+
+class NonFiniteLossError(TransientError):
+    """The loss became NaN or infinite after some steps: the run stops before applying it."""
+
+
+# Outside the kinds.
+
+
+class ImageNotPullable(TunepackError):
+    """An image the runtimes name cannot be pulled by the cluster's nodes (exit 65)."""
+
+
+class GangNotPlaced(TimeoutError):
+    """``wait_for_job_status`` gave up on a gang that could not be placed whole in time.
+
+    A ``TimeoutError``, as the Kubeflow SDK's wait raises, not a ``TunepackError``. ``waiting``:
+    the scheduler's refusal, a ``tunepack.backends.scheduling.Unscheduled`` (not imported here:
+    core imports only the standard library).
+    """
+
+    def __init__(self, name: str, waiting) -> None:
+        super().__init__(
+            f"TrainJob {name} could not be placed whole within its gang's "
+            f"{waiting.gang_timeout} s (pod {waiting.pod}: {waiting.reason}); it stays queued "
+            "until the nodes it needs are free: free them, ask for fewer nodes or GPUs, or "
+            "delete it"
+        )
+        self.waiting = waiting

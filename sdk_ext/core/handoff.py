@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from tunepack.core import durable
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.core.workspace import workspace_root
 
 WAIT_FOR_ENV = "TUNEPACK_WAIT_FOR"  # comma-separated step names this step needs first
@@ -56,12 +56,12 @@ def awaited_steps() -> tuple[str, ...]:
     names = tuple(s.strip() for s in os.environ.get(WAIT_FOR_ENV, "").split(",") if s.strip())
     unknown = [s for s in names if s not in STEPS]
     if unknown:
-        raise BadInputError(
+        raise BadValueError(
             f"{WAIT_FOR_ENV}={os.environ[WAIT_FOR_ENV]!r} names {', '.join(unknown)}: expected "
             f"steps among {', '.join(STEPS)}"
         )
     if names and current_run() is None:
-        raise BadInputError(
+        raise BadValueError(
             f"{WAIT_FOR_ENV} is set but {JOBSET_UID_ENV} is not: the runtime must give each "
             "step its JobSet's uid (see manifests/components/gang-coscheduling)"
         )

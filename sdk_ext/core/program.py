@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from tunepack.core import durable, handoff, lifetime
-from tunepack.core.errors import EXIT_OK, TransientError, TunepackError
+from tunepack.core.errors import EXIT_OK, StoppedError, TunepackError
 
 EXIT_BUG = 1  # an unexpected failure: a bug, with its traceback in the log
 ERROR_MARK = ": error: "
@@ -115,7 +115,7 @@ def _on_stop(signum: int, frame: object) -> None:
     # retriable exit code lets the failure policy retry the step.
     for sig in lifetime.STOP_SIGNALS:  # a second signal must not abort cleanup
         signal.signal(sig, signal.SIG_IGN)
-    raise TransientError(
+    raise StoppedError(
         f"stopped by {lifetime.signal_name(signum)} (preemption or shutdown); nothing was "
         "published, the step can be retried"
     )

@@ -15,7 +15,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tunepack.core.errors import EXIT_TRANSIENT, TunepackError
+from tunepack.core.errors import WorkspaceBusyError
 
 WORKSPACE_ENV = "TUNEPACK_WORKSPACE"
 DEFAULT_WORKSPACE = "/workspace"
@@ -98,12 +98,6 @@ def in_pod(*parts: str) -> str:
 
 LOCK_FILE = ".tunepack.lock"
 LOCK_FD_ENV = "TUNEPACK_WORKSPACE_LOCK_FD"
-
-
-class WorkspaceBusyError(TunepackError):
-    """Another run holds the workspace; retrying once it has finished succeeds."""
-
-    exit_code = EXIT_TRANSIENT
 
 
 class WorkspaceLock:

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, BadValueError
 from tunepack.runtimes import contract
 from tunepack.runtimes.catalog import RUNTIME_PREFIX
 
@@ -98,13 +98,13 @@ def check_name(name: str, num_nodes: int) -> None:
     # The JobSet's headless Service is named after the TrainJob, and Service names must start
     # with a letter (DNS-1035), which is stricter than a DNS-1123 label.
     if not name[0].isalpha():
-        raise BadInputError(
+        raise BadValueError(
             f"TrainJob name {name!r} must start with a letter: it also names the job's "
             "network Service"
         )
     limit = max_name_length(num_nodes)
     if len(name) > limit:
-        raise BadInputError(
+        raise BadValueError(
             f"TrainJob name {name!r} is {len(name)} characters; at most {limit} are allowed so "
             f"that the pod names JobSet derives from it fit in {DNS_LABEL_MAX} characters"
         )
@@ -113,7 +113,7 @@ def check_name(name: str, num_nodes: int) -> None:
 def check_dns_label(what: str, value: object) -> None:
     """``BadInputError`` unless ``value`` is a DNS-1123 label (a namespace, a Secret name)."""
     if not isinstance(value, str) or not DNS_LABEL.match(value) or len(value) > DNS_LABEL_MAX:
-        raise BadInputError(
+        raise BadValueError(
             f"{what} {value!r} is not a valid DNS-1123 label: use at most {DNS_LABEL_MAX} "
             "lowercase letters, digits and '-', starting and ending with a letter or digit "
             "(e.g. 'llama-lora-1')"

@@ -12,7 +12,7 @@ import logging
 
 from kubeflow.trainer.types import types as kf
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, DoesNotFitError, NotFoundError, UnsupportedError
 from tunepack.jobs.naming import random_job_name
 from tunepack.jobs.trainjob import (
     CLUSTER_RUNTIME_KIND,
@@ -198,12 +198,12 @@ def local_trainjob(
     if options:
         listed = options if isinstance(options, list | tuple) else [options]
         names = ", ".join(type(o).__name__ for o in listed)
-        raise BadInputError(
+        raise UnsupportedError(
             f"options ({names}) are not supported by tunepack's local backend: they set "
             "fields of a TrainJob on a cluster (use TrainingClient() with a cluster)"
         )
     if runtime is None:
-        raise BadInputError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
+        raise BadValueError("pass runtime=, e.g. runtime='tunepack-tiny-llama3'")
     resolved = backend.resolve_runtime(runtime if isinstance(runtime, str) else runtime.name)
     trainjob = build(
         resolved.name,
@@ -215,13 +215,13 @@ def local_trainjob(
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
     )
     if to_finetune(trainer).export_secret is not None:
-        raise BadInputError(
+        raise UnsupportedError(
             "export_secret is a cluster feature: on the local backend, export the credential "
             "(HF_TOKEN, AWS_ACCESS_KEY_ID, ...) in the environment that runs the notebook instead"
         )
     for block in trainjob["spec"]["initializer"].values():
         if "secretRef" in block:
-            raise BadInputError(
+            raise UnsupportedError(
                 "secretRef is a cluster feature: on the local backend, export the credential "
                 "(e.g. HF_TOKEN) in the environment that runs the notebook instead"
             )
@@ -242,7 +242,7 @@ def _check_local_source(what: str, uri: str) -> None:
     parsed = storage.parse(uri)
     if parsed.is_local and not Path(parsed.location).exists():
         where = "" if parsed.display == parsed.location else f" ({parsed.location})"
-        raise BadInputError(
+        raise NotFoundError(
             f"{what} {parsed.display!r} does not exist{where}; give an existing "
             "file or directory on this machine, or an hf://, s3:// or https:// URI"
         )
@@ -273,7 +273,7 @@ def check_settings(gpu: object, memory_check: object) -> str:
     """The client's ``gpu`` and ``memory_check`` (``BadInputError`` naming the value); returns
     the planner's name for the GPU (``h100`` -> ``H100-80GB``)."""
     if memory_check not in MEMORY_CHECKS:
-        raise BadInputError(
+        raise BadValueError(
             f"memory_check={memory_check!r} is not valid: expected one of "
             f"{', '.join(map(repr, MEMORY_CHECKS))}"
         )
@@ -310,6 +310,6 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: pl
         "(see docs/planner.md)."
     )
     if mode == "refuse":
-        raise BadInputError(message)
+        raise DoesNotFitError(message)
     logger.warning(message)
     return estimate

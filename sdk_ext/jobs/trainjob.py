@@ -16,7 +16,7 @@ from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
 
 from tunepack.core import workspace
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
 from tunepack.initializers import uri as storage
 from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
 from tunepack.runtimes import builder, catalog, contract, custom, host
@@ -129,12 +129,12 @@ def _check_placement(job: TrainJobSpec) -> None:
     if job.num_nodes is not None and (
         isinstance(job.num_nodes, bool) or not isinstance(job.num_nodes, int) or job.num_nodes < 1
     ):
-        raise BadInputError(f"num_nodes must be a positive integer, got {job.num_nodes!r}")
+        raise BadValueError(f"num_nodes must be a positive integer, got {job.num_nodes!r}")
     check_name(job.name, job.num_nodes or 1)
     if job.namespace is not None:
         check_dns_label("namespace", job.namespace)
     if job.runtime_kind not in RUNTIME_KINDS:
-        raise BadInputError(
+        raise BadValueError(
             f"runtime_kind {job.runtime_kind!r} is not a runtime kind: expected "
             f"{CLUSTER_RUNTIME_KIND} (cluster-wide) or {NAMESPACED_RUNTIME_KIND} (in the "
             "TrainJob's namespace)"
@@ -146,7 +146,7 @@ def _storage_uris(job: TrainJobSpec) -> dict[str, str]:
     uris = {}
     for what, uri in (("dataset", job.dataset_uri), ("model", job.model_uri)):
         if not isinstance(uri, str) or not uri.strip():
-            raise BadInputError(f"{what}_uri must be a non-empty storage URI, got {uri!r}")
+            raise BadValueError(f"{what}_uri must be a non-empty storage URI, got {uri!r}")
         # The initializers' own parser: an unknown scheme fails here, before any step runs.
         # (Whether the data exists can only be known where the initializer runs.)
         storage.parse(uri)
@@ -162,7 +162,7 @@ def _check_counts(job: TrainJobSpec) -> None:
         or not isinstance(job.num_proc_per_node, int)
         or job.num_proc_per_node < 1
     ):
-        raise BadInputError(
+        raise BadValueError(
             f"num_proc_per_node must be a positive integer, got {job.num_proc_per_node!r}"
         )
     if job.active_deadline_seconds is not None and (
@@ -170,7 +170,7 @@ def _check_counts(job: TrainJobSpec) -> None:
         or not isinstance(job.active_deadline_seconds, int)
         or job.active_deadline_seconds < 1
     ):
-        raise BadInputError(
+        raise BadValueError(
             "active_deadline_seconds must be a positive integer, got "
             f"{job.active_deadline_seconds!r}"
         )
@@ -255,14 +255,14 @@ def export_patch(uri: str | None, secret: str | None, *, local: bool = False) ->
     from tunepack.initializers.export import EXPORT_URI_ENV, export_uri_problem
 
     if not isinstance(uri, str) or not uri.strip():
-        raise BadInputError(
+        raise BadValueError(
             f"export must be a destination such as s3://bucket/prefix, hf://org/name or an "
             f"absolute path, got {uri!r}"
         )
     uri = uri.strip()
     problem = export_uri_problem(uri)
     if problem:
-        raise BadInputError(problem)
+        raise BadValueError(problem)
     storage.refuse_credentials(uri, "export", "--export-secret, FineTune(export_secret=)")
     if not _STORAGE_URI.match(uri):
         if local:
@@ -270,7 +270,7 @@ def export_patch(uri: str | None, secret: str | None, *, local: bool = False) ->
         elif uri.startswith("/") or uri.startswith("file:/"):
             uri = cluster_storage_uri(uri, "export")
         else:
-            raise BadInputError(
+            raise BadValueError(
                 f"export path {uri!r} is relative: on a cluster the exporter writes it inside its "
                 "Pod, so give an absolute path on a volume mounted there, or s3://bucket/prefix "
                 "or hf://org/name"
@@ -317,7 +317,7 @@ def cluster_storage_uri(uri: str, what: str = "storage") -> str:
         return "file://" + uri.removeprefix("file:")
     if uri.startswith("/"):
         return PurePosixPath(uri).as_uri()
-    raise BadInputError(
+    raise BadValueError(
         f"{what} storage URI {uri!r} is a relative path: a TrainJob's storage URI is read inside "
         f"the {what} initializer container on the cluster, so a path must be absolute "
         f"(/abs/path or file:///abs/path), or use a URI such as hf://org/name or s3://bucket/key"
@@ -398,7 +398,7 @@ def gpus_per_node(resources: dict | None, entry: catalog.ModelEntry) -> int:
                 try:
                     count = max(int(math.ceil(float(value))), 0)
                 except (TypeError, ValueError):
-                    raise BadInputError(
+                    raise BadValueError(
                         f"resources_per_node: {key}={value!r} is not a number of GPUs"
                     ) from None
                 if count:
@@ -411,13 +411,13 @@ def _labels(labels: dict[str, str] | None, queue: str | None) -> dict[str, str]:
     out = {}
     if labels is not None:
         if not isinstance(labels, dict):
-            raise BadInputError(f"labels must be a dict of strings, got {labels!r}")
+            raise BadValueError(f"labels must be a dict of strings, got {labels!r}")
         for key, value in labels.items():
             _check_key("label", key)
             if key == QUEUE_LABEL:
                 _check_queue(value)
             elif not isinstance(value, str) or (value and not _label_value_ok(value)):
-                raise BadInputError(
+                raise BadValueError(
                     f"label {key}={value!r} has an invalid value: use at most 63 letters, "
                     "digits, '-', '_' and '.', starting and ending with a letter or digit "
                     "(or an empty string)"
@@ -427,7 +427,7 @@ def _labels(labels: dict[str, str] | None, queue: str | None) -> dict[str, str]:
         _check_queue(queue)
         given = out.get(QUEUE_LABEL)
         if given is not None and given != queue:
-            raise BadInputError(
+            raise ConflictError(
                 f"queue {queue!r} and the label {QUEUE_LABEL}={given!r} disagree: give the "
                 "queue once"
             )
@@ -437,7 +437,7 @@ def _labels(labels: dict[str, str] | None, queue: str | None) -> dict[str, str]:
 
 def _check_queue(queue: object) -> None:
     if not (isinstance(queue, str) and _label_value_ok(queue) and _DNS_SUBDOMAIN.match(queue)):
-        raise BadInputError(
+        raise BadValueError(
             f"queue {queue!r} (label {QUEUE_LABEL}) is not a valid Kueue LocalQueue name: use "
             "at most 63 lowercase letters, digits, '-' and '.', starting and ending with a "
             "letter or digit"
@@ -446,11 +446,11 @@ def _check_queue(queue: object) -> None:
 
 def _check_annotations(annotations: dict[str, str]) -> None:
     if not isinstance(annotations, dict):
-        raise BadInputError(f"annotations must be a dict of strings, got {annotations!r}")
+        raise BadValueError(f"annotations must be a dict of strings, got {annotations!r}")
     for key, value in annotations.items():
         _check_key("annotation", key)
         if not isinstance(value, str):
-            raise BadInputError(f"annotation {key!r} must have a string value, got {value!r}")
+            raise BadValueError(f"annotation {key!r} must have a string value, got {value!r}")
 
 
 def _label_value_ok(value: str) -> bool:
@@ -465,7 +465,7 @@ def _check_key(what: str, key: object) -> None:
         and _label_value_ok(name)
         and (not prefix or (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)))
     ):
-        raise BadInputError(
+        raise BadValueError(
             f"{what} key {key!r} is not valid: write [prefix/]name, with a name of at most 63 "
             "letters, digits, '-', '_' and '.' starting and ending with a letter or digit, and "
             "an optional DNS-subdomain prefix (e.g. 'team' or 'example.com/team')"
@@ -484,7 +484,7 @@ def _dataset_split_env(job: TrainJobSpec) -> list[dict]:
     named = {}
     if job.dataset_split is not None:
         if not isinstance(job.dataset_split, str):
-            raise BadInputError(f"dataset_split must be a string, got {job.dataset_split!r}")
+            raise BadValueError(f"dataset_split must be a string, got {job.dataset_split!r}")
         named["dataset_split"] = job.dataset_split.strip()
     uri_split = storage.parse(job.dataset_uri).options.get("split")
     if uri_split is not None:
@@ -496,7 +496,7 @@ def _dataset_split_env(job: TrainJobSpec) -> list[dict]:
         splits.parse(spec)
     if len(set(named.values())) > 1:
         said = ", ".join(f"{where} {spec!r}" for where, spec in named.items())
-        raise BadInputError(f"the dataset split is given twice and differs: {said}; give it once")
+        raise ConflictError(f"the dataset split is given twice and differs: {said}; give it once")
     if job.dataset_split is None or len(named) > 1:
         return []  # already said where the initializer reads it
     return [{"name": splits.SPLIT_ENV, "value": named["dataset_split"]}]
@@ -508,7 +508,7 @@ def _initializer_env(env: dict[str, str] | None, trainer_args: list[str]) -> lis
     initializers/trainer_args.py)."""
     out = _env(env) if env else []
     if any(var["name"] == workspace.TRAINER_ARGS_ENV for var in out):
-        raise BadInputError(
+        raise BadValueError(
             f"initializer_env must not set {workspace.TRAINER_ARGS_ENV}: tunepack sets it to the "
             "trainer arguments, which the initializers check before they download anything"
         )
@@ -521,9 +521,9 @@ def _env(env: dict[str, str]) -> list[dict]:
     out = []
     for key, value in env.items():
         if not isinstance(key, str) or not isinstance(value, str):
-            raise BadInputError(f"environment variables must be strings, got {key!r}={value!r}")
+            raise BadValueError(f"environment variables must be strings, got {key!r}={value!r}")
         if _SECRET_LIKE.search(key):
-            raise BadInputError(
+            raise UnsupportedError(
                 f"environment variable {key} looks like a credential: tunepack does not put "
                 "secrets into the TrainJob in plain text. Store it in a Secret and pass "
                 "dataset_secret=/model_secret= (initializers) instead"
@@ -537,13 +537,13 @@ def resource_requirements(resources_per_node: dict) -> dict:
     from kubeflow.trainer.backends.kubernetes.utils import get_resources_per_node
 
     if not isinstance(resources_per_node, dict):
-        raise BadInputError(
+        raise BadValueError(
             f"resources_per_node must be a dict such as {{'gpu': 1}}, got {resources_per_node!r}"
         )
     try:
         resources = get_resources_per_node(resources_per_node).to_dict()
     except ValueError as err:
-        raise BadInputError(
+        raise BadValueError(
             f"resources_per_node={resources_per_node!r} is not valid: {err}"
         ) from None
     # The SDK's quantities come back as floats (4 -> 4.0); keep whole numbers whole.
@@ -571,7 +571,7 @@ def parse_trainer_args_for(words: object, runtime: str, model_uri: str | None) -
     """Where ``key=value`` strings enter a job (the CLI's words, a spec's strings): parsed once
     for ``runtime``'s model (a bring-your-own runtime's from a local checkpoint's config.json)."""
     if isinstance(words, str) or not all(isinstance(a, str) for a in words):
-        raise BadInputError(f"trainer_args must be a list of 'key=value' strings, got {words!r}")
+        raise BadValueError(f"trainer_args must be a list of 'key=value' strings, got {words!r}")
     # Imported here so that importing tunepack.jobs.trainjob does not need the trainer package.
     from tunepack.trainers.args import parse_trainer_args
 

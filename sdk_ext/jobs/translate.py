@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kubeflow.trainer.constants import constants as kf_constants
 from kubeflow.trainer.types import types as kf
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, BadValueError, ConflictError, UnsupportedError
 from tunepack.finetune import FineTune
 from tunepack.runtimes import methods
 
@@ -54,7 +54,7 @@ class StorageSource:
 def to_initializer(initializer: Initializer | kf.Initializer | None) -> Initializer:
     """Accept tunepack's or the upstream SDK's ``Initializer``; return tunepack's."""
     if initializer is None:
-        raise BadInputError(
+        raise BadValueError(
             "tunepack runtimes need an initializer: pass "
             "initializer=Initializer(dataset='file:///data/train.jsonl', model='hf://org/model')"
         )
@@ -62,7 +62,7 @@ def to_initializer(initializer: Initializer | kf.Initializer | None) -> Initiali
         return initializer
     if isinstance(initializer, kf.Initializer):
         return Initializer(dataset=initializer.dataset, model=initializer.model)
-    raise BadInputError(
+    raise BadValueError(
         f"initializer must be tunepack.Initializer or kubeflow.trainer.Initializer, "
         f"got {type(initializer).__name__}"
     )
@@ -71,14 +71,14 @@ def to_initializer(initializer: Initializer | kf.Initializer | None) -> Initiali
 def storage_uri(source: str | kf.BaseInitializer | None, what: str) -> str:
     """The tunepack storage URI for a dataset or model source (``what``: dataset or model)."""
     if source is None:
-        raise BadInputError(
+        raise BadValueError(
             f"Initializer.{what} is missing: tunepack runtimes need both a dataset and a model "
             f"(e.g. {what}='file:///abs/path' or 'hf://org/name')"
         )
     if isinstance(source, str):
         return source
     if isinstance(source, kf.DataCacheInitializer):
-        raise BadInputError(
+        raise UnsupportedError(
             "DataCacheInitializer is not supported by tunepack runtimes: give the dataset as a "
             "storage URI (file://, hf://, s3://, https://)"
         )
@@ -89,7 +89,7 @@ def storage_uri(source: str | kf.BaseInitializer | None, what: str) -> str:
     elif isinstance(source, kf.S3DatasetInitializer | kf.S3ModelInitializer):
         uri = source.storage_uri
     else:
-        raise BadInputError(
+        raise BadValueError(
             f"Initializer.{what} of type {type(source).__name__} is not supported: use a storage "
             "URI string or HuggingFace/S3 initializer"
         )
@@ -101,7 +101,7 @@ def _refuse_untranslatable_initializer_fields(source: kf.BaseInitializer, what: 
     cls = type(source).__name__
     if getattr(source, "access_token", None) is not None:
         # The token itself is never repeated: this message reaches logs and notebooks.
-        raise BadInputError(
+        raise UnsupportedError(
             f"{cls}.access_token: tunepack does not put tokens into the TrainJob, where anyone "
             f"who can read TrainJobs would see them. Create a Secret (kubectl create secret "
             f"generic hf-token --from-literal=HF_TOKEN=<token>) and pass it by reference: "
@@ -110,13 +110,13 @@ def _refuse_untranslatable_initializer_fields(source: kf.BaseInitializer, what: 
         )
     for name in ("endpoint", "access_key_id", "secret_access_key", "region", "role_arn"):
         if getattr(source, name, None) is not None:
-            raise BadInputError(
+            raise UnsupportedError(
                 f"{cls}.{name} cannot be translated: put S3 settings and credentials in a Secret "
                 f"and pass Initializer(..., {what}_secret='<secret name>')"
             )
     patterns = getattr(source, "ignore_patterns", None)
     if patterns and list(patterns) != list(kf_constants.INITIALIZER_DEFAULT_IGNORE_PATTERNS):
-        raise BadInputError(
+        raise UnsupportedError(
             f"{cls}.ignore_patterns={patterns!r} cannot be translated: tunepack's model "
             "initializer fetches exactly the files the runtime's model needs (and datasets "
             "whole); leave ignore_patterns unset"
@@ -131,18 +131,18 @@ def to_finetune(trainer: FineTune | kf.BuiltinTrainer | None) -> FineTune:
         return trainer
     if isinstance(trainer, kf.BuiltinTrainer):
         if not isinstance(trainer.config, kf.TorchTuneConfig):
-            raise BadInputError(
+            raise BadValueError(
                 f"BuiltinTrainer.config must be a TorchTuneConfig, got {type(trainer.config)}"
             )
         return from_torchtune_config(trainer.config)
     if isinstance(trainer, kf.CustomTrainer | kf.CustomTrainerContainer):
-        raise BadInputError(
+        raise UnsupportedError(
             f"{type(trainer).__name__} cannot run on a tunepack runtime, whose trainer is "
             "tunepack's fine-tuning program: pass trainer=FineTune(...) (or "
             "BuiltinTrainer(config=TorchTuneConfig(...))), or use a torch-distributed runtime "
             "for your own training function"
         )
-    raise BadInputError(
+    raise BadValueError(
         f"trainer must be tunepack.FineTune or kubeflow.trainer.BuiltinTrainer, "
         f"got {type(trainer).__name__}"
     )
@@ -158,7 +158,7 @@ def from_torchtune_config(config: kf.TorchTuneConfig) -> FineTune:
     if config.epochs is not None:
         values["epochs"] = config.epochs
     if config.loss is not None and config.loss != kf.Loss.CEWithChunkedOutputLoss:
-        raise BadInputError(f"TorchTuneConfig.loss={config.loss!r} cannot be translated")
+        raise UnsupportedError(f"TorchTuneConfig.loss={config.loss!r} cannot be translated")
     # CEWithChunkedOutputLoss is cross-entropy computed in chunks to save memory; tunepack's
     # recipe computes the same token-level cross-entropy, so the choice carries over as is.
     if config.num_nodes is not None:
@@ -192,7 +192,7 @@ def refuse_upstream_full(trainer: object, entry) -> None:
     from tunepack.trainers.args import unavailable_method_message
 
     if upstream_full(trainer) and "full" not in entry.methods:
-        raise BadInputError(
+        raise UnsupportedError(
             "TorchTuneConfig without peft_config means a full fine-tune (as upstream's "
             f"runtimes run it), but {unavailable_method_message(entry, 'full')}; pass "
             "peft_config=LoraConfig(...) for LoRA"
@@ -201,7 +201,7 @@ def refuse_upstream_full(trainer: object, entry) -> None:
 
 def _from_lora(lora: kf.LoraConfig) -> dict[str, object]:
     if lora.quantize_base and lora.use_dora:
-        raise BadInputError("LoraConfig: quantize_base and use_dora cannot be combined")
+        raise ConflictError("LoraConfig: quantize_base and use_dora cannot be combined")
     # The supervised LoRA method with the same base storage and magnitude as the config's.
     method = next(
         m.name
@@ -215,13 +215,13 @@ def _from_lora(lora: kf.LoraConfig) -> dict[str, object]:
         try:
             FineTune(method=method)
         except BadInputError as err:
-            raise BadInputError(
+            raise UnsupportedError(
                 f"LoraConfig.{flag}=True means method={method!r}, which this tunepack version "
                 f"does not offer ({err}); leave {flag} unset for plain LoRA"
             ) from None
     values: dict[str, object] = {"method": method}
     if lora.apply_lora_to_output:
-        raise BadInputError(
+        raise UnsupportedError(
             "LoraConfig.apply_lora_to_output=True cannot be translated: tunepack applies LoRA "
             "to attention (lora_attn_modules) and optionally the MLP (apply_lora_to_mlp)"
         )
@@ -255,20 +255,20 @@ def dataset_split(trainer: object) -> str | None:
     try:
         split = splits.parse(ds.split)
     except BadInputError as err:
-        raise BadInputError(f"TorchTuneInstructDataset.split: {err}") from None
+        raise BadValueError(f"TorchTuneInstructDataset.split: {err}") from None
     return None if split.spec == splits.DEFAULT_SPLIT else split.spec
 
 
 def _from_dataset_config(ds: kf.TorchTuneInstructDataset) -> dict[str, object]:
     if ds.source is not None and kf.DataFormat(ds.source) not in _READ_FORMATS:
-        raise BadInputError(
+        raise UnsupportedError(
             f"TorchTuneInstructDataset.source={kf.DataFormat(ds.source).value!r} cannot be "
             "translated: tunepack's dataset initializer reads JSON (.json, .jsonl), CSV, Parquet "
             "and Arrow files; convert the data to one of them"
         )
     for name in ("new_system_prompt", "column_map"):
         if getattr(ds, name) is not None:
-            raise BadInputError(
+            raise UnsupportedError(
                 f"TorchTuneInstructDataset.{name} cannot be translated: tunepack's dataset "
                 "initializer expects instruction rows with 'instruction'/'input'/'output' "
                 "columns; rewrite the rows to that schema"

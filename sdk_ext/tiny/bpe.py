@@ -12,7 +12,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, TEMPLATES
 from tunepack.tiny.dataset import check_int, tiny_corpus
@@ -94,7 +94,7 @@ def _learn(base_size: int, pattern: str) -> list[tuple[bytes, bytes]]:
     wanted = base_size - 256
     merges = train_bpe(tiny_corpus(), wanted, pattern)
     if len(merges) < wanted:
-        raise BadInputError(
+        raise BadValueError(
             f"a vocabulary of {base_size} learned tokens is too large for the tiny tokenizer: "
             f"its corpus supports at most {256 + len(merges)}"
         )
@@ -259,7 +259,7 @@ class TiktokenFormat:
         else:
             ranks = _ranks(list(self.merges))
             if len(ranks) + len(specials) != vocab_size:
-                raise BadInputError(
+                raise BadValueError(
                     f"{len(self.merges)} merges do not fill vocab_size {vocab_size}: it needs "
                     f"{vocab_size - 256 - len(specials)}"
                 )
@@ -331,7 +331,7 @@ class GptBpeFormat:
         ranks = _ranks(merges)
         specials = {name: len(ranks) + i for i, name in enumerate(self.special_names())}
         if len(ranks) + len(specials) > entry.shape.vocab_size:
-            raise BadInputError(
+            raise BadValueError(
                 f"{entry.name}: {len(ranks)} learned and {len(specials)} special tokens do not "
                 f"fit its vocab_size {entry.shape.vocab_size}"
             )

@@ -10,7 +10,7 @@ import random
 from pathlib import Path
 
 from tunepack.core import durable
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 
 _WORDS = (
     "apple", "river", "stone", "cloud", "green", "house", "light", "music", "paper", "table",
@@ -71,9 +71,9 @@ _TASKS = (_reverse, _uppercase, _add, _capital, _antonym)
 def check_int(name: str, value: object, minimum: int | None = None) -> int:
     # bool is an int subclass; True rows is almost certainly a mistake.
     if not isinstance(value, int) or isinstance(value, bool):
-        raise BadInputError(f"{name} must be an integer, got {value!r}")
+        raise BadValueError(f"{name} must be an integer, got {value!r}")
     if minimum is not None and value < minimum:
-        raise BadInputError(f"{name} must be at least {minimum}, got {value}")
+        raise BadValueError(f"{name} must be at least {minimum}, got {value}")
     return value
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunepack.core import durable
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import ConflictError, UnsupportedError
 from tunepack.runtimes.catalog import TINY_LLAMA3, ModelEntry
 from tunepack.tiny import hf, mllama
 from tunepack.tiny.bpe import GptBpeFormat, TiktokenFormat, TokenizerFiles, dump_json
@@ -132,7 +132,7 @@ def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
         if entry.checkpoint_files != (WEIGHTS_FILE,):
             problems.append(f"checkpoint files {entry.checkpoint_files} are not one {WEIGHTS_FILE}")
         if problems:
-            raise BadInputError(
+            raise UnsupportedError(
                 f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems)
             )
         return None
@@ -157,7 +157,9 @@ def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
     if s.tied_embeddings != always_tied and not (can_tie and not always_tied):
         problems.append(f"{family.title} cannot have tied_embeddings={s.tied_embeddings}")
     if problems:
-        raise BadInputError(f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems))
+        raise UnsupportedError(
+            f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems)
+        )
     return FORMATS[family.name]
 
 
@@ -230,7 +232,7 @@ def write_tiny_model(out_dir: Path, entry: ModelEntry | None = None, seed: int =
     if is_complete_model_dir(out_dir, entry):
         return out_dir
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise BadInputError(
+        raise ConflictError(
             f"{out_dir} exists but is not a complete tiny model; remove it or pick another path"
         )
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import importlib
 import io
 from dataclasses import dataclass
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.tiny.bpe import TokenizerFiles, _added_tokens, chat_template, dump_json
 from tunepack.tiny.dataset import tiny_corpus
@@ -61,7 +61,7 @@ class SentencePieceFormat:
                 minloglevel=2,
             )
         except RuntimeError as error:
-            raise BadInputError(
+            raise BadValueError(
                 f"cannot train a {vocab_size}-piece SentencePiece model on the tiny corpus: {error}"
             ) from None
         return model.getvalue()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from tunepack.backends.api_errors import api_message
 from tunepack.backends.scheduling import IMAGE_REASONS
 from tunepack.core import __version__
-from tunepack.core.errors import BadInputError, TunepackError
+from tunepack.core.errors import BadValueError
 from tunepack.runtimes.contract import IMAGE_REGISTRY, containers, replicated_jobs
 
 CHECK_TIMEOUT = 60.0  # seconds the probes may take, all together
@@ -25,10 +25,6 @@ PROBE_LABEL = "tunepack.dev/image-check"
 _COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _REGISTRY = re.compile(rf"^{_COMPONENT}(?::[0-9]+)?(?:/{_COMPONENT})*$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-
-
-class ImageNotPullable(TunepackError):
-    """An image the runtimes name cannot be pulled by the cluster's nodes."""
 
 
 @dataclass(frozen=True)
@@ -44,13 +40,13 @@ class ImageSource:
         if registry is not None:
             registry = registry.rstrip("/")
             if not _REGISTRY.match(registry):
-                raise BadInputError(
+                raise BadValueError(
                     f"--registry {registry!r} is not an image registry: expected "
                     "host[:port]/path in lower case, such as registry.example.com:5000/ml "
                     "(no scheme, no image name, no tag)"
                 )
         if tag is not None and not _TAG.match(tag):
-            raise BadInputError(
+            raise BadValueError(
                 f"--tag {tag!r} is not an image tag: letters, digits, '_', '.' and '-', "
                 "at most 128, not starting with '.' or '-'"
             )

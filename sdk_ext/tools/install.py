@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tunepack.backends.api_errors import api_message
-from tunepack.core.errors import TransientError
+from tunepack.core.errors import RuntimeInUseError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import API_GROUP, KIND, NAMESPACED_KIND
 from tunepack.runtimes.store import load_runtime
@@ -35,10 +35,6 @@ SKIPPED = "skipped: this cluster does not serve admissionregistration.k8s.io/v1 
 DELETE_TIMEOUT = 60.0  # seconds install waits for a replaced runtime's delete to finish
 _REQUEST_TIMEOUT = 30  # seconds per API request
 _MAX_JOBS_NAMED = 10
-
-
-class RuntimeInUseError(TransientError):
-    """A runtime that must be re-created is still being deleted: TrainJobs hold it."""
 
 
 def runtime_objects(

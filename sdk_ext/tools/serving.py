@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunepack.core import program
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, NotFoundError, UnsupportedError
 from tunepack.core.workspace import (
     ADAPTER_DIR,
     DEFAULT_WORKSPACE,
@@ -72,7 +72,7 @@ def max_lora_rank(rank: int) -> int:
     for allowed in VLLM_LORA_RANKS:
         if allowed >= rank:
             return allowed
-    raise BadInputError(
+    raise UnsupportedError(
         f"lora_rank={rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}; train "
         "with merge=true and serve the merged model instead"
     )
@@ -99,18 +99,18 @@ def run_of_result(path: Path, flag: str) -> FinishedRun:
     candidates = [path, path / RESULT_FILE, result_file(path)] if path.is_dir() else [path]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
-        raise BadInputError(
+        raise NotFoundError(
             f"{flag} {path}: no {RESULT_FILE} there; give a finished run's {RESULT_FILE}, or "
             f"the workspace whose {OUTPUT_DIR}/{RESULT_FILE} the trainer wrote when it finished"
         )
     try:
         record = json.loads(found.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise BadInputError(f"{flag} {found}: cannot be read as JSON ({err})") from None
+        raise BadValueError(f"{flag} {found}: cannot be read as JSON ({err})") from None
     model = record.get("model") if isinstance(record, dict) else None
     args = record.get("trainer_args") if isinstance(record, dict) else None
     if not isinstance(model, str) or not isinstance(args, dict):
-        raise BadInputError(
+        raise BadValueError(
             f"{flag} {found}: not a tunepack {RESULT_FILE} (it has no 'model' and 'trainer_args')"
         )
     return FinishedRun(model, {str(k): str(v) for k, v in args.items()})
@@ -128,7 +128,7 @@ def trained_run(runtime: str, args: list[str]) -> tuple[catalog.ModelEntry, Trai
     if entry.family.reads_images:
         # vLLM served Llama 3.2 Vision only on its V0 engine, without LoRA (vllm-project/vllm
         # #10824), and dropped it with every encoder-decoder model but Whisper in v0.11 (#24907).
-        raise BadInputError(
+        raise UnsupportedError(
             f"{entry.name}: vLLM {VLLM_IMAGE.rsplit(':', 1)[1]} does not serve "
             f"{entry.family.title} (it dropped encoder-decoder models in v0.11); train with "
             "merge=true and serve the merged model with transformers (docs/serving.md, "
@@ -156,7 +156,7 @@ def served(entry: catalog.ModelEntry, trained: TrainArgs) -> Served:
     if trained.merge:
         return Served(in_pod(OUTPUT_DIR, MERGED_DIR), chat_template=template)
     if method.dora:
-        raise BadInputError(
+        raise UnsupportedError(
             f"method={method.name}: vLLM does not load DoRA adapters; train with merge=true as "
             "well and serve the merged model (render serving with the same arguments then "
             "serves it)"
@@ -164,7 +164,7 @@ def served(entry: catalog.ModelEntry, trained: TrainArgs) -> Served:
     if trained.lora_mlp and entry.shape.num_experts:
         # vLLM v0.11.0 refuses adapters with expert weights ("does not support fused MoE LoRA
         # inference"); its FusedMoE LoRA (vllm-project/vllm#21229) came after.
-        raise BadInputError(
+        raise UnsupportedError(
             f"lora_mlp=true: the adapter holds LoRA on {entry.name}'s experts, which vLLM "
             f"{VLLM_IMAGE.rsplit(':', 1)[1]} does not load; train with merge=true as well and "
             "serve the merged model (render serving with the same arguments then serves it), "

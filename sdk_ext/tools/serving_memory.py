@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, DoesNotFitError, UnsupportedError
 from tunepack.runtimes.catalog import ModelEntry, Shape
 from tunepack.runtimes.planner import GIB, GPUS, mlp_width
 
@@ -153,11 +153,11 @@ def choose(
             return chosen
         instead = _what_fits(entry, gpu, context, concurrency, lora_rank)
         if chosen is None:
-            raise BadInputError(
+            raise UnsupportedError(
                 f"--gpus {gpus}: vLLM cannot split {entry.name} over {gpus} GPUs (tensor "
                 f"parallelism): {obstacle}; {instead}"
             )
-        raise BadInputError(
+        raise DoesNotFitError(
             f"--gpus {gpus}: {entry.name} needs {chosen.total:.1f} GiB per GPU on {gpus} x "
             f"{gpu} ({chosen.breakdown()}), more than the {chosen.capacity:.1f} GiB vLLM uses "
             f"of each; {instead}"
@@ -169,11 +169,11 @@ def choose(
             if tried.fits:
                 return tried
     if tried is None:
-        raise BadInputError(
+        raise UnsupportedError(
             f"{entry.name}: vLLM cannot split it over {', '.join(map(str, TENSOR_PARALLEL))} "
             f"GPUs ({tensor_parallel_obstacle(entry, TENSOR_PARALLEL[1])}); give --gpus"
         )
-    raise BadInputError(
+    raise DoesNotFitError(
         f"{entry.name} does not fit on {tried.gpus} x {gpu} at --max-model-len {context} with "
         f"--concurrency {concurrency}: it needs {tried.total:.1f} GiB per GPU "
         f"({tried.breakdown()}), more than the {tried.capacity:.1f} GiB vLLM uses of each; "

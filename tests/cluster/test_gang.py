@@ -364,7 +364,7 @@ def test_a_gang_that_cannot_fit_is_reported_not_waited_on_forever(
     user sees why (``tunepack status``: no node has the GPUs), and the notebook's wait ends
     with that reason once the
     PodGroup's scheduleTimeoutSeconds (45 s here) has passed, not at the wait's own timeout."""
-    from tunepack.backends.scheduling import GangNotPlaced
+    from tunepack.core.errors import GangNotPlaced
 
     gang = _as_namespaced(_on_kwok(_kustomized_gang_runtime(controlplane, TINY)), namespace)
     gang["spec"]["podGroupPolicy"]["coscheduling"]["scheduleTimeoutSeconds"] = 45

@@ -34,7 +34,7 @@ from kubeflow.trainer.options import Name
 
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 from tunepack.cli import main
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, UnknownRuntimeError
 
 EXIT_BAD_INPUT = 65
 RUNTIME = "tunepack-tiny-llama3"
@@ -729,7 +729,9 @@ def test_client_methods_on_a_job_that_is_not_there(client, call):
 
 
 def test_client_get_runtime_of_an_unknown_name(client):
-    with pytest.raises(BadInputError, match=re.escape("did you mean 'tunepack-tiny-llama3'?")):
+    with pytest.raises(
+        UnknownRuntimeError, match=re.escape("did you mean 'tunepack-tiny-llama3'?")
+    ):
         client.get_runtime("tunepack-tiny-lama3")
 
 

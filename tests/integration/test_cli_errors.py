@@ -98,7 +98,7 @@ def test_training_client_without_a_kubeconfig_raises_tunepacks_line(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == (
-        f"BadInputError no Kubernetes configuration: ~/.kube/config ({tmp_path}/.kube/config) "
+        f"BadValueError no Kubernetes configuration: ~/.kube/config ({tmp_path}/.kube/config) "
         "does not exist, KUBECONFIG is not set, and this is not a Pod in a cluster; set "
         "KUBECONFIG to your cluster's kubeconfig, or pass LocalBackendConfig() to use the local "
         "backend\n"

@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tunepack.core.workspace import LOCK_FD_ENV, LOCK_FILE, WorkspaceBusyError, lock_workspace
+from tunepack.core.errors import WorkspaceBusyError
+from tunepack.core.workspace import LOCK_FD_ENV, LOCK_FILE, lock_workspace
 
 CLI = [sys.executable, "-m", "tunepack.cli"]
 

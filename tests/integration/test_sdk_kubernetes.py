@@ -917,8 +917,7 @@ def test_install_reports_created_unchanged_configured_and_replaced(server):
 
 
 def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
-    from tunepack.core.errors import EXIT_TRANSIENT
-    from tunepack.tools.install import RuntimeInUseError
+    from tunepack.core.errors import EXIT_TRANSIENT, RuntimeInUseError
 
     fake, url = server
     api = _api_client(url)
@@ -963,7 +962,7 @@ def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
 
 
 def test_install_says_when_the_trainjobs_cannot_be_listed(server):
-    from tunepack.tools.install import RuntimeInUseError
+    from tunepack.core.errors import RuntimeInUseError
 
     fake, url = server
     api = _api_client(url)

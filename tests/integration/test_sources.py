@@ -24,8 +24,7 @@ from threading import Thread
 import pytest
 
 from tests.fakehub import FakeHub, Repo
-from tunepack.core import durable
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, DiskFullError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.runtimes import catalog
 
@@ -634,7 +633,7 @@ def test_a_full_disk_while_downloading_says_the_downloads_size(tmp_path, files_s
 
     monkeypatch.setattr(os, "fsync", full)  # the first write to reach the disk finds it full
     cache = tmp_path / "ws" / download.CACHE_ROOT / "dataset-x"
-    with pytest.raises(durable.DiskFullError) as err:
+    with pytest.raises(DiskFullError) as err:
         download.fetch(source, files, cache, lambda _line: None)
     assert err.value.exit_code == EXIT_TRANSIENT
     assert str(err.value).startswith(

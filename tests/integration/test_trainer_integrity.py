@@ -12,9 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import run_program, setup_recipe
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, NonFiniteLossError
 from tunepack.runtimes import catalog
-from tunepack.trainers.recipe import NonFiniteLoss
 
 TINY = catalog.get("tiny-llama3")
 
@@ -225,7 +224,7 @@ def test_diverging_loss_stops_with_exit_75_and_publishes_nothing(initialized_wor
         return (loss * float("nan") if len(calls) == 3 else loss), tokens
 
     recipe._loss_and_tokens = diverging
-    with pytest.raises(NonFiniteLoss) as err:
+    with pytest.raises(NonFiniteLossError) as err:
         recipe.train()
     assert err.value.exit_code == EXIT_TRANSIENT
     assert str(err.value).startswith("the loss became nan at step 3 (the step before: ")

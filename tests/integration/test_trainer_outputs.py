@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tunepack.core import durable
-from tunepack.core.errors import EXIT_TRANSIENT
+from tunepack.core.errors import EXIT_TRANSIENT, DiskFullError
 
 LAUNCH = "tunepack.trainers.launch"
 # 4 steps, a checkpoint at step 2 (the finished run keeps it; none is written at the end).
@@ -301,7 +301,7 @@ def test_durable_write_text_cleans_up_and_names_the_path(tmp_path, monkeypatch):
     target = tmp_path / "result.json"
     target.write_text("old\n")
     monkeypatch.setattr(os, "fsync", _enospc)
-    with pytest.raises(durable.DiskFullError) as err:
+    with pytest.raises(DiskFullError) as err:
         durable.write_text(target, "new\n")
     assert err.value.exit_code == EXIT_TRANSIENT
     assert f"writing {target} (4 bytes needed, " in str(err.value)
@@ -316,7 +316,7 @@ def test_durable_publish_dir_cleans_up_on_an_opaque_write_failure(tmp_path, monk
         raise RuntimeError("basic_ios::clear: iostream error")
 
     monkeypatch.setattr(durable, "free_bytes", lambda _path: 0)
-    with pytest.raises(durable.DiskFullError, match=r"adapter \(1\.0 KiB needed, 0 bytes free\)"):
+    with pytest.raises(DiskFullError, match=r"adapter \(1\.0 KiB needed, 0 bytes free\)"):
         durable.publish_dir(tmp_path / "adapter", write, needed=1024)
     assert not list(tmp_path.iterdir())
 

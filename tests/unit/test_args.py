@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, BadValueError
 from tunepack.runtimes import catalog
 from tunepack.trainers import args as args_module
 from tunepack.trainers.args import (
@@ -197,7 +197,7 @@ def test_tri_state_and_checkpoint_arguments():
 def test_deterministic_is_an_opt_in_boolean():
     assert parse_trainer_args([], TINY).deterministic is False
     assert parse_trainer_args(["deterministic=true"], TINY).deterministic is True
-    with pytest.raises(BadInputError, match="deterministic="):
+    with pytest.raises(BadValueError):
         parse_trainer_args(["deterministic=sometimes"], TINY)
 
 

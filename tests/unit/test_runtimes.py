@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tunepack import __version__
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, UnknownRuntimeError
 from tunepack.runtimes import builder, catalog, contract, generate, host
 from tunepack.runtimes.builder import build_runtime
 from tunepack.runtimes.contract import container, env, env_refs, pod_spec, replicated_jobs
@@ -329,7 +329,7 @@ def test_list_runtimes():
 
 
 def test_load_unknown_runtime_lists_the_known_ones():
-    with pytest.raises(BadInputError, match="tunepack-tiny-llama3"):
+    with pytest.raises(UnknownRuntimeError, match="tunepack-tiny-llama3"):
         load_runtime("tunepack-gpt-5")
 
 

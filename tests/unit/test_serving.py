@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tunepack.cli import main
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import UnknownRuntimeError
 from tunepack.runtimes import catalog
 from tunepack.tools import serving, serving_memory
 
@@ -124,7 +124,7 @@ def test_a_vision_model_is_refused_saying_what_to_do_instead(capsys, argv):
 
 
 def test_served_result_refuses_an_unknown_runtime():
-    with pytest.raises(BadInputError, match="unknown runtime or model 'tunepack-nope'"):
+    with pytest.raises(UnknownRuntimeError):
         serving.served_result("tunepack-nope", [])
 
 

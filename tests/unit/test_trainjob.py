@@ -10,7 +10,7 @@ import types
 import pytest
 import yaml
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadInputError, UnknownKeyError
 from tunepack.jobs.naming import max_name_length
 from tunepack.jobs.trainjob import (
     TrainJobSpec,
@@ -317,7 +317,7 @@ def test_bad_labels_and_queues_are_named(overrides, message):
 def test_trainer_args_are_checked_against_the_vocabulary(real_trainer_args):
     if not real_trainer_args:
         pytest.skip(f"{ARGS_MODULE} is not there yet")
-    with pytest.raises(BadInputError, match="lora_rnk"):
+    with pytest.raises(UnknownKeyError, match="lora_rnk"):
         _build(trainer_args=["method=lora", "lora_rnk=8"])
-    with pytest.raises(BadInputError):
+    with pytest.raises(UnknownKeyError):
         _build(trainer_args=["model._component_=os.system"])

@@ -24,7 +24,14 @@ from tunepack.backends.local import runner
 from tunepack.backends.local.job import RUNNER_CLI, TERMINAL, JobRecord
 from tunepack.backends.local.progress import read_progress
 from tunepack.backends.local.steps import order_steps
-from tunepack.core.errors import BadInputError, TransientError
+from tunepack.core.errors import (
+    BadInputError,
+    ConflictError,
+    DeniedError,
+    NotFoundError,
+    UnknownRuntimeError,
+    WorkspaceBusyError,
+)
 from tunepack.core.workspace import MODEL_DIR
 from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
@@ -98,7 +105,7 @@ class LocalBackend(TunepackBackend):
                 if matches
                 else f"tunepack runtimes are: {', '.join(known)}"
             )
-            raise BadInputError(f"{what}; {hint}")
+            raise UnknownRuntimeError(f"{what}; {hint}")
         obj = load_runtime(name)
         node = contract.container(contract.replicated_job(obj, kc.NODE))
         image, command = node["image"], node["command"]
@@ -149,9 +156,9 @@ class LocalBackend(TunepackBackend):
         created = None
         if job.exists():
             if not replace:
-                raise BadInputError(f"a local TrainJob {name!r} already exists under {self.root}")
+                raise ConflictError(f"a local TrainJob {name!r} already exists under {self.root}")
             if self.get_job(name).status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING):
-                raise TransientError(  # busy, not bad input: it can run once that one ends
+                raise WorkspaceBusyError(  # busy, not bad input: it can run once that one ends
                     f"local TrainJob {name!r} is still running (pid {job.pid()}, in "
                     f"{self.workspace(name)}); wait for it to end, or give another --name"
                 )
@@ -159,7 +166,7 @@ class LocalBackend(TunepackBackend):
         try:
             job.create(trainjob, workspace, created)
         except OSError as err:
-            raise BadInputError(
+            raise DeniedError(
                 f"cannot record local TrainJob {name!r} under {self.root}: "
                 f"{(err.strerror or str(err)).lower()}; set TUNEPACK_HOME (or --jobs-dir) to a "
                 "directory you can write to"
@@ -189,7 +196,7 @@ class LocalBackend(TunepackBackend):
         job = JobRecord(self.root / name)
         if not name or "/" in name or name in (".", "..") or not job.exists():
             missing = f"no local TrainJob {name!r} under {self.root}"
-            raise BadInputError(
+            raise NotFoundError(
                 f"{missing}; see list_jobs() (tunepack jobs --local)",
                 cli_message=f"{missing}; `tunepack jobs --local` lists them",
             )
@@ -263,7 +270,7 @@ class LocalBackend(TunepackBackend):
         steps = self._step_names(name)
         step = sdk_step(step, steps)
         if step not in steps:
-            raise BadInputError(
+            raise NotFoundError(
                 f"local TrainJob {name!r} has no step {step!r}; its steps are {', '.join(steps)}"
             )
         log = self._job(name).step_log(step, steps)
@@ -364,7 +371,7 @@ class LocalBackend(TunepackBackend):
         pid = job.pid()
         if pid and job.alive() and state["status"] not in TERMINAL:
             if state.get("runner") == RUNNER_CLI:
-                raise BadInputError(
+                raise ConflictError(
                     f"local TrainJob {name!r} is running in the foreground of `tunepack train "
                     f"--local` (pid {pid}); stop it there with Ctrl-C first"
                 )

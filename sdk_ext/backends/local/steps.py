@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tunepack.core import lifetime, program
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadValueError
 from tunepack.core.workspace import LOGS_DIR, WorkspaceLock, lock_workspace
 from tunepack.initializers.export import EXPORT_URI_ENV
 from tunepack.runtimes import contract
@@ -113,9 +113,9 @@ def order_steps(replicated_jobs: list[dict]) -> list[dict]:
             return
         if name in chain:
             cycle = " -> ".join((*chain, name))
-            raise BadInputError(f"runtime jobs depend on each other in a cycle: {cycle}")
+            raise BadValueError(f"runtime jobs depend on each other in a cycle: {cycle}")
         if name not in by_name:
-            raise BadInputError(f"runtime job {chain[-1]!r} depends on unknown job {name!r}")
+            raise BadValueError(f"runtime job {chain[-1]!r} depends on unknown job {name!r}")
         for dep in by_name[name].get("dependsOn") or []:
             visit(dep["name"], (*chain, name))
         state[name] = "done"
