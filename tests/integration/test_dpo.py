@@ -290,8 +290,9 @@ TRAIN = ["method=dpo", "batch_size=8", "epochs=12", "lr=3e-3", "warmup_steps=0"]
 
 
 def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace, tmp_path):
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     recipe = setup_recipe(
         TINY,
         [*TRAIN, "checkpoint_every_minutes=0"],

@@ -92,8 +92,9 @@ def test_cli_run_raises_the_reward_and_the_adapter_loads_in_peft(answering_model
     """`tunepack tiny-dataset --prompts` then `tunepack train --local ... method=grpo`: the mean
     reward of the last steps is well above the first steps', the console shows it, and the
     published adapter, loaded by peft over the base, answers with even numbers more often."""
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     data = tmp_path / "prompts.jsonl"
     made = subprocess.run(
         [sys.executable, "-m", "tunepack.cli", "tiny-dataset", "--prompts", str(data)],

@@ -27,9 +27,7 @@ import subprocess
 
 import pytest
 import torch
-
-pytest.importorskip("torchvision", reason="Llama 3.2 Vision needs the tunepack[vision] extra")
-
+import torchvision  # noqa: F401  Llama 3.2 Vision needs it (tunepack[vision], a dev extra)
 from PIL import Image, ImageDraw  # noqa: E402
 
 from tests.helpers import (  # noqa: E402
