@@ -76,7 +76,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -100,7 +99,7 @@ from side_by_side import (  # noqa: E402
     summarize,
     versions,
 )
-from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
+from trainer_bench import free_port, run_measured, stock_config, stock_recipe_file  # noqa: E402
 
 from tunepack.runtimes import catalog, custom, methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
@@ -705,12 +704,6 @@ def fused_loss_figures(fused: dict, plain: dict, step: str = "step_s") -> dict:
 
 
 # ----------------------------------------------------------------------------- FSDP2 resume
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _fsdp_config(ws: Path, argv: list[str]) -> tuple[Path, str]:
     """config.yaml of a run in ``ws``, derived as the launcher derives it (launch.run)."""
     from omegaconf import OmegaConf
@@ -740,7 +733,7 @@ def _torchrun(ctx: Context, ws: Path, argv: list[str], log_path: Path, stop_at: 
     from tunepack.trainers.launch import WORKER_MODULE, Layout, torchrun_command
 
     config, digest = _fsdp_config(ws, argv)
-    layout = Layout(1, ctx.fsdp_nproc, 0, "127.0.0.1", _free_port())
+    layout = Layout(1, ctx.fsdp_nproc, 0, "127.0.0.1", free_port())
     cmd = torchrun_command(layout, config, digest)
     at = cmd.index(WORKER_MODULE)
     cmd[at - 1 : at + 1] = [str(HERE / "gpu_check.py"), "--fsdp-worker"]

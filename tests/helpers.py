@@ -6,6 +6,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,14 +139,21 @@ def initialize_workspace(root: Path, dataset: Path, model_dir: Path, model: str 
     return root
 
 
-def trainer_env(workspace: Path, **pet: object) -> dict[str, str]:
-    """The launcher's environment for tiny-llama3 in ``workspace``; ``pet``: torchrun's PET_*
+def trainer_env(workspace: Path, model: str = "tiny-llama3", **pet: object) -> dict[str, str]:
+    """The launcher's environment for ``model`` in ``workspace``; ``pet``: torchrun's PET_*
     settings (nproc_per_node=2 ...). One thread per process: the tests' numbers are the same on
     every machine."""
-    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
+    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": model}
     env["OMP_NUM_THREADS"] = "1"
     env.update({f"PET_{k.upper()}": str(v) for k, v in pet.items()})
     return env
+
+
+def two_processes_env(workspace: Path) -> dict[str, str]:
+    """``trainer_env`` for one node of two processes (torchrun, FSDP2) on a free loopback port."""
+    return trainer_env(
+        workspace, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
+    )
 
 
 def launch_trainer(env: dict, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -154,16 +162,47 @@ def launch_trainer(env: dict, *args: str, timeout: int = 600) -> subprocess.Comp
     )
 
 
+def start_and_wait_for_step(env: dict, args: list[str], step: int) -> subprocess.Popen:
+    """The launcher started, once it reports ``step``: it cannot run more than a page of output
+    ahead (``lines_held_back``), so a kill that follows lands before it ends."""
+    proc = subprocess.Popen(
+        [*LAUNCH, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    for line in lines_held_back(proc.stdout.fileno()):
+        if line.startswith(b"{") and json.loads(line).get("step", 0) >= step:
+            return proc
+    raise AssertionError(f"the trainer ended (rc {proc.wait()}) before step {step}")
+
+
+def copy_workspace(initialized: Path, tmp_path: Path, name: str = "ws") -> Path:
+    """A copy of an initialized workspace, for one run to write in."""
+    target = tmp_path / name
+    shutil.copytree(initialized, target)
+    return target
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on (torchrun's rendezvous, a server to start, a refusal)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def records(output: Path, event: str) -> list[dict]:
+    """The lines of one event ("step", "eval", ...) of a run's metrics.jsonl."""
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == event]
+
+
 def step_records(output: Path) -> list[dict]:
     """The step lines of a run's metrics.jsonl."""
+    return records(output, "step")
+
+
+def losses_of(output: Path) -> list[float]:
+    """The training losses of a run's metrics.jsonl, in order."""
     lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == "step"]
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def result_of(workspace: Path) -> dict:
@@ -181,13 +220,7 @@ def kill_9_and_resume(workspace: Path, args: list[str], *, at_step: int, every: 
     it reports step ``at_step``, check it left no result, and train again to the end; returns
     the step of the newest checkpoint the second run resumed from."""
     args = [*args, f"checkpoint_every_steps={every}"]
-    proc = subprocess.Popen(
-        [*LAUNCH, *args], env=trainer_env(workspace), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    for line in lines_held_back(proc.stdout.fileno()):
-        if line.startswith(b"{") and json.loads(line).get("step", 0) >= at_step:
-            break
+    proc = start_and_wait_for_step(trainer_env(workspace), args, at_step)
     proc.kill()  # SIGKILL: nothing runs on the way out
     proc.wait()
     assert not (workspace / "output" / "result.json").exists()

@@ -8,7 +8,6 @@ import fcntl
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+
+from tests.helpers import free_port
 
 EXIT_BAD_INPUT, EXIT_TRANSIENT, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 65, 75, 130, 141
 CLI = [sys.executable, "-m", "tunepack.cli"]
@@ -140,15 +141,9 @@ def test_broken_kubeconfig_names_the_file(tmp_path, content, args, fragments):
     assert_one_line_error(done, EXIT_BAD_INPUT, str(kubeconfig), *fragments)
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.parametrize("command", sorted(CLUSTER_COMMANDS))
 def test_unreachable_api_server_is_one_transient_line(tmp_path, command):
-    server = f"https://127.0.0.1:{_closed_port()}"
+    server = f"https://127.0.0.1:{free_port()}"
     kubeconfig = _kubeconfig(tmp_path / "config", server)
     started = time.monotonic()
     done = tunepack(*CLUSTER_COMMANDS[command], env=_env(tmp_path, KUBECONFIG=str(kubeconfig)))

@@ -17,7 +17,6 @@ from tests import REPO
 from tests.helpers import (
     TINY,
     adapter_of,
-    free_port,
     initialize_workspace,
     kill_9_and_resume,
     launch_trainer,
@@ -26,6 +25,7 @@ from tests.helpers import (
     setup_recipe,
     step_records,
     trainer_env,
+    two_processes_env,
 )
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
@@ -405,9 +405,7 @@ def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_pat
     done = launch_trainer(trainer_env(one), *common, "batch_size=8")
     assert done.returncode == 0, done.stderr
     two = shutil.copytree(preference_workspace, tmp_path / "two")
-    env = trainer_env(
-        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
-    )
+    env = two_processes_env(two)
     done = launch_trainer(env, *common, "batch_size=4")
     assert done.returncode == 0, done.stdout + done.stderr
     assert result_of(two)["world_size"] == 2 and result_of(two)["method"] == "dpo"

@@ -27,7 +27,6 @@ from safetensors.torch import load_file
 from tests.helpers import (
     TINY,
     adapter_of,
-    free_port,
     initialize_workspace,
     kill_9_and_resume,
     launch_trainer,
@@ -36,6 +35,7 @@ from tests.helpers import (
     setup_recipe,
     step_records,
     trainer_env,
+    two_processes_env,
 )
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.tiny.dataset import tiny_prompt_rows, write_tiny_prompt_dataset
@@ -228,9 +228,7 @@ def test_two_processes_with_fsdp_follow_one_process(prompt_workspace, tmp_path):
     done = launch_trainer(trainer_env(one), *common, "batch_size=8")
     assert done.returncode == 0, done.stderr
     two = shutil.copytree(prompt_workspace, tmp_path / "two")
-    env = trainer_env(
-        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
-    )
+    env = two_processes_env(two)
     done = launch_trainer(env, *common, "batch_size=4")
     assert done.returncode == 0, done.stdout + done.stderr
     assert result_of(two)["world_size"] == 2 and result_of(two)["method"] == "grpo"
@@ -297,9 +295,7 @@ def test_grpo_full_resumes_bit_identically_and_follows_on_two_processes(prompt_w
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
     two = shutil.copytree(prompt_workspace, tmp_path / "two")
-    env = trainer_env(
-        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
-    )
+    env = two_processes_env(two)
     done = launch_trainer(env, *[a.replace("batch_size=4", "batch_size=2") for a in args])
     assert done.returncode == 0, done.stdout + done.stderr
     sharded = step_records(two / "output")

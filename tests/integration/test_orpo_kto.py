@@ -15,13 +15,13 @@ import torch
 
 from tests.helpers import (
     adapter_of,
-    free_port,
     initialize_workspace,
     kill_9_and_resume,
     launch_trainer,
     result_of,
     step_records,
     trainer_env,
+    two_processes_env,
 )
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.tiny.dataset import write_tiny_preference_dataset, write_tiny_unpaired_dataset
@@ -134,9 +134,7 @@ def test_two_processes_with_fsdp_follow_one_process(method, request, tmp_path):
     one = shutil.copytree(source, tmp_path / "one")
     single = _run(one, *common, f"batch_size={total}")
     two = shutil.copytree(source, tmp_path / "two")
-    env = trainer_env(
-        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
-    )
+    env = two_processes_env(two)
     done = launch_trainer(env, *common, f"batch_size={total // 2}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert result_of(two)["world_size"] == 2

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from tests.helpers import NF4_TINY, TINY, run_program, setup_recipe, trainer_config
+from tests.helpers import NF4_TINY, TINY, losses_of, run_program, setup_recipe, trainer_config
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes.planner import Step
 from tunepack.tiny import write_tiny_model
@@ -211,11 +211,6 @@ def test_packed_sequences_train(initialized_workspace, tmp_path):
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def _losses(output) -> list[float]:
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
-
-
 def test_compiled_training_matches_eager(initialized_workspace, tmp_path):
     """compile=true (torch.compile of the layers; inductor's C++ code on a CPU) changes the
     speed, not the numbers."""
@@ -234,7 +229,7 @@ def test_compiled_training_matches_eager(initialized_workspace, tmp_path):
     shapes = {max(lengths[i] for i in order[k * 8 : (k + 1) * 8]) for k in range(4)}
     assert len(shapes) >= 3
     assert counters["stats"]["unique_graphs"] <= 4
-    eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
+    eager, compiled = losses_of(tmp_path / "eager"), losses_of(tmp_path / "compiled")
     assert len(compiled) == 4 and compiled[-1] < compiled[0]
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-3, (eager, compiled)
 
@@ -305,7 +300,7 @@ def test_the_step_is_logged_recorded_and_kept_by_a_resume(initialized_workspace,
     wrapped = [isinstance(layer, CheckpointWrapper) for layer in resumed.model.layers]
     assert wrapped == [True] + [False] * (layers - 1)  # the first layer recomputes, no other
     resumed.train()
-    assert _losses(tmp_path)[-1] < _losses(tmp_path)[0]
+    assert losses_of(tmp_path)[-1] < losses_of(tmp_path)[0]
     given = resume("loss_chunk=9", "activation_checkpointing=false")
     assert given.step == Step(layers, 0, 9)
 
@@ -366,7 +361,7 @@ def test_bf16_trains_in_bf16(initialized_workspace, tmp_path):
     recipe = train_in_process(initialized_workspace, tmp_path, ["max_steps=6", "dtype=bf16"])
     layer = recipe.model.layers[0].attn.q_proj
     assert layer.weight.dtype == layer.lora_a.weight.dtype == torch.bfloat16
-    losses = _losses(tmp_path)
+    losses = losses_of(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0]
     assert json.loads((tmp_path / "result.json").read_text())["dtype"] == "bf16"
 
