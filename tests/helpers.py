@@ -215,6 +215,34 @@ def adapter_of(workspace: Path) -> dict:
     return load_file(workspace / "output" / "adapter" / "adapter_model.safetensors")
 
 
+def assert_same_tensors(want: dict, got: dict) -> None:
+    """Two state dicts (adapters, models) equal bit for bit."""
+    import torch
+
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def straight_and_resumed(
+    initialized: Path, tmp_path: Path, args: list[str], *, at_step: int, every: int
+) -> tuple[Path, Path, int]:
+    """``args`` trained twice from copies of ``initialized``: straight through ("reference"), and
+    killed with SIGKILL at ``at_step`` then run again ("interrupted", ``kill_9_and_resume``).
+    Checks what every resume promises: one restart, from the newest checkpoint, before the end,
+    and as many steps and tokens as the straight run. Returns both workspaces and that step."""
+    reference = copy_workspace(initialized, tmp_path, "reference")
+    done = launch_trainer(trainer_env(reference), *args)
+    assert done.returncode == 0, done.stderr
+    interrupted = copy_workspace(initialized, tmp_path, "interrupted")
+    newest = kill_9_and_resume(interrupted, args, at_step=at_step, every=every)
+    result, expected = result_of(interrupted), result_of(reference)
+    assert result["resumed_from_step"] == newest and result["restarts"] == 1
+    assert newest < result["steps"]
+    assert (result["steps"], result["tokens_seen"]) == (expected["steps"], expected["tokens_seen"])
+    return reference, interrupted, newest
+
+
 def kill_9_and_resume(workspace: Path, args: list[str], *, at_step: int, every: int) -> int:
     """Train in ``workspace`` with a checkpoint every ``every`` steps, SIGKILL the trainer once
     it reports step ``at_step``, check it left no result, and train again to the end; returns

@@ -12,14 +12,14 @@ from safetensors.torch import load_file
 
 from tests.helpers import (
     adapter_of,
+    assert_same_tensors,
     copy_workspace,
-    kill_9_and_resume,
     launch_trainer,
     records,
     result_of,
     run_program,
     setup_recipe,
-    trainer_env,
+    straight_and_resumed,
     two_processes_env,
 )
 from tests.integration.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
@@ -233,25 +233,19 @@ def test_kill_9_with_eval_resumes_bit_identical(initialized_workspace, tmp_path)
     from tests.integration.test_trainer_processes import RESUME_ARGS
 
     eval_args = [*RESUME_ARGS, "val_fraction=0.1", "eval_every_steps=2", "keep_best=true"]
-    reference = copy_workspace(initialized_workspace, tmp_path, "reference")
-    done = launch_trainer(trainer_env(reference), *eval_args, "checkpoint_every_minutes=0")
-    assert done.returncode == 0, done.stderr
-
-    interrupted = copy_workspace(initialized_workspace, tmp_path, "interrupted")
     args = [*eval_args, "checkpoint_every_minutes=0"]
-    newest = kill_9_and_resume(interrupted, args, at_step=5, every=3)
+    reference, interrupted, newest = straight_and_resumed(
+        initialized_workspace, tmp_path, args, at_step=5, every=3
+    )
     result, expected_result = result_of(interrupted), result_of(reference)
-    assert result["resumed_from_step"] == newest and newest in (3, 6)
+    assert newest in (3, 6)
     for key in ("steps", "tokens_seen", "val_loss", "best_val_loss", "best_step", "published_step"):
         assert result[key] == expected_result[key], key
     # Each evaluation recorded once, with the reference's values.
     got = [(r["step"], r["val_loss"]) for r in records(interrupted / "output", "eval")]
     want = [(r["step"], r["val_loss"]) for r in records(reference / "output", "eval")]
     assert got == want and [s for s, _ in got] == [2, 4, 6, 8]
-    expected, published = adapter_of(reference), adapter_of(interrupted)
-    assert expected.keys() == published.keys()
-    for key in expected:
-        assert torch.equal(expected[key], published[key]), key
+    assert_same_tensors(adapter_of(reference), adapter_of(interrupted))
 
 
 # ------------------------------------------------------------------ the dataset's own split

@@ -18,14 +18,15 @@ from safetensors.torch import load_file
 from tests.helpers import (
     LAUNCH,
     adapter_of,
+    assert_same_tensors,
     copy_workspace,
     free_port,
-    kill_9_and_resume,
     launch_trainer,
     losses_of,
     result_of,
     run_program,
     start_and_wait_for_step,
+    straight_and_resumed,
     trainer_config,
     trainer_env,
     two_processes_env,
@@ -136,24 +137,14 @@ def test_layout_from_pet_variables(monkeypatch):
 def test_kill_9_then_restart_resumes_and_ends_bit_identical(
     initialized_workspace, tmp_path, batching
 ):
-    reference = copy_workspace(initialized_workspace, tmp_path, "reference")
-    done = launch_trainer(trainer_env(reference), *BATCHING[batching], "checkpoint_every_minutes=0")
-    assert done.returncode == 0, done.stderr
-    assert not (reference / "checkpoints").exists()  # checkpointing is off there
-
-    interrupted = copy_workspace(initialized_workspace, tmp_path, "interrupted")
     # SIGKILL: no handler runs, whatever was being written stays half-written.
     args = [*BATCHING[batching], "checkpoint_every_minutes=0"]
-    newest = kill_9_and_resume(interrupted, args, at_step=5, every=3)
-    assert newest in (3, 6)
-    result = result_of(interrupted)
-    assert result["resumed_from_step"] == newest and result["restarts"] == 1
-    assert result["steps"] == 8 == result_of(reference)["steps"]
-    assert result["tokens_seen"] == result_of(reference)["tokens_seen"]
-    expected, got = adapter_of(reference), adapter_of(interrupted)
-    assert expected.keys() == got.keys()
-    for key in expected:
-        assert torch.equal(expected[key], got[key]), key
+    reference, interrupted, newest = straight_and_resumed(
+        initialized_workspace, tmp_path, args, at_step=5, every=3
+    )
+    assert not (reference / "checkpoints").exists()  # checkpointing is off there
+    assert newest in (3, 6) and result_of(interrupted)["steps"] == 8
+    assert_same_tensors(adapter_of(reference), adapter_of(interrupted))
     # keep_checkpoints=2: only the newest two remain
     assert len(list((interrupted / "checkpoints").glob("step-*"))) <= 2
 
