@@ -5,7 +5,7 @@ length and a per-device batch size, from the model's shape in the catalog (``Sha
 recommends the smallest nodes x GPUs layout that fits. The terms are those of tunepack's trainer
 (torchtune 0.6.1's layers, activation checkpointing per layer, the fused loss, AdamW); each is
 derived in ``docs/planner.md`` and checked against the H100 measurements in
-``benchmarks/results/`` (``tests/integration/test_planner.py``).
+``benchmarks/results/`` (``tests/unit/test_planner.py``).
 
     >>> from tunepack.runtimes.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)

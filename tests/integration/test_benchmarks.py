@@ -1,7 +1,7 @@
 """The side-by-side benchmark (benchmarks/side_by_side.py): its smoke size produces a complete
 report with each system's MFU against the machine's measured matmul peak (no speed is asserted),
 its tokenizer learner matches tunepack's, and the trainer's fill metric counts what the
-benchmark's probe counts. (Its FLOP count is tested in test_gpu_check.py.)"""
+benchmark's probe counts. (Its FLOP count is tested in tests/unit/test_gpu_check.py.)"""
 
 from __future__ import annotations
 
