@@ -89,10 +89,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from sbs_harness import read_records  # noqa: E402
 from sbs_workload import Workload, rows  # noqa: E402
 from side_by_side import (  # noqa: E402
     PROBE,
-    _probe_records,
     model_flops_per_token,
     sgemm_peak,
     steady,
@@ -487,7 +487,7 @@ def run_tunepack(ctx: Context, size: Size, method: str, system: str, template: P
     steps = _metrics(ws)
     config = yaml.safe_load((ws / "output" / "config.yaml").read_text())
     result = json.loads((ws / "output" / "result.json").read_text())
-    figures = _figures(ctx, size, _probe_records(probe), usage, steps[-1]["loss"])
+    figures = _figures(ctx, size, read_records(probe), usage, steps[-1]["loss"])
     if ctx.device == "cuda":
         figures["peak_memory_gib"] = max(s["peak_memory_gib"] for s in steps)
     figures["step_elapsed_s"] = [s["elapsed_s"] for s in steps]
@@ -520,7 +520,7 @@ def run_stock(ctx: Context, size: Size, method: str, system: str, tunepack_cfg: 
     usage = _measured(cmd, env, run / "train.log")
     text = "".join(p.read_text() for p in (out / "logs").glob("*.txt"))
     losses = [float(x) for x in _find(text, "loss")]
-    figures = _figures(ctx, size, _probe_records(probe), usage, losses[-1] if losses else None)
+    figures = _figures(ctx, size, read_records(probe), usage, losses[-1] if losses else None)
     if ctx.device == "cuda":
         # torchtune resets the peak at every logged step: the run's peak is the largest.
         peaks = [float(x) for x in _find(text, "peak_memory_alloc")]
