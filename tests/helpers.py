@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import REPO
 from tunepack.runtimes import catalog
 
 TINY = catalog.get("tiny-llama3")
@@ -41,6 +42,16 @@ def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600
         timeout=timeout,
         cwd=cwd,
     )
+
+
+def run_benchmark(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """A script of benchmarks/ as its own process from the repository root; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 # The dataset initializer's own settings: a test gives them explicitly, never from the caller's env.

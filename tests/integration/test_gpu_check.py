@@ -6,12 +6,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
 import sys
 
 import pytest
 
 from tests import REPO
+from tests.helpers import run_benchmark
 from tunepack.runtimes import planner
 
 ROOT = REPO
@@ -103,14 +103,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     """The dry run (about a minute of CPU: fourteen trainer processes on a tiny model) leaves a
     report with figures for every method and system, a bit-exact FSDP2 resume, and a table."""
     out = tmp_path / "report.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark("gpu_check.py", "--dry-run", "--out", str(out))
     report = json.loads(out.read_text())
     assert problems(report) == [], done.stderr[-3000:]
     assert "workload" in done.stdout and f"report: {out}" in done.stdout

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+from tests.helpers import run_benchmark
+
 
 def test_cli_plan_exit_code_says_whether_it_fits():
     run = [sys.executable, "-m", "tunepack.cli", "plan", "--model", "llama3.1-8b"]
@@ -20,11 +22,7 @@ def test_cli_plan_exit_code_says_whether_it_fits():
 
 def test_benchmark_dry_mode_exercises_the_measurement_path(tmp_path):
     out = tmp_path / "report.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/planner_accuracy.py", "--dry", "--json", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    run_benchmark("planner_accuracy.py", "--dry", "--json", str(out), timeout=300)
     report = json.loads(out.read_text())
     assert report["mode"] == "dry" and report["rows"]
     row = report["rows"][0]
