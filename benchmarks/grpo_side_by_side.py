@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -58,7 +57,6 @@ sys.path.insert(0, str(HERE))
 from sbs_harness import (  # noqa: E402
     RunDirs,
     add_run_arguments,
-    cell,
     chosen_systems,
     emit,
     log,
@@ -67,6 +65,7 @@ from sbs_harness import (  # noqa: E402
     read_records,
     run_rounds,
     scratch,
+    system_lines,
     trl_or_skipped,
 )
 from sbs_harness import versions as harness_versions  # noqa: E402
@@ -444,17 +443,16 @@ def render(report: dict) -> str:
         f"{'system':<10}{'steps/s':>9}{'steps/CPU-s':>13}{'tok/s':>9}{'tok/CPU-s':>11}"
         f"{'RSS GiB':>9}{'CPU s':>8}{'reward first4':>15}{'last8':>7}",
     ]
-    for row in report["systems"].values():
-        f = functools.partial(cell, row)
-        lines.append(
-            f"{row['system']:<10}{f('steps_per_s', '9.3f')}{f('steps_per_cpu_s', '13.3f')}"
+    lines += system_lines(
+        report,
+        10,
+        lambda f: (
+            f"{f('steps_per_s', '9.3f')}{f('steps_per_cpu_s', '13.3f')}"
             f"{f('tokens_per_s', '9.1f')}{f('tokens_per_cpu_s', '11.1f')}"
             f"{f('peak_rss_gib', '9.3f')}{f('process_cpu_s', '8.1f')}"
             f"{f('reward_first', '15.3f')}{f('reward_last', '7.3f')}"
-        )
-        lines += [f"{'':<10}{note}" for note in row["notes"]]
-    for name, why in report["skipped"].items():
-        lines.append(f"{name:<10}skipped: {why}")
+        ),
+    )
     r = report["ratio"]
     if r:
         lines.append(

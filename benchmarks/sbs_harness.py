@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -188,6 +189,18 @@ def cell(row: dict, key: str, fmt: str) -> str:
     """A table cell: ``row[key]`` in ``fmt``, or a dash as wide where there is no figure."""
     v = row.get(key)
     return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
+
+
+def system_lines(report: dict, width: int, cells) -> list[str]:
+    """The table's body: each system's name (``width`` wide) and ``cells(f)``, where ``f(key,
+    fmt)`` is that row's cell; its notes under it; then each skipped system and why."""
+    lines = []
+    for row in report["systems"].values():
+        lines.append(f"{row['system']:<{width}}" + cells(functools.partial(cell, row)))
+        lines += [f"{'':<{width}}{note}" for note in row["notes"]]
+    for name, why in report["skipped"].items():
+        lines.append(f"{name:<{width}}skipped: {why}")
+    return lines
 
 
 # ----------------------------------------------------------------------------- command line

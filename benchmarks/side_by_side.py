@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -66,7 +65,6 @@ from sbs_harness import (  # noqa: E402
     TRL_VERSION,  # noqa: F401  (the TRL version the benchmarks pin; the tests read it here)
     RunDirs,
     add_run_arguments,
-    cell,
     chosen_systems,
     emit,
     log,
@@ -75,6 +73,7 @@ from sbs_harness import (  # noqa: E402
     read_records,
     run_rounds,
     scratch,
+    system_lines,
     trl_or_skipped,
 )
 from sbs_harness import versions as harness_versions  # noqa: E402
@@ -435,16 +434,15 @@ def render(report: dict) -> str:
         f"{'system':<18}{'tok/CPU-s':>11}{'tok/wall-s':>12}{'ratio':>7}{'MFU':>7}{'fill':>7}"
         f"{'RSS GiB':>9}{'loss':>8}",
     ]
-    for row in report["systems"].values():
-        f = functools.partial(cell, row)
-        lines.append(
-            f"{row['system']:<18}{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
+    lines += system_lines(
+        report,
+        18,
+        lambda f: (
+            f"{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
             f"{f('ratio_cpu', '7.2f')}{f('mfu', '7.1%')}{f('fill', '7.2f')}"
             f"{f('peak_rss_gib', '9.3f')}{f('loss', '8.3f')}"
-        )
-        lines += [f"{'':<18}{note}" for note in row["notes"]]
-    for name, why in report["skipped"].items():
-        lines.append(f"{name:<18}skipped: {why}")
+        ),
+    )
     lines.append("ratio: real tokens per CPU second relative to tunepack default (above 1: faster)")
     peak, flops = report["peak"], report["flops_per_token"]
     lines.append(

@@ -149,8 +149,9 @@ class _StatusHandler(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def status_server(tmp_path):
-    """A local HTTPS endpoint with a self-signed certificate, like the controller's."""
+def status_server(tmp_path, monkeypatch):
+    """A local HTTPS endpoint with a self-signed certificate, like the controller's, and the
+    trainer's environment pointing at it with a token: the posts it receives (header, body)."""
     cert, key = tmp_path / "ca.crt", tmp_path / "tls.key"
     subprocess.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
@@ -166,19 +167,20 @@ def status_server(tmp_path):
     _StatusHandler.received = []
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield f"https://127.0.0.1:{server.server_address[1]}/status", cert, _StatusHandler.received
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    url = f"https://127.0.0.1:{server.server_address[1]}/status"
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", url)
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_CA_CERT", str(cert))
+    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_TOKEN", str(token))
+    yield _StatusHandler.received
     server.shutdown()
 
 
 def test_progress_reaches_an_https_server_with_token_and_ca(
     initialized_workspace, tmp_path, status_server, monkeypatch
 ):
-    url, ca_file, received = status_server
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", url)
-    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_CA_CERT", str(ca_file))
-    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_TOKEN", str(token))
+    received = status_server
     # A clock that never moves: however slow the machine, all 5 steps fall within one interval,
     # so the rate limit lets out at most the first snapshot and the final one (its rule on a
     # moving clock: tests/unit/test_trainjob_status.py).
@@ -366,15 +368,8 @@ def test_bf16_trains_in_bf16(initialized_workspace, tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["dtype"] == "bf16"
 
 
-def test_progress_posts_carry_the_validation_loss(
-    initialized_workspace, tmp_path, status_server, monkeypatch
-):
-    url, ca_file, received = status_server
-    token = tmp_path / "token"
-    token.write_text("s3cret\n")
-    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_URL", url)
-    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_CA_CERT", str(ca_file))
-    monkeypatch.setenv("KUBEFLOW_TRAINER_SERVER_TOKEN", str(token))
+def test_progress_posts_carry_the_validation_loss(initialized_workspace, tmp_path, status_server):
+    received = status_server
     output = tmp_path / "out"
     train_in_process(
         initialized_workspace, output, ["max_steps=3", "val_fraction=0.1", "eval_every_steps=2"]
