@@ -76,6 +76,20 @@ def run_dataset_initializer(
     )
 
 
+def adapted_lora_model(**shape):
+    """A small Llama 3 with LoRA on q and v (torchtune's ``lora_llama3``, ``shape`` its sizes)
+    whose adapters change the model, as after some training: seeded, the same on every run."""
+    import torch
+    from torchtune.models.llama3 import lora_llama3
+
+    torch.manual_seed(0)
+    model = lora_llama3(["q_proj", "v_proj"], **shape)
+    for name, p in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return model
+
+
 def trainer_config(
     entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path, cache_dir: Path
 ):

@@ -850,6 +850,19 @@ def _older_failure_policy(fake, name: str) -> None:
     _stored(fake, name)["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] = 1
 
 
+def _installed_but_older(server, *, in_use: bool = False):
+    """The tiny runtime installed, then made older in an immutable field (and held by the
+    in-use finalizer): the next install must replace it. Its API client and runtime object."""
+    fake, url = server
+    api = _api_client(url)
+    (obj,) = runtime_objects([RUNTIME])
+    install(api, obj)
+    if in_use:
+        _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
+    _older_failure_policy(fake, RUNTIME)
+    return api, obj
+
+
 def _trainjob_using(fake, namespace: str, name: str, runtime: str, kind: str | None) -> None:
     ref = {"name": runtime, **({"kind": kind} if kind else {})}
     fake.objects[("trainjobs", namespace, name)] = {
@@ -888,12 +901,8 @@ def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
     from tunepack.core.errors import EXIT_TRANSIENT
     from tunepack.tools.install import RuntimeInUseError
 
-    fake, url = server
-    api = _api_client(url)
-    (obj,) = runtime_objects([RUNTIME])
-    install(api, obj)
-    _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
-    _older_failure_policy(fake, RUNTIME)
+    fake, _ = server
+    api, obj = _installed_but_older(server, in_use=True)
     _trainjob_using(fake, "team-a", "job-1", RUNTIME, "ClusterTrainingRuntime")
     _trainjob_using(fake, "team-b", "job-2", RUNTIME, None)  # kind defaults to the cluster one
     _trainjob_using(fake, "team-a", "job-3", RUNTIME, "TrainingRuntime")  # not this one
@@ -933,12 +942,8 @@ def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
 def test_install_says_when_the_trainjobs_cannot_be_listed(server):
     from tunepack.tools.install import RuntimeInUseError
 
-    fake, url = server
-    api = _api_client(url)
-    (obj,) = runtime_objects([RUNTIME])
-    install(api, obj)
-    _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
-    _older_failure_policy(fake, RUNTIME)
+    fake, _ = server
+    api, obj = _installed_but_older(server, in_use=True)
     fake.fail[("GET", f"{GROUP_PATH}/trainjobs")] = (403, "trainjobs is forbidden")
     with pytest.raises(RuntimeInUseError, match=r"the TrainJobs that use it could not be listed"):
         install(api, obj, delete_timeout=0.2, poll_interval=0.1)
@@ -976,11 +981,8 @@ def test_install_says_when_the_trainjobs_cannot_be_listed(server):
 def test_install_reports_other_refusals_with_the_server_message(
     server, method, code, reason, message
 ):
-    fake, url = server
-    api = _api_client(url)
-    (obj,) = runtime_objects([RUNTIME])
-    install(api, obj)
-    _older_failure_policy(fake, RUNTIME)
+    fake, _ = server
+    api, obj = _installed_but_older(server)
     fake.fail[(method, f"{GROUP_PATH}/clustertrainingruntimes/{RUNTIME}")] = (code, reason)
     with pytest.raises(RuntimeError) as caught:
         install(api, obj)
