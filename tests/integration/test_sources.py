@@ -593,12 +593,17 @@ def test_https_archive_path_traversal_is_refused(tmp_path, files_server, member,
     assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
 
 
-def test_https_tar_symlink_is_refused(tmp_path, files_server):
-    root, url = files_server
-    with tarfile.open(root / "link.tar", "w") as tf:
-        info = tarfile.TarInfo("train.jsonl")
+def _tar_with_a_link(path, member: str) -> None:
+    """A tar archive whose only member is a symbolic link out of the extraction directory."""
+    with tarfile.open(path, "w") as tf:
+        info = tarfile.TarInfo(member)
         info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(info)
+
+
+def test_https_tar_symlink_is_refused(tmp_path, files_server):
+    root, url = files_server
+    _tar_with_a_link(root / "link.tar", "train.jsonl")
     result = run_init("dataset", tmp_path, f"{url}/link.tar")
     assert result.returncode == EXIT_BAD_INPUT
     assert error_of(result, "dataset") == (
@@ -610,10 +615,7 @@ def test_https_tar_symlink_is_refused(tmp_path, files_server):
 
 def test_https_refused_model_archive_leaves_no_download_cache(tmp_path, files_server):
     root, url = files_server
-    with tarfile.open(root / "model.tar", "w") as tf:
-        info = tarfile.TarInfo("config.json")
-        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
-        tf.addfile(info)
+    _tar_with_a_link(root / "model.tar", "config.json")
     result = run_init("model", tmp_path, f"{url}/model.tar")
     assert result.returncode == EXIT_BAD_INPUT
     assert error_of(result) == (
