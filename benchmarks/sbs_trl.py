@@ -34,6 +34,32 @@ def _rows(path: str) -> list[dict]:
     return rows
 
 
+def cpu_run_args(s: dict) -> dict:
+    """The training arguments both TRL runs (this one and sbs_trl_grpo.py's) take from the
+    settings, as tunepack runs: AdamW, a cosine schedule without warm-up, no gradient clipping,
+    fp32 on the CPU, seeded, a loss logged every step and nothing saved."""
+    return dict(
+        output_dir=s["out"],
+        max_steps=s["steps"],
+        learning_rate=s["lr"],
+        weight_decay=s["weight_decay"],
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=s["seed"],
+        data_seed=s["seed"],
+        dataloader_num_workers=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+
 def main(settings_path: str) -> int:
     s = json.loads(Path(settings_path).read_text())
     import datasets
@@ -66,29 +92,12 @@ def main(settings_path: str) -> int:
     )
     packing = bool(s["packing"])
     config = trl.SFTConfig(
-        output_dir=s["out"],
+        **cpu_run_args(s),
         per_device_train_batch_size=s["batch_size"],
-        max_steps=s["steps"],
-        learning_rate=s["lr"],
-        weight_decay=s["weight_decay"],
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        max_grad_norm=0.0,
-        optim="adamw_torch",
         max_length=s["max_seq_len"],
         packing=packing,
         packing_strategy="bfd",
         padding_free=packing,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        seed=s["seed"],
-        data_seed=s["seed"],
-        dataloader_num_workers=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
     )
     trainer = trl.SFTTrainer(
         model=model,

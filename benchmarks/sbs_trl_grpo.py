@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from sbs_trl import cpu_run_args  # this folder: the script's own directory is on sys.path
+
 # tunepack's LoRA targets (runtimes' names) as Hugging Face Llama module names.
 HF_MODULES = {
     "q_proj": "q_proj",
@@ -94,7 +96,7 @@ def main(settings_path: str) -> int:
         task_type="CAUSAL_LM",
     )
     config = trl.GRPOConfig(
-        output_dir=s["out"],
+        **cpu_run_args(s),
         # A batch counts completions: batch_size prompts, num_generations answers each.
         per_device_train_batch_size=s["batch_size"] * s["num_generations"],
         gradient_accumulation_steps=1,
@@ -111,24 +113,7 @@ def main(settings_path: str) -> int:
         scale_rewards="group",
         mask_truncated_completions=False,
         use_vllm=False,
-        max_steps=s["steps"],
-        learning_rate=s["lr"],
-        weight_decay=s["weight_decay"],
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        max_grad_norm=0.0,  # no clipping, as tunepack
-        optim="adamw_torch",
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
         gradient_checkpointing=False,
-        seed=s["seed"],
-        data_seed=s["seed"],
-        dataloader_num_workers=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
         log_completions=False,
     )
     rows = [json.loads(line) for line in Path(s["prompts"]).read_text().splitlines() if line]
