@@ -54,6 +54,27 @@ def run_benchmark(script: str, *args: str, timeout: int = 900) -> subprocess.Com
     return done
 
 
+def write_kubeconfig(path: Path, server: str, namespace: str | None = None) -> Path:
+    """A kubeconfig at ``path`` whose current context is ``server`` (a fake or unreachable API
+    server), with a bearer token and, if given, a namespace."""
+    import yaml
+
+    context = {"cluster": "c", "user": "u", **({"namespace": namespace} if namespace else {})}
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "main",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "main", "context": context}],
+            }
+        )
+    )
+    return path
+
+
 # The dataset initializer's own settings: a test gives them explicitly, never from the caller's env.
 DATASET_SETTINGS = (
     "STORAGE_URI", "DATASET_SCHEMA", "COLUMN_MAP", "DATASET_SPLIT", "TUNEPACK_SPELLING",

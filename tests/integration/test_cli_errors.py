@@ -17,9 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-import yaml
 
-from tests.helpers import free_port
+from tests.helpers import free_port, write_kubeconfig
 
 EXIT_BAD_INPUT, EXIT_TRANSIENT, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 65, 75, 130, 141
 CLI = [sys.executable, "-m", "tunepack.cli"]
@@ -106,22 +105,6 @@ def test_training_client_without_a_kubeconfig_raises_tunepacks_line(tmp_path):
     )
 
 
-def _kubeconfig(path: Path, server: str) -> Path:
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "main",
-                "clusters": [{"name": "c", "cluster": {"server": server}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "main", "context": {"cluster": "c", "user": "u"}}],
-            }
-        )
-    )
-    return path
-
-
 @pytest.mark.parametrize(
     ("content", "args", "fragments"),
     [
@@ -134,7 +117,7 @@ def _kubeconfig(path: Path, server: str) -> Path:
 def test_broken_kubeconfig_names_the_file(tmp_path, content, args, fragments):
     kubeconfig = tmp_path / "config"
     if content is None:
-        _kubeconfig(kubeconfig, "https://127.0.0.1:1")
+        write_kubeconfig(kubeconfig, "https://127.0.0.1:1")
     else:
         kubeconfig.write_text(content)
     done = tunepack("status", "my-job", *args, env=_env(tmp_path, KUBECONFIG=str(kubeconfig)))
@@ -144,7 +127,7 @@ def test_broken_kubeconfig_names_the_file(tmp_path, content, args, fragments):
 @pytest.mark.parametrize("command", sorted(CLUSTER_COMMANDS))
 def test_unreachable_api_server_is_one_transient_line(tmp_path, command):
     server = f"https://127.0.0.1:{free_port()}"
-    kubeconfig = _kubeconfig(tmp_path / "config", server)
+    kubeconfig = write_kubeconfig(tmp_path / "config", server)
     started = time.monotonic()
     done = tunepack(*CLUSTER_COMMANDS[command], env=_env(tmp_path, KUBECONFIG=str(kubeconfig)))
     assert_one_line_error(

@@ -10,7 +10,7 @@ import yaml
 from kubernetes import client
 
 from tests.fake_apiserver import GROUP_PATH, FakeApiServer
-from tests.helpers import run_program
+from tests.helpers import run_program, write_kubeconfig
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
 from tunepack.core import __version__
@@ -672,21 +672,7 @@ def test_list_jobs_survives_a_job_deleted_while_listing(server):
 
 def _kubeconfig(path, url: str):
     """A kubeconfig whose current context is the fake server, namespace NS."""
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "fake",
-                "clusters": [{"name": "fake", "cluster": {"server": url}}],
-                "users": [{"name": "dev", "user": {"token": "not-a-secret"}}],
-                "contexts": [
-                    {"name": "fake", "context": {"cluster": "fake", "user": "dev", "namespace": NS}}
-                ],
-            }
-        )
-    )
-    return {"KUBECONFIG": str(path)}
+    return {"KUBECONFIG": str(write_kubeconfig(path, url, namespace=NS))}
 
 
 @pytest.fixture
@@ -1193,20 +1179,7 @@ def test_render_serving_reads_a_finished_trainjobs_runtime_and_arguments(
         initializer=Initializer(dataset="file:///pvc/data/train.jsonl", model="hf://org/m"),
         trainer=FineTune(method="lora", lora_rank=48, max_seq_len=1024),
     )
-    kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "main",
-                "clusters": [{"name": "c", "cluster": {"server": url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "main", "context": {"cluster": "c", "user": "u"}}],
-            }
-        )
-    )
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "config", url)))
     argv = ["render", "serving", "--job", name, "--namespace", NS]
     assert main(argv) == 65
     assert capsys.readouterr().err == (
