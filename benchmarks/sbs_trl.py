@@ -60,14 +60,12 @@ def cpu_run_args(s: dict) -> dict:
     )
 
 
-def main(settings_path: str) -> int:
-    s = json.loads(Path(settings_path).read_text())
-    import datasets
+def model_and_lora(s: dict, target_modules: list[str]):
+    """The benchmark's model (its Hugging Face files, fp32, SDPA attention), its tokenizer and the
+    PEFT LoRA config TRL puts on it, with the settings' threads and seed: both TRL runs' start."""
     import peft
     import torch
     import transformers
-    import trl
-    from sbs_probe import counting
 
     torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
@@ -79,17 +77,23 @@ def main(settings_path: str) -> int:
         r=s["lora_rank"],
         lora_alpha=s["lora_alpha"],
         lora_dropout=s["lora_dropout"],
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=target_modules,
         task_type="CAUSAL_LM",
     )
+    return tokenizer, model, lora
+
+
+def main(settings_path: str) -> int:
+    s = json.loads(Path(settings_path).read_text())
+    import datasets
+    import peft
+    import torch
+    import transformers
+    import trl
+    from sbs_probe import counting
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    tokenizer, model, lora = model_and_lora(s, modules)
     packing = bool(s["packing"])
     config = trl.SFTConfig(
         **cpu_run_args(s),

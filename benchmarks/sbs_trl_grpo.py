@@ -30,7 +30,10 @@ import sys
 import time
 from pathlib import Path
 
-from sbs_trl import cpu_run_args  # this folder: the script's own directory is on sys.path
+from sbs_trl import (  # this folder: the script's own directory is on sys.path
+    cpu_run_args,
+    model_and_lora,
+)
 
 # tunepack's LoRA targets (runtimes' names) as Hugging Face Llama module names.
 HF_MODULES = {
@@ -82,19 +85,7 @@ def main(settings_path: str) -> int:
                 }
             )
 
-    torch.set_num_threads(s["threads"])
-    torch.manual_seed(s["seed"])
-    tokenizer = transformers.AutoTokenizer.from_pretrained(s["model_dir"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        s["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
-    )
-    lora = peft.LoraConfig(
-        r=s["lora_rank"],
-        lora_alpha=s["lora_alpha"],
-        lora_dropout=s["lora_dropout"],
-        target_modules=[HF_MODULES[m] for m in s["lora_modules"]],
-        task_type="CAUSAL_LM",
-    )
+    tokenizer, model, lora = model_and_lora(s, [HF_MODULES[m] for m in s["lora_modules"]])
     config = trl.GRPOConfig(
         **cpu_run_args(s),
         # A batch counts completions: batch_size prompts, num_generations answers each.
