@@ -67,6 +67,18 @@ def _install(fake, url):
     )
 
 
+def _fake_pod(fake, pod: str, container: str, labels: dict, phase: str, created: str) -> dict:
+    """A pod of the JobSet in the fake server, one container in tunepack's image."""
+    fake.objects[("pods", NS, pod)] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod, "namespace": NS, "labels": labels, "creationTimestamp": created},
+        "spec": {"containers": [{"name": container, "image": "ghcr.io/tunepack/x:0.1.0"}]},
+        "status": {"phase": phase},
+    }
+    return fake.objects[("pods", NS, pod)]
+
+
 def _controller_runs(fake, name: str, failed: bool = False):
     """Play the Trainer controller + JobSet: pods with the platform's labels, status, logs."""
     for rjob, step in (("dataset-initializer", None), ("model-initializer", None), ("node", "0")):
@@ -77,18 +89,8 @@ def _controller_runs(fake, name: str, failed: bool = False):
         }
         if step is not None:
             labels["batch.kubernetes.io/job-completion-index"] = step
-        fake.objects[("pods", NS, pod)] = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": pod,
-                "namespace": NS,
-                "labels": labels,
-                "creationTimestamp": "2026-01-01T00:00:00Z",
-            },
-            "spec": {"containers": [{"name": rjob, "image": "ghcr.io/tunepack/x:0.1.0"}]},
-            "status": {"phase": "Failed" if failed and rjob == "node" else "Succeeded"},
-        }
+        phase = "Failed" if failed and rjob == "node" else "Succeeded"
+        _fake_pod(fake, pod, rjob, labels, phase, "2026-01-01T00:00:00Z")
         if failed and rjob == "node":  # the trainer refused its input (EXIT_BAD_INPUT)
             terminated = {"exitCode": 65, "finishedAt": "2026-01-01T00:09:00Z", "reason": "Error"}
             fake.objects[("pods", NS, pod)]["status"]["containerStatuses"] = [
@@ -209,23 +211,13 @@ def test_install_train_status_logs_delete(server, capsys):
 def _exporter_pod(fake, name: str, suffix: str, phase: str, created: str, log: str) -> None:
     """An exporter pod as JobSet makes it (replicatedJob ``exporter``, the runtime's label)."""
     pod = f"{name}-exporter-0-0-{suffix}"
-    fake.objects[("pods", NS, pod)] = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pod,
-            "namespace": NS,
-            "labels": {
-                "jobset.sigs.k8s.io/jobset-name": name,
-                "jobset.sigs.k8s.io/replicatedjob-name": "exporter",
-                "trainer.kubeflow.org/trainjob-ancestor-step": "exporter",
-                "batch.kubernetes.io/job-completion-index": "0",
-            },
-            "creationTimestamp": created,
-        },
-        "spec": {"containers": [{"name": "exporter", "image": "ghcr.io/tunepack/x:0.1.0"}]},
-        "status": {"phase": phase},
+    labels = {
+        "jobset.sigs.k8s.io/jobset-name": name,
+        "jobset.sigs.k8s.io/replicatedjob-name": "exporter",
+        "trainer.kubeflow.org/trainjob-ancestor-step": "exporter",
+        "batch.kubernetes.io/job-completion-index": "0",
     }
+    _fake_pod(fake, pod, "exporter", labels, phase, created)
     fake.logs[(NS, pod, "exporter")] = log
 
 
