@@ -76,7 +76,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -90,17 +89,17 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
+from sbs_harness import read_records  # noqa: E402
 from sbs_workload import Workload, rows  # noqa: E402
 from side_by_side import (  # noqa: E402
     PROBE,
-    _probe_records,
     model_flops_per_token,
     sgemm_peak,
     steady,
     summarize,
     versions,
 )
-from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
+from trainer_bench import free_port, run_measured, stock_config, stock_recipe_file  # noqa: E402
 
 from tunepack.runtimes import catalog, custom, methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
@@ -488,7 +487,7 @@ def run_tunepack(ctx: Context, size: Size, method: str, system: str, template: P
     steps = _metrics(ws)
     config = yaml.safe_load((ws / "output" / "config.yaml").read_text())
     result = json.loads((ws / "output" / "result.json").read_text())
-    figures = _figures(ctx, size, _probe_records(probe), usage, steps[-1]["loss"])
+    figures = _figures(ctx, size, read_records(probe), usage, steps[-1]["loss"])
     if ctx.device == "cuda":
         figures["peak_memory_gib"] = max(s["peak_memory_gib"] for s in steps)
     figures["step_elapsed_s"] = [s["elapsed_s"] for s in steps]
@@ -521,7 +520,7 @@ def run_stock(ctx: Context, size: Size, method: str, system: str, tunepack_cfg: 
     usage = _measured(cmd, env, run / "train.log")
     text = "".join(p.read_text() for p in (out / "logs").glob("*.txt"))
     losses = [float(x) for x in _find(text, "loss")]
-    figures = _figures(ctx, size, _probe_records(probe), usage, losses[-1] if losses else None)
+    figures = _figures(ctx, size, read_records(probe), usage, losses[-1] if losses else None)
     if ctx.device == "cuda":
         # torchtune resets the peak at every logged step: the run's peak is the largest.
         peaks = [float(x) for x in _find(text, "peak_memory_alloc")]
@@ -705,12 +704,6 @@ def fused_loss_figures(fused: dict, plain: dict, step: str = "step_s") -> dict:
 
 
 # ----------------------------------------------------------------------------- FSDP2 resume
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _fsdp_config(ws: Path, argv: list[str]) -> tuple[Path, str]:
     """config.yaml of a run in ``ws``, derived as the launcher derives it (launch.run)."""
     from omegaconf import OmegaConf
@@ -740,7 +733,7 @@ def _torchrun(ctx: Context, ws: Path, argv: list[str], log_path: Path, stop_at: 
     from tunepack.trainers.launch import WORKER_MODULE, Layout, torchrun_command
 
     config, digest = _fsdp_config(ws, argv)
-    layout = Layout(1, ctx.fsdp_nproc, 0, "127.0.0.1", _free_port())
+    layout = Layout(1, ctx.fsdp_nproc, 0, "127.0.0.1", free_port())
     cmd = torchrun_command(layout, config, digest)
     at = cmd.index(WORKER_MODULE)
     cmd[at - 1 : at + 1] = [str(HERE / "gpu_check.py"), "--fsdp-worker"]

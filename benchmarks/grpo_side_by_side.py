@@ -9,7 +9,7 @@ and settings):
 
 - ``tunepack``: tunepack's launcher, ``method=grpo`` over LoRA;
 - ``trl``: TRL's ``GRPOTrainer`` + PEFT LoRA (``sbs_trl_grpo.py``), in TRL's virtual environment
-  (``side_by_side.trl_python``: ``trl[peft]`` under ``~/.cache/tunepack/bench/trl-<version>``,
+  (``sbs_harness.trl_python``: ``trl[peft]`` under ``~/.cache/tunepack/bench/trl-<version>``,
   torch, transformers and peft from the project's environment).
 
 Workload: tiny-llama3 (``tunepack tiny-model``) fine-tuned first so that it answers at all, as
@@ -45,20 +45,31 @@ import os
 import platform
 import runpy
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from sbs_harness import (  # noqa: E402
+    RunDirs,
+    add_run_arguments,
+    chosen_systems,
+    emit,
+    log,
+    measure,
+    median_row,
+    read_records,
+    run_rounds,
+    scratch,
+    system_lines,
+    trl_or_skipped,
+)
+from sbs_harness import versions as harness_versions  # noqa: E402
 from sbs_workload import CACHE  # noqa: E402
-from side_by_side import TRL_VERSION, _measure, trl_python  # noqa: E402
 
 SYSTEMS = ("tunepack", "trl")
 BASELINE = "trl"  # ratios: tunepack's figures over TRL's
@@ -94,10 +105,6 @@ class Settings:
     seed: int = 0
 
 
-def log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 # ----------------------------------------------------------------------------- the workload
 def _tree_digest(root: Path, pattern: str = "*") -> str:
     digest = hashlib.sha256()
@@ -125,7 +132,7 @@ def _initialize(ws: Path, data: Path, model_dir: Path, env: dict, logs: Path) ->
         ("tunepack.initializers.model", model_dir),
     ):
         run_env = {**env, "TUNEPACK_WORKSPACE": str(ws), "STORAGE_URI": f"file://{uri}"}
-        _measure([sys.executable, "-m", module], run_env, logs / f"{module.rsplit('.', 1)[1]}.log")
+        measure([sys.executable, "-m", module], run_env, logs / f"{module.rsplit('.', 1)[1]}.log")
 
 
 def base_env(threads: int) -> dict:
@@ -169,7 +176,7 @@ def prepare() -> tuple[Path, Path, str]:
         env = base_env(1)
         ws = tmp / "ws"
         _initialize(ws, tmp / "sft.jsonl", tiny, env, tmp)
-        _measure(
+        measure(
             [sys.executable, "-m", "tunepack.trainers.launch", *SFT_ARGS],
             {**env, "TUNEPACK_WORKSPACE": str(ws)},
             tmp / "sft.log",
@@ -266,13 +273,7 @@ def summarize(name: str, per_step: list[dict], stamps: list[dict], settings, usa
     }
 
 
-def _stamps(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-class Bench:
+class Bench(RunDirs):
     def __init__(self, root: Path, settings: Settings, trl: Path | None) -> None:
         self.root, self.settings, self.trl = root, settings, trl
         self.model_dir, self.prompts, self.key = prepare()
@@ -281,12 +282,6 @@ class Bench:
         _initialize(self.template, self.prompts, self.model_dir, self.env, root)
         self.runs = 0
         self.tunepack_config: dict | None = None
-
-    def _run_dir(self, name: str) -> Path:
-        self.runs += 1
-        path = self.root / f"{self.runs:02d}-{name}"
-        path.mkdir()
-        return path
 
     def run(self, name: str) -> dict:
         return getattr(self, "_" + name)(name)
@@ -330,7 +325,7 @@ class Bench:
         stamps = run / "stamps.jsonl"
         source = tunepack_source()
         cmd = [sys.executable, __file__, "--child-tunepack", stamps, *self.tunepack_args()]
-        usage = _measure(cmd, {**self.env, "TUNEPACK_WORKSPACE": str(ws)}, run / "train.log")
+        usage = measure(cmd, {**self.env, "TUNEPACK_WORKSPACE": str(ws)}, run / "train.log")
         lines = (ws / "output" / "metrics.jsonl").read_text().splitlines()
         steps = [m for m in map(json.loads, filter(None, lines)) if m.get("event") == "step"]
         if self.tunepack_config is None:
@@ -344,7 +339,7 @@ class Bench:
             }
             for m in steps
         ]
-        result = summarize(name, per_step, _stamps(stamps), self.settings, usage)
+        result = summarize(name, per_step, read_records(stamps), self.settings, usage)
         result["tunepack_source"] = source
         # The trainer's own clock, as a cross-check of the stamps: elapsed_s at each step's end.
         elapsed = [m["elapsed_s"] for m in steps]
@@ -366,7 +361,7 @@ class Bench:
         env = {**self.env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE)]))}
         env.pop("VIRTUAL_ENV", None)  # TRL's venv, not the project's
         cmd = [self.trl, HERE / "sbs_trl_grpo.py", run / "settings.json"]
-        usage = _measure(cmd, env, run / "train.log")
+        usage = measure(cmd, env, run / "train.log")
         out = json.loads((run / "out" / "result.json").read_text())
         logged = [e for e in out["log_history"] if "reward" in e]
         n = self.settings.batch_size * self.settings.num_generations
@@ -403,22 +398,12 @@ FIGURES = (
 )
 
 
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def combine(rounds: list[dict[str, dict]], systems: list[str]) -> dict[str, dict]:
     """Per system: the median over rounds of every figure; then tunepack's over TRL's."""
     table = {}
     for name in systems:
         runs = [r[name] for r in rounds if name in r]
-        row = {"system": name, "rounds": len(runs)}
-        for key in FIGURES:
-            row[key] = _median([run.get(key) for run in runs])
-        row["per_round_steps_per_s"] = [run.get("steps_per_s") for run in runs]
-        row["notes"] = sorted({run["note"] for run in runs if run.get("note")})
-        table[name] = row
+        table[name] = median_row(name, runs, FIGURES, per_round="steps_per_s")
     ratios = {}
     if "tunepack" in table and BASELINE in table:
         for key in ("steps_per_s", "steps_per_cpu_s", "tokens_per_s", "tokens_per_cpu_s"):
@@ -428,27 +413,8 @@ def combine(rounds: list[dict[str, dict]], systems: list[str]) -> dict[str, dict
 
 
 def versions(trl_runs: list[dict]) -> dict:
-    found = {}
-    for package in ("tunepack", "torch", "torchtune", "transformers", "peft"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    for run in trl_runs:
-        found["trl_env"] = run["versions"]
-        found["trl_env_paths"] = run["paths"]
-        break
-    found["python"] = platform.python_version()
-    git = ["git", "-C", str(HERE.parent)]
-    try:
-        found["commit"] = subprocess.check_output([*git, "rev-parse", "HEAD"], text=True).strip()
-        changed = subprocess.check_output(
-            [*git, "status", "--porcelain", "--", "trainers", "runtimes", "sdk_ext"], text=True
-        )
-        found["uncommitted_tunepack_files"] = len(changed.splitlines())
-    except (OSError, subprocess.CalledProcessError):
-        found["commit"] = None
-    return found
+    packages = ("tunepack", "torch", "torchtune", "transformers", "peft")
+    return harness_versions(trl_runs, packages, commit=True)
 
 
 def cpu_model() -> str | None:
@@ -477,21 +443,16 @@ def render(report: dict) -> str:
         f"{'system':<10}{'steps/s':>9}{'steps/CPU-s':>13}{'tok/s':>9}{'tok/CPU-s':>11}"
         f"{'RSS GiB':>9}{'CPU s':>8}{'reward first4':>15}{'last8':>7}",
     ]
-    for row in report["systems"].values():
-
-        def f(key, fmt, row=row):
-            v = row.get(key)
-            return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
-
-        lines.append(
-            f"{row['system']:<10}{f('steps_per_s', '9.3f')}{f('steps_per_cpu_s', '13.3f')}"
+    lines += system_lines(
+        report,
+        10,
+        lambda f: (
+            f"{f('steps_per_s', '9.3f')}{f('steps_per_cpu_s', '13.3f')}"
             f"{f('tokens_per_s', '9.1f')}{f('tokens_per_cpu_s', '11.1f')}"
             f"{f('peak_rss_gib', '9.3f')}{f('process_cpu_s', '8.1f')}"
             f"{f('reward_first', '15.3f')}{f('reward_last', '7.3f')}"
-        )
-        lines += [f"{'':<10}{note}" for note in row["notes"]]
-    for name, why in report["skipped"].items():
-        lines.append(f"{name:<10}skipped: {why}")
+        ),
+    )
     r = report["ratio"]
     if r:
         lines.append(
@@ -530,23 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, help="steps left out of the rates (2; smoke 1)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    parser.add_argument(
-        "--trl",
-        choices=("create", "if-ready", "no"),
-        default="create",
-        help="TRL's environment: create it if missing (pip), use it only if already created, "
-        "or leave TRL out",
-    )
-    parser.add_argument("--trl-version", default=TRL_VERSION)
-    parser.add_argument("--json", type=Path, help="also write the report here as JSON")
-    parser.add_argument("--keep", type=Path, help="keep the runs' directories here")
+    add_run_arguments(parser, SYSTEMS)
     args = parser.parse_args(argv)
 
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    systems = chosen_systems(parser, args, SYSTEMS)
     smoke = args.size == "smoke"
     settings = Settings(
         steps=args.steps or (3 if smoke else 24),
@@ -558,29 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 1 <= settings.warmup < settings.steps:
         parser.error(f"--warmup must be from 1 to steps - 1 ({settings.steps - 1})")
 
-    skipped: dict[str, str] = {}
-    trl = None
-    if "trl" in systems:
-        why = "left out (--trl no)"
-        if args.trl != "no":
-            trl, why = trl_python(args.trl_version, create=args.trl == "create", log=log)
-        if trl is None:
-            skipped["trl"] = why
-            systems.remove("trl")
-
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    trl, skipped, systems = trl_or_skipped(systems, args, log)
     load_before = os.getloadavg()
-    root = Path(tempfile.mkdtemp(prefix="tunepack-grpo-sbs-"))
-    try:
+    with scratch("tunepack-grpo-sbs-", args.keep) as root:
         bench = Bench(root, settings, trl)
-        rounds = []
-        for index in range(args.rounds):
-            order = systems[index % len(systems) :] + systems[: index % len(systems)]
-            results = {}
-            for name in order:
-                log(f"round {index + 1}/{args.rounds}: {name} ...")
-                results[name] = bench.run(name)
-            rounds.append(results)
+        rounds = run_rounds(bench, systems, args.rounds, log)
         table, ratio = combine(rounds, systems)
         report = {
             "tool": "benchmarks/grpo_side_by_side.py",
@@ -604,13 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_after": list(os.getloadavg()),
             "cpu_count": os.cpu_count(),
         }
-    finally:
-        if args.keep:
-            shutil.copytree(root, args.keep, symlinks=True, dirs_exist_ok=True)
-        shutil.rmtree(root, ignore_errors=True)
-    print(render(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    emit(render(report), report, args.json)
     return 0
 
 

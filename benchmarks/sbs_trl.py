@@ -34,14 +34,38 @@ def _rows(path: str) -> list[dict]:
     return rows
 
 
-def main(settings_path: str) -> int:
-    s = json.loads(Path(settings_path).read_text())
-    import datasets
+def cpu_run_args(s: dict) -> dict:
+    """The training arguments both TRL runs (this one and sbs_trl_grpo.py's) take from the
+    settings, as tunepack runs: AdamW, a cosine schedule without warm-up, no gradient clipping,
+    fp32 on the CPU, seeded, a loss logged every step and nothing saved."""
+    return dict(
+        output_dir=s["out"],
+        max_steps=s["steps"],
+        learning_rate=s["lr"],
+        weight_decay=s["weight_decay"],
+        lr_scheduler_type="cosine",
+        warmup_steps=0,
+        max_grad_norm=0.0,
+        optim="adamw_torch",
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=s["seed"],
+        data_seed=s["seed"],
+        dataloader_num_workers=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+
+
+def model_and_lora(s: dict, target_modules: list[str]):
+    """The benchmark's model (its Hugging Face files, fp32, SDPA attention), its tokenizer and the
+    PEFT LoRA config TRL puts on it, with the settings' threads and seed: both TRL runs' start."""
     import peft
     import torch
     import transformers
-    import trl
-    from sbs_probe import counting
 
     torch.set_num_threads(s["threads"])
     torch.manual_seed(s["seed"])
@@ -53,42 +77,31 @@ def main(settings_path: str) -> int:
         r=s["lora_rank"],
         lora_alpha=s["lora_alpha"],
         lora_dropout=s["lora_dropout"],
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=target_modules,
         task_type="CAUSAL_LM",
     )
+    return tokenizer, model, lora
+
+
+def main(settings_path: str) -> int:
+    s = json.loads(Path(settings_path).read_text())
+    import datasets
+    import peft
+    import torch
+    import transformers
+    import trl
+    from sbs_probe import counting
+
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    tokenizer, model, lora = model_and_lora(s, modules)
     packing = bool(s["packing"])
     config = trl.SFTConfig(
-        output_dir=s["out"],
+        **cpu_run_args(s),
         per_device_train_batch_size=s["batch_size"],
-        max_steps=s["steps"],
-        learning_rate=s["lr"],
-        weight_decay=s["weight_decay"],
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        max_grad_norm=0.0,
-        optim="adamw_torch",
         max_length=s["max_seq_len"],
         packing=packing,
         packing_strategy="bfd",
         padding_free=packing,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        seed=s["seed"],
-        data_seed=s["seed"],
-        dataloader_num_workers=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
     )
     trainer = trl.SFTTrainer(
         model=model,

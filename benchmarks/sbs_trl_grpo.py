@@ -30,6 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+from sbs_trl import (  # this folder: the script's own directory is on sys.path
+    cpu_run_args,
+    model_and_lora,
+)
+
 # tunepack's LoRA targets (runtimes' names) as Hugging Face Llama module names.
 HF_MODULES = {
     "q_proj": "q_proj",
@@ -80,21 +85,9 @@ def main(settings_path: str) -> int:
                 }
             )
 
-    torch.set_num_threads(s["threads"])
-    torch.manual_seed(s["seed"])
-    tokenizer = transformers.AutoTokenizer.from_pretrained(s["model_dir"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        s["model_dir"], dtype=torch.float32, attn_implementation="sdpa"
-    )
-    lora = peft.LoraConfig(
-        r=s["lora_rank"],
-        lora_alpha=s["lora_alpha"],
-        lora_dropout=s["lora_dropout"],
-        target_modules=[HF_MODULES[m] for m in s["lora_modules"]],
-        task_type="CAUSAL_LM",
-    )
+    tokenizer, model, lora = model_and_lora(s, [HF_MODULES[m] for m in s["lora_modules"]])
     config = trl.GRPOConfig(
-        output_dir=s["out"],
+        **cpu_run_args(s),
         # A batch counts completions: batch_size prompts, num_generations answers each.
         per_device_train_batch_size=s["batch_size"] * s["num_generations"],
         gradient_accumulation_steps=1,
@@ -111,24 +104,7 @@ def main(settings_path: str) -> int:
         scale_rewards="group",
         mask_truncated_completions=False,
         use_vllm=False,
-        max_steps=s["steps"],
-        learning_rate=s["lr"],
-        weight_decay=s["weight_decay"],
-        lr_scheduler_type="cosine",
-        warmup_steps=0,
-        max_grad_norm=0.0,  # no clipping, as tunepack
-        optim="adamw_torch",
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
         gradient_checkpointing=False,
-        seed=s["seed"],
-        data_seed=s["seed"],
-        dataloader_num_workers=0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
         log_completions=False,
     )
     rows = [json.loads(line) for line in Path(s["prompts"]).read_text().splitlines() if line]

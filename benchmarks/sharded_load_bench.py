@@ -23,11 +23,12 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from trainer_bench import free_port  # this folder: the script's own directory is on sys.path
 
 from tunepack.runtimes import catalog
 from tunepack.tiny import write_tiny_dataset, write_tiny_model
@@ -93,12 +94,6 @@ def worker(way: str, root: Path, layers: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def prepare(root: Path, layers: int) -> int:
     """A workspace holding the random model and a dataset, as the initializers leave it."""
     entry = _entry(layers)
@@ -123,7 +118,7 @@ def measure(way: str, root: Path, layers: int, nproc: int) -> list[dict]:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
         "--nproc-per-node", str(nproc), "--rdzv-backend", "static",
-        "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--node-rank", "0",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--node-rank", "0",
         __file__, "--worker", way, "--root", str(root), "--layers", str(layers),
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TIKTOKEN_CACHE_DIR": ""}

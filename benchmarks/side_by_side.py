@@ -50,17 +50,10 @@ import dataclasses
 import json
 import math
 import os
-import platform
 import re
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import sysconfig
-import tempfile
 import time
-from importlib import metadata
 from pathlib import Path
 
 import yaml
@@ -68,8 +61,24 @@ import yaml
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from sbs_workload import CACHE, ISSUE, SMOKE, Workload, _encoding, prepare  # noqa: E402
-from trainer_bench import run_measured, stock_config, stock_recipe_file  # noqa: E402
+from sbs_harness import (  # noqa: E402
+    TRL_VERSION,  # noqa: F401  (the TRL version the benchmarks pin; the tests read it here)
+    RunDirs,
+    add_run_arguments,
+    chosen_systems,
+    emit,
+    log,
+    measure,
+    median_row,
+    read_records,
+    run_rounds,
+    scratch,
+    system_lines,
+    trl_or_skipped,
+)
+from sbs_harness import versions as harness_versions  # noqa: E402
+from sbs_workload import ISSUE, SMOKE, Workload, _encoding, prepare  # noqa: E402
+from trainer_bench import stock_config, stock_recipe_file  # noqa: E402
 
 from tunepack.runtimes import methods  # noqa: E402
 from tunepack.runtimes.catalog import Shape  # noqa: E402
@@ -93,8 +102,19 @@ TUNEPACK_MODES = {
 }
 BASELINE = "tunepack"
 SIZES = {"issue": ISSUE, "smoke": SMOKE}
-TRL_VERSION = "1.16.0"
 PROBE = HERE / "sbs_probe.py"
+# The figures each system's row gives as medians over the rounds.
+FIGURES = (
+    "tokens_per_cpu_s",
+    "tokens_per_wall_s",
+    "fill",
+    "peak_rss_gib",
+    "loss",
+    "process_cpu_s",
+    "real_tokens",
+    "steady_steps",
+)
+PACKAGES = ("tunepack", "torch", "torchtune", "torchao", "transformers", "peft")
 
 
 @dataclasses.dataclass
@@ -199,59 +219,7 @@ def attention_span(lengths: list[int], max_seq_len: int) -> float:
     return sum(n * n for n in cut) / max(sum(cut), 1)
 
 
-# ----------------------------------------------------------------------------- TRL's venv
-def trl_python(version: str, *, create: bool, log=print) -> tuple[Path | None, str]:
-    """The interpreter of TRL's virtual environment, creating it if asked; else why not."""
-    venv = CACHE / f"trl-{version}"
-    python = venv / "bin" / "python"
-    if (venv / "ready").is_file():
-        return python, ""
-    if not create:
-        return None, f"TRL's environment {venv} is not created (run without --trl if-ready)"
-    log(f"creating TRL {version}'s environment in {venv} ...")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{venv.name}.", dir=CACHE))
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(tmp)], check=True)
-        # The project's packages after TRL's own: torch is reused, not downloaded again, and
-        # whatever TRL needs in another version is installed in (and imported from) its venv.
-        site = Path(
-            subprocess.check_output(
-                [
-                    tmp / "bin" / "python",
-                    "-c",
-                    "import sysconfig; print(sysconfig.get_paths()['purelib'])",
-                ],
-                text=True,
-            ).strip()
-        )
-        (site / "zz_tunepack_project.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-        done = subprocess.run(
-            [tmp / "bin" / "python", "-m", "pip", "install", "-q", f"trl[peft]=={version}"],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-        if done.returncode:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            return None, f"pip could not install trl[peft]=={version}: {' / '.join(tail)}"
-        (tmp / "ready").write_text(version + "\n")
-        shutil.rmtree(venv, ignore_errors=True)
-        os.rename(tmp, venv)
-    except (OSError, subprocess.SubprocessError) as err:
-        return None, f"could not create TRL's environment: {err}"
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return python, ""
-
-
 # ----------------------------------------------------------------------------- runs
-def _probe_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def steady(records: list[dict], warmup: int, prefetch: int) -> dict:
     """CPU and wall seconds of the steps after ``warmup``, and their real tokens.
 
@@ -299,15 +267,7 @@ def summarize(
     }
 
 
-def _measure(cmd: list, env: dict, log: Path) -> dict:
-    start = time.perf_counter()
-    code, rss, cpu = run_measured([str(c) for c in cmd], env, log)
-    if code:
-        raise RuntimeError(f"{cmd[1:4]} exited {code}:\n{log.read_text()[-3000:]}")
-    return {"cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_gib": rss}
-
-
-class Bench:
+class Bench(RunDirs):
     def __init__(self, root: Path, workload: Workload, settings: Settings, trl: Path | None):
         self.root, self.workload, self.settings, self.trl = root, workload, settings, trl
         self.entry, self.model_dir, self.data = prepare(workload, log=self.log)
@@ -328,9 +288,7 @@ class Bench:
         self.tunepack_cfg: dict | None = None
         self._initialize()
 
-    @staticmethod
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
+    log = staticmethod(log)
 
     def _initialize(self) -> None:
         for module, uri in (
@@ -339,13 +297,7 @@ class Bench:
         ):
             env = {**self.env, "TUNEPACK_WORKSPACE": str(self.template), "STORAGE_URI": uri}
             log = self.root / f"{module.rsplit('.', 1)[1]}-initializer.log"
-            _measure([sys.executable, PROBE, "module", module], env, log)
-
-    def _run_dir(self, name: str) -> Path:
-        self.runs += 1
-        path = self.root / f"{self.runs:02d}-{name}"
-        path.mkdir()
-        return path
+            measure([sys.executable, PROBE, "module", module], env, log)
 
     def run(self, name: str) -> dict:
         if name in TUNEPACK_MODES:
@@ -379,7 +331,7 @@ class Bench:
         probe = run / "probe.jsonl"
         env = {**self.env, "TUNEPACK_WORKSPACE": str(ws), "TUNEPACK_BENCH_PROBE": str(probe)}
         cmd = [sys.executable, PROBE, "module", "tunepack.trainers.launch", *args]
-        usage = _measure(cmd, env, run / "train.log")
+        usage = measure(cmd, env, run / "train.log")
         metrics = [
             json.loads(line)
             for line in (ws / "output" / "metrics.jsonl").read_text().splitlines()
@@ -388,7 +340,7 @@ class Bench:
         steps = [m for m in metrics if m.get("event", "step") == "step"]
         if not extra and self.tunepack_cfg is None:
             self.tunepack_cfg = yaml.safe_load((ws / "output" / "config.yaml").read_text())
-        records = _probe_records(probe)
+        records = read_records(probe)
         result = summarize(name, records, s, 0, usage, steps[-1]["loss"])
         # The trainer's own fill metric per step, beside the probe's count of the same batches.
         result["metrics_fill"] = [m.get("fill") for m in steps]
@@ -413,11 +365,11 @@ class Bench:
             "--config",
             run / "config.yaml",
         ]
-        usage = _measure(cmd, env, run / "train.log")
+        usage = measure(cmd, env, run / "train.log")
         text = "".join(p.read_text() for p in (run / "out" / "logs").glob("*.txt"))
         losses = re.findall(r"\bloss:(\S+)", text)
         loss = float(losses[-1]) if losses else None
-        return summarize(name, _probe_records(probe), s, 0, usage, loss)
+        return summarize(name, read_records(probe), s, 0, usage, loss)
 
     def _trl(self, name: str, packing: bool = False) -> dict:
         s, run = self.settings, self._run_dir(name)
@@ -435,10 +387,10 @@ class Bench:
         # TRL's venv, not the project's: its own packages first.
         env.pop("VIRTUAL_ENV", None)
         cmd = [self.trl, HERE / "sbs_trl.py", run / "settings.json"]
-        usage = _measure(cmd, env, run / "train.log")
+        usage = measure(cmd, env, run / "train.log")
         out = json.loads((run / "out" / "result.json").read_text())
         # accelerate's loader collates the next batch before it hands out the current one.
-        result = summarize(name, _probe_records(probe), s, 1, usage, out["loss"])
+        result = summarize(name, read_records(probe), s, 1, usage, out["loss"])
         result["versions"] = out["versions"]
         result["paths"] = out["paths"]
         return result
@@ -448,31 +400,12 @@ class Bench:
 
 
 # ----------------------------------------------------------------------------- report
-def _median(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def combine(rounds: list[dict[str, dict]], systems: list[str]) -> dict[str, dict]:
     """Per system: the median over rounds of every figure, and the ratio to the baseline."""
     table = {}
     for name in systems:
         runs = [r[name] for r in rounds if name in r]
-        row = {"system": name, "rounds": len(runs)}
-        for key in (
-            "tokens_per_cpu_s",
-            "tokens_per_wall_s",
-            "fill",
-            "peak_rss_gib",
-            "loss",
-            "process_cpu_s",
-            "real_tokens",
-            "steady_steps",
-        ):
-            row[key] = _median([run.get(key) for run in runs])
-        row["per_round_tokens_per_cpu_s"] = [run.get("tokens_per_cpu_s") for run in runs]
-        row["notes"] = sorted({run["note"] for run in runs if run.get("note")})
-        table[name] = row
+        table[name] = median_row(name, runs, FIGURES, per_round="tokens_per_cpu_s")
     base = table.get(BASELINE, {})
     for row in table.values():
         for key, ratio in (("tokens_per_cpu_s", "ratio_cpu"), ("tokens_per_wall_s", "ratio_wall")):
@@ -482,18 +415,7 @@ def combine(rounds: list[dict[str, dict]], systems: list[str]) -> dict[str, dict
 
 
 def versions(trl_runs: list[dict]) -> dict:
-    found = {}
-    for package in ("tunepack", "torch", "torchtune", "torchao", "transformers", "peft"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    for run in trl_runs:
-        found["trl_env"] = run["versions"]
-        found["trl_env_paths"] = run["paths"]
-        break
-    found["python"] = platform.python_version()
-    return found
+    return harness_versions(trl_runs, PACKAGES)
 
 
 def render(report: dict) -> str:
@@ -512,20 +434,15 @@ def render(report: dict) -> str:
         f"{'system':<18}{'tok/CPU-s':>11}{'tok/wall-s':>12}{'ratio':>7}{'MFU':>7}{'fill':>7}"
         f"{'RSS GiB':>9}{'loss':>8}",
     ]
-    for row in report["systems"].values():
-
-        def f(key, fmt, row=row):
-            v = row.get(key)
-            return format(v, fmt) if v is not None else "-".rjust(int(fmt.split(".")[0]))
-
-        lines.append(
-            f"{row['system']:<18}{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
+    lines += system_lines(
+        report,
+        18,
+        lambda f: (
+            f"{f('tokens_per_cpu_s', '11.1f')}{f('tokens_per_wall_s', '12.1f')}"
             f"{f('ratio_cpu', '7.2f')}{f('mfu', '7.1%')}{f('fill', '7.2f')}"
             f"{f('peak_rss_gib', '9.3f')}{f('loss', '8.3f')}"
-        )
-        lines += [f"{'':<18}{note}" for note in row["notes"]]
-    for name, why in report["skipped"].items():
-        lines.append(f"{name:<18}skipped: {why}")
+        ),
+    )
     lines.append("ratio: real tokens per CPU second relative to tunepack default (above 1: faster)")
     peak, flops = report["peak"], report["flops_per_token"]
     lines.append(
@@ -559,23 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
-    parser.add_argument(
-        "--trl",
-        choices=("create", "if-ready", "no"),
-        default="create",
-        help="TRL's environment: create it if missing (pip), use it only if already created, "
-        "or leave TRL out",
-    )
-    parser.add_argument("--trl-version", default=TRL_VERSION)
-    parser.add_argument("--json", type=Path, help="also write the report here as JSON")
-    parser.add_argument("--keep", type=Path, help="keep the runs' directories here")
+    add_run_arguments(parser, SYSTEMS)
     args = parser.parse_args(argv)
 
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    systems = chosen_systems(parser, args, SYSTEMS)
     workload = SIZES[args.size]
     if args.rows:
         workload = dataclasses.replace(workload, rows=args.rows)
@@ -588,34 +492,13 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
     )
 
-    skipped: dict[str, str] = {}
-    trl = None
-    wanted_trl = [s for s in systems if s.startswith("trl")]
-    if wanted_trl:
-        why = "left out (--trl no)"
-        if args.trl != "no":
-            trl, why = trl_python(args.trl_version, create=args.trl == "create", log=Bench.log)
-        if trl is None:
-            for name in wanted_trl:
-                skipped[name] = why
-            systems = [s for s in systems if s not in wanted_trl]
-
-    # SIGTERM unwinds like Ctrl-C: the running trainer is stopped, the temporary runs removed.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    trl, skipped, systems = trl_or_skipped(systems, args, log)
     load_before = os.getloadavg()
     # The limit, before and after the trainers: the better of the two is the machine's.
     peaks = [sgemm_peak(settings.threads)]
-    root = Path(tempfile.mkdtemp(prefix="tunepack-sbs-"))
-    try:
+    with scratch("tunepack-sbs-", args.keep) as root:
         bench = Bench(root, workload, settings, trl)
-        rounds = []
-        for index in range(args.rounds):
-            order = systems[index % len(systems) :] + systems[: index % len(systems)]
-            results = {}
-            for name in order:
-                Bench.log(f"round {index + 1}/{args.rounds}: {name} ...")
-                results[name] = bench.run(name)
-            rounds.append(results)
+        rounds = run_rounds(bench, systems, args.rounds, log)
         enc = _encoding(bench.model_dir)
         row_tokens = [
             sum(len(enc.encode(v)) for v in r.values())
@@ -652,13 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_after": list(os.getloadavg()),
             "cpu_count": os.cpu_count(),
         }
-    finally:
-        if args.keep:
-            shutil.copytree(root, args.keep, symlinks=True, dirs_exist_ok=True)
-        shutil.rmtree(root, ignore_errors=True)
-    print(render(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    emit(render(report), report, args.json)
     return 0
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,14 @@ def run_measured(cmd: list[str], env: dict, log: Path) -> tuple[int, float, floa
             raise
     cpu_s = usage.ru_utime + usage.ru_stime
     return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20, cpu_s
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on: torchrun's rendezvous (the benchmarks' one copy of
+    tests/helpers.py's, as they run without the test suite)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def prepare_workspace(root: Path, model_name: str, env: dict) -> Path:

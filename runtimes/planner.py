@@ -3,7 +3,7 @@
 ``plan()`` estimates one device's peak GPU memory from the catalog's ``Shape`` and recommends the
 smallest nodes x GPUs layout that fits; ``choose_step`` is the step the trainer takes for its
 device. Each term is derived in docs/planner.md and checked against the H100 measurements in
-``benchmarks/results/`` (``tests/integration/test_planner.py``).
+``benchmarks/results/`` (``tests/unit/test_planner.py``).
 
     >>> from tunepack.runtimes.planner import plan
     >>> p = plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)

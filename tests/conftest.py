@@ -23,6 +23,13 @@ def _tunepack_home(tmp_path_factory):
     os.environ.pop("TUNEPACK_HOME", None)
 
 
+@pytest.fixture
+def no_tiktoken_cache(monkeypatch):
+    """tiktoken caches local files by path in /tmp: a stale copy would hide a changed tokenizer.
+    (For modules that read tokenizers: ``pytestmark = pytest.mark.usefixtures(...)``.)"""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama3")

@@ -26,8 +26,8 @@ upload (``hold_uploads``) to kill the client mid-transfer, refuse the next ones
 Access rules follow the real hub: a gated repository lists publicly but its files need a token
 (401 ``GatedRepo`` without one), an unknown or private repository is 401 ``RepoNotFound`` without
 a token and 404 with one, an unknown revision is 404 ``RevisionNotFound``, and a malformed token
-is 401 "Invalid credentials in Authorization header". Tests can corrupt a file's bytes, throttle
-it, or make its next requests fail with 503, and read the request log.
+is 401 "Invalid credentials in Authorization header". Tests can corrupt a file's bytes, hold it
+part-way, or make its next requests fail with 503, and read the request log.
 """
 
 from __future__ import annotations
@@ -57,7 +57,9 @@ class Repo:
     private: bool = False
     # Bytes served instead of a file's real content (its metadata still describes the real one).
     corrupt: dict[str, bytes] = field(default_factory=dict)
-    throttle: dict[str, float] = field(default_factory=dict)  # path -> bytes per second
+    # path -> offset in a response's body where serving stops until the test removes the entry: a
+    # download that is mid-file for certain, however fast or slow the machine.
+    hold_at: dict[str, int] = field(default_factory=dict)
     fail: dict[str, int] = field(default_factory=dict)  # path -> number of 503s still to answer
 
     @property
@@ -387,14 +389,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if head:
             return
-        rate = repo.throttle.get(path)
         step = 16 * 1024
         try:
             for offset in range(0, len(body), step):
-                self.wfile.write(body[offset : offset + step])
-                if rate:
+                if offset >= repo.hold_at.get(path, len(body)):
                     self.wfile.flush()
-                    time.sleep(step / rate)
+                    while path in repo.hold_at:  # until the test lets go (or kills the client)
+                        time.sleep(0.05)
+                self.wfile.write(body[offset : offset + step])
         except (BrokenPipeError, ConnectionResetError):
             pass
 

@@ -6,11 +6,13 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tests import REPO
 from tunepack.runtimes import catalog
 
 TINY = catalog.get("tiny-llama3")
@@ -42,6 +44,37 @@ def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600
     )
 
 
+def run_benchmark(script: str, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """A script of benchmarks/ as its own process from the repository root; it must succeed."""
+    done = subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def write_kubeconfig(path: Path, server: str, namespace: str | None = None) -> Path:
+    """A kubeconfig at ``path`` whose current context is ``server`` (a fake or unreachable API
+    server), with a bearer token and, if given, a namespace."""
+    import yaml
+
+    context = {"cluster": "c", "user": "u", **({"namespace": namespace} if namespace else {})}
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "main",
+                "clusters": [{"name": "c", "cluster": {"server": server}}],
+                "users": [{"name": "u", "user": {"token": "t"}}],
+                "contexts": [{"name": "main", "context": context}],
+            }
+        )
+    )
+    return path
+
+
 # The dataset initializer's own settings: a test gives them explicitly, never from the caller's env.
 DATASET_SETTINGS = (
     "STORAGE_URI", "DATASET_SCHEMA", "COLUMN_MAP", "DATASET_SPLIT", "TUNEPACK_SPELLING",
@@ -62,6 +95,20 @@ def run_dataset_initializer(
         timeout=timeout,
         cwd=cwd,
     )
+
+
+def adapted_lora_model(**shape):
+    """A small Llama 3 with LoRA on q and v (torchtune's ``lora_llama3``, ``shape`` its sizes)
+    whose adapters change the model, as after some training: seeded, the same on every run."""
+    import torch
+    from torchtune.models.llama3 import lora_llama3
+
+    torch.manual_seed(0)
+    model = lora_llama3(["q_proj", "v_proj"], **shape)
+    for name, p in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(p, std=0.5)
+    return model
 
 
 def trainer_config(
@@ -138,14 +185,21 @@ def initialize_workspace(root: Path, dataset: Path, model_dir: Path, model: str 
     return root
 
 
-def trainer_env(workspace: Path, **pet: object) -> dict[str, str]:
-    """The launcher's environment for tiny-llama3 in ``workspace``; ``pet``: torchrun's PET_*
+def trainer_env(workspace: Path, model: str = "tiny-llama3", **pet: object) -> dict[str, str]:
+    """The launcher's environment for ``model`` in ``workspace``; ``pet``: torchrun's PET_*
     settings (nproc_per_node=2 ...). One thread per process: the tests' numbers are the same on
     every machine."""
-    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
+    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": model}
     env["OMP_NUM_THREADS"] = "1"
     env.update({f"PET_{k.upper()}": str(v) for k, v in pet.items()})
     return env
+
+
+def two_processes_env(workspace: Path) -> dict[str, str]:
+    """``trainer_env`` for one node of two processes (torchrun, FSDP2) on a free loopback port."""
+    return trainer_env(
+        workspace, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
+    )
 
 
 def launch_trainer(env: dict, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -154,16 +208,47 @@ def launch_trainer(env: dict, *args: str, timeout: int = 600) -> subprocess.Comp
     )
 
 
+def start_and_wait_for_step(env: dict, args: list[str], step: int) -> subprocess.Popen:
+    """The launcher started, once it reports ``step``: it cannot run more than a page of output
+    ahead (``lines_held_back``), so a kill that follows lands before it ends."""
+    proc = subprocess.Popen(
+        [*LAUNCH, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    for line in lines_held_back(proc.stdout.fileno()):
+        if line.startswith(b"{") and json.loads(line).get("step", 0) >= step:
+            return proc
+    raise AssertionError(f"the trainer ended (rc {proc.wait()}) before step {step}")
+
+
+def copy_workspace(initialized: Path, tmp_path: Path, name: str = "ws") -> Path:
+    """A copy of an initialized workspace, for one run to write in."""
+    target = tmp_path / name
+    shutil.copytree(initialized, target)
+    return target
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on (torchrun's rendezvous, a server to start, a refusal)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
+def records(output: Path, event: str) -> list[dict]:
+    """The lines of one event ("step", "eval", ...) of a run's metrics.jsonl."""
+    lines = (output / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == event]
+
+
 def step_records(output: Path) -> list[dict]:
     """The step lines of a run's metrics.jsonl."""
+    return records(output, "step")
+
+
+def losses_of(output: Path) -> list[float]:
+    """The training losses of a run's metrics.jsonl, in order."""
     lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == "step"]
+    return [r["loss"] for r in map(json.loads, lines) if "loss" in r]
 
 
 def result_of(workspace: Path) -> dict:
@@ -176,18 +261,40 @@ def adapter_of(workspace: Path) -> dict:
     return load_file(workspace / "output" / "adapter" / "adapter_model.safetensors")
 
 
+def assert_same_tensors(want: dict, got: dict) -> None:
+    """Two state dicts (adapters, models) equal bit for bit."""
+    import torch
+
+    assert want.keys() == got.keys()
+    for key in want:
+        assert torch.equal(want[key], got[key]), key
+
+
+def straight_and_resumed(
+    initialized: Path, tmp_path: Path, args: list[str], *, at_step: int, every: int
+) -> tuple[Path, Path, int]:
+    """``args`` trained twice from copies of ``initialized``: straight through ("reference"), and
+    killed with SIGKILL at ``at_step`` then run again ("interrupted", ``kill_9_and_resume``).
+    Checks what every resume promises: one restart, from the newest checkpoint, before the end,
+    and as many steps and tokens as the straight run. Returns both workspaces and that step."""
+    reference = copy_workspace(initialized, tmp_path, "reference")
+    done = launch_trainer(trainer_env(reference), *args)
+    assert done.returncode == 0, done.stderr
+    interrupted = copy_workspace(initialized, tmp_path, "interrupted")
+    newest = kill_9_and_resume(interrupted, args, at_step=at_step, every=every)
+    result, expected = result_of(interrupted), result_of(reference)
+    assert result["resumed_from_step"] == newest and result["restarts"] == 1
+    assert newest < result["steps"]
+    assert (result["steps"], result["tokens_seen"]) == (expected["steps"], expected["tokens_seen"])
+    return reference, interrupted, newest
+
+
 def kill_9_and_resume(workspace: Path, args: list[str], *, at_step: int, every: int) -> int:
     """Train in ``workspace`` with a checkpoint every ``every`` steps, SIGKILL the trainer once
     it reports step ``at_step``, check it left no result, and train again to the end; returns
     the step of the newest checkpoint the second run resumed from."""
     args = [*args, f"checkpoint_every_steps={every}"]
-    proc = subprocess.Popen(
-        [*LAUNCH, *args], env=trainer_env(workspace), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    for line in lines_held_back(proc.stdout.fileno()):
-        if line.startswith(b"{") and json.loads(line).get("step", 0) >= at_step:
-            break
+    proc = start_and_wait_for_step(trainer_env(workspace), args, at_step)
     proc.kill()  # SIGKILL: nothing runs on the way out
     proc.wait()
     assert not (workspace / "output" / "result.json").exists()

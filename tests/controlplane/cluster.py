@@ -41,6 +41,7 @@ import yaml
 
 from tests.controlplane import kueue
 from tests.controlplane.pki import LOOPBACK_SANS, Authority
+from tests.helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
@@ -125,12 +126,6 @@ def module_dir(module: str, version: str) -> Path:
         cwd="/",
     ).stdout
     return Path(json.loads(out)["Dir"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

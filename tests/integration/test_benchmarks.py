@@ -1,84 +1,26 @@
-"""The side-by-side benchmark (benchmarks/side_by_side.py): its smoke size produces a complete
-report with each system's MFU against the machine's measured matmul peak (no speed is asserted),
-its tokenizer learner matches tunepack's, and the trainer's fill metric counts what the
-benchmark's probe counts. (Its FLOP count is tested in test_gpu_check.py.)"""
+"""The benchmarks as programs: the side-by-side benchmarks (benchmarks/side_by_side.py,
+grpo_side_by_side.py) at their smoke size produce a complete report with each system's figures
+(no speed is asserted), and loss_bench.py reports each variant. Their pure parts:
+tests/unit/test_benchmarks.py; side_by_side's FLOP count: tests/unit/test_gpu_check.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
-import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests import REPO
-from tunepack.core.errors import BadInputError
-from tunepack.tiny import tiny_corpus, train_bpe
-from tunepack.tiny.bpe import TiktokenFormat
-from tunepack.trainers.recipe import real_positions
+from tests.helpers import run_benchmark
 
-ROOT = REPO
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import sbs_workload  # noqa: E402
 import side_by_side  # noqa: E402
 
 SMOKE_SYSTEMS = [s for s in side_by_side.SYSTEMS if s != "tunepack-compiled"]
-
-
-def test_incremental_bpe_learns_the_same_merges_as_train_bpe():
-    text = tiny_corpus()
-    assert sbs_workload.learn_merges(text, 300) == train_bpe(text, 300)
-    # And on the benchmark's own corpus, past the point where frequent pairs run out.
-    smoke = sbs_workload.corpus(sbs_workload.SMOKE)
-    assert sbs_workload.learn_merges(smoke, 900) == train_bpe(smoke, 900)
-
-
-def test_tiktoken_format_refuses_merges_that_do_not_fill_the_vocabulary():
-    entry = sbs_workload.SMOKE.entry()
-    with pytest.raises(BadInputError, match="3 merges do not fill vocab_size 1024: it needs 758"):
-        TiktokenFormat(merges=((b"a", b"b"), (b"c", b"d"), (b"e", b"f"))).write(entry)
-
-
-def test_issue_workload_is_the_issue_model():
-    entry = sbs_workload.ISSUE.entry()
-    assert round(entry.parameter_count / 1e6, 1) == 58.7
-    assert (entry.shape.num_layers, entry.shape.embed_dim, entry.shape.vocab_size) == (
-        8,
-        512,
-        32768,
-    )
-
-
-def test_real_positions_counts_each_row_up_to_its_last_label():
-    ignore = -100
-    labels = torch.tensor(
-        [
-            [5, 6, 7, ignore, ignore],  # padded after 3 tokens
-            [ignore, ignore, 8, 9, 10],  # prompt unlabelled, no padding
-            [ignore, 4, ignore, 3, ignore],  # a pack: two examples, one position of padding
-            [ignore] * 5,  # nothing labelled: nothing counted
-        ]
-    )
-    assert real_positions(labels) == 3 + 5 + 4 + 0
-
-
-def test_steady_window_skips_warmup_and_follows_prefetch():
-    def stamps(cpu, real):
-        return [
-            {"cpu_s": c, "wall_s": c, "real": r, "positions": 8}
-            for c, r in zip(cpu, real, strict=True)
-        ]
-
-    # Record k is stamped before step k: steps 1..2 run from stamp 1 to stamp 3.
-    window = side_by_side.steady(stamps([0, 1, 3, 6], [5, 6, 7, 8]), warmup=1, prefetch=0)
-    assert window == {"steps": 2, "cpu_s": 5, "wall_s": 5, "real": 6 + 7}
-    # A loader one batch ahead stamps record k + 1 before step k.
-    window = side_by_side.steady(stamps([0, 0, 1, 3, 6], [5, 6, 7, 8, 9]), warmup=1, prefetch=1)
-    assert window == {"steps": 2, "cpu_s": 5, "wall_s": 5, "real": 6 + 7}
 
 
 @pytest.mark.slow
@@ -87,28 +29,11 @@ def test_side_by_side_smoke_report(tmp_path):
     memory, loss and the versions. TRL runs where its environment was created earlier (the full
     benchmark creates it); otherwise the report says it was skipped."""
     out = tmp_path / "report.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/side_by_side.py",
-            "--size",
-            "smoke",
-            "--rounds",
-            "1",
-            "--trl",
-            "if-ready",
-            # Compiling takes minutes of CPU; the smoke run checks the harness, not compilation.
-            "--systems",
-            ",".join(SMOKE_SYSTEMS),
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_benchmark(
+        "side_by_side.py", "--size", "smoke", "--rounds", "1", "--trl", "if-ready",
+        # Compiling takes minutes of CPU; the smoke run checks the harness, not compilation.
+        "--systems", ",".join(SMOKE_SYSTEMS), "--json", str(out),
+    )  # fmt: skip
     report = json.loads(out.read_text())
     ran, skipped = report["systems"], report["skipped"]
     assert set(ran) | set(skipped) == set(SMOKE_SYSTEMS)
@@ -153,23 +78,9 @@ def test_grpo_side_by_side_smoke_report(tmp_path):
     import grpo_side_by_side
 
     out = tmp_path / "report.json"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/grpo_side_by_side.py",
-            "--size",
-            "smoke",
-            "--trl",
-            "if-ready",
-            "--json",
-            str(out),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
+    done = run_benchmark(
+        "grpo_side_by_side.py", "--size", "smoke", "--trl", "if-ready", "--json", str(out)
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     ran, skipped = report["systems"], report["skipped"]
     assert set(ran) | set(skipped) == set(grpo_side_by_side.SYSTEMS) and "tunepack" in ran
@@ -208,12 +119,10 @@ def test_loss_bench_reports_each_chunk_against_the_plain_loss(tmp_path):
     """benchmarks/loss_bench.py at a toy size: every variant timed against the plain loss in one
     run (a report, no speed asserted)."""
     out = tmp_path / "loss.json"
-    done = subprocess.run(
-        [sys.executable, "benchmarks/loss_bench.py", "--rows", "96", "--width", "32",
-         "--vocab", "500000", "--repeats", "1", "--weight-trains", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+    done = run_benchmark(
+        "loss_bench.py", "--rows", "96", "--width", "32", "--vocab", "500000", "--repeats", "1",
+        "--weight-trains", "--json", str(out), timeout=300,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     # 8M logits at 500k words are 16 rows: the CPU's chunk, then all 96 rows at once.
     assert list(report["results"]) == ["plain", "fused/16", "fused/96"]

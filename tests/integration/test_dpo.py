@@ -17,15 +17,16 @@ from tests import REPO
 from tests.helpers import (
     TINY,
     adapter_of,
-    free_port,
+    assert_same_tensors,
     initialize_workspace,
-    kill_9_and_resume,
     launch_trainer,
     result_of,
     run_program,
     setup_recipe,
     step_records,
+    straight_and_resumed,
     trainer_env,
+    two_processes_env,
 )
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
@@ -290,8 +291,9 @@ TRAIN = ["method=dpo", "batch_size=8", "epochs=12", "lr=3e-3", "warmup_steps=0"]
 
 
 def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace, tmp_path):
-    peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import transformers
+
     recipe = setup_recipe(
         TINY,
         [*TRAIN, "checkpoint_every_minutes=0"],
@@ -370,21 +372,14 @@ RESUME = [
 
 
 def test_kill_9_then_restart_ends_bit_identical(preference_workspace, tmp_path):
-    reference = shutil.copytree(preference_workspace, tmp_path / "reference")
-    done = launch_trainer(trainer_env(reference), *RESUME)
-    assert done.returncode == 0, done.stderr
-    interrupted = shutil.copytree(preference_workspace, tmp_path / "interrupted")
     # The trainer may have run up to a page of output past step 5, never to the end.
-    newest = kill_9_and_resume(interrupted, RESUME, at_step=5, every=3)
-    assert newest < 24
-
+    reference, interrupted, _ = straight_and_resumed(
+        preference_workspace, tmp_path, RESUME, at_step=5, every=3
+    )
     result, expected = result_of(interrupted), result_of(reference)
-    assert result["resumed_from_step"] == newest and result["restarts"] == 1
-    assert (result["steps"], result["tokens_seen"]) == (24, expected["tokens_seen"])
+    assert result["steps"] == 24
     assert result["dpo"] == expected["dpo"]  # the last step's rewards, to the last digit
-    want, got = adapter_of(reference), adapter_of(interrupted)
-    assert want.keys() == got.keys()
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_tensors(adapter_of(reference), adapter_of(interrupted))
     # metrics.jsonl lists each step once, the resumed run's steps after the checkpoint's.
     assert [s["step"] for s in step_records(interrupted / "output")] == list(range(1, 25))
     assert [s["reward_margin"] for s in step_records(interrupted / "output")] == [
@@ -404,9 +399,7 @@ def test_two_processes_with_fsdp_match_one_process(preference_workspace, tmp_pat
     done = launch_trainer(trainer_env(one), *common, "batch_size=8")
     assert done.returncode == 0, done.stderr
     two = shutil.copytree(preference_workspace, tmp_path / "two")
-    env = trainer_env(
-        two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=free_port()
-    )
+    env = two_processes_env(two)
     done = launch_trainer(env, *common, "batch_size=4")
     assert done.returncode == 0, done.stdout + done.stderr
     assert result_of(two)["world_size"] == 2 and result_of(two)["method"] == "dpo"

@@ -352,20 +352,26 @@ def test_s3_export_is_verified_manifest_last_rerun_and_download(s3, trained, tmp
     assert_same_as_output(tmp_path / "got", trained)
 
 
+def _kill_9_once_held(proc, held, release, what: str) -> None:
+    """SIGKILL the exporter once the server holds its upload (``held`` is set), then ``release``
+    the server; the exporter is gone either way."""
+    try:
+        assert held.wait(120), f"the exporter never {what}"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        release()
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_s3_kill_9_mid_upload_then_rerun_finishes_without_resending(s3, trained, tmp_path):
     handler = s3["handler"]
     handler.seen.clear()
     handler.held.clear()
     handler.hold[:] = [lambda m, p: m == "PUT" and "safetensors" in p and "partNumber=2" in p]
     proc = run_export(trained, tmp_path, "s3://results/runs/kill", s3_env(s3, s3["proxy"]), False)
-    try:
-        assert handler.held.wait(120), "the exporter never reached part 2"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        handler.hold.clear()
-        if proc.poll() is None:
-            proc.kill()
+    _kill_9_once_held(proc, handler.held, handler.hold.clear, "reached part 2")
     assert proc.returncode == -signal.SIGKILL
     # Nothing is a result yet: no manifest, and the adapter is not visible at all.
     assert keys(s3, "runs/kill") == ["adapter/adapter_config.json"]
@@ -484,14 +490,7 @@ def test_hub_kill_9_mid_upload_then_rerun_commits_once_without_resending(hub, tr
     env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "EXPORT_PRIVATE": "false"}
     hub.hold_uploads.set()
     proc = run_export(trained, tmp_path, "hf://acme/killed", env, wait=False)
-    try:
-        assert hub.upload_held.wait(120), "the exporter never started its LFS upload"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        hub.hold_uploads.clear()
-        if proc.poll() is None:
-            proc.kill()
+    _kill_9_once_held(proc, hub.upload_held, hub.hold_uploads.clear, "started its LFS upload")
     repo = hub.repos[("model", "acme/killed")]
     assert repo.files == {} and hub.commits == []  # nothing half-visible
 

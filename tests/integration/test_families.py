@@ -30,10 +30,7 @@ STEPS = 12
 TEXT = "What is the capital of Iceland? Reverse the letters of this word: zebra."
 
 
-@pytest.fixture(autouse=True)
-def _no_tiktoken_cache(monkeypatch):
-    # tiktoken caches local files by path in /tmp: a stale copy would hide a changed tokenizer.
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+pytestmark = pytest.mark.usefixtures("no_tiktoken_cache")
 
 
 @pytest.fixture(scope="module", params=ENTRIES, ids=lambda entry: entry.name)

@@ -42,9 +42,7 @@ END_OF_TURN = ("<|eot_id|>", "</s>", "<end_of_turn>", "<|end|>", "<|im_end|>")
 TEMPLATE_KWARGS = {"date_string": "26 Jul 2024", "enable_thinking": False}
 
 
-@pytest.fixture(autouse=True)
-def _no_tiktoken_cache(monkeypatch):
-    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+pytestmark = pytest.mark.usefixtures("no_tiktoken_cache")
 
 
 @pytest.fixture(scope="module", params=ENTRIES, ids=lambda entry: entry.name)

@@ -10,7 +10,7 @@ import yaml
 from kubernetes import client
 
 from tests.fake_apiserver import GROUP_PATH, FakeApiServer
-from tests.helpers import run_program
+from tests.helpers import run_program, write_kubeconfig
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
 from tunepack.core import __version__
@@ -67,6 +67,18 @@ def _install(fake, url):
     )
 
 
+def _fake_pod(fake, pod: str, container: str, labels: dict, phase: str, created: str) -> dict:
+    """A pod of the JobSet in the fake server, one container in tunepack's image."""
+    fake.objects[("pods", NS, pod)] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod, "namespace": NS, "labels": labels, "creationTimestamp": created},
+        "spec": {"containers": [{"name": container, "image": "ghcr.io/tunepack/x:0.1.0"}]},
+        "status": {"phase": phase},
+    }
+    return fake.objects[("pods", NS, pod)]
+
+
 def _controller_runs(fake, name: str, failed: bool = False):
     """Play the Trainer controller + JobSet: pods with the platform's labels, status, logs."""
     for rjob, step in (("dataset-initializer", None), ("model-initializer", None), ("node", "0")):
@@ -77,18 +89,8 @@ def _controller_runs(fake, name: str, failed: bool = False):
         }
         if step is not None:
             labels["batch.kubernetes.io/job-completion-index"] = step
-        fake.objects[("pods", NS, pod)] = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": pod,
-                "namespace": NS,
-                "labels": labels,
-                "creationTimestamp": "2026-01-01T00:00:00Z",
-            },
-            "spec": {"containers": [{"name": rjob, "image": "ghcr.io/tunepack/x:0.1.0"}]},
-            "status": {"phase": "Failed" if failed and rjob == "node" else "Succeeded"},
-        }
+        phase = "Failed" if failed and rjob == "node" else "Succeeded"
+        _fake_pod(fake, pod, rjob, labels, phase, "2026-01-01T00:00:00Z")
         if failed and rjob == "node":  # the trainer refused its input (EXIT_BAD_INPUT)
             terminated = {"exitCode": 65, "finishedAt": "2026-01-01T00:09:00Z", "reason": "Error"}
             fake.objects[("pods", NS, pod)]["status"]["containerStatuses"] = [
@@ -209,23 +211,13 @@ def test_install_train_status_logs_delete(server, capsys):
 def _exporter_pod(fake, name: str, suffix: str, phase: str, created: str, log: str) -> None:
     """An exporter pod as JobSet makes it (replicatedJob ``exporter``, the runtime's label)."""
     pod = f"{name}-exporter-0-0-{suffix}"
-    fake.objects[("pods", NS, pod)] = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": pod,
-            "namespace": NS,
-            "labels": {
-                "jobset.sigs.k8s.io/jobset-name": name,
-                "jobset.sigs.k8s.io/replicatedjob-name": "exporter",
-                "trainer.kubeflow.org/trainjob-ancestor-step": "exporter",
-                "batch.kubernetes.io/job-completion-index": "0",
-            },
-            "creationTimestamp": created,
-        },
-        "spec": {"containers": [{"name": "exporter", "image": "ghcr.io/tunepack/x:0.1.0"}]},
-        "status": {"phase": phase},
+    labels = {
+        "jobset.sigs.k8s.io/jobset-name": name,
+        "jobset.sigs.k8s.io/replicatedjob-name": "exporter",
+        "trainer.kubeflow.org/trainjob-ancestor-step": "exporter",
+        "batch.kubernetes.io/job-completion-index": "0",
     }
+    _fake_pod(fake, pod, "exporter", labels, phase, created)
     fake.logs[(NS, pod, "exporter")] = log
 
 
@@ -704,21 +696,7 @@ def test_list_jobs_survives_a_job_deleted_while_listing(server):
 
 def _kubeconfig(path, url: str):
     """A kubeconfig whose current context is the fake server, namespace NS."""
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "fake",
-                "clusters": [{"name": "fake", "cluster": {"server": url}}],
-                "users": [{"name": "dev", "user": {"token": "not-a-secret"}}],
-                "contexts": [
-                    {"name": "fake", "context": {"cluster": "fake", "user": "dev", "namespace": NS}}
-                ],
-            }
-        )
-    )
-    return {"KUBECONFIG": str(path)}
+    return {"KUBECONFIG": str(write_kubeconfig(path, url, namespace=NS))}
 
 
 @pytest.fixture
@@ -882,6 +860,19 @@ def _older_failure_policy(fake, name: str) -> None:
     _stored(fake, name)["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] = 1
 
 
+def _installed_but_older(server, *, in_use: bool = False):
+    """The tiny runtime installed, then made older in an immutable field (and held by the
+    in-use finalizer): the next install must replace it. Its API client and runtime object."""
+    fake, url = server
+    api = _api_client(url)
+    (obj,) = runtime_objects([RUNTIME])
+    install(api, obj)
+    if in_use:
+        _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
+    _older_failure_policy(fake, RUNTIME)
+    return api, obj
+
+
 def _trainjob_using(fake, namespace: str, name: str, runtime: str, kind: str | None) -> None:
     ref = {"name": runtime, **({"kind": kind} if kind else {})}
     fake.objects[("trainjobs", namespace, name)] = {
@@ -919,12 +910,8 @@ def test_install_reports_created_unchanged_configured_and_replaced(server):
 def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
     from tunepack.core.errors import EXIT_TRANSIENT, RuntimeInUseError
 
-    fake, url = server
-    api = _api_client(url)
-    (obj,) = runtime_objects([RUNTIME])
-    install(api, obj)
-    _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
-    _older_failure_policy(fake, RUNTIME)
+    fake, _ = server
+    api, obj = _installed_but_older(server, in_use=True)
     _trainjob_using(fake, "team-a", "job-1", RUNTIME, "ClusterTrainingRuntime")
     _trainjob_using(fake, "team-b", "job-2", RUNTIME, None)  # kind defaults to the cluster one
     _trainjob_using(fake, "team-a", "job-3", RUNTIME, "TrainingRuntime")  # not this one
@@ -964,12 +951,8 @@ def test_install_stops_when_a_runtime_to_replace_is_in_use(server):
 def test_install_says_when_the_trainjobs_cannot_be_listed(server):
     from tunepack.core.errors import RuntimeInUseError
 
-    fake, url = server
-    api = _api_client(url)
-    (obj,) = runtime_objects([RUNTIME])
-    install(api, obj)
-    _stored(fake, RUNTIME)["metadata"]["finalizers"] = [IN_USE]
-    _older_failure_policy(fake, RUNTIME)
+    fake, _ = server
+    api, obj = _installed_but_older(server, in_use=True)
     fake.fail[("GET", f"{GROUP_PATH}/trainjobs")] = (403, "trainjobs is forbidden")
     with pytest.raises(RuntimeInUseError, match=r"the TrainJobs that use it could not be listed"):
         install(api, obj, delete_timeout=0.2, poll_interval=0.1)
@@ -1007,11 +990,8 @@ def test_install_says_when_the_trainjobs_cannot_be_listed(server):
 def test_install_reports_other_refusals_with_the_server_message(
     server, method, code, reason, message
 ):
-    fake, url = server
-    api = _api_client(url)
-    (obj,) = runtime_objects([RUNTIME])
-    install(api, obj)
-    _older_failure_policy(fake, RUNTIME)
+    fake, _ = server
+    api, obj = _installed_but_older(server)
     fake.fail[(method, f"{GROUP_PATH}/clustertrainingruntimes/{RUNTIME}")] = (code, reason)
     with pytest.raises(RuntimeError) as caught:
         install(api, obj)
@@ -1222,20 +1202,7 @@ def test_render_serving_reads_a_finished_trainjobs_runtime_and_arguments(
         initializer=Initializer(dataset="file:///pvc/data/train.jsonl", model="hf://org/m"),
         trainer=FineTune(method="lora", lora_rank=48, max_seq_len=1024),
     )
-    kubeconfig = tmp_path / "config"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "current-context": "main",
-                "clusters": [{"name": "c", "cluster": {"server": url}}],
-                "users": [{"name": "u", "user": {"token": "t"}}],
-                "contexts": [{"name": "main", "context": {"cluster": "c", "user": "u"}}],
-            }
-        )
-    )
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "config", url)))
     argv = ["render", "serving", "--job", name, "--namespace", NS]
     assert main(argv) == 65
     assert capsys.readouterr().err == (

@@ -131,11 +131,9 @@ def test_hf_model_download_verify_manifest_and_offline_rerun(tmp_path, hub, mode
     assert workspace_entries(tmp_path) == ["model"]  # the download cache is gone
 
     served = len(hub.requests)
-    started = time.monotonic()
     again = run_init("model", tmp_path, "hf://tunepack/tiny-llama3", {"HF_ENDPOINT": hub.url})
     assert again.returncode == 0, again.stderr
-    assert time.monotonic() - started < 3
-    assert len(hub.requests) == served  # no network traffic at all
+    assert len(hub.requests) == served  # no network traffic at all: nothing to wait for
     assert "already complete" in again.stdout
 
     # Pinning the commit is a different request: the model is rebuilt from that revision.
@@ -260,11 +258,11 @@ def test_kill_9_mid_download_then_resume(tmp_path, hub, model_files):
     """kill -9 during the weights: the re-run resumes by range and skips complete files."""
     repo = hub.repos[("model", "tunepack/tiny-llama3")]
     weights = len(model_files["model.safetensors"])
-    repo.throttle["model.safetensors"] = weights / 4  # ~4 s for the whole file
+    repo.hold_at["model.safetensors"] = weights // 2  # the rest waits for the kill
     env = {"HF_ENDPOINT": hub.url, "TUNEPACK_PROGRESS_SECONDS": "0.2"}
     proc = run_init("model", tmp_path, "hf://tunepack/tiny-llama3", env, wait=False)
     incomplete = tmp_path / "ws" / ".tunepack-downloads"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60  # bounds a broken download only: the hub holds the rest
     partial_size = 0
     while time.monotonic() < deadline:
         parts = list(incomplete.glob("model-*/.incomplete/*"))
@@ -272,19 +270,24 @@ def test_kill_9_mid_download_then_resume(tmp_path, hub, model_files):
         if partial_size > weights // 4:
             break
         time.sleep(0.05)
-    time.sleep(0.3)  # at least one periodic progress line
-    os.kill(proc.pid, signal.SIGKILL)
-    killed_stdout, _ = proc.communicate()
-    # Periodic progress lines (stdout is a pipe, so no bar): bytes of total, rate, files.
-    assert re.search(
+    # Periodic progress lines (stdout is a pipe, so no bar): bytes of total, rate, files. One is
+    # read before the kill, so the kill cannot come before the first line however slow the run.
+    progress = re.compile(
         r"model-initializer: downloaded [\d.]+ (KiB|MiB) of 1\.5 MiB \(\d+%\) at [\d.]+ "
-        r"(B|KiB|MiB)/s, \d of 5 files complete",
-        killed_stdout,
-    ), killed_stdout
+        r"(B|KiB|MiB)/s, \d of 5 files complete"
+    )
+    read = ""
+    for line in proc.stdout:
+        read += line
+        if progress.search(line):
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    killed_stdout = read + proc.communicate()[0]
+    assert progress.search(killed_stdout), killed_stdout
     assert weights // 4 < partial_size < weights
     assert not (tmp_path / "ws" / "model").exists()  # nothing half-published
 
-    repo.throttle.clear()
+    repo.hold_at.clear()
     before = {p: len(hub.gets(p)) for p in model_files}
     result = run_init("model", tmp_path, "hf://tunepack/tiny-llama3", {"HF_ENDPOINT": hub.url})
     assert result.returncode == 0, result.stderr
@@ -589,12 +592,17 @@ def test_https_archive_path_traversal_is_refused(tmp_path, files_server, member,
     assert sorted(p.name for p in (tmp_path / "ws").iterdir()) == []
 
 
-def test_https_tar_symlink_is_refused(tmp_path, files_server):
-    root, url = files_server
-    with tarfile.open(root / "link.tar", "w") as tf:
-        info = tarfile.TarInfo("train.jsonl")
+def _tar_with_a_link(path, member: str) -> None:
+    """A tar archive whose only member is a symbolic link out of the extraction directory."""
+    with tarfile.open(path, "w") as tf:
+        info = tarfile.TarInfo(member)
         info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
         tf.addfile(info)
+
+
+def test_https_tar_symlink_is_refused(tmp_path, files_server):
+    root, url = files_server
+    _tar_with_a_link(root / "link.tar", "train.jsonl")
     result = run_init("dataset", tmp_path, f"{url}/link.tar")
     assert result.returncode == EXIT_BAD_INPUT
     assert error_of(result, "dataset") == (
@@ -606,10 +614,7 @@ def test_https_tar_symlink_is_refused(tmp_path, files_server):
 
 def test_https_refused_model_archive_leaves_no_download_cache(tmp_path, files_server):
     root, url = files_server
-    with tarfile.open(root / "model.tar", "w") as tf:
-        info = tarfile.TarInfo("config.json")
-        info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
-        tf.addfile(info)
+    _tar_with_a_link(root / "model.tar", "config.json")
     result = run_init("model", tmp_path, f"{url}/model.tar")
     assert result.returncode == EXIT_BAD_INPUT
     assert error_of(result) == (

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,30 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_program
+from tests.helpers import copy_workspace, free_port, launch_trainer, trainer_env
 
 TRAIN = ["max_steps=4", "warmup_steps=0", "batch_size=8", "lr=3e-3", "val_fraction=0.1"]
 TRAIN.append("eval_every_steps=2")
 
 
-def _workspace(initialized_workspace: Path, tmp_path: Path) -> Path:
-    workspace = tmp_path / "ws"
-    shutil.copytree(initialized_workspace, workspace)
-    return workspace
-
-
 def _train(workspace: Path, *args: str, env: dict | None = None):
-    done = run_program(
-        "tunepack.trainers.launch",
-        {
-            "TUNEPACK_WORKSPACE": str(workspace),
-            "TUNEPACK_MODEL": "tiny-llama3",
-            "OMP_NUM_THREADS": "1",
-            **(env or {}),
-        },
-        *TRAIN,
-        *args,
-    )
+    done = launch_trainer(trainer_env(workspace) | (env or {}), *TRAIN, *args)
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -60,7 +42,7 @@ def test_tensorboard_event_files_read_back(initialized_workspace, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util.tensor_util import make_ndarray
 
-    workspace = _workspace(initialized_workspace, tmp_path)
+    workspace = copy_workspace(initialized_workspace, tmp_path)
     _train(workspace, "tracker=tensorboard")
     log_dir = workspace / "output" / "tracker"
     events = EventAccumulator(str(log_dir))
@@ -92,16 +74,10 @@ def _pointer(workspace: Path) -> str | None:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real ``mlflow server`` on 127.0.0.1 with a sqlite store in tmp_path, stopped by PID."""
-    port = _free_port()
+    port = free_port()
     mlflow_cli = Path(sys.executable).with_name("mlflow")
     assert mlflow_cli.exists(), "the mlflow package (a dev dependency) is not installed"
     log = (tmp_path / "mlflow-server.log").open("w")
@@ -145,7 +121,7 @@ def test_mlflow_server_receives_train_and_val_metrics(
 ):
     from mlflow.tracking import MlflowClient
 
-    workspace = _workspace(initialized_workspace, tmp_path)
+    workspace = copy_workspace(initialized_workspace, tmp_path)
     _train(workspace, "tracker=mlflow", f"tracker_uri={mlflow_server}", "tracker_project=tiny-exp")
     client = MlflowClient(tracking_uri=mlflow_server)
     experiment = client.get_experiment_by_name("tiny-exp")
@@ -170,8 +146,8 @@ def test_mlflow_server_receives_train_and_val_metrics(
 
 
 def test_mlflow_outage_is_one_warning_and_training_goes_on(initialized_workspace, tmp_path):
-    workspace = _workspace(initialized_workspace, tmp_path)
-    port = _free_port()  # nothing listens there
+    workspace = copy_workspace(initialized_workspace, tmp_path)
+    port = free_port()  # nothing listens there
     started = time.monotonic()
     done = _train(workspace, "tracker=mlflow", f"tracker_uri=http://127.0.0.1:{port}")
     warnings = [
@@ -220,7 +196,7 @@ def _wandb_records(path: Path) -> list[bytes]:
 def test_wandb_offline_files_read_back(initialized_workspace, tmp_path):
     from wandb.proto import wandb_internal_pb2
 
-    workspace = _workspace(initialized_workspace, tmp_path)
+    workspace = copy_workspace(initialized_workspace, tmp_path)
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     _train(workspace, "tracker=wandb", "tracker_project=tiny-wb", env=env)
     files = list((workspace / "output" / "tracker").glob("wandb/offline-run-*/run-*.wandb"))

@@ -10,18 +10,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import run_program, setup_recipe
+from tests.helpers import (
+    adapter_of,
+    assert_same_tensors,
+    copy_workspace,
+    launch_trainer,
+    records,
+    result_of,
+    run_program,
+    setup_recipe,
+    straight_and_resumed,
+    two_processes_env,
+)
 from tests.integration.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.trainers.args import parse_trainer_args
 
 TINY = catalog.get("tiny-llama3")
-
-
-def _records(output, event):
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == event]
 
 
 def _recipe(workspace, output, argv):
@@ -58,21 +64,21 @@ def test_validation_rows_are_held_out_and_fixed(evaluated, initialized_workspace
 
 def test_eval_records_and_loss_falls(evaluated):
     _, output = evaluated
-    evals = _records(output, "eval")
+    evals = records(output, "eval")
     assert [r["step"] for r in evals] == [5, 10, 15, 20]
     for r in evals:
         assert math.isclose(r["val_perplexity"], math.exp(r["val_loss"]), rel_tol=1e-3)
         assert r["val_rows"] == 26 and r["eval_s"] >= 0
     # The held-out loss falls as the adapter learns the task (uniform guess: ln 384 = 5.95).
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.3, evals
-    steps = _records(output, "step")
+    steps = records(output, "step")
     assert [r["step"] for r in steps] == list(range(1, 21))
 
 
 def test_result_has_validation_and_eval_time(evaluated):
     recipe, output = evaluated
     result = json.loads((output / "result.json").read_text())
-    evals = _records(output, "eval")
+    evals = records(output, "eval")
     assert result["val_loss"] == pytest.approx(evals[-1]["val_loss"], abs=1e-6)
     assert result["best_val_loss"] == pytest.approx(min(r["val_loss"] for r in evals), abs=1e-6)
     assert result["best_step"] == min(evals, key=lambda r: r["val_loss"])["step"]
@@ -95,7 +101,7 @@ def test_keep_best_publishes_the_best_step(initialized_workspace, tmp_path):
     best_run.train()
     best_run.save()
     result = json.loads((tmp_path / "best" / "result.json").read_text())
-    evals = _records(tmp_path / "best", "eval")
+    evals = records(tmp_path / "best", "eval")
     assert [r["step"] for r in evals] == [1, 2]
     assert evals[1]["val_loss"] > evals[0]["val_loss"], evals
     assert result["keep_best"] is True
@@ -180,7 +186,7 @@ def test_eval_under_every_method(initialized_workspace, tmp_path, method, model)
     )
     recipe.train()
     recipe.save()
-    evals = _records(tmp_path / "out", "eval")
+    evals = records(tmp_path / "out", "eval")
     assert [r["step"] for r in evals] == [2, 4]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] + 0.5  # finite and sane
     assert all(math.isfinite(r["val_loss"]) for r in evals)
@@ -195,20 +201,17 @@ def test_eval_under_every_method(initialized_workspace, tmp_path, method, model)
 def test_two_processes_evaluate_the_same_loss_as_one(initialized_workspace, tmp_path):
     """Under torchrun each rank evaluates its share (26 rows over 2 ranks of batch 8: one rank
     runs a discarded batch); the summed loss is the one-process loss of the same weights."""
-    from tests.integration.test_trainer_processes import _env, _free_port, _launch, _workspace
-
     args = ["method=full", "val_fraction=0.1", "eval_every_steps=2", "max_steps=2"]
     args += ["warmup_steps=0", "lr=1e-3", "batch_size=8", "keep_best=true", "tracker=tensorboard"]
-    two = _workspace(initialized_workspace, tmp_path, "two")
-    env = _env(two, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
-    done = _launch(env, *args)
+    two = copy_workspace(initialized_workspace, tmp_path, "two")
+    done = launch_trainer(two_processes_env(two), *args)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((two / "output" / "result.json").read_text())
     assert result["world_size"] == 2 and result["val_rows"] == 26
     assert result["published_step"] == result["best_step"] == 2
     # Only rank 0 tracks: one event file.
     assert len(list((two / "output" / "tracker").glob("events.out.tfevents.*"))) == 1
-    evals = _records(two / "output", "eval")
+    evals = records(two / "output", "eval")
     assert [r["step"] for r in evals] == [2]
     # The published model, evaluated on the same rows in one process, gives the same loss.
     published = tmp_path / "published"
@@ -227,41 +230,22 @@ def test_two_processes_evaluate_the_same_loss_as_one(initialized_workspace, tmp_
 
 
 def test_kill_9_with_eval_resumes_bit_identical(initialized_workspace, tmp_path):
-    from tests.integration.test_trainer_processes import (
-        RESUME_ARGS,
-        _adapter,
-        _env,
-        _launch,
-        _result,
-        _start_and_wait_for_step,
-        _workspace,
-    )
+    from tests.integration.test_trainer_processes import RESUME_ARGS
 
     eval_args = [*RESUME_ARGS, "val_fraction=0.1", "eval_every_steps=2", "keep_best=true"]
-    reference = _workspace(initialized_workspace, tmp_path, "reference")
-    done = _launch(_env(reference), *eval_args, "checkpoint_every_minutes=0")
-    assert done.returncode == 0, done.stderr
-
-    interrupted = _workspace(initialized_workspace, tmp_path, "interrupted")
-    args = [*eval_args, "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
-    proc = _start_and_wait_for_step(_env(interrupted), args, step=5)
-    proc.kill()
-    proc.wait()
-    assert not (interrupted / "output" / "result.json").exists()
-    again = _launch(_env(interrupted), *args)
-    assert again.returncode == 0, again.stderr
-    result, expected_result = _result(interrupted), _result(reference)
-    assert result["resumed_from_step"] in (3, 6)
+    args = [*eval_args, "checkpoint_every_minutes=0"]
+    reference, interrupted, newest = straight_and_resumed(
+        initialized_workspace, tmp_path, args, at_step=5, every=3
+    )
+    result, expected_result = result_of(interrupted), result_of(reference)
+    assert newest in (3, 6)
     for key in ("steps", "tokens_seen", "val_loss", "best_val_loss", "best_step", "published_step"):
         assert result[key] == expected_result[key], key
     # Each evaluation recorded once, with the reference's values.
-    got = [(r["step"], r["val_loss"]) for r in _records(interrupted / "output", "eval")]
-    want = [(r["step"], r["val_loss"]) for r in _records(reference / "output", "eval")]
+    got = [(r["step"], r["val_loss"]) for r in records(interrupted / "output", "eval")]
+    want = [(r["step"], r["val_loss"]) for r in records(reference / "output", "eval")]
     assert got == want and [s for s, _ in got] == [2, 4, 6, 8]
-    expected, published = _adapter(reference), _adapter(interrupted)
-    assert expected.keys() == published.keys()
-    for key in expected:
-        assert torch.equal(expected[key], published[key]), key
+    assert_same_tensors(adapter_of(reference), adapter_of(interrupted))
 
 
 # ------------------------------------------------------------------ the dataset's own split
@@ -305,7 +289,7 @@ def test_dataset_validation_split_is_written_and_evaluated(split_workspace):
     result = json.loads((workspace / "output" / "result.json").read_text())
     # Trained on the 200 training rows only, evaluated on the 56 validation rows.
     assert result["val_rows"] == 56 and result["evaluations"] == 2
-    evals = _records(workspace / "output", "eval")
+    evals = records(workspace / "output", "eval")
     assert [r["step"] for r in evals] == [2, 4]
     assert evals[1]["val_loss"] < evals[0]["val_loss"]
     assert "200 examples" in done.stderr

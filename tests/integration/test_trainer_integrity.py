@@ -11,13 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import run_program, setup_recipe
+from tests.helpers import launch_trainer, result_of, setup_recipe, trainer_env
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, NonFiniteLossError
 from tunepack.runtimes import catalog
 
 TINY = catalog.get("tiny-llama3")
 
-LAUNCH = "tunepack.trainers.launch"
 # 6 steps, a checkpoint every 2: a finished run keeps step-2 and step-4 (none at the end).
 ARGS = [
     "max_steps=6",
@@ -29,21 +28,8 @@ ARGS = [
 ]
 
 
-def _copy(source: Path, target: Path) -> Path:
-    shutil.copytree(source, target)
-    return target
-
-
-def _env(workspace: Path) -> dict[str, str]:
-    return {"TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
-
-
 def _launch(workspace: Path, *args: str):
-    return run_program(LAUNCH, {**_env(workspace), "OMP_NUM_THREADS": "1"}, *args, timeout=300)
-
-
-def _result(workspace: Path) -> dict:
-    return json.loads((workspace / "output" / "result.json").read_text())
+    return launch_trainer(trainer_env(workspace), *args, timeout=300)
 
 
 def _adapter_file(workspace: Path) -> Path:
@@ -79,7 +65,7 @@ def _perturb(weights: dict[str, torch.Tensor]) -> None:
 @pytest.fixture(scope="module")
 def finished(initialized_workspace, tmp_path_factory) -> Path:
     """A finished run of ARGS: adapter, result.json, and checkpoints of steps 2 and 4."""
-    workspace = _copy(initialized_workspace, tmp_path_factory.mktemp("finished") / "ws")
+    workspace = shutil.copytree(initialized_workspace, tmp_path_factory.mktemp("finished") / "ws")
     done = _launch(workspace, *ARGS)
     assert done.returncode == 0, done.stderr
     names = sorted(p.name for p in (workspace / "checkpoints").glob("step-*"))
@@ -91,7 +77,7 @@ def finished(initialized_workspace, tmp_path_factory) -> Path:
 
 
 def test_bookkeeping_change_on_a_finished_run_does_nothing(finished, tmp_path):
-    workspace = _copy(finished, tmp_path / "ws")
+    workspace = shutil.copytree(finished, tmp_path / "ws")
     adapter = _adapter_file(workspace)
     before = (_sha256(adapter), adapter.stat().st_mtime_ns)
     for changed in (
@@ -109,7 +95,7 @@ def test_bookkeeping_change_on_a_finished_run_does_nothing(finished, tmp_path):
 
 
 def test_changed_base_model_trains_again_from_scratch_and_says_why(finished, tmp_path):
-    workspace = _copy(finished, tmp_path / "ws")
+    workspace = shutil.copytree(finished, tmp_path / "ws")
     before = _sha256(_adapter_file(workspace))
     _change_base_model(workspace, _perturb)  # same path, other content
 
@@ -126,7 +112,7 @@ def test_changed_base_model_trains_again_from_scratch_and_says_why(finished, tmp
     )
     steps = [json.loads(x)["step"] for x in again.stdout.splitlines() if x.startswith('{"event"')]
     assert [s for s in steps if isinstance(s, int)][:1] == [1]
-    result = _result(workspace)
+    result = result_of(workspace)
     assert result["resumed_from_step"] is None and result["steps"] == 6
     assert _sha256(_adapter_file(workspace)) != before
 
@@ -136,12 +122,12 @@ def test_changed_base_model_trains_again_from_scratch_and_says_why(finished, tmp
 
 
 def test_changed_dataset_or_training_argument_says_why(finished, tmp_path):
-    workspace = _copy(finished, tmp_path / "ws")
+    workspace = shutil.copytree(finished, tmp_path / "ws")
     (workspace / "output" / "result.json").unlink()  # as if killed after step 4's checkpoint
     again = _launch(workspace, *[a for a in ARGS if a != "lr=3e-3"], "lr=1e-3")
     assert again.returncode == 0, again.stderr
     assert "the training configuration changed: starting fresh" in again.stderr
-    assert _result(workspace)["resumed_from_step"] is None
+    assert result_of(workspace)["resumed_from_step"] is None
 
 
 # ------------------------------------------------------------------ damaged checkpoints
@@ -175,7 +161,7 @@ DAMAGE = {
 
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(finished, tmp_path, kind):
-    workspace = _copy(finished, tmp_path / "ws")
+    workspace = shutil.copytree(finished, tmp_path / "ws")
     # As if killed after step 4's checkpoint: no result yet.
     shutil.rmtree(workspace / "output")
     newest = workspace / "checkpoints" / "step-00000004"
@@ -187,7 +173,7 @@ def test_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(finish
     assert "set aside as .corrupt-step-00000004" in again.stderr
     assert "resumed from" in again.stderr and "(step 2)" in again.stderr
     assert (workspace / "checkpoints" / ".corrupt-step-00000004").is_dir()  # kept, not deleted
-    result = _result(workspace)
+    result = result_of(workspace)
     assert result["resumed_from_step"] == 2 and result["steps"] == 6
     assert result["final_loss"] < result["first_loss"]
 
@@ -237,7 +223,7 @@ def test_diverging_loss_stops_with_exit_75_and_publishes_nothing(initialized_wor
 
 
 def test_non_finite_loss_at_the_first_step_is_bad_input(initialized_workspace, tmp_path):
-    workspace = _copy(initialized_workspace, tmp_path / "ws")
+    workspace = shutil.copytree(initialized_workspace, tmp_path / "ws")
 
     def poison(weights):
         key = next(k for k in sorted(weights) if k.endswith("embed_tokens.weight"))

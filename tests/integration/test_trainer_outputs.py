@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import trainer_env
 from tunepack.core import durable
 from tunepack.core.errors import EXIT_TRANSIENT, DiskFullError
 
@@ -31,15 +32,9 @@ ARGS = [
 
 
 def _launch(workspace: Path, *args: str, umask: int = 0o022, prefix: list[str] | None = None):
-    env = {
-        **os.environ,
-        "TUNEPACK_WORKSPACE": str(workspace),
-        "TUNEPACK_MODEL": "tiny-llama3",
-        "OMP_NUM_THREADS": "1",
-    }
     return subprocess.run(
         [*(prefix or []), sys.executable, "-m", LAUNCH, *args],
-        env=env,
+        env=trainer_env(workspace),
         capture_output=True,
         text=True,
         timeout=300,
@@ -198,12 +193,7 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
         output,
         "16k",
         f"-m {LAUNCH} {args} checkpoint_every_steps=0",
-        {
-            "TUNEPACK_WORKSPACE": str(workspace),
-            "TUNEPACK_MODEL": "tiny-llama3",
-            "OMP_NUM_THREADS": "1",
-            "PET_NPROC_PER_NODE": str(nproc),
-        },
+        trainer_env(workspace, nproc_per_node=nproc),
     )
     assert done.returncode == EXIT_TRANSIENT, done.stderr
     assert "Traceback" not in done.stderr
@@ -232,11 +222,7 @@ def test_full_disk_while_merging_says_the_merged_models_size(initialized_workspa
         output,
         "512k",
         f"-m {LAUNCH} {args} checkpoint_every_steps=0 merge=true",
-        {
-            "TUNEPACK_WORKSPACE": str(workspace),
-            "TUNEPACK_MODEL": "tiny-llama3",
-            "OMP_NUM_THREADS": "1",
-        },
+        trainer_env(workspace),
     )
     assert done.returncode == EXIT_TRANSIENT, done.stderr
     assert "Traceback" not in done.stderr

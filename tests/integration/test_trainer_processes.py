@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,12 +15,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import lines_held_back, run_program, trainer_config
+from tests.helpers import (
+    LAUNCH,
+    adapter_of,
+    assert_same_tensors,
+    copy_workspace,
+    free_port,
+    launch_trainer,
+    losses_of,
+    result_of,
+    run_program,
+    start_and_wait_for_step,
+    straight_and_resumed,
+    trainer_config,
+    trainer_env,
+    two_processes_env,
+)
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
 from tunepack.trainers.batching import ShuffledSampler
 from tunepack.trainers.launch import _exit_code, layout_from_env
 
-LAUNCH = [sys.executable, "-m", "tunepack.trainers.launch"]
 # 8 steps of 2 accumulated micro-batches; dropout makes the result depend on the restored random
 # state too. (Crossing an epoch boundary would double the runtime: the sampler test covers it.)
 RESUME_ARGS = ["max_steps=8", "batch_size=8", "grad_accum=2", "lora_dropout=0.1", "warmup_steps=2"]
@@ -32,44 +45,6 @@ BATCHING = {
     "shuffled": [*RESUME_ARGS, "group_by_length=false"],
     "packed": ["max_steps=8", "batch_size=2", "grad_accum=2", "lora_dropout=0.1", "packed=true"],
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _workspace(initialized_workspace: Path, tmp_path: Path, name: str = "ws") -> Path:
-    target = tmp_path / name
-    shutil.copytree(initialized_workspace, target)
-    return target
-
-
-def _env(workspace: Path, **pet: object) -> dict[str, str]:
-    env = {**os.environ, "TUNEPACK_WORKSPACE": str(workspace), "TUNEPACK_MODEL": "tiny-llama3"}
-    # One math thread per process: on a shared 2-core machine, spinning thread pools of several
-    # processes slow each other down several times over. (torchrun sets the same for workers.)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update({f"PET_{k.upper()}": str(v) for k, v in pet.items()})
-    return env
-
-
-def _launch(env: dict, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*LAUNCH, *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
-
-
-def _start_and_wait_for_step(env: dict, args: list[str], step: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [*LAUNCH, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    # The trainer cannot run more than a page of output ahead: the kill lands before it ends.
-    for line in lines_held_back(proc.stdout.fileno()):
-        if line.startswith(b"{") and json.loads(line).get("step", 0) >= step:
-            return proc
-    raise AssertionError(f"the trainer ended (rc {proc.wait()}) before step {step}")
 
 
 def _run_nodes(commands: list[tuple[list[str], dict]], tmp_path: Path, timeout: float = 300):
@@ -93,20 +68,6 @@ def _run_nodes(commands: list[tuple[list[str], dict]], tmp_path: Path, timeout: 
             break
     outputs = [log.read_text(errors="replace") for log in logs]
     return [node.returncode for node in nodes], outputs
-
-
-def _adapter(workspace: Path) -> dict[str, torch.Tensor]:
-    return load_file(workspace / "output" / "adapter" / "adapter_model.safetensors")
-
-
-def _result(workspace: Path) -> dict:
-    return json.loads((workspace / "output" / "result.json").read_text())
-
-
-def _losses(output: Path) -> list[float]:
-    return [
-        json.loads(line)["loss"] for line in (output / "metrics.jsonl").read_text().splitlines()
-    ]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -176,30 +137,14 @@ def test_layout_from_pet_variables(monkeypatch):
 def test_kill_9_then_restart_resumes_and_ends_bit_identical(
     initialized_workspace, tmp_path, batching
 ):
-    reference = _workspace(initialized_workspace, tmp_path, "reference")
-    done = _launch(_env(reference), *BATCHING[batching], "checkpoint_every_minutes=0")
-    assert done.returncode == 0, done.stderr
+    # SIGKILL: no handler runs, whatever was being written stays half-written.
+    args = [*BATCHING[batching], "checkpoint_every_minutes=0"]
+    reference, interrupted, newest = straight_and_resumed(
+        initialized_workspace, tmp_path, args, at_step=5, every=3
+    )
     assert not (reference / "checkpoints").exists()  # checkpointing is off there
-
-    interrupted = _workspace(initialized_workspace, tmp_path, "interrupted")
-    args = [*BATCHING[batching], "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
-    proc = _start_and_wait_for_step(_env(interrupted), args, step=5)
-    proc.kill()  # SIGKILL: no handler runs, whatever was being written stays half-written
-    proc.wait()
-    assert not (interrupted / "output" / "result.json").exists()
-    checkpoints = sorted(p.name for p in (interrupted / "checkpoints").glob("step-*"))
-    assert checkpoints and checkpoints[-1] in ("step-00000003", "step-00000006")
-
-    again = _launch(_env(interrupted), *args)
-    assert again.returncode == 0, again.stderr
-    result = _result(interrupted)
-    assert result["resumed_from_step"] in (3, 6) and result["restarts"] == 1
-    assert result["steps"] == 8 == _result(reference)["steps"]
-    assert result["tokens_seen"] == _result(reference)["tokens_seen"]
-    expected, got = _adapter(reference), _adapter(interrupted)
-    assert expected.keys() == got.keys()
-    for key in expected:
-        assert torch.equal(expected[key], got[key]), key
+    assert newest in (3, 6) and result_of(interrupted)["steps"] == 8
+    assert_same_tensors(adapter_of(reference), adapter_of(interrupted))
     # keep_checkpoints=2: only the newest two remain
     assert len(list((interrupted / "checkpoints").glob("step-*"))) <= 2
 
@@ -208,12 +153,13 @@ def test_kill_9_then_restart_resumes_and_ends_bit_identical(
 
 
 def test_two_processes_full_fine_tune_with_fsdp(initialized_workspace, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    ws = _workspace(initialized_workspace, tmp_path)
-    env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
-    done = _launch(env, "method=full", "max_steps=3", "warmup_steps=0", "lr=1e-3")
+    import transformers
+
+    ws = copy_workspace(initialized_workspace, tmp_path)
+    env = two_processes_env(ws)
+    done = launch_trainer(env, "method=full", "max_steps=3", "warmup_steps=0", "lr=1e-3")
     assert done.returncode == 0, done.stdout + done.stderr
-    result = _result(ws)
+    result = result_of(ws)
     assert (result["world_size"], result["method"], result["steps"]) == (2, "full", 3)
     trained = transformers.AutoModelForCausalLM.from_pretrained(ws / "output" / "model")
     base = transformers.AutoModelForCausalLM.from_pretrained(ws / "model")
@@ -225,9 +171,9 @@ def test_sharded_load_and_gather_give_back_the_base_weights(initialized_workspac
     """Rank 0 alone reads the checkpoint and streams each weight into both ranks' shards; the
     saved model is gathered from the shards. A step too small to move any weight must save the
     base back bit for bit: a shard left unloaded or misplaced would show."""
-    ws = _workspace(initialized_workspace, tmp_path)
-    env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
-    done = _launch(env, "method=full", "max_steps=1", "lr=1e-30", "weight_decay=0")
+    ws = copy_workspace(initialized_workspace, tmp_path)
+    env = two_processes_env(ws)
+    done = launch_trainer(env, "method=full", "max_steps=1", "lr=1e-30", "weight_decay=0")
     assert done.returncode == 0, done.stdout + done.stderr
     base = load_file(ws / "model" / "model.safetensors")
     saved = {}
@@ -238,10 +184,10 @@ def test_sharded_load_and_gather_give_back_the_base_weights(initialized_workspac
 
 
 def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspace, tmp_path):
-    ws = _workspace(initialized_workspace, tmp_path)
-    env = _env(ws, nnodes=1, nproc_per_node=2, master_addr="127.0.0.1", master_port=_free_port())
+    ws = copy_workspace(initialized_workspace, tmp_path)
+    env = two_processes_env(ws)
     args = ["max_steps=12", "warmup_steps=0", "checkpoint_every_minutes=0"]
-    proc = _start_and_wait_for_step(env, args, step=2)
+    proc = start_and_wait_for_step(env, args, step=2)
     workers = _descendants(proc.pid)
     assert len(workers) >= 3  # torchrun's agent and two workers
     proc.send_signal(signal.SIGTERM)  # what the kubelet does on eviction
@@ -251,21 +197,21 @@ def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspac
     assert len(stopped) == 1 and "asked to stop (SIGTERM)" in output
     assert not [pid for pid in workers if _alive(pid)], "processes outlived the launcher"
 
-    env["PET_MASTER_PORT"] = str(_free_port())
-    done = _launch(env, *args)
+    env["PET_MASTER_PORT"] = str(free_port())
+    done = launch_trainer(env, *args)
     assert done.returncode == 0, done.stdout + done.stderr
-    result = _result(ws)
+    result = result_of(ws)
     assert result["steps"] == 12 and result["resumed_from_step"] == int(stopped[0][5:])
 
 
 def test_two_nodes_of_one_process_train_lora_from_pet_variables(initialized_workspace, tmp_path):
-    ws = _workspace(initialized_workspace, tmp_path)
-    port = _free_port()
+    ws = copy_workspace(initialized_workspace, tmp_path)
+    port = free_port()
     codes, outputs = _run_nodes(
         [
             (
                 [*LAUNCH, "max_steps=4", "warmup_steps=0"],
-                _env(
+                trainer_env(
                     ws,
                     nnodes=2,
                     nproc_per_node=1,
@@ -279,7 +225,7 @@ def test_two_nodes_of_one_process_train_lora_from_pet_variables(initialized_work
         tmp_path,
     )
     assert codes == [0, 0], outputs
-    result = _result(ws)
+    result = result_of(ws)
     assert (result["world_size"], result["method"], result["steps"]) == (2, "lora", 4)
     assert (ws / "output" / "adapter" / "adapter_config.json").is_file()
     assert "trainer: done" in outputs[0]  # rank 0's node reports the result
@@ -309,7 +255,7 @@ def _written_config(entry, given, *, model_dir, dataset_dir, output, tmp_path):
 
 def _run_one_node(config: Path, nproc: int, tmp_path: Path) -> None:
     """One node of ``nproc`` processes of the launcher's torchrun over ``config``."""
-    argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(_free_port())]
+    argv = [sys.executable, "-c", _NODE, str(config), "1", str(nproc), "0", str(free_port())]
     codes, logs = _run_nodes([(argv, {**os.environ, "OMP_NUM_THREADS": "1"})], tmp_path)
     assert codes == [0], logs
 
@@ -346,7 +292,7 @@ def test_lora_variants_train_sharded(initialized_workspace, tmp_path, method, dt
         NF4_TINY, given, model_dir=model_dir, dataset_dir=initialized_workspace / "dataset",
         output=tmp_path / "output", tmp_path=tmp_path,
     )  # fmt: skip
-    port = str(_free_port())
+    port = str(free_port())
     codes, outputs = _run_nodes(
         [
             (
@@ -455,7 +401,7 @@ def test_qwen3_moe_lora_on_the_experts_trains_sharded_as_on_one_process(
     results = {n: json.loads((outputs[n] / "result.json").read_text()) for n in outputs}
     assert results[2]["world_size"] == 2
     assert results[2]["final_loss"] < results[2]["first_loss"]
-    losses = {n: _losses(outputs[n]) for n in outputs}
+    losses = {n: losses_of(outputs[n]) for n in outputs}
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True)) < 1e-4, losses
     adapters = {n: load_file(outputs[n] / "adapter" / "adapter_model.safetensors") for n in outputs}
     assert adapters[1].keys() == adapters[2].keys()
@@ -491,26 +437,26 @@ def test_qwen3_moe_lora_on_the_experts_resumes_bit_identical_after_kill_9(
     source = write_tiny_model(tmp_path / "source", catalog.TINY["qwen3_moe"])
     envs = {}
     for name in ("reference", "interrupted"):
-        ws = _workspace(initialized_workspace, tmp_path, name)
+        ws = copy_workspace(initialized_workspace, tmp_path, name)
         shutil.rmtree(ws / "model")
-        envs[name] = _env(ws) | {"TUNEPACK_MODEL": "qwen3-moe-custom"}
+        envs[name] = trainer_env(ws) | {"TUNEPACK_MODEL": "qwen3-moe-custom"}
         done = run_program(
             "tunepack.initializers.model", envs[name] | {"STORAGE_URI": f"file://{source}"}
         )
         assert done.returncode == 0, done.stderr
     args = ["lora_mlp=true", "max_steps=7", "batch_size=4", "warmup_steps=2"]
     args += ["checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
-    done = _launch(envs["reference"], *args)
+    done = launch_trainer(envs["reference"], *args)
     assert done.returncode == 0, done.stderr
-    proc = _start_and_wait_for_step(envs["interrupted"], args, step=4)
+    proc = start_and_wait_for_step(envs["interrupted"], args, step=4)
     proc.kill()
     proc.wait()
-    again = _launch(envs["interrupted"], *args)
+    again = launch_trainer(envs["interrupted"], *args)
     assert again.returncode == 0, again.stderr
     interrupted = Path(envs["interrupted"]["TUNEPACK_WORKSPACE"])
     reference = Path(envs["reference"]["TUNEPACK_WORKSPACE"])
-    assert _result(interrupted)["resumed_from_step"] in (3, 6)
-    expected, got = _adapter(reference), _adapter(interrupted)
+    assert result_of(interrupted)["resumed_from_step"] in (3, 6)
+    expected, got = adapter_of(reference), adapter_of(interrupted)
     assert any("experts" in key for key in expected) and expected.keys() == got.keys()
     for key in expected:
         assert torch.equal(expected[key], got[key]), key

@@ -21,22 +21,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
-import subprocess
 
 import pytest
 import torch
-
-pytest.importorskip("torchvision", reason="Llama 3.2 Vision needs the tunepack[vision] extra")
-
+import torchvision  # noqa: F401  Llama 3.2 Vision needs it (tunepack[vision], a dev extra)
 from PIL import Image, ImageDraw  # noqa: E402
 
 from tests.helpers import (  # noqa: E402
-    LAUNCH,
-    lines_held_back,
+    adapter_of,
+    launch_trainer,
+    losses_of,
+    result_of,
     run_dataset_initializer,
     setup_recipe,
+    start_and_wait_for_step,
+    trainer_env,
 )
 from tunepack.runtimes import catalog  # noqa: E402
 from tunepack.tiny import write_tiny_model  # noqa: E402
@@ -101,11 +101,6 @@ def _recipe(workspace, output, argv, dataset_dir=None):
         dataset_dir=dataset_dir or workspace / "dataset",
         output=output,
     )
-
-
-def _losses(output) -> list[float]:
-    lines = (output / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines if "loss" in json.loads(line)]
 
 
 def _hf_inputs(recipe, workspace, indices):
@@ -200,7 +195,7 @@ def test_lora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     recipe = _recipe(workspace, output, given)
     recipe.train()
     recipe.save()
-    losses = _losses(output)
+    losses = losses_of(output)
     assert len(losses) == 12 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, losses
     result = json.loads((output / "result.json").read_text())
@@ -241,7 +236,7 @@ def test_dora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     recipe = _recipe(workspace, output, ["method=dora", "max_steps=12", "epochs=10", "merge=true"])
     recipe.train()
     recipe.save()
-    losses = _losses(output)
+    losses = losses_of(output)
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, losses
     adapter = output / "adapter"
     assert json.loads((adapter / "adapter_config.json").read_text())["use_dora"] is True
@@ -289,7 +284,7 @@ def test_qlora_trains_on_images_over_an_nf4_text_model(workspace, tmp_path):
     assert not any(type(w).__name__ == "NF4Tensor" for w in recipe.model.encoder.parameters())
     recipe.train()
     recipe.save()
-    losses = _losses(output)
+    losses = losses_of(output)
     assert sum(losses[-3:]) < sum(losses[:3]) - 0.5, losses
 
     hf = _hf_inputs(recipe, workspace, ROWS)
@@ -328,7 +323,7 @@ def test_qlora_on_two_processes_trains_what_one_does(workspace, tmp_path):
             dataset_dir=workspace / "dataset", output=tmp_path / f"out-{nproc}", nproc=nproc,
             tmp_path=tmp_path,
         )  # fmt: skip
-        losses[nproc] = _losses(tmp_path / f"out-{nproc}")
+        losses[nproc] = losses_of(tmp_path / f"out-{nproc}")
     assert len(losses[2]) == 3 and losses[2][-1] < losses[2][0]
     assert max(abs(a - b) for a, b in zip(losses[1], losses[2], strict=True)) < 1e-4, losses
 
@@ -379,7 +374,7 @@ def test_a_vision_model_trains_on_text_only_chat(workspace, tmp_path):
     )
     assert recipe.dataloader.dataset[0]["tokens"] == list(expected)
     recipe.train()
-    losses = _losses(output)
+    losses = losses_of(output)
     assert len(losses) == 6 and sum(losses[-2:]) < sum(losses[:2]), losses
 
 
@@ -458,13 +453,7 @@ def _published_workspace(workspace, target):
 
 
 def _launcher_env(workspace, **pet) -> dict[str, str]:
-    return {
-        **os.environ,
-        "TUNEPACK_WORKSPACE": str(workspace),
-        "TUNEPACK_MODEL": "llama3.2-vision-11b",
-        "OMP_NUM_THREADS": "1",
-        **{f"PET_{k.upper()}": str(v) for k, v in pet.items()},
-    }
+    return trainer_env(workspace, model="llama3.2-vision-11b", **pet)
 
 
 LAUNCHED = ["max_steps=8", "epochs=10", "batch_size=4", "lr=3e-3", "warmup_steps=0"]
@@ -475,15 +464,10 @@ def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspa
     (the loss falls, result.json and the adapter written); a run killed with SIGKILL after its
     step-3 checkpoint and started again ends with the same adapter, bit for bit; two processes
     (FSDP2) end with the same adapter."""
-    from safetensors.torch import load_file
-
     reference = _published_workspace(workspace, tmp_path / "reference")
-    done = subprocess.run(
-        [*LAUNCH, *LAUNCHED], env=_launcher_env(reference), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    done = launch_trainer(_launcher_env(reference), *LAUNCHED, timeout=300)
     assert done.returncode == 0, done.stderr
-    result = json.loads((reference / "output" / "result.json").read_text())
+    result = result_of(reference)
     assert (result["model"], result["method"], result["steps"]) == (
         "llama3.2-vision-11b",
         "lora",
@@ -493,25 +477,15 @@ def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspa
 
     interrupted = _published_workspace(workspace, tmp_path / "interrupted")
     args = [*LAUNCHED, "checkpoint_every_steps=3", "checkpoint_every_minutes=0"]
-    proc = subprocess.Popen(
-        [*LAUNCH, *args], env=_launcher_env(interrupted), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    for line in lines_held_back(proc.stdout.fileno()):
-        if line.startswith(b"{") and json.loads(line).get("step", 0) >= 4:
-            break
+    proc = start_and_wait_for_step(_launcher_env(interrupted), args, step=4)
     proc.kill()  # SIGKILL: nothing is flushed or finished
     proc.wait()
     assert not (interrupted / "output" / "result.json").exists()
-    again = subprocess.run(
-        [*LAUNCH, *args], env=_launcher_env(interrupted), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    again = launch_trainer(_launcher_env(interrupted), *args, timeout=300)
     assert again.returncode == 0, again.stderr
-    resumed = json.loads((interrupted / "output" / "result.json").read_text())
+    resumed = result_of(interrupted)
     assert resumed["resumed_from_step"] in (3, 6) and resumed["restarts"] == 1
-    expected = load_file(reference / "output" / "adapter" / "adapter_model.safetensors")
-    got = load_file(interrupted / "output" / "adapter" / "adapter_model.safetensors")
+    expected, got = adapter_of(reference), adapter_of(interrupted)
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -520,16 +494,13 @@ def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspa
     # back; the same global batches, so the same losses up to the reductions' order (and an
     # adapter as close as Adam allows: it scales a near-zero gradient's rounding up to lr).
     sharded = _published_workspace(workspace, tmp_path / "sharded")
-    done = subprocess.run(
-        [*LAUNCH, *LAUNCHED[:2], "batch_size=2", *LAUNCHED[3:]],
-        env=_launcher_env(sharded, nproc_per_node=2), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
+    sharded_args = [*LAUNCHED[:2], "batch_size=2", *LAUNCHED[3:]]
+    done = launch_trainer(_launcher_env(sharded, nproc_per_node=2), *sharded_args, timeout=300)
     assert done.returncode == 0, done.stderr
-    two, one = _losses(sharded / "output"), _losses(reference / "output")
+    two, one = losses_of(sharded / "output"), losses_of(reference / "output")
     assert len(two) == len(one) == 8
     assert max(abs(a - b) for a, b in zip(two, one, strict=True)) < 1e-4, (two, one)
-    got = load_file(sharded / "output" / "adapter" / "adapter_model.safetensors")
+    got = adapter_of(sharded)
     assert expected.keys() == got.keys()
     for key in expected:
         assert (expected[key] - got[key]).norm() <= 0.1 * expected[key].norm(), key

@@ -10,9 +10,8 @@ from importlib import metadata
 
 import pytest
 import torch
-from torchtune.models.llama3 import lora_llama3
 
-from tests.helpers import TINY
+from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.schemas import SCHEMAS, detect
 from tunepack.trainers import grpo, rewards
@@ -306,15 +305,10 @@ def test_answer_seeds_depend_on_what_is_answered_only():
 
 @pytest.fixture(scope="module")
 def small_model():
-    torch.manual_seed(0)
-    model = lora_llama3(
-        ["q_proj", "v_proj"], vocab_size=40, num_layers=2, num_heads=4, num_kv_heads=2,
-        embed_dim=32, max_seq_len=64, intermediate_dim=64, lora_rank=4, lora_alpha=8,
-    )  # fmt: skip
-    for name, p in model.named_parameters():
-        if "lora_b" in name:  # adapters that change the model, as after some training
-            torch.nn.init.normal_(p, std=0.5)
-    return model.eval()
+    return adapted_lora_model(
+        vocab_size=40, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=64,
+        intermediate_dim=64, lora_rank=4, lora_alpha=8,
+    ).eval()  # fmt: skip
 
 
 SETTINGS = grpo.Settings(

@@ -14,9 +14,7 @@ import sys
 
 import pytest
 import torch
-
-pytest.importorskip("torchvision", reason="Llama 3.2 Vision needs the tunepack[vision] extra")
-
+import torchvision  # noqa: F401  Llama 3.2 Vision needs it (tunepack[vision], a dev extra)
 from safetensors.torch import load_file  # noqa: E402
 from torchtune.modules import TransformerCrossAttentionLayer  # noqa: E402
 from torchtune.modules.peft import LoRALinear, get_adapter_params  # noqa: E402

@@ -8,9 +8,8 @@ import math
 import pytest
 import torch
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX as IGNORE
-from torchtune.models.llama3 import lora_llama3
 
-from tests.helpers import TINY
+from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.schemas import SCHEMAS, detect
 from tunepack.tiny.dataset import tiny_unpaired_rows
@@ -96,15 +95,10 @@ def test_kto_batches_hold_the_rows_then_mismatched_pairs():
 
 @pytest.fixture(scope="module")
 def small_model():
-    torch.manual_seed(0)
-    model = lora_llama3(
-        ["q_proj", "v_proj"], vocab_size=20, num_layers=1, num_heads=2, num_kv_heads=1,
-        embed_dim=16, max_seq_len=32, intermediate_dim=32, lora_rank=2, lora_alpha=4,
+    return adapted_lora_model(
+        vocab_size=20, num_layers=1, num_heads=2, num_kv_heads=1, embed_dim=16, max_seq_len=32,
+        intermediate_dim=32, lora_rank=2, lora_alpha=4,
     )  # fmt: skip
-    for name, p in model.named_parameters():
-        if "lora_b" in name:
-            torch.nn.init.normal_(p, std=0.5)
-    return model
 
 
 def test_kto_forward_uses_the_reference_point_of_the_mismatched_pairs(small_model):

@@ -1,0 +1,109 @@
+"""Upstream inputs keep their meaning (issue 29, 3): each data format and split of a notebook's
+``TorchTuneInstructDataset`` becomes the TrainJob's initializer settings, and ``access_token`` is
+pointed at the Secret way without being repeated. That the Parquet slice reads exactly those rows:
+tests/integration/test_upstream_inputs.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kubeflow.trainer import (
+    BuiltinTrainer,
+    DataFormat,
+    HuggingFaceDatasetInitializer,
+    HuggingFaceModelInitializer,
+    LoraConfig,
+    TorchTuneConfig,
+    TorchTuneInstructDataset,
+)
+from kubeflow.trainer import Initializer as KfInitializer
+
+from tunepack.core.errors import BadInputError
+from tunepack.jobs import submit
+from tunepack.jobs.translate import Initializer
+from tunepack.runtimes.validate import validate_trainjob
+
+TINY = "tunepack-tiny-llama3"
+MODEL = "file:///models/tiny"
+
+
+def _trainer(**dataset) -> BuiltinTrainer:
+    return BuiltinTrainer(
+        config=TorchTuneConfig(
+            peft_config=LoraConfig(lora_rank=4),
+            dataset_preprocess_config=TorchTuneInstructDataset(**dataset),
+        )
+    )
+
+
+def _build(trainer, dataset="file:///data/train", **kw) -> dict:
+    job = submit.build(TINY, Initializer(dataset=dataset, model=MODEL), trainer, name="j", **kw)
+    validate_trainjob(job)
+    return job
+
+
+def _env(job: dict, step: str) -> dict:
+    return {e["name"]: e.get("value") for e in job["spec"]["initializer"][step].get("env", [])}
+
+
+@pytest.mark.parametrize("source", [DataFormat.JSON, DataFormat.CSV, DataFormat.ARROW])
+def test_every_format_the_initializer_reads_is_accepted(source):
+    assert _build(_trainer(source=source))["spec"]["trainer"]["args"][0] == "method=lora"
+
+
+def test_a_format_it_does_not_read_is_refused_by_name():
+    with pytest.raises(BadInputError) as err:
+        _build(_trainer(source=DataFormat.TEXT))
+    assert str(err.value) == (
+        "TorchTuneInstructDataset.source='text' cannot be translated: tunepack's dataset "
+        "initializer reads JSON (.json, .jsonl), CSV, Parquet and Arrow files; convert the data "
+        "to one of them"
+    )
+
+
+def test_the_default_split_adds_nothing():
+    assert "DATASET_SPLIT" not in _env(_build(_trainer(split="train")), "dataset")
+
+
+def test_a_split_given_twice_must_agree():
+    with pytest.raises(BadInputError) as err:
+        _build(_trainer(split="train[:10]"), dataset="hf://datasets/org/d?split=train[:20]")
+    assert str(err.value) == (
+        "the dataset split is given twice and differs: dataset_split 'train[:10]', the dataset "
+        "URI's ?split= 'train[:20]'; give it once"
+    )
+    same = _build(_trainer(split="train[:10]"), dataset="hf://datasets/org/d?split=train[:10]")
+    assert "DATASET_SPLIT" not in _env(same, "dataset")  # the URI already says it
+
+
+def test_a_malformed_split_in_the_uri_is_refused_at_submission():
+    with pytest.raises(BadInputError, match=r"dataset split 'train\[5\]' is not a split name"):
+        _build(_trainer(), dataset="hf://datasets/org/d?split=train[5]")
+
+
+def test_an_access_token_is_pointed_at_the_secret_way_and_never_repeated():
+    token = "hf_NotARealTokenButSecretLooking123"
+    init = KfInitializer(
+        dataset=HuggingFaceDatasetInitializer(storage_uri="org/ds"),
+        model=HuggingFaceModelInitializer(storage_uri="org/m", access_token=token),
+    )
+    with pytest.raises(BadInputError) as err:
+        submit.build(TINY, init, _trainer(), name="j")
+    message = str(err.value)
+    assert token not in message and "\n" not in message
+    assert message.endswith(
+        "Create a Secret (kubectl create secret generic hf-token --from-literal=HF_TOKEN=<token>) "
+        "and pass it by reference: tunepack.Initializer(model=HuggingFaceModelInitializer("
+        "storage_uri=...) without access_token, model_secret='hf-token'); on the local backend, "
+        "export HF_TOKEN instead"
+    )
+    # Followed, it works: the token goes by reference.
+    fixed = Initializer(
+        dataset=HuggingFaceDatasetInitializer(storage_uri="org/ds"),
+        model=HuggingFaceModelInitializer(storage_uri="org/m"),
+        model_secret="hf-token",
+    )
+    job = submit.build(TINY, fixed, _trainer(), name="j")
+    assert job["spec"]["initializer"]["model"]["secretRef"] == {"name": "hf-token"}
+    assert token not in json.dumps(job)
