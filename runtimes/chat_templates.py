@@ -7,7 +7,7 @@ format name, for three readers:
 - the tiny model generator (``tunepack.tiny``), which writes it into the tiny model's
   ``tokenizer_config.json`` so that tests can render a conversation with transformers'
   ``apply_chat_template`` and compare it, token by token, with the trainer's rendering
-  (``trainers/prompt_format.py``, which implements each format in Python);
+  (``trainers/data/prompt_format.py``, which implements each format in Python);
 - the serving builder (``sdk_ext/tools/serving.py``), which passes a template to vLLM
   (``--chat-template``) when a run was trained in another format than the model's own, or with a
   default system prompt;

@@ -49,7 +49,6 @@ from omegaconf import OmegaConf
 from tunepack.core import durable, lifetime, program, workspace
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.runtimes import catalog, custom
-from tunepack.trainers import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import (
     build_config,
@@ -57,6 +56,7 @@ from tunepack.trainers.config import (
     result_digest,
     result_identity,
 )
+from tunepack.trainers.process import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 
 PROGRAM = "trainer"
 WORKER_MODULE = "tunepack.trainers.worker"
@@ -126,7 +126,7 @@ def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str
     return [
         sys.executable,
         "-m",
-        "tunepack.trainers.torchrun",  # torch.distributed.run, quieter
+        "tunepack.trainers.process.torchrun",  # torch.distributed.run, quieter
         f"--nnodes={layout.nnodes}",
         f"--nproc-per-node={layout.nproc_per_node}",
         f"--node-rank={layout.node_rank}",

@@ -1,7 +1,7 @@
 """tunepack's fine-tuning recipe: full, LoRA, QLoRA or DoRA, on one process or many (FSDP2).
 
 ``run`` is the whole of it: the launcher (``trainers/launch.py``) calls it in-process for one
-process, each torchrun worker (``trainers/worker.py``) for more; ``trainers/distributed.py``
+process, each torchrun worker (``trainers/worker.py``) for more; ``trainers/process/distributed.py``
 hides the difference.
 
 Read it top to bottom: ``setup`` builds the tokenizer, model, data, optimizer and schedule from
@@ -10,9 +10,10 @@ the config (see ``trainers/config.py``) and resumes from the newest complete che
 micro-batches, one collective, the update), ``_after_step`` what follows it (one JSON line per
 logging step, evaluation, a checkpoint every N steps / T minutes, and a clean stop, checkpoint
 first, when the process is asked to); ``evaluate`` computes the validation loss;
-``save_checkpoint`` writes a resumable checkpoint (``trainers/checkpoint.py``) of the run's
-progress (``RunProgress``, ``trainers/progress.py``); ``save`` hands the weights and what the run
-did to ``trainers/artifacts.py``, which writes the result (adapter, models, ``result.json``).
+``save_checkpoint`` writes a resumable checkpoint (``trainers/outputs/checkpoint.py``) of the run's
+progress (``RunProgress``, ``trainers/outputs/progress.py``); ``save`` hands the weights and what
+the run did to ``trainers/outputs/artifacts.py``, which writes the result (adapter, models,
+``result.json``).
 
 Why not torchtune's stock recipes (0.6.1): the distributed ones hard-code NCCL and CUDA memory
 calls, none checkpoints mid-epoch, the single-device one forgets the global step on resume, and
@@ -57,23 +58,6 @@ from tunepack.core.errors import BadInputError, TransientError, TunepackError
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
 from tunepack.runtimes import methods, planner
 from tunepack.runtimes.methods import Loss
-from tunepack.trainers import (
-    adapter_init,
-    artifacts,
-    batching,
-    checkpoint,
-    compiling,
-    distributed,
-    dpo,
-    grpo,
-    kto,
-    mllama,
-    moe,
-    orpo,
-    vision_data,
-    vocab_loss,
-)
-from tunepack.trainers.batching import real_positions
 from tunepack.trainers.config import (
     DATASET_BUILDERS,
     IMAGE_DATASET_BUILDER,
@@ -81,9 +65,15 @@ from tunepack.trainers.config import (
     run_digest,
     run_identity,
 )
-from tunepack.trainers.progress import RunProgress
-from tunepack.trainers.tracking import Tracker
-from tunepack.trainers.trainjob_status import StatusReporter
+from tunepack.trainers.data import batching, vision_data
+from tunepack.trainers.data.batching import real_positions
+from tunepack.trainers.models import adapter_init, mllama, moe
+from tunepack.trainers.objectives import dpo, grpo, kto, orpo, vocab_loss
+from tunepack.trainers.outputs import artifacts, checkpoint
+from tunepack.trainers.outputs.progress import RunProgress
+from tunepack.trainers.outputs.tracking import Tracker
+from tunepack.trainers.outputs.trainjob_status import StatusReporter
+from tunepack.trainers.process import compiling, distributed
 
 log = logging.getLogger("tunepack.trainer")
 TEXT_BUILDER = DATASET_BUILDERS["text"]  # torchtune keeps max_seq_len - 1 tokens of a text row
@@ -183,7 +173,7 @@ class FineTuneRecipe:
         self.step: planner.Step | None = None
         self.examples_per_batch = cfg.batch_size * self.topo.world_size  # every rank's, together
         self.progress = RunProgress()  # saved in checkpoints, restored on resume
-        self.tracker_record: dict | None = None  # result.json's "tracker" (trainers/tracking.py)
+        self.tracker_record: dict | None = None  # result.json's "tracker" (outputs/tracking.py)
         self.val_indices: list[int] = []
         # The fill of the last micro-batch: (real tokens, computed positions); padding and a
         # pack's unused tail are computed too.
@@ -234,8 +224,9 @@ class FineTuneRecipe:
             self.objective.reference.requires_grad_(False)
             self.objective.reference.eval()
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
-        # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
-        # allows it; the methods with a loss of their own read log-probabilities from the logits.
+        # The loss fused with the output projection (trainers/objectives/vocab_loss.py) wherever the
+        # model allows it; the methods with a loss of their own read log-probabilities from the
+        # logits.
         self.fused_loss = self.objective is None and vocab_loss.supports(self.model)
         if self.compiled and not self.fused_loss:
             self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
@@ -377,7 +368,7 @@ class FineTuneRecipe:
             base_missing=missing,
             base_unexpected=unexpected,
         )
-        # The same fresh adapters on one process or many (trainers/adapter_init.py).
+        # The same fresh adapters on one process or many (trainers/models/adapter_init.py).
         adapter_init.initialize(model, self.cfg.seed)
         # DoRA's magnitude starts as the norm of the base weight it scales: only now known.
         for module in model.modules():
@@ -479,8 +470,8 @@ class FineTuneRecipe:
         return None if found is None else Path(found)
 
     def _choose_compile(self, found: Path | None) -> bool:
-        """compile=true/false as given; compile=auto from the planned work (trainers/compiling.py),
-        or as the checkpoint resumed from records."""
+        """compile=true/false as given; compile=auto from the planned work
+        (trainers/process/compiling.py), or as the checkpoint resumed from records."""
         cfg = self.cfg
         if self.method.sequences_key:  # generation: a new shape at every token (args refuse true)
             return False
@@ -636,7 +627,7 @@ class FineTuneRecipe:
         if "mask" in batch:  # packed: attend only within each example, positions restart
             extra = {"mask": batch["mask"].to(self.device), "input_pos": batch["input_pos"]}
             extra["input_pos"] = extra["input_pos"].to(self.device)
-        if batch.get("encoder_input") is not None:  # images (trainers/vision_data.py)
+        if batch.get("encoder_input") is not None:  # images (trainers/data/vision_data.py)
             images = batch["encoder_input"]
             extra["encoder_input"] = {
                 "images": images["images"].to(self.device, self.dtype),
@@ -743,7 +734,8 @@ class FineTuneRecipe:
         # may start part-way through a step.
         for batch in micro_batches:
             loss, n_tokens = self._loss_and_tokens(batch)
-            # Qwen3-MoE: + its routers' load-balancing loss (trainers/moe.py; 0 for other models).
+            # Qwen3-MoE: + its routers' load-balancing loss (trainers/models/moe.py; 0 for other
+            # models).
             loss = loss + moe.router_aux_loss(self.model, batch.get("labels"), n_tokens)
             loss.backward()
             loss_sum += loss.detach().double()
@@ -1014,7 +1006,8 @@ class FineTuneRecipe:
 
     # ---------------------------------------------------------------- save
     def save(self, extra: dict | None = None) -> Path:
-        """Publish the weights, then ``result.json`` (rank 0 writes; see trainers/artifacts.py)."""
+        """Publish the weights, then ``result.json`` (rank 0 writes; see
+        trainers/outputs/artifacts.py)."""
         # A collective: every rank calls it.
         state = artifacts.gather_state(
             self.model, trainable_only=self.is_lora, sharded=self.topo.distributed

@@ -177,8 +177,9 @@ def test_initializer_programs_load_without_torch_or_the_sdk():
     allowed = [
         "tunepack.trainers",
         "tunepack.trainers.args",
-        "tunepack.trainers.prompt_format",
-        "tunepack.trainers.rewards",  # GRPO's reward names and weights, standard library only
+        "tunepack.trainers.data.prompt_format",
+        # GRPO's reward names and weights, standard library only
+        "tunepack.trainers.objectives.rewards",
     ]
     code = (
         "import sys\n"

@@ -1,6 +1,6 @@
-"""Which examples make each batch (trainers/batching.py) and the loss fused with the output
-projection (trainers/vocab_loss.py): orders that resume exactly, packs that hold every example
-once, and a loss equal to the plain one, gradients included."""
+"""Which examples make each batch (trainers/data/batching.py) and the loss fused with the output
+projection (trainers/objectives/vocab_loss.py): orders that resume exactly, packs that hold every
+example once, and a loss equal to the plain one, gradients included."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from torchtune.models.llama3 import llama3
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.peft import LoRALinear
 
-from tunepack.trainers import vocab_loss
-from tunepack.trainers.batching import (
+from tunepack.trainers.data.batching import (
     LengthGroupedSampler,
     Packs,
     ShuffledSampler,
     best_fit_decreasing,
 )
+from tunepack.trainers.objectives import vocab_loss
 
 
 def _lengths(n: int, seed: int = 0) -> list[int]:

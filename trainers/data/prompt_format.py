@@ -534,7 +534,7 @@ def build_tokenizer(
         raise BadInputError(f"unknown model family {family!r}")
     fmt = check_chat_template(family, chat_template)
     if checkpoint_tokenizer:
-        from tunepack.trainers.checkpoint_tokenizer import CheckpointTokenizer
+        from tunepack.trainers.data.checkpoint_tokenizer import CheckpointTokenizer
 
         base = CheckpointTokenizer(files["path"], max_seq_len=max_seq_len)
     else:

@@ -2,12 +2,12 @@
 
 Each micro-batch is a batch of prompts. For every prompt the policy (the model with its
 adapters) samples a group of ``num_generations`` answers, one token at a time with a KV cache;
-the rewards (``trainers/rewards.py``) score each answer, and an answer's advantage is its reward
-relative to its group: ``A = (r - mean(group)) / (std(group) + 1e-4)`` (the sample standard
+the rewards (``trainers/objectives/rewards.py``) score each answer, and an answer's advantage is its
+reward relative to its group: ``A = (r - mean(group)) / (std(group) + 1e-4)`` (the sample standard
 deviation). The loss per answer token ``t`` is the clipped policy objective with a KL penalty
 against the reference, the same model with its adapters switched off (no second copy;
-``method=grpo_full`` trains every weight and keeps a frozen copy of the base as its reference;
-with ``beta=0`` there is no KL term and no reference pass):
+``method=grpo_full`` trains every weight and keeps a frozen copy of the base as its reference; with
+``beta=0`` there is no KL term and no reference pass):
 
     ratio = exp(logp_t - old_logp_t)
     loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon) * A) + beta * KL_t
@@ -41,8 +41,8 @@ from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.peft import disable_adapter
 
 from tunepack.core.errors import BadInputError
-from tunepack.trainers import rewards, vocab_loss
-from tunepack.trainers.rewards import Sample, Weighted
+from tunepack.trainers.objectives import rewards, vocab_loss
+from tunepack.trainers.objectives.rewards import Sample, Weighted
 
 _STD_FLOOR = 1e-4  # added to a group's reward standard deviation (all-equal groups: A = 0)
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step, row, answer) over the generator's seeds

@@ -40,8 +40,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tunepack.core import durable
-from tunepack.trainers import distributed
-from tunepack.trainers.distributed import Topology
+from tunepack.trainers.process import distributed
+from tunepack.trainers.process.distributed import Topology
 
 log = logging.getLogger("tunepack.trainer")
 

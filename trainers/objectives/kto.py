@@ -26,8 +26,8 @@ from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
 from torchtune.modules.peft import disable_adapter
 
-from tunepack.trainers import distributed
-from tunepack.trainers.dpo import answer_logps
+from tunepack.trainers.objectives.dpo import answer_logps
+from tunepack.trainers.process import distributed
 
 STAT_NAMES = (
     "tokens",
