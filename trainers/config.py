@@ -9,6 +9,7 @@ a run can be read and reproduced.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -150,12 +151,19 @@ IDENTITY_CHANGES = {
 }
 
 
+# tunepack.trainers' subpackages. Which of them holds a component the config names is not part of
+# a run's identity: the modules were all tunepack.trainers.<module> once, and the checkpoints and
+# results written then must still resume and count as done (tests/unit/test_run_identity.py).
+ROOMS = ("data", "models", "objectives", "outputs", "process")
+_IN_A_ROOM = re.compile(rf"^tunepack\.trainers\.(?:{'|'.join(ROOMS)})\.")
+
+
 def run_identity(cfg: DictConfig) -> dict[str, str]:
     """The training computation's identity in parts: base model, dataset, training config."""
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in BOOKKEEPING_KEYS:
         data.pop(key, None)
-    data = _without_workspace_paths(data)
+    data = _without_rooms(_without_workspace_paths(data))
     base_model = data.pop("model_sha256", None)
     dataset = data.pop("dataset_sha256", None)
     return {
@@ -191,6 +199,18 @@ def _without_workspace_paths(data: dict) -> dict:
         return value
 
     return strip(data)
+
+
+def _without_rooms(value):
+    """Every ``tunepack.trainers.<room>.<module>...`` name in the config as
+    ``tunepack.trainers.<module>...``."""
+    if isinstance(value, dict):
+        return {k: _without_rooms(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_rooms(v) for v in value]
+    if isinstance(value, str):
+        return _IN_A_ROOM.sub("tunepack.trainers.", value)
+    return value
 
 
 def run_digest(cfg: DictConfig) -> str:
