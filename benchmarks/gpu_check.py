@@ -44,9 +44,10 @@ process's peak resident set) against the memory planner's estimate of the same j
 and the last loss. Derived from them:
 
 - ``compile``: what ``compile=auto`` assumes (``trainers/process/compiling.py``:
-  ``GPU.compile_s`` = 90 s and ``GPU.saving`` = 10%, on CPU ``CPU``), measured: the compile time is the compiled run's
-  warm-up steps minus its steady step time, less the same for the eager run; the saving is
-  1 - compiled / eager steady step time. The report names the constant each figure would replace.
+  ``GPU.compile_s`` = 90 s and ``GPU.saving`` = 10%, on CPU ``CPU``), measured: the compile time
+  is the compiled run's warm-up steps minus its steady step time, less the same for the eager
+  run; the saving is 1 - compiled / eager steady step time. The report names the constant each
+  figure would replace.
 - ``fused_loss``: the fused loss against the plain cross-entropy: peak memory and step time.
 - ``fsdp2``: a LoRA run through torchrun with FSDP2 (NCCL on a GPU, gloo on CPU) that
   checkpoints, is stopped by SIGTERM (the trainer's own stop: checkpoint, exit 75), resumes from

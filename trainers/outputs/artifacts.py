@@ -1,19 +1,8 @@
 """What a training run leaves in its output directory, written in one place.
 
-The recipe (``trainers/recipe.py``) trains; at the end it hands the weights here:
-
-- ``adapter/`` (LoRA family): a PEFT adapter, ``adapter_model.safetensors`` in each family's
-  Hugging Face layout (``trainers/outputs/peft_export.py``) and ``adapter_config.json``;
-- ``merged/`` (LoRA family, ``merge=true``): the adapter folded into a fresh copy of the base;
-- ``model/`` (full fine-tuning): a Hugging Face model, sharded like the base checkpoint;
-- ``result.json``: what the run did and what it published;
-- ``.best/`` (``keep_best=true``): the weights of the best validation loss so far, kept during
-  training and published instead of the last step's.
-
-Every directory is built under a staging name and renamed into place
-(``tunepack.core.durable.publish_dir``), so a reader never sees half of one, and a full disk is
-the one-line ``DiskFullError``. The functions take what they need (state dicts, the config, the
-paths), not the recipe; all of them but ``gather_state`` run on rank 0 only.
+The functions take what they need (state dicts, the config, the paths), not the recipe, so the
+result's layout (docs/trainer.md, "Result layout") is written here alone; all of them but
+``gather_state`` run on rank 0 only.
 """
 
 from __future__ import annotations
