@@ -383,22 +383,7 @@ class FineTuneRecipe:
             self.val_indices = list(range(len(self.val_dataset)))
         elif validation:
             dataset, self.val_indices = batching.hold_out(dataset, float(validation.fraction))
-        if self.method.data is methods.PREFERENCE:
-            collate = partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
-        elif self.method.data is methods.UNPAIRED:
-            collate = partial(kto.collate, padding_idx=self.tokenizer.pad_id)
-        elif self.method.data is methods.PROMPTS:
-            collate = grpo.collate
-            if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
-                raise BadInputError(problem)
-        elif cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
-            collate = partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
-        else:
-            collate = partial(
-                padded_collate_sft,
-                padding_idx=self.tokenizer.pad_id,
-                ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
-            )
+        collate = self._collate(dataset)
         self.collate = collate  # validation batches: the rows as they are, never packed
         dataset, self.sampler = batching.arrange(
             dataset,
@@ -421,6 +406,24 @@ class FineTuneRecipe:
             sampler=self.sampler,
             collate_fn=collate,
             generator=torch.Generator().manual_seed(cfg.seed),
+        )
+
+    def _collate(self, dataset):
+        """How the method's rows make a batch (GRPO: first, every row has what its rewards read)."""
+        if self.method.data is methods.PREFERENCE:
+            return partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
+        if self.method.data is methods.UNPAIRED:
+            return partial(kto.collate, padding_idx=self.tokenizer.pad_id)
+        if self.method.data is methods.PROMPTS:
+            if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
+                raise BadInputError(problem)
+            return grpo.collate
+        if self.cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
+            return partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
+        return partial(
+            padded_collate_sft,
+            padding_idx=self.tokenizer.pad_id,
+            ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
         )
 
     def _find_checkpoint(self) -> Path | None:
