@@ -208,9 +208,8 @@ class FineTuneRecipe:
             self.objective.reference.requires_grad_(False)
             self.objective.reference.eval()
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
-        # The loss fused with the output projection (trainers/objectives/vocab_loss.py) wherever the
-        # model allows it; the methods with a loss of their own read log-probabilities from the
-        # logits.
+        # The loss fused with the output projection (objectives/vocab_loss.py) wherever the model
+        # allows it; the methods with a loss of their own read log-probabilities from the logits.
         self.fused_loss = self.objective is None and vocab_loss.supports(self.model)
         if self.compiled and not self.fused_loss:
             self.loss_fn = training.compile_loss(self.loss_fn, verbose=self.topo.is_main)
@@ -688,8 +687,7 @@ class FineTuneRecipe:
         # may start part-way through a step.
         for batch in micro_batches:
             loss, n_tokens = self._loss_and_tokens(batch)
-            # Qwen3-MoE: + its routers' load-balancing loss (trainers/models/moe.py; 0 for other
-            # models).
+            # Qwen3-MoE: + its routers' load-balancing loss (models/moe.py; 0 for other models).
             loss = loss + moe.router_aux_loss(self.model, batch.get("labels"), n_tokens)
             loss.backward()
             loss_sum += loss.detach().double()
