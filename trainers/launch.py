@@ -28,6 +28,10 @@ from omegaconf import OmegaConf
 from tunepack.core import durable, lifetime, program, workspace
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.runtimes import catalog, custom
+from tunepack.trainers.process import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
+
+# isort: split
+# (config imports torch: the import above must stay first whatever the modules' names.)
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import (
     build_config,
@@ -35,7 +39,6 @@ from tunepack.trainers.config import (
     result_digest,
     result_identity,
 )
-from tunepack.trainers.process import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 
 PROGRAM = "trainer"
 WORKER_MODULE = "tunepack.trainers.worker"
