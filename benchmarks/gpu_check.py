@@ -27,7 +27,8 @@ process:
   torchtune's plain cross-entropy over the whole logits;
 - ``torchtune-stock-compiled``: the same with the recipe's own ``compile: True``;
 - LoRA also ``tunepack-compiled`` (``compile=true``) and ``tunepack-plain-loss`` (the fused loss
-  switched off: the whole logits and a plain cross-entropy, as before ``trainers/vocab_loss.py``).
+  switched off: the whole logits and a plain cross-entropy, as before
+  ``trainers/objectives/vocab_loss.py``).
 
 Each run's step (``step_plan``: the trainer's record in result.json; the stock config's) is in
 the report and the table, and its memory plan is computed with exactly that step. On a GPU a run
@@ -42,10 +43,11 @@ memory (GPU: the trainer's peak allocated memory, which is what the planner esti
 process's peak resident set) against the memory planner's estimate of the same job (the ratio),
 and the last loss. Derived from them:
 
-- ``compile``: what ``compile=auto`` assumes (``trainers/compiling.py``: ``GPU.compile_s`` = 90 s
-  and ``GPU.saving`` = 10%, on CPU ``CPU``), measured: the compile time is the compiled run's
-  warm-up steps minus its steady step time, less the same for the eager run; the saving is
-  1 - compiled / eager steady step time. The report names the constant each figure would replace.
+- ``compile``: what ``compile=auto`` assumes (``trainers/process/compiling.py``:
+  ``GPU.compile_s`` = 90 s and ``GPU.saving`` = 10%, on CPU ``CPU``), measured: the compile time
+  is the compiled run's warm-up steps minus its steady step time, less the same for the eager
+  run; the saving is 1 - compiled / eager steady step time. The report names the constant each
+  figure would replace.
 - ``fused_loss``: the fused loss against the plain cross-entropy: peak memory and step time.
 - ``fsdp2``: a LoRA run through torchrun with FSDP2 (NCCL on a GPU, gloo on CPU) that
   checkpoints, is stopped by SIGTERM (the trainer's own stop: checkpoint, exit 75), resumes from
@@ -584,7 +586,7 @@ def method_workloads(
     """The runs of one size and method, in ``systems``' order (tunepack's first: the stock
     configs derive from its); all of them skipped, with ``skip`` as the reason, when given."""
     from tunepack.runtimes.planner import CUDA_RESERVE_GIB, Step
-    from tunepack.trainers import compiling
+    from tunepack.trainers.process import compiling
 
     entries = []
     base = {"size": size.name, "method": method, "model": size.title}
@@ -650,15 +652,15 @@ def method_workloads(
 
 def compile_figures(ctx: Context, eager: dict, compiled: dict, warmup: int) -> dict:
     """``compile=auto``'s two constants, measured from the two runs' per-step clocks."""
-    from tunepack.trainers import compiling
+    from tunepack.trainers.process import compiling
 
     cost = compiling.GPU if ctx.device == "cuda" else compiling.CPU
     name = "GPU" if ctx.device == "cuda" else "CPU"
     out = {
         "constants": {"compile_s": cost.compile_s, "saving": cost.saving},
         "replaces": {
-            "compile_s": f"trainers/compiling.py {name}.compile_s = {cost.compile_s}",
-            "saving": f"trainers/compiling.py {name}.saving = {cost.saving}",
+            "compile_s": f"trainers/process/compiling.py {name}.compile_s = {cost.compile_s}",
+            "saving": f"trainers/process/compiling.py {name}.saving = {cost.saving}",
         },
     }
     if "skipped" in eager or "skipped" in compiled:
@@ -857,7 +859,7 @@ def fsdp_worker(argv: list[str]) -> int:
     from tunepack.core import lifetime
 
     lifetime.die_with_shimmed_parent()
-    from tunepack.trainers import distributed, noise
+    from tunepack.trainers.process import distributed, noise
 
     noise.quiet()
     from tunepack.trainers import recipe, worker
@@ -891,7 +893,7 @@ def fsdp_worker(argv: list[str]) -> int:
 def plain_loss_child(argv: list[str]) -> None:
     """sbs_probe's process entry, with the trainer's fused loss switched off (plain logits and
     cross-entropy over every position, the path a LoRA-trained output projection takes)."""
-    from tunepack.trainers import vocab_loss
+    from tunepack.trainers.objectives import vocab_loss
 
     vocab_loss.supports = lambda model: False
     import sbs_probe
@@ -1107,7 +1109,7 @@ def _prepared(runs: list[Task]) -> list[Task]:
 
 def estimated_s(tasks: list[Task]) -> tuple[float, list[str]]:
     """How long ``tasks`` took on one H100 (H100_S), and what of them was never timed there."""
-    from tunepack.trainers import compiling
+    from tunepack.trainers.process import compiling
 
     parts: dict[str, float | None] = {}
     for task in tasks:

@@ -1,4 +1,5 @@
-"""The fused loss (trainers/vocab_loss.py) against the plain one, forward and backward, one process.
+"""The fused loss (trainers/objectives/vocab_loss.py) against the plain one, forward and backward,
+one process.
 
     python benchmarks/loss_bench.py                 # CPU, fp32, a scaled-down Llama 3 head
     python benchmarks/loss_bench.py --device cuda   # a GPU, bf16, Llama 3.2 1B's head
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tunepack.runtimes.planner import LOSS_CHUNK_ELEMENTS, LOSS_EFFICIENT_ROWS
-from tunepack.trainers import vocab_loss
+from tunepack.trainers.objectives import vocab_loss
 
 
 def _sync(device: torch.device) -> None:

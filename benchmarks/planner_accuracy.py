@@ -5,9 +5,9 @@
 
 For each config it builds the catalog model with its torchtune builder (random weights, bf16),
 trains it as tunepack's trainer does (activation checkpointing per layer, the fused loss of
-``tunepack.trainers.vocab_loss``, AdamW) for two steps on random tokens, the second one with the
-optimizer's states as every later step has them, and reads ``torch.cuda.max_memory_allocated``.
-Target: the estimate within 10% of the measurement.
+``tunepack.trainers.objectives.vocab_loss``, AdamW) for two steps on random tokens, the second one
+with the optimizer's states as every later step has them, and reads
+``torch.cuda.max_memory_allocated``. Target: the estimate within 10% of the measurement.
 ``--dry`` runs the same code path on CPU with the tiny model (what CI can do); it cannot measure
 GPU memory and says so (``measured_bytes: null``).
 """
@@ -28,8 +28,8 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.planner import LOSS_CHUNK_ELEMENTS, estimate
-from tunepack.trainers import vocab_loss
 from tunepack.trainers.config import model_component
+from tunepack.trainers.objectives import vocab_loss
 
 GPU_CONFIGS = [  # model, method, seq_len, batch size
     ("llama3.2-1b", "lora", 2048, 4),

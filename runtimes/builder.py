@@ -61,9 +61,9 @@ INITIALIZER_SECRET_ENV = (
     (HUB_TOKEN_ENV, HUB_TOKEN_SECRET, "token"),
     *((name, S3_CREDENTIALS_SECRET, name) for name in S3_CREDENTIAL_ENV),
 )
-# The experiment tracker's credentials (trainers/tracking.py reads them from the environment),
-# by reference to one optional Secret with a key per variable; a run without a tracker, or
-# with a tracker that needs none, works without it.
+# The experiment tracker's credentials (trainers/outputs/tracking.py reads them from the
+# environment), by reference to one optional Secret with a key per variable; a run without a
+# tracker, or with a tracker that needs none, works without it.
 TRACKER_SECRET_ENV = tuple(
     (name, TRACKER_SECRET, name)
     for name in (

@@ -28,8 +28,8 @@ def expert_dropout_message(given: str) -> str:
     return f"{given}: {_EXPERTS_WHY}, and takes no dropout; set lora_dropout=0 or lora_mlp=false"
 
 
-# PEFT's adapters on expert weights (and so tunepack's, to load there: trainers/moe.py) add their
-# update to the weights: no dropout on the input, no DoRA form.
+# PEFT's adapters on expert weights (and so tunepack's, to load there: trainers/models/moe.py) add
+# their update to the weights: no dropout on the input, no DoRA form.
 _EXPERTS_WHY = (
     "LoRA on the experts (lora_mlp=true) adds its update to the expert weights, as PEFT's"
 )
@@ -196,7 +196,7 @@ class Family:
     # Default of ModelEntry.lora_output for the family's sizes.
     lora_output: bool = True
     # (attention, final logit) tanh soft-capping of the HF model, for Gemma 2: torchtune's Gemma 2
-    # caps elsewhere, so the trainer corrects the model it builds (trainers/builders.py).
+    # caps elsewhere, so the trainer corrects the model it builds (trainers/models/builders.py).
     softcapping: tuple[float, float] | None = None
     # Why the trainer refuses packed=true for this family, if it does.
     no_packing: str | None = None
@@ -440,7 +440,7 @@ FAMILIES: dict[str, Family] = {
                 shape_keywords=("head_dim",), lora_output=False),
         # Gemma 2 adds tanh soft-capping of attention scores and logits, sliding-window attention
         # on every other layer and post-attention/post-MLP norms. torchtune 0.6.1 gets the norms'
-        # order and the capping wrong; the trainer corrects its model (trainers/builders.py).
+        # order and the capping wrong; the trainer corrects its model (trainers/models/builders.py).
         _family("gemma2", "Gemma 2", "gemma2", "Gemma2ForCausalLM",
                 tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA2",
                 builders="torchtune.models.gemma2.gemma2",
@@ -463,7 +463,7 @@ FAMILIES: dict[str, Family] = {
                                               "special_tokens_path": "tokenizer.json"}),
                 model_type="PHI4", builders="torchtune.models.phi3.phi3",
                 # microsoft/phi-4's rope_theta; torchtune's phi4_14b builds 10000 (the trainer
-                # rebuilds RoPE, trainers/builders.py).
+                # rebuilds RoPE, trainers/models/builders.py).
                 options={"rope_base": 250_000.0, "norm_eps": 1e-5}),
         _family("qwen2", "Qwen 2", "qwen2", "Qwen2ForCausalLM",
                 tokenizer=_tokenizer("qwen2", _QWEN_BPE), model_type="QWEN2",
@@ -477,45 +477,47 @@ FAMILIES: dict[str, Family] = {
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
                 shape_keywords=("tie_word_embeddings",)),
         # Qwen 3 (dense): not in torchtune 0.6.1, so built by tunepack on its components
-        # (trainers/qwen3.py): Qwen 2 without q/k/v biases, with an explicit head_dim and an
+        # (trainers/models/qwen3.py): Qwen 2 without q/k/v biases, with an explicit head_dim and an
         # RMSNorm over each head's query and key. Qwen 2.5's BPE vocabulary and ChatML format.
         _family("qwen3", "Qwen 3", "qwen3", "Qwen3ForCausalLM",
                 tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
-                builders="tunepack.trainers.qwen3.qwen3",
+                builders="tunepack.trainers.models.qwen3.qwen3",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
                 shape_keywords=("head_dim", "tie_word_embeddings"),
-                checkpointer="tunepack.trainers.qwen3.Qwen3HFCheckpointer"),
+                checkpointer="tunepack.trainers.models.qwen3.Qwen3HFCheckpointer"),
         # Gemma 3 (text): not in torchtune 0.6.1, so built by tunepack on its components
-        # (trainers/gemma3.py): Gemma 2's four norms per layer without its soft-capping, q/k
+        # (trainers/models/gemma3.py): Gemma 2's four norms per layer without its soft-capping, q/k
         # RMSNorm per head, five sliding-window layers to one global layer, separate RoPE bases
         # for the two kinds. Gemma's SentencePiece vocabulary and turn markers.
         _family("gemma3", "Gemma 3", "gemma3_text", "Gemma3ForCausalLM",
                 tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA3",
-                builders="tunepack.trainers.gemma3.gemma3",
+                builders="tunepack.trainers.models.gemma3.gemma3",
                 options=GEMMA3_OPTIONS, shape_keywords=("head_dim", "sliding_window_size"),
-                lora_output=False, checkpointer="tunepack.trainers.gemma3.Gemma3HFCheckpointer"),
+                lora_output=False,
+                checkpointer="tunepack.trainers.models.gemma3.Gemma3HFCheckpointer"),
         # Qwen3-MoE: Qwen 3's attention with a mixture-of-experts MLP (router, top-k SwiGLU
-        # experts), built by tunepack (trainers/qwen3_moe.py, trainers/moe.py). The options are
-        # config.json's norm_topk_prob and router_aux_loss_coef (the load-balancing loss's
-        # weight, added to the training loss when above 0).
+        # experts), built by tunepack (trainers/models/qwen3_moe.py, trainers/models/moe.py). The
+        # options are config.json's norm_topk_prob and router_aux_loss_coef (the load-balancing
+        # loss's weight, added to the training loss when above 0).
         _family("qwen3_moe", "Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM",
                 tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
-                builders="tunepack.trainers.qwen3_moe.qwen3_moe",
+                builders="tunepack.trainers.models.qwen3_moe.qwen3_moe",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6, "norm_topk_prob": True,
                          "router_aux_loss_coef": 0.001},
                 shape_keywords=("head_dim", "tie_word_embeddings", "num_experts",
                                 "experts_per_token", "moe_intermediate_dim", "dense_layers"),
-                checkpointer="tunepack.trainers.qwen3_moe.Qwen3MoeHFCheckpointer"),
+                checkpointer="tunepack.trainers.models.qwen3_moe.Qwen3MoeHFCheckpointer"),
         # Llama 3.2 Vision (transformers' Mllama): a Llama 3.1-style text model with gated
-        # cross-attention layers reading a two-stage CLIP-style vision tower (trainers/mllama.py,
-        # built by tunepack on torchtune's components). Its builders take their shape from the
-        # checkpoint's config.json (mllama_builder_kwargs), not from the catalog's Shape, which
-        # describes the text model only. Llama 3's tiktoken vocabulary with <|image|> after it.
+        # cross-attention layers reading a two-stage CLIP-style vision tower
+        # (trainers/models/mllama.py, built by tunepack on torchtune's components). Its builders
+        # take their shape from the checkpoint's config.json (mllama_builder_kwargs), not from the
+        # catalog's Shape, which describes the text model only. Llama 3's tiktoken vocabulary with
+        # <|image|> after it.
         _family("mllama", "Llama 3.2 Vision", "mllama", "MllamaForConditionalGeneration",
                 tokenizer=_LLAMA3_TOKENIZER, model_type="MLLAMA",
-                builders="tunepack.trainers.mllama.mllama",
+                builders="tunepack.trainers.models.mllama.mllama",
                 options=_LLAMA3_OPTIONS | {"scale_factor": 8},
-                checkpointer="tunepack.trainers.mllama.MllamaHFCheckpointer",
+                checkpointer="tunepack.trainers.models.mllama.MllamaHFCheckpointer",
                 no_packing="Llama 3.2 Vision's rows carry images, which packing cannot join",
                 reads_images=True,
                 # Supervised fine-tuning on image-text (and text) chats: the text model's LoRA,
@@ -620,7 +622,7 @@ _QWEN_SMALL_VOCAB, _QWEN_LARGE_VOCAB = 151_936, 152_064
 # Qwen 3 dense sizes, from the config.json of each Qwen/Qwen3-<size> repository on the Hugging
 # Face Hub: every size has head_dim 128, vocab_size 151936, rope_theta 1e6, rms_norm_eps 1e-6 and
 # max_position_embeddings 40960 (we plan for the 32768 native context); tie_word_embeddings is
-# true up to 4B. trainers/qwen3.py builds them. name: (layers, heads, kv heads, hidden,
+# true up to 4B. trainers/models/qwen3.py builds them. name: (layers, heads, kv heads, hidden,
 # intermediate, tied)
 QWEN3_SIZES = {
     "0_6b": (28, 16, 8, 1024, 3072, True),
@@ -642,7 +644,8 @@ def _qwen3(size: str) -> Shape:
 def _qwen3_entry(size: str, label: str, checkpoint: tuple[str, ...]) -> ModelEntry:
     # Qwen 3 repositories are hybrid thinking/instruct models; there is no separate -Instruct.
     return _entry("qwen3", f"qwen3-{label.lower()}", f"Qwen/Qwen3-{label}", f"Qwen 3 {label}",
-                  _qwen3(size), f"qwen3_{size}", checkpoint, module="tunepack.trainers.qwen3",
+                  _qwen3(size), f"qwen3_{size}", checkpoint,
+                  module="tunepack.trainers.models.qwen3",
                   lora_output=not QWEN3_SIZES[size][-1])  # fmt: skip
 
 
@@ -669,7 +672,7 @@ class Gemma3Size:
 # defaults (vocab_size 262208, 8 heads, 4 KV heads, head_dim 256, query_pre_attn_scalar 256,
 # max_position_embeddings 131072) and sets sliding_window 1024 and rope_scaling linear, factor 8.
 # Every size: rope_theta 1e6, rope_local_base_freq 1e4, sliding_window_pattern 6, rms_norm_eps
-# 1e-6, tied embeddings, no soft-capping. trainers/gemma3.py builds them.
+# 1e-6, tied embeddings, no soft-capping. trainers/models/gemma3.py builds them.
 GEMMA3_SIZES = {
     "1b": Gemma3Size(26, 4, 1, 1152, 6912, 256, 256, 512, 262_144, 32_768, 1.0),
     "4b": Gemma3Size(34, 8, 4, 2560, 10_240, 256, 256, 1024, 262_208, 131_072, 8.0),
@@ -690,7 +693,7 @@ def _gemma3_entry(size: str, checkpoint: tuple[str, ...]) -> ModelEntry:
     kind = "" if size == "1b" else "; text weights of the image-text checkpoint"
     return _entry("gemma3", f"gemma3-{size}", f"google/gemma-3-{size}-it",
                   f"Gemma 3 {label} Instruct{kind}", gemma3_shape(size), f"gemma3_{size}",
-                  checkpoint, module="tunepack.trainers.gemma3")  # fmt: skip
+                  checkpoint, module="tunepack.trainers.models.gemma3")  # fmt: skip
 
 
 # Llama 3.2 Vision sizes (meta-llama/Llama-3.2-{11B,90B}-Vision-Instruct), as remembered (this
@@ -715,7 +718,7 @@ def _mllama_entry(size: str, shape: Shape) -> ModelEntry:
     return _entry("mllama", f"llama3.2-vision-{size}",
                   f"meta-llama/Llama-3.2-{label}-Vision-Instruct",
                   f"Llama 3.2 {label} Vision Instruct (images and text)", shape, "mllama",
-                  _INDEXED, module="tunepack.trainers.mllama")  # fmt: skip
+                  _INDEXED, module="tunepack.trainers.models.mllama")  # fmt: skip
 
 
 # Qwen3-MoE sizes, from the config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the
@@ -724,7 +727,7 @@ def _mllama_entry(size: str, shape: Shape) -> ModelEntry:
 # 235B/22B): both have head_dim 128, vocab_size 151936, 128 experts of which 8 per token with
 # norm_topk_prob true, decoder_sparse_step 1 and no mlp_only_layers (every layer sparse),
 # router_aux_loss_coef 0.001, rope_theta 1e6, rms_norm_eps 1e-6, untied embeddings and
-# max_position_embeddings 40960 (we plan for the 32768 native context). trainers/qwen3_moe.py
+# max_position_embeddings 40960 (we plan for the 32768 native context). trainers/models/qwen3_moe.py
 # builds them. name: (layers, heads, kv heads, hidden, dense intermediate_size, experts,
 # experts per token, moe_intermediate_size, router_aux_loss_coef)
 QWEN3_MOE_SIZES = {
@@ -743,8 +746,10 @@ def qwen3_moe_shape(size: str) -> Shape:
 def _qwen3_moe_entry(size: str, label: str) -> ModelEntry:
     entry = _entry("qwen3_moe", f"qwen3-{label.lower()}", f"Qwen/Qwen3-{label}",
                    f"Qwen3-MoE {label} (mixture of experts)", qwen3_moe_shape(size),
-                   f"qwen3_moe_{size}", _INDEXED, module="tunepack.trainers.qwen3_moe")  # fmt: skip
-    # LoRA adapts attention by default; lora_mlp=true adds the experts (trainers/qwen3_moe.py).
+                   f"qwen3_moe_{size}", _INDEXED,
+                   module="tunepack.trainers.models.qwen3_moe")  # fmt: skip
+    # LoRA adapts attention by default; lora_mlp=true adds the experts
+    # (trainers/models/qwen3_moe.py).
     entry.defaults["lora_mlp"] = False
     if entry.resources.nodes > 1:
         # 235B-A22B: LoRA's frozen bf16 base (438 GiB) fits one node of eight 80 GB GPUs (the
@@ -878,7 +883,7 @@ _TINY_DEFAULTS = {"max_seq_len": 256, "batch_size": 8, "lora_rank": 8, "lora_alp
 
 def _moe_defaults(shape: Shape) -> dict[str, object]:
     """LoRA on the MLPs is off by default where every MLP is a mixture of experts: on, it adapts
-    every expert (trainers/qwen3_moe.py), most of the trainable parameters."""
+    every expert (trainers/models/qwen3_moe.py), most of the trainable parameters."""
     return {"lora_mlp": False} if shape.num_experts and not shape.dense_layers else {}
 
 

@@ -108,9 +108,10 @@ ARCHITECTURES: dict[str, Architecture] = {
 }  # fmt: skip
 
 
-# The special tokens each custom runtime's default chat format writes (trainers/prompt_format.py;
-# a test keeps the two equal): "<bos>"/"<eos>" stand for the tokenizer's BOS/EOS, the others are
-# looked up by their text. The model initializer checks them, which cannot import the trainer.
+# The special tokens each custom runtime's default chat format writes
+# (trainers/data/prompt_format.py; a test keeps the two equal): "<bos>"/"<eos>" stand for the
+# tokenizer's BOS/EOS, the others are looked up by their text. The model initializer checks them,
+# which cannot import the trainer.
 FORMAT_TOKENS: dict[str, tuple[str, ...]] = {
     "llama3.2": ("<bos>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
     "mistral": ("<bos>", "<eos>"),
@@ -350,7 +351,7 @@ _GEMMA3_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def read_gemma3(where: str, config: dict, dims: dict, kv_heads: int, head_dim: int) -> Built:
-    """Gemma 3's own fields as trainers/gemma3.py builds them: the two RoPE tables (either
+    """Gemma 3's own fields as trainers/models/gemma3.py builds them: the two RoPE tables (either
     layout: transformers 5's ``rope_parameters`` by layer type, or ``rope_theta``,
     ``rope_local_base_freq`` and ``rope_scaling``), which layers are global (``layer_types``, or
     ``sliding_window_pattern``), the window and the query scale; soft-capping is refused."""

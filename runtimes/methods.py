@@ -18,7 +18,7 @@ class Loss(Enum):
     CROSS_ENTROPY = "cross_entropy"  # next-token cross-entropy on the trained tokens
     DPO = "dpo"  # the preference loss against the model with its adapters switched off
     # The clipped policy objective on sampled completions scored by rewards, with a KL penalty
-    # against the model with its adapters switched off (trainers/grpo.py).
+    # against the model with its adapters switched off (trainers/objectives/grpo.py).
     GRPO = "grpo"
     ORPO = "orpo"  # the chosen answer's likelihood plus an odds-ratio term, no reference
     KTO = "kto"  # unpaired answers against a reference point, the model without its adapters

@@ -1,4 +1,4 @@
-"""Llama 3.2 Vision's config.json read into the builder's arguments (``trainers/mllama.py``),
+"""Llama 3.2 Vision's config.json read into the builder's arguments (``trainers/models/mllama.py``),
 without torch: the model initializer refuses, before any weight moves, a checkpoint the build
 cannot reproduce, in one line naming the field and its value, as the trainer would.
 """

@@ -24,19 +24,19 @@ Every runtime trains the checkpoint's own model: `tests/integration/test_familie
 each family's logits with transformers' on a tiny random checkpoint, and the exported PEFT
 adapter with the trained model. Qwen 3 is not in torchtune 0.6.1: tunepack builds it on
 torchtune's components
-(`trainers/qwen3.py`: q/k RMSNorm per head before RoPE, as Hugging Face's Qwen 3) and converts
-its checkpoints with a checkpointer that knows the q/k norms. Gemma 3 is not in torchtune 0.6.1
-either (`trainers/gemma3.py`: five sliding-window layers to one global one, each kind with its
-own RoPE base, q/k norms before RoPE). Gemma 3 4B, 12B and 27B are published as image-text
-checkpoints (`Gemma3ForConditionalGeneration`): tunepack trains their text weights (the vision
-tower is not read) and saves a text-only `Gemma3ForCausalLM` (`model/`, `merged/`); their LoRA
-adapter is for that text model. Qwen3-MoE is not in torchtune 0.6.1 either
-(`trainers/qwen3_moe.py`, `trainers/moe.py`: Qwen 3's attention, a router sending each token to
-its top experts, transformers' load-balancing loss added to the training loss): its parameter
-count is the total, every expert held; `tunepack plan` also shows the parameters a token uses.
-Its LoRA adapts attention by default; `lora_mlp=true` adds a LoRA pair per expert (and the dense
-MLP layers, where a checkpoint has them), which loads in PEFT as `target_parameters` on
-transformers' fused expert weights (no dropout or DoRA there, as in PEFT; the router stays frozen).
+(`trainers/models/qwen3.py`: q/k RMSNorm per head before RoPE, as Hugging Face's Qwen 3) and
+converts its checkpoints with a checkpointer that knows the q/k norms. Gemma 3 is not in torchtune
+0.6.1 either (`trainers/models/gemma3.py`: five sliding-window layers to one global one, each kind
+with its own RoPE base, q/k norms before RoPE). Gemma 3 4B, 12B and 27B are published as image-text
+checkpoints (`Gemma3ForConditionalGeneration`): tunepack trains their text weights (the vision tower
+is not read) and saves a text-only `Gemma3ForCausalLM` (`model/`, `merged/`); their LoRA adapter is
+for that text model. Qwen3-MoE is not in torchtune 0.6.1 either (`trainers/models/qwen3_moe.py`,
+`trainers/models/moe.py`: Qwen 3's attention, a router sending each token to its top experts,
+transformers' load-balancing loss added to the training loss): its parameter count is the total,
+every expert held; `tunepack plan` also shows the parameters a token uses. Its LoRA adapts attention
+by default; `lora_mlp=true` adds a LoRA pair per expert (and the dense MLP layers, where a
+checkpoint has them), which loads in PEFT as `target_parameters` on transformers' fused expert
+weights (no dropout or DoRA there, as in PEFT; the router stays frozen).
 
 "Chat template" is the format a runtime trains chat and instruction data in by default: the
 published chat template of the checkpoint's `tokenizer_config.json`, token for token

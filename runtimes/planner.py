@@ -148,8 +148,9 @@ NF4_DEQUANT_INDEX_BYTES = 8
 # The whole logits in the backward of log_softmax(logits.float()) (DPO): the fp32 log-probabilities
 # it saved, the fp32 gradient of the loss w.r.t. them and the fp32 gradient it returns.
 WHOLE_LOGIT_BYTES = 3 * FP32
-# tunepack.trainers.vocab_loss.CHUNK_ELEMENTS: the logits the fused loss computes at once on a CPU
-# (a test checks the two agree; the planner does not import the trainer, which needs torch).
+# tunepack.trainers.objectives.vocab_loss.CHUNK_ELEMENTS: the logits the fused loss computes at once
+# on a CPU (a test checks the two agree; the planner does not import the trainer, which needs
+# torch).
 LOSS_CHUNK_ELEMENTS = 8 * 2**20
 # On a GPU the fused loss takes as many rows at once as memory allows, but no fewer than this
 # where it must chunk: a (rows x width) @ (width x vocabulary) matmul of 4096 rows keeps a GPU's
@@ -338,7 +339,7 @@ def _adapted_count(shape: Shape, attn_modules, mlp: bool, size) -> int:
 def lora_parameters(shape: Shape, rank: int, attn_modules=LORA_TARGETS_ALL, mlp=True) -> int:
     """Trainable LoRA parameters: ``rank * (in + out)`` for every adapted projection, and with
     ``mlp`` in a mixture of experts a pair per expert on its fused gate/up (hidden -> 2 x width)
-    and its down projection (trainers/moe.py's LoRAExperts)."""
+    and its down projection (trainers/models/moe.py's LoRAExperts)."""
     count = _adapted_count(shape, attn_modules, mlp, lambda i, o: rank * (i + o))
     if mlp and shape.sparse_layers:
         d, width = shape.embed_dim, shape.moe_intermediate_dim
@@ -611,7 +612,7 @@ SAMPLING_BYTES_PER_LOGIT = 4 * FP32 + 8
 
 def _generation(shape: Shape, width: int, answers: int, seq_len: int) -> float:
     """The KV cache of ``answers`` sequences of ``seq_len`` tokens and one position's sampling
-    buffers per answer, in bytes (trainers/grpo.py: ``generate``)."""
+    buffers per answer, in bytes (trainers/objectives/grpo.py: ``generate``)."""
     cache = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * seq_len * width
     return answers * (cache + shape.vocab_size * SAMPLING_BYTES_PER_LOGIT)
 
@@ -672,7 +673,7 @@ def _logits(shape, how, width, tokens, chunk_rows: int | None) -> float:
         return tokens * ((FP32 + width) * d + vocab * WHOLE_LOGIT_BYTES)
     # The last hidden states, the final norm's fp32 input and output, the counted rows' copy
     # and the gradient w.r.t. them; one chunk of logits in fp32 while its copy in the dtype is
-    # made or read (trainers/vocab_loss.py: the softmax is computed in place).
+    # made or read (trainers/objectives/vocab_loss.py: the softmax is computed in place).
     chunks = math.ceil(tokens / chunk_rows)
     logits = tokens * (FP32 + 4 * width) * d + min(chunk_rows, tokens) * vocab * (FP32 + width)
     if not how.adapters:

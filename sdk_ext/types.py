@@ -164,8 +164,8 @@ class Result:
     final_loss: float | None = None
     local: bool = True
     export: str | None = None  # where the exporter uploaded the result (FineTune(export=...))
-    # The chat format it was trained in (result.json; trainers/prompt_format.py) and its default
-    # system prompt: prompt_ids() and generate() use them.
+    # The chat format it was trained in (result.json; trainers/data/prompt_format.py) and its
+    # default system prompt: prompt_ids() and generate() use them.
     chat_template: str | None = None
     system_prompt: str | None = None
     # The validation loss of the last evaluation and the best one (result.json; runs with
@@ -212,7 +212,7 @@ class Result:
                 base = model_class.from_pretrained(self.base_model)
                 model = PeftModel.from_pretrained(base, self.path)
             if self._takes_images():
-                from tunepack.trainers.mllama import run_as_trained
+                from tunepack.trainers.models.mllama import run_as_trained
 
                 run_as_trained(model)  # the vision features it trained with
         model.eval()
@@ -297,7 +297,7 @@ class Result:
             sample = {"instruction": prompt, "input": input, "output": ""}
             messages = AlpacaToMessages(train_on_input=True)(sample)["messages"]
         else:  # chat: one user turn (the image first, if any), then the assistant's
-            from tunepack.trainers.prompt_format import IMAGE_TOKEN
+            from tunepack.trainers.data.prompt_format import IMAGE_TOKEN
 
             content = IMAGE_TOKEN + prompt if image else prompt
             messages = [Message(role="user", content=content), Message("assistant", "")]
@@ -329,7 +329,7 @@ class Result:
             get_cross_attention_token_mask,
         )
 
-        from tunepack.trainers.vision_data import load_image
+        from tunepack.trainers.data.vision_data import load_image
 
         if not hasattr(image, "convert"):  # a path, not a PIL image
             path = Path(image).expanduser()
@@ -385,9 +385,9 @@ def _small(model) -> bool:
 def _quiet_hub():
     """Hide transformers' and the hub's progress bars, other packages' warnings and their log
     records below ERROR while a result is loaded or generates, as the trainer does
-    (``tunepack.trainers.noise``); ``TUNEPACK_VERBOSE=1`` shows them. The settings are put back
-    after: the notebook's own stay as they were."""
-    from tunepack.trainers import noise
+    (``tunepack.trainers.process.noise``); ``TUNEPACK_VERBOSE=1`` shows them. The settings are put
+    back after: the notebook's own stay as they were."""
+    from tunepack.trainers.process import noise
 
     if noise.verbose():
         yield
@@ -420,7 +420,7 @@ def _quiet_hub():
 
 def tracker_pointer(tracker: dict | None) -> str | None:
     """One line saying where the experiment tracker has the run (``result.json``'s ``tracker``,
-    as ``tunepack.trainers.tracking`` records it), or None when no tracker took the run."""
+    as ``tunepack.trainers.outputs.tracking`` records it), or None when no tracker took the run."""
     if not tracker:
         return None
     kind = tracker.get("kind")

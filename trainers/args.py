@@ -21,15 +21,15 @@ from tunepack.core.errors import (
 )
 from tunepack.runtimes import methods
 from tunepack.runtimes.catalog import ModelEntry, expert_lora_obstacle
-from tunepack.trainers import rewards
-from tunepack.trainers.prompt_format import check_chat_template, check_system_prompt
-from tunepack.trainers.rewards import Weighted
+from tunepack.trainers.data.prompt_format import check_chat_template, check_system_prompt
+from tunepack.trainers.objectives import rewards
+from tunepack.trainers.objectives.rewards import Weighted
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
-# Experiment trackers: a fixed allowlist, mapped in trainers/tracking.py to a logger class.
+# Experiment trackers: a fixed allowlist, mapped in trainers/outputs/tracking.py to a logger class.
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
 TRACKER_URI_SCHEMES = ("http", "https", "file")
 

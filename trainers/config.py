@@ -9,6 +9,7 @@ a run can be read and reproduced.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -26,8 +27,8 @@ from tunepack.core.errors import (
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.trainers import rewards
 from tunepack.trainers.args import TrainArgs, builder_for
+from tunepack.trainers.objectives import rewards
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {
@@ -35,12 +36,12 @@ DATASET_BUILDERS = {
     "chat": "torchtune.datasets.chat_dataset",
     "text": "torchtune.datasets.text_completion_dataset",
     "preference": "torchtune.datasets.preference_dataset",
-    "prompt": "tunepack.trainers.grpo.prompt_dataset",  # prompts to sample answers to
-    "unpaired": "tunepack.trainers.kto.unpaired_dataset",  # answers labelled good or bad
+    "prompt": "tunepack.trainers.objectives.grpo.prompt_dataset",  # prompts to sample answers to
+    "unpaired": "tunepack.trainers.objectives.kto.unpaired_dataset",  # answers labelled good or bad
 }
 # Image-text rows (the initializer's image_chat): only a model that takes images reads them.
 IMAGE_SCHEMAS = ("image_chat",)
-IMAGE_DATASET_BUILDER = "tunepack.trainers.vision_data.image_chat_dataset"
+IMAGE_DATASET_BUILDER = "tunepack.trainers.data.vision_data.image_chat_dataset"
 # Builder keywords per schema: the initializer writes chat rows as OpenAI-style "messages" and
 # text rows as "text"; text completion has no prompt to mask, so no train_on_input.
 DATASET_OPTIONS: dict[str, dict[str, object]] = {
@@ -58,8 +59,8 @@ DATASET_OPTIONS: dict[str, dict[str, object]] = {
 
 
 # The family's torchtune tokenizer (named by the catalog) laying conversations out in the chat
-# format of the model's published template (trainers/prompt_format.py).
-TOKENIZER_BUILDER = "tunepack.trainers.prompt_format.build_tokenizer"
+# format of the model's published template (trainers/data/prompt_format.py).
+TOKENIZER_BUILDER = "tunepack.trainers.data.prompt_format.build_tokenizer"
 
 
 def tokenizer_config(
@@ -68,7 +69,7 @@ def tokenizer_config(
     """The tokenizer of a catalog model, as a config node (``_component_`` chosen by tunepack,
     never by user input): the run's chat format (``chat_template``, ``system_prompt``; without
     ``args`` the model's own format); ``Result.generate`` formats prompts with the same one."""
-    from tunepack.trainers.prompt_format import check_chat_template
+    from tunepack.trainers.data.prompt_format import check_chat_template
 
     node = {
         "_component_": TOKENIZER_BUILDER,
@@ -157,12 +158,19 @@ IDENTITY_CHANGES = {
 }
 
 
+# tunepack.trainers' subpackages. Which of them holds a component the config names is not part of
+# a run's identity: the modules were all tunepack.trainers.<module> once, and the checkpoints and
+# results written then must still resume and count as done (tests/unit/test_run_identity.py).
+ROOMS = ("data", "models", "objectives", "outputs", "process")
+_IN_A_ROOM = re.compile(rf"^tunepack\.trainers\.(?:{'|'.join(ROOMS)})\.")
+
+
 def run_identity(cfg: DictConfig) -> dict[str, str]:
     """The training computation's identity in parts: base model, dataset, training config."""
     data = OmegaConf.to_container(cfg, resolve=True)
     for key in BOOKKEEPING_KEYS:
         data.pop(key, None)
-    data = _without_workspace_paths(data)
+    data = _without_rooms(_without_workspace_paths(data))
     base_model = data.pop("model_sha256", None)
     dataset = data.pop("dataset_sha256", None)
     return {
@@ -198,6 +206,18 @@ def _without_workspace_paths(data: dict) -> dict:
         return value
 
     return strip(data)
+
+
+def _without_rooms(value):
+    """Every ``tunepack.trainers.<room>.<module>...`` name in the config as
+    ``tunepack.trainers.<module>...``."""
+    if isinstance(value, dict):
+        return {k: _without_rooms(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_rooms(v) for v in value]
+    if isinstance(value, str):
+        return _IN_A_ROOM.sub("tunepack.trainers.", value)
+    return value
 
 
 def run_digest(cfg: DictConfig) -> str:
@@ -246,8 +266,8 @@ def _check_model_reads_data(entry: ModelEntry, schema: str) -> None:
 
 
 # Every model is built by this function around the catalog's torchtune builder: it corrects
-# the builders that would not reproduce their checkpoint (see trainers/builders.py).
-MODEL_BUILDER = "tunepack.trainers.builders.build"
+# the builders that would not reproduce their checkpoint (see trainers/models/builders.py).
+MODEL_BUILDER = "tunepack.trainers.models.builders.build"
 
 
 def read_model_config(model_dir: Path) -> dict:
@@ -309,7 +329,7 @@ def build_config(
     val_file = own_validation["file"] if own_validation else None
     data_files = [str(dataset_dir / name) for name in sorted(manifest["files"]) if name != val_file]
     if manifest["schema"] == "chat":  # conversations the chat format refuses: before any model
-        from tunepack.trainers.prompt_format import check_conversations
+        from tunepack.trainers.data.prompt_format import check_conversations
 
         for name in (*data_files, *([str(dataset_dir / val_file)] if val_file else [])):
             check_conversations(Path(name), args.chat_template, args.system_prompt or None)
@@ -416,7 +436,7 @@ def _run(entry: ModelEntry, args: TrainArgs, device: str, output_dir: Path) -> d
         "dtype": resolve_dtype(args.dtype, device),
         "compile": args.compile,
         "deterministic": args.deterministic,
-        # Which examples make each batch (trainers/batching.py): part of the run's identity.
+        # Which examples make each batch (trainers/data/batching.py): part of the run's identity.
         "batching": (
             "packed" if args.packed else "length_grouped" if args.group_by_length else "shuffled"
         ),
@@ -431,7 +451,7 @@ def _run(entry: ModelEntry, args: TrainArgs, device: str, output_dir: Path) -> d
 
 
 def _checkpointing(args: TrainArgs, directory: Path) -> dict:
-    """Where and how often resumable checkpoints are written (trainers/checkpoint.py)."""
+    """Where and how often resumable checkpoints are written (trainers/outputs/checkpoint.py)."""
     return {
         "dir": str(directory),
         "every_steps": args.checkpoint_every_steps,
@@ -481,7 +501,7 @@ def _dataset(
     """The training rows: the schema's torchtune builder over the initializer's files (image
     rows: tunepack's, with the checkpoint's image processing)."""
     if schema in IMAGE_SCHEMAS:
-        from tunepack.trainers.vision_data import image_settings
+        from tunepack.trainers.data.vision_data import image_settings
 
         settings = image_settings(model_dir, read_model_config(model_dir))
         return {

@@ -2,32 +2,11 @@
 
     python -m tunepack.trainers.launch method=lora lora_rank=16 epochs=3 ...
 
-It reads the catalog model from ``TUNEPACK_MODEL``, the workspace from ``TUNEPACK_WORKSPACE``
-(``/workspace`` in a Pod), validates the ``key=value`` arguments against tunepack's vocabulary,
-writes the torchtune config it derived to ``<output>/config.yaml`` and runs the recipe.
-
-The process layout comes from the variables the Kubeflow torch plugin injects into each node Pod:
-
-    PET_NNODES          number of nodes (Pods)
-    PET_NPROC_PER_NODE  processes per node: an integer, or ``auto`` = one per visible GPU, or
-                        1 on a CPU-only node (torchrun's own ``auto`` would start one process per
-                        CPU core there, each with its own copy of the model)
-    PET_NODE_RANK       this node's index (the Job completion index)
-    PET_MASTER_ADDR     node 0's address; PET_MASTER_PORT its port
-
-One process in all trains in this process. More start torchrun with every flag explicit and a
-static rendezvous (the Pods are gang-scheduled with fixed ranks; ``tune run`` would force
-``--standalone`` and two nodes would wait for each other forever). torchrun runs in its own
-session; SIGTERM, SIGINT and SIGHUP are forwarded to it (as SIGTERM), it stops its workers (which
-checkpoint first), and any worker still alive afterwards is killed, so nothing outlives the Pod's
-main process; if this process is killed outright (a group kill), the kernel kills torchrun and
-its workers at once (``tunepack.core.lifetime``). Node 0 holds the workspace lock for the run
-(``tunepack.core.workspace``).
-
-Exit codes (``tunepack.core.errors``): 0 done; 65 bad input or configuration (do not retry); 75
-transient: stopped by SIGTERM after a checkpoint, a network failure or a full disk (a restart
-resumes); any other code is an unexpected failure (see the log; the JobSet restarts it a bounded
-number of times).
+It parses the arguments, writes the run's config.yaml and trains: in this process when the run
+has one process in all, else under torchrun with every flag explicit and a static rendezvous
+(gang-scheduled Pods have fixed ranks; ``tune run`` would force ``--standalone``, and two nodes
+would wait for each other forever). The ``PET_*`` variables, signals and exit codes it honours:
+docs/trainer.md, "Processes and nodes", "Checkpoints and resume" and "Exit codes".
 """
 
 from __future__ import annotations
@@ -49,7 +28,10 @@ from omegaconf import OmegaConf
 from tunepack.core import durable, lifetime, program, workspace
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadValueError, DoesNotFitError
 from tunepack.runtimes import catalog, custom
-from tunepack.trainers import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
+from tunepack.trainers.process import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
+
+# isort: split
+# (config imports torch: the import above must stay first whatever the modules' names.)
 from tunepack.trainers.args import parse_args, resolve_args
 from tunepack.trainers.config import (
     build_config,
@@ -126,7 +108,7 @@ def torchrun_command(layout: Layout, config_path: Path, digest: str) -> list[str
     return [
         sys.executable,
         "-m",
-        "tunepack.trainers.torchrun",  # torch.distributed.run, quieter
+        "tunepack.trainers.process.torchrun",  # torch.distributed.run, quieter
         f"--nnodes={layout.nnodes}",
         f"--nproc-per-node={layout.nproc_per_node}",
         f"--node-rank={layout.node_rank}",

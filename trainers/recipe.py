@@ -1,18 +1,8 @@
-"""tunepack's fine-tuning recipe: full, LoRA, QLoRA or DoRA, on one process or many (FSDP2).
+"""tunepack's fine-tuning recipe: every method, on one process or many (FSDP2).
 
-``run`` is the whole of it: the launcher (``trainers/launch.py``) calls it in-process for one
-process, each torchrun worker (``trainers/worker.py``) for more; ``trainers/distributed.py``
-hides the difference.
-
-Read it top to bottom: ``setup`` builds the tokenizer, model, data, optimizer and schedule from
-the config (see ``trainers/config.py``) and resumes from the newest complete checkpoint;
-``train`` runs the loop: ``_step`` is one optimizer step (forward and backward over its
-micro-batches, one collective, the update), ``_after_step`` what follows it (one JSON line per
-logging step, evaluation, a checkpoint every N steps / T minutes, and a clean stop, checkpoint
-first, when the process is asked to); ``evaluate`` computes the validation loss;
-``save_checkpoint`` writes a resumable checkpoint (``trainers/checkpoint.py``) of the run's
-progress (``RunProgress``, ``trainers/progress.py``); ``save`` hands the weights and what the run
-did to ``trainers/artifacts.py``, which writes the result (adapter, models, ``result.json``).
+Read it top to bottom: ``setup``, ``train`` (``_step``, ``_after_step``), ``evaluate``,
+``save_checkpoint``, ``save``; docs/architecture.md, "Trainer", says what each does and which
+room it leans on.
 
 Why not torchtune's stock recipes (0.6.1): the distributed ones hard-code NCCL and CUDA memory
 calls, none checkpoints mid-epoch, the single-device one forgets the global step on resume, and
@@ -41,7 +31,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from torchtune import config, modules, training
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_packed, padded_collate_sft
 from torchtune.modules.peft import (
@@ -65,40 +55,24 @@ from tunepack.core.errors import (
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
 from tunepack.runtimes import methods, planner
 from tunepack.runtimes.methods import Loss
-from tunepack.trainers import (
-    adapter_init,
-    artifacts,
-    batching,
-    checkpoint,
-    compiling,
-    distributed,
-    dpo,
-    grpo,
-    kto,
-    mllama,
-    moe,
-    orpo,
-    vision_data,
-    vocab_loss,
-)
-from tunepack.trainers.batching import real_positions
 from tunepack.trainers.config import (
     DATASET_BUILDERS,
     IMAGE_DATASET_BUILDER,
-    identity_changes,
     run_digest,
     run_identity,
 )
-from tunepack.trainers.progress import RunProgress
-from tunepack.trainers.tracking import Tracker
-from tunepack.trainers.trainjob_status import StatusReporter
+from tunepack.trainers.data import batching, vision_data
+from tunepack.trainers.data.batching import real_positions
+from tunepack.trainers.models import adapter_init, mllama, moe
+from tunepack.trainers.objectives import dpo, grpo, kto, orpo, vocab_loss
+from tunepack.trainers.outputs import artifacts, checkpoint, metrics_file
+from tunepack.trainers.outputs.progress import RunProgress
+from tunepack.trainers.outputs.tracking import Tracker
+from tunepack.trainers.outputs.trainjob_status import StatusReporter
+from tunepack.trainers.process import compiling, distributed
 
 log = logging.getLogger("tunepack.trainer")
 TEXT_BUILDER = DATASET_BUILDERS["text"]  # torchtune keeps max_seq_len - 1 tokens of a text row
-
-# The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
-# seed= says, on every rank and every restart.
-VALIDATION_SEED = 0x5EED
 
 
 # A method's loss of its own, over the LoRA model (and, but for ORPO, its adapter-less
@@ -183,7 +157,7 @@ class FineTuneRecipe:
         self.step: planner.Step | None = None
         self.examples_per_batch = cfg.batch_size * self.topo.world_size  # every rank's, together
         self.progress = RunProgress()  # saved in checkpoints, restored on resume
-        self.tracker_record: dict | None = None  # result.json's "tracker" (trainers/tracking.py)
+        self.tracker_record: dict | None = None  # result.json's "tracker" (outputs/tracking.py)
         self.val_indices: list[int] = []
         # The fill of the last micro-batch: (real tokens, computed positions); padding and a
         # pack's unused tail are computed too.
@@ -234,7 +208,7 @@ class FineTuneRecipe:
             self.objective.reference.requires_grad_(False)
             self.objective.reference.eval()
         self.loss_fn = nn.CrossEntropyLoss(ignore_index=CROSS_ENTROPY_IGNORE_IDX, reduction="sum")
-        # The loss fused with the output projection (trainers/vocab_loss.py) wherever the model
+        # The loss fused with the output projection (objectives/vocab_loss.py) wherever the model
         # allows it; the methods with a loss of their own read log-probabilities from the logits.
         self.fused_loss = self.objective is None and vocab_loss.supports(self.model)
         if self.compiled and not self.fused_loss:
@@ -377,7 +351,7 @@ class FineTuneRecipe:
             base_missing=missing,
             base_unexpected=unexpected,
         )
-        # The same fresh adapters on one process or many (trainers/adapter_init.py).
+        # The same fresh adapters on one process or many (trainers/models/adapter_init.py).
         adapter_init.initialize(model, self.cfg.seed)
         # DoRA's magnitude starts as the norm of the base weight it scales: only now known.
         for module in model.modules():
@@ -397,7 +371,8 @@ class FineTuneRecipe:
             else:
                 full = batching.example_lengths(dataset, "example lengths")
         kept = self.tokenizer.max_seq_len - (1 if cfg.dataset._component_ == TEXT_BUILDER else 0)
-        if topo.is_main and (line := cut_rows_line(full, kept, self.tokenizer.max_seq_len)):
+        line = batching.cut_rows_line(full, kept, self.tokenizer.max_seq_len)
+        if topo.is_main and line:
             log.warning("%s", line)
         self.val_dataset = dataset
         validation = cfg.get("validation")
@@ -406,40 +381,22 @@ class FineTuneRecipe:
             self.val_dataset = config.instantiate(node, self.tokenizer, packed=False)
             self.val_indices = list(range(len(self.val_dataset)))
         elif validation:
-            dataset = self._hold_out(dataset, float(validation.fraction))
-        if self.method.data is methods.PREFERENCE:
-            collate = partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
-        elif self.method.data is methods.UNPAIRED:
-            collate = partial(kto.collate, padding_idx=self.tokenizer.pad_id)
-        elif self.method.data is methods.PROMPTS:
-            collate = grpo.collate
-            if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
-                raise BadDatasetError(problem)
-        elif cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
-            collate = partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
-        else:
-            collate = partial(
-                padded_collate_sft,
-                padding_idx=self.tokenizer.pad_id,
-                ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
-            )
+            dataset, self.val_indices = batching.hold_out(dataset, float(validation.fraction))
+        collate = self._collate(dataset)
         self.collate = collate  # validation batches: the rows as they are, never packed
-        order = dict(rank=topo.rank, world_size=topo.world_size, seed=cfg.seed)
-        match cfg.batching:
-            case "packed":
-                dataset = batching.best_fit_packs(
-                    dataset, self.tokenizer.max_seq_len, self.tokenizer.pad_id
-                )
-                collate = padded_collate_packed
-                self.sampler = batching.ShuffledSampler(len(dataset), **order)
-            case "length_grouped":
-                rows = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
-                lengths = [min(full[i], kept) for i in rows]  # as the dataset cuts them
-                self.sampler = batching.LengthGroupedSampler(
-                    lengths, batch_size=cfg.batch_size, **order
-                )
-            case _:
-                self.sampler = batching.ShuffledSampler(len(dataset), **order)
+        dataset, self.sampler = batching.arrange(
+            dataset,
+            cfg.batching,
+            lengths=[min(n, kept) for n in full],  # as the dataset cuts them
+            batch_size=cfg.batch_size,
+            max_seq_len=self.tokenizer.max_seq_len,
+            padding_idx=self.tokenizer.pad_id,
+            rank=topo.rank,
+            world_size=topo.world_size,
+            seed=cfg.seed,
+        )
+        if cfg.batching == "packed":
+            collate = padded_collate_packed
         # A generator of its own: a DataLoader otherwise draws a seed from the global RNG each
         # time it starts an epoch, so a resumed run would see different dropout masks.
         return DataLoader(
@@ -450,37 +407,40 @@ class FineTuneRecipe:
             generator=torch.Generator().manual_seed(cfg.seed),
         )
 
-    def _hold_out(self, dataset, fraction: float):
-        """The training rows, after setting ``fraction`` of them aside for validation.
-
-        The held-out rows are a fixed-seed random draw over the row count: the same on every
-        rank, every restart and whatever ``seed`` is, so validation losses compare across runs.
-        """
-        size = len(dataset)
-        n_val = max(1, round(size * fraction))
-        if size - n_val < 1:
-            raise ConflictError(
-                f"val_fraction={fraction} leaves no training rows of the dataset's {size}: "
-                "lower val_fraction or add data"
-            )
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(VALIDATION_SEED))
-        self.val_indices = sorted(order[:n_val].tolist())
-        return Subset(dataset, sorted(order[n_val:].tolist()))
+    def _collate(self, dataset):
+        """How the method's rows make a batch (GRPO: first, every row has what its rewards read)."""
+        if self.method.data is methods.PREFERENCE:
+            return partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
+        if self.method.data is methods.UNPAIRED:
+            return partial(kto.collate, padding_idx=self.tokenizer.pad_id)
+        if self.method.data is methods.PROMPTS:
+            if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
+                raise BadDatasetError(problem)
+            return grpo.collate
+        if self.cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
+            return partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
+        return partial(
+            padded_collate_sft,
+            padding_idx=self.tokenizer.pad_id,
+            ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
+        )
 
     def _find_checkpoint(self) -> Path | None:
         """The checkpoint this run resumes from (the same on every rank), or None."""
         ckpt = self.cfg.checkpointing
         found = None
         if self.topo.is_main:  # verifies, sets damaged checkpoints aside; every rank follows
-            found = self._choose_checkpoint(Path(ckpt.dir), resume=ckpt.resume)
+            found = checkpoint.find_or_clear(
+                Path(ckpt.dir), self.digest, run_identity(self.cfg), resume=ckpt.resume
+            )
         found = distributed.broadcast_from_main(None if found is None else str(found))
         if found is None:
             distributed.barrier()
         return None if found is None else Path(found)
 
     def _choose_compile(self, found: Path | None) -> bool:
-        """compile=true/false as given; compile=auto from the planned work (trainers/compiling.py),
-        or as the checkpoint resumed from records."""
+        """compile=true/false as given; compile=auto from the planned work
+        (trainers/process/compiling.py), or as the checkpoint resumed from records."""
         cfg = self.cfg
         if self.method.sequences_key:  # generation: a new shape at every token (args refuse true)
             return False
@@ -593,26 +553,6 @@ class FineTuneRecipe:
         if self.topo.is_main:
             log.info("resumed from %s (step %d)", found, self.progress.step)
 
-    def _choose_checkpoint(self, root: Path, *, resume: bool) -> Path | None:
-        """Rank 0: the checkpoint to resume from, or None after clearing the way for a fresh run."""
-        if resume:
-            found, other = checkpoint.choose(root, self.digest)
-            if found is not None:
-                return found
-            why = (
-                identity_changes(other.get("identity"), run_identity(self.cfg), "checkpoint")
-                if other is not None
-                else "no checkpoint of this run verifies"
-            )
-        else:
-            why = "resume=false"
-        # A fresh run: checkpoints of another identity (or resume=false) would only confuse the
-        # next restart's choice, so they go (damaged ones were set aside, not removed).
-        if checkpoint.complete_checkpoints(root):
-            log.info("%s: starting fresh, removing earlier checkpoints under %s", why, root)
-            checkpoint.clear(root)
-        return None
-
     # ---------------------------------------------------------------- train
     def _loss_and_tokens(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Summed next-token loss over the batch, on the device, and the number of tokens it
@@ -636,7 +576,7 @@ class FineTuneRecipe:
         if "mask" in batch:  # packed: attend only within each example, positions restart
             extra = {"mask": batch["mask"].to(self.device), "input_pos": batch["input_pos"]}
             extra["input_pos"] = extra["input_pos"].to(self.device)
-        if batch.get("encoder_input") is not None:  # images (trainers/vision_data.py)
+        if batch.get("encoder_input") is not None:  # images (trainers/data/vision_data.py)
             images = batch["encoder_input"]
             extra["encoder_input"] = {
                 "images": images["images"].to(self.device, self.dtype),
@@ -679,7 +619,11 @@ class FineTuneRecipe:
     def _open_attempt(self) -> _Attempt:
         is_main = self.topo.is_main
         reporter = StatusReporter.from_env() if is_main else None
-        metrics = self._open_metrics() if is_main else None
+        metrics = (
+            metrics_file.open_for(self.output_dir / METRICS_FILE, self.progress.resumed_from)
+            if is_main
+            else None
+        )
         tracker = Tracker.open(self._tracker_settings(), is_main=is_main)
         self.tracker_record = tracker.record
         return _Attempt(
@@ -743,7 +687,7 @@ class FineTuneRecipe:
         # may start part-way through a step.
         for batch in micro_batches:
             loss, n_tokens = self._loss_and_tokens(batch)
-            # Qwen3-MoE: + its routers' load-balancing loss (trainers/moe.py; 0 for other models).
+            # Qwen3-MoE: + its routers' load-balancing loss (models/moe.py; 0 for other models).
             loss = loss + moe.router_aux_loss(self.model, batch.get("labels"), n_tokens)
             loss.backward()
             loss_sum += loss.detach().double()
@@ -817,19 +761,6 @@ class FineTuneRecipe:
             f"{self.cfg.optimizer.lr}) or raise warmup_steps; nothing was published"
         )
 
-    def _open_metrics(self):
-        path = self.output_dir / METRICS_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        resumed_from = self.progress.resumed_from
-        if resumed_from is None:
-            durable.write_text(path, "")
-        else:
-            # A resumed run appends: the file keeps the whole history of the run, each step once.
-            # The steps after the checkpoint (trained before the interruption, trained again
-            # now) and a line cut short by the kill are dropped first, in one atomic rewrite.
-            durable.write_text(path, "".join(_metrics_up_to(path, resumed_from)))
-        return path.open("ab", buffering=0)  # unbuffered: a failed write is undone at once
-
     def _report(self, step: Step, attempt: _Attempt) -> None:
         """Rank 0: the newest snapshot for the controller, one JSON line per logging step, and
         the step's metrics for the tracker."""
@@ -882,7 +813,7 @@ class FineTuneRecipe:
     def _write_line(self, attempt: _Attempt, record: dict) -> None:
         """Rank 0: one record in metrics.jsonl, and on stdout."""
         line = json.dumps(record)
-        _append_line(attempt.metrics, self.output_dir / METRICS_FILE, line + "\n")
+        metrics_file.append_line(attempt.metrics, self.output_dir / METRICS_FILE, line + "\n")
         print(line, flush=True)
 
     # ---------------------------------------------------------------- evaluate
@@ -1014,7 +945,8 @@ class FineTuneRecipe:
 
     # ---------------------------------------------------------------- save
     def save(self, extra: dict | None = None) -> Path:
-        """Publish the weights, then ``result.json`` (rank 0 writes; see trainers/artifacts.py)."""
+        """Publish the weights, then ``result.json`` (rank 0 writes; see
+        trainers/outputs/artifacts.py)."""
         # A collective: every rank calls it.
         state = artifacts.gather_state(
             self.model, trainable_only=self.is_lora, sharded=self.topo.distributed
@@ -1068,56 +1000,6 @@ class FineTuneRecipe:
             method_metrics=progress.method_metrics,
             step_plan={**self.step.record(), "compiled": self.compiled},
         )
-
-
-def cut_rows_line(lengths: list[int], kept: int, max_seq_len: int) -> str | None:
-    """The line that says how many rows (of ``lengths``, each in tokens before any cut) are
-    longer than the ``kept`` tokens a row keeps under ``max_seq_len``; None when none is."""
-    cut = [n for n in lengths if n > kept]
-    if not cut:
-        return None
-    return (
-        f"{len(cut)} of {len(lengths)} rows are longer than max_seq_len={max_seq_len} tokens and "
-        f"were cut to it (longest {max(cut):,} tokens, {sum(cut) - kept * len(cut):,} tokens "
-        "not trained on); raise max_seq_len or split those rows to train on all of them"
-    )
-
-
-def _append_line(file, path: Path, line: str) -> None:
-    """Append one whole line to an unbuffered file, or nothing (a full disk cuts it back)."""
-    data = memoryview(line.encode("utf-8"))
-    start = os.lseek(file.fileno(), 0, os.SEEK_END)
-    try:
-        with durable.disk_full_as_error(path, len(data)):
-            while data:
-                data = data[file.write(data) :]
-    except BaseException:
-        try:
-            os.ftruncate(file.fileno(), start)
-        except OSError:
-            pass
-        raise
-
-
-def _metrics_up_to(path: Path, step: int) -> list[str]:
-    """The lines of a metrics file that record ``step`` or earlier (complete lines only)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    kept = []
-    for line in text.splitlines(keepends=True):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not line.endswith("\n") or not isinstance(record, dict):
-            continue
-        recorded = record.get("step")
-        if isinstance(recorded, int) and recorded > step:
-            continue
-        kept.append(line)
-    return kept
 
 
 def _perplexity(loss: float) -> float:

@@ -3,7 +3,7 @@
 The launcher (``trainers/launch.py``) has torchrun start one per process; each trains with the
 recipe (``tunepack.trainers.recipe.run``) and leaves its exit code where the launcher reads it.
 In this order: it dies with torchrun, third-party noise is silenced, then torch is imported
-(torch and torchao speak while being imported; ``tunepack.trainers.noise``).
+(torch and torchao speak while being imported; ``tunepack.trainers.process.noise``).
 """
 
 import argparse
@@ -20,14 +20,14 @@ if __name__ == "__main__":
     # launcher's process group) dies with it, at once, and writes nothing more.
     lifetime.die_with_shimmed_parent()
 
-from tunepack.trainers import noise  # noqa: E402
+from tunepack.trainers.process import noise  # noqa: E402
 
 noise.quiet()
 
 # After quiet(), on purpose: the recipe imports torch, torchao and torchtune.
 from omegaconf import OmegaConf  # noqa: E402
 
-from tunepack.trainers import distributed  # noqa: E402
+from tunepack.trainers.process import distributed  # noqa: E402
 from tunepack.trainers.recipe import run, say  # noqa: E402
 
 noise.quiet()  # the handlers torch attached while being imported

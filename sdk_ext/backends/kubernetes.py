@@ -454,7 +454,7 @@ def _as_dict(obj) -> dict:
 
 def progress_from_status(trainer_status: dict | None) -> Progress | None:
     """Progress from ``TrainJob.status.trainerStatus`` (the TrainJobStatus feature); the trainer
-    posts its metrics as strings (trainers/trainjob_status.py), validation ones after an
+    posts its metrics as strings (trainers/outputs/trainjob_status.py), validation ones after an
     evaluation."""
     if not trainer_status:
         return None

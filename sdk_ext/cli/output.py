@@ -93,7 +93,7 @@ def print_summary(
     first, last = result["first_loss"], result["final_loss"]
     print(f"  loss        {first:.4f} (first step) -> {last:.4f} (last step)")
     # A method with a loss of its own records its last step's metrics under the loss's name
-    # (trainers/artifacts.py): dpo, orpo, kto, grpo.
+    # (trainers/outputs/artifacts.py): dpo, orpo, kto, grpo.
     section = result.get(methods.get(result["method"]).loss.value) or {}
     if "reward_margin" in section:  # dpo, orpo, kto: whether it prefers the right answers
         print(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tunepack.cli import clients, output
 from tunepack.cli.cluster import backend_config, check_cluster
-from tunepack.trainers.noise import VERBOSE_ENV
+from tunepack.trainers.process.noise import VERBOSE_ENV
 
 
 def cmd_train(ns: argparse.Namespace) -> int:

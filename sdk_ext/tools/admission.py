@@ -18,7 +18,7 @@ import yaml
 
 from tunepack.runtimes import catalog, methods
 from tunepack.trainers import args as vocab
-from tunepack.trainers import rewards
+from tunepack.trainers.objectives import rewards
 
 POLICY_NAME = "tunepack-trainjob-arguments"
 API_VERSION = "admissionregistration.k8s.io/v1"

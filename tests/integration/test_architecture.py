@@ -14,6 +14,10 @@ against ``MAY_IMPORT``. On top of the table: the initializer programs import nei
 the Kubeflow SDK or the Kubernetes client (their images do not carry them), and neither do the
 runtimes; there are no cycles between packages (the table has none, and the graph actually found
 is checked too, so a loosened table cannot hide one).
+
+Inside tunepack.trainers, the same for its parts (``TRAINER_PARTS``): the rooms (models/, data/,
+objectives/, outputs/, process/) and the modules at its top (the program: launch, worker, recipe;
+the run's description: args, config).
 """
 
 from __future__ import annotations
@@ -154,6 +158,48 @@ def package_graph(repo: Path = REPO) -> dict[str, set[str]]:
     return graph
 
 
+# tunepack.trainers' parts: a room (subpackage) or a module at its top -> the parts it may import
+# besides its own modules. The building blocks (models, data, process) import no other part; the
+# losses may ask the process group; the run's description (args, config) reads the chat formats
+# and the rewards' names; outputs read the description and the models' layouts; only the recipe
+# puts them together, and only the program's two entry points (launch, worker) import it.
+TRAINER_PARTS = {
+    "process": set(),  # torchrun, the process group, threads, compilation, log noise
+    "models": set(),  # the families tunepack builds, their checkpoints' layouts
+    "data": set(),  # tokenization in the chat formats, image rows, batch order
+    "objectives": {"process"},  # the losses, GRPO's sampling and rewards
+    "args": {"data", "objectives"},  # the argument vocabulary
+    "args_docs": {"args"},
+    "config": {"args", "data", "objectives"},  # the run's torchtune config and identity
+    "outputs": {"args", "config", "models", "process"},  # checkpoints, result files, reporting
+    "recipe": {"config", "data", "models", "objectives", "outputs", "process"},
+    "worker": {"process", "recipe"},  # torchrun's entry
+    "launch": {"args", "config", "process", "recipe"},  # the image's ENTRYPOINT
+}
+
+
+def trainer_part(module: str) -> str | None:
+    """The part of ``TRAINER_PARTS`` a module of tunepack.trainers is in (None: the package)."""
+    rest = module.removeprefix(TRAINERS + ".")
+    return None if rest == module else rest.split(".")[0]
+
+
+def trainer_violations(repo: Path = REPO) -> list[str]:
+    """Every import between the trainer's parts that ``TRAINER_PARTS`` does not allow."""
+    modules = source_modules(repo)
+    problems = []
+    for module, path in modules.items():
+        part = trainer_part(module)
+        if part is None:
+            continue
+        for line, imported in imports_of(module, path, set(modules)):
+            target = trainer_part(imported)
+            if target is not None and target != part and target not in TRAINER_PARTS[part]:
+                where = path.relative_to(repo)
+                problems.append(f"{where}:{line}: trainers/{part} imports {imported} ({target})")
+    return problems
+
+
 def test_every_package_imports_only_what_the_table_allows():
     assert violations() == []
 
@@ -170,6 +216,17 @@ def test_every_source_module_is_in_a_package_of_the_table():
     assert f"{CORE}.errors" in modules and f"{CORE}.workspace" in modules
 
 
+def test_the_trainers_parts_import_only_what_their_table_allows():
+    assert trainer_violations() == []
+
+
+def test_every_trainer_module_is_in_a_part_of_the_table_which_has_no_cycle():
+    parts = {trainer_part(m) for m in source_modules() if m.startswith(TRAINERS + ".")}
+    assert parts == set(TRAINER_PARTS)
+    order = list(TopologicalSorter(TRAINER_PARTS).static_order())
+    assert order.index("recipe") > max(order.index(p) for p in ("models", "objectives", "outputs"))
+
+
 def test_initializer_programs_load_without_torch_or_the_sdk():
     # What the static check cannot see: what importing tunepack itself pulls in at run time.
     # The programs and the one trainer module they may import (MAY_IMPORT_MODULES), with what
@@ -177,8 +234,11 @@ def test_initializer_programs_load_without_torch_or_the_sdk():
     allowed = [
         "tunepack.trainers",
         "tunepack.trainers.args",
-        "tunepack.trainers.prompt_format",
-        "tunepack.trainers.rewards",  # GRPO's reward names and weights, standard library only
+        "tunepack.trainers.data",  # the rooms' __init__: a docstring each
+        "tunepack.trainers.data.prompt_format",
+        "tunepack.trainers.objectives",
+        # GRPO's reward names and weights, standard library only
+        "tunepack.trainers.objectives.rewards",
     ]
     code = (
         "import sys\n"
@@ -267,3 +327,36 @@ def test_a_cycle_between_packages_is_found(tmp_path):
     )
     with pytest.raises(CycleError):
         list(TopologicalSorter(package_graph(repo)).static_order())
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (
+            {
+                "trainers/outputs/checkpoint.py": "",
+                "trainers/models/qwen3.py": "def f():\n    from ..outputs import checkpoint\n",
+            },
+            "trainers/models/qwen3.py:2: trainers/models imports "
+            "tunepack.trainers.outputs.checkpoint (outputs)",
+        ),
+        (
+            {
+                "trainers/objectives/dpo.py": "",
+                "trainers/data/batching.py": "from tunepack.trainers.objectives import dpo\n",
+            },
+            "trainers/data/batching.py:1: trainers/data imports "
+            "tunepack.trainers.objectives.dpo (objectives)",
+        ),
+        (
+            {
+                "trainers/recipe.py": "",
+                "trainers/outputs/artifacts.py": "from tunepack.trainers import recipe\n",
+            },
+            "trainers/outputs/artifacts.py:1: trainers/outputs imports "
+            "tunepack.trainers.recipe (recipe)",
+        ),
+    ],
+)
+def test_a_broken_trainer_rule_is_reported(tmp_path, files, expected):
+    assert trainer_violations(_tree(tmp_path, files)) == [expected]

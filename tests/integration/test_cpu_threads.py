@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tunepack.trainers.threads import cpu_budget, threads_per_process
+from tunepack.trainers.process.threads import cpu_budget, threads_per_process
 
 LAUNCH = "tunepack.trainers.launch"
 

@@ -547,7 +547,7 @@ def test_the_initializers_format_tokens_are_the_formats():
     """custom.FORMAT_TOKENS (the initializer cannot import the trainer) is what the trainer's
     chat formats write, for each custom runtime's default format."""
     from tunepack.runtimes.chat_templates import FAMILY_FORMAT
-    from tunepack.trainers.prompt_format import NO_SYSTEM, Turn, render
+    from tunepack.trainers.data.prompt_format import NO_SYSTEM, Turn, render
 
     for entry in catalog.CUSTOM.values():
         fmt = FAMILY_FORMAT[entry.family.name]

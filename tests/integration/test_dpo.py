@@ -33,7 +33,7 @@ from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
 from tunepack.tiny.dataset import write_tiny_preference_dataset
 from tunepack.trainers.args import builder_for, parse_trainer_args
-from tunepack.trainers.dpo import DPO, answer_logps
+from tunepack.trainers.objectives.dpo import DPO, answer_logps
 
 PAIR = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
 CHAT_PAIR = {

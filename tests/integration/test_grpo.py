@@ -206,8 +206,8 @@ def test_kill_9_then_restart_ends_bit_identical(prompt_workspace, tmp_path):
 def test_two_processes_with_fsdp_follow_one_process(prompt_workspace, tmp_path):
     """Two ranks of 4 prompts see the same 8 prompts per step as one process of 8; each answer's
     sampling is seeded by its prompt, not its rank, and the fresh adapters are the same
-    (trainers/adapter_init.py): every step samples the same answers, and the losses and KL agree
-    to rounding (sharded sums add in another order)."""
+    (trainers/models/adapter_init.py): every step samples the same answers, and the losses and KL
+    agree to rounding (sharded sums add in another order)."""
     common = [
         "method=grpo",
         "max_steps=4",

@@ -3,7 +3,7 @@
 Each family's tiny model carries its published model's chat template (tokenizer_config.json,
 runtimes/chat_templates.py). transformers renders a conversation with it (``apply_chat_template``)
 and tokenizes it with the model's HF tokenizer; the trainer renders the same conversation with
-``trainers/prompt_format.py`` and tokenizes it with the family's torchtune tokenizer. The ids
+``trainers/data/prompt_format.py`` and tokenizes it with the family's torchtune tokenizer. The ids
 must be equal, for whole conversations (training) and for generation prompts (``generate()``),
 and the loss must cover exactly the assistant's replies and their end-of-turn markers.
 """
@@ -24,7 +24,7 @@ from tunepack.runtimes import catalog
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, QWEN2_5_SYSTEM, TEMPLATES
 from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import tokenizer_config
-from tunepack.trainers.prompt_format import FORMATS
+from tunepack.trainers.data.prompt_format import FORMATS
 
 ENTRIES = list(catalog.TINY.values())
 SYSTEM = {"role": "system", "content": "Answer in one short line."}
@@ -125,8 +125,8 @@ def test_generation_prompt_equals_the_hf_chat_template(family):
 
 
 def test_a_sampled_answer_ends_where_the_assistants_turn_ends(family):
-    """GRPO stops an answer at the format's end-of-turn token (trainers/grpo.py): the special
-    token that closes an assistant's reply, as the HF template writes the reply."""
+    """GRPO stops an answer at the format's end-of-turn token (trainers/objectives/grpo.py): the
+    special token that closes an assistant's reply, as the HF template writes the reply."""
     entry, model_dir, hf = family
     tokenizer = _tunepack_tokenizer(entry, model_dir)
     ends = tokenizer.turn_end_ids()
@@ -221,7 +221,7 @@ BOS_EOS = {
 def test_each_format_prompts_as_the_published_template_it_was_checked_against(fmt):
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from tunepack.trainers import prompt_format
+    from tunepack.trainers.data import prompt_format
 
     conversation = PUBLISHED_PROMPT[1:] if fmt == "gemma" else PUBLISHED_PROMPT
     bos, eos = BOS_EOS[fmt]

@@ -188,7 +188,7 @@ def _alive(seen: dict[int, psutil.Process]) -> list[str]:
 def _torchrun_seen(seen: dict[int, psutil.Process]) -> bool:
     for proc in seen.values():
         try:
-            if "tunepack.trainers.torchrun" in " ".join(proc.cmdline()):
+            if "tunepack.trainers.process.torchrun" in " ".join(proc.cmdline()):
                 return True
         except psutil.Error:
             continue

@@ -17,9 +17,9 @@ from tests.helpers import NF4_TINY, TINY, losses_of, run_program, setup_recipe, 
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes.planner import Step
 from tunepack.tiny import write_tiny_model
-from tunepack.trainers import compiling
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.trainjob_status import StatusReporter
+from tunepack.trainers.outputs.trainjob_status import StatusReporter
+from tunepack.trainers.process import compiling
 
 FAST = ["warmup_steps=0", "batch_size=8", "checkpoint_every_minutes=0"]
 
@@ -314,7 +314,7 @@ def test_on_a_gpu_the_step_is_planned_against_the_memory_the_device_reports(
     the total the device reports (less CUDA_RESERVE_GIB): the same step as the planner's for
     that job and capacity, and a device with less memory recomputes more."""
     from tunepack.runtimes import planner
-    from tunepack.trainers import distributed
+    from tunepack.trainers.process import distributed
     from tunepack.trainers.recipe import FineTuneRecipe
 
     args = ["device=cuda", "batch_size=4", "max_seq_len=512", "method=lora"]

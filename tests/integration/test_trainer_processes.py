@@ -32,14 +32,14 @@ from tests.helpers import (
     two_processes_env,
 )
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT
-from tunepack.trainers.batching import ShuffledSampler
+from tunepack.trainers.data.batching import ShuffledSampler
 from tunepack.trainers.launch import _exit_code, layout_from_env
 
 # 8 steps of 2 accumulated micro-batches; dropout makes the result depend on the restored random
 # state too. (Crossing an epoch boundary would double the runtime: the sampler test covers it.)
 RESUME_ARGS = ["max_steps=8", "batch_size=8", "grad_accum=2", "lora_dropout=0.1", "warmup_steps=2"]
-# Every batching mode (trainers/batching.py) resumes bit for bit; packs hold several examples, so
-# fewer of them make a step.
+# Every batching mode (trainers/data/batching.py) resumes bit for bit; packs hold several examples,
+# so fewer of them make a step.
 BATCHING = {
     "length-grouped": RESUME_ARGS,
     "shuffled": [*RESUME_ARGS, "group_by_length=false"],
@@ -375,9 +375,9 @@ def test_qwen3_moe_lora_on_the_experts_trains_sharded_as_on_one_process(
     initialized_workspace, tmp_path
 ):
     """LoRA on every expert (``lora_mlp=true``) under FSDP2: the experts' stacked adapters are
-    sharded along the experts as their weights are, drawn whole (trainers/adapter_init.py), so two
-    processes train what one does; peft applies the exported adapter to transformers' model as
-    trained, and ``merge=true``'s model is that model too."""
+    sharded along the experts as their weights are, drawn whole (trainers/models/adapter_init.py),
+    so two processes train what one does; peft applies the exported adapter to transformers' model
+    as trained, and ``merge=true``'s model is that model too."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -108,7 +108,7 @@ def _hf_inputs(recipe, workspace, indices):
     (the published one's), the image processor of its preprocessor_config.json."""
     from transformers import AutoTokenizer, MllamaImageProcessor, MllamaProcessor
 
-    from tunepack.trainers.vision_data import load_image
+    from tunepack.trainers.data.vision_data import load_image
 
     model_dir = workspace / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -132,8 +132,8 @@ def _hf_model(path):
 
 def _tune_logits(model, batch, *, as_transformers=False):
     """The trainer's model on ``batch``; ``as_transformers``: its vision features taken as
-    transformers 5.24 takes them (each listed layer's output, not its input: trainers/mllama.py,
-    point 3), for comparisons with transformers' model."""
+    transformers 5.24 takes them (each listed layer's output, not its input:
+    trainers/models/mllama.py, point 3), for comparisons with transformers' model."""
     model.encoder.clip.layer_outputs = as_transformers
     with torch.no_grad():
         return model.eval()(
@@ -144,7 +144,7 @@ def _tune_logits(model, batch, *, as_transformers=False):
 
 
 def _converted(workspace, hf) -> dict:
-    from tunepack.trainers.mllama import mllama_inputs_to_tune
+    from tunepack.trainers.models.mllama import mllama_inputs_to_tune
 
     config = json.loads((workspace / "model" / "config.json").read_text())
     return mllama_inputs_to_tune(config, **{k: hf[k] for k in hf if k != "attention_mask"})
@@ -269,7 +269,7 @@ def test_qlora_trains_on_images_over_an_nf4_text_model(workspace, tmp_path):
     and ``merge=true`` folds it into the unquantized base (as peft applies it there)."""
     from peft import PeftModel
 
-    from tunepack.trainers import artifacts
+    from tunepack.trainers.outputs import artifacts
 
     assert "qlora" not in ENTRY.methods and "qlora" in NF4_ENTRY.methods
     model_dir = write_tiny_model(tmp_path / "model", NF4_ENTRY)
@@ -428,7 +428,7 @@ def test_methods_not_wired_for_images_are_refused_in_one_line():
 
 def test_a_system_message_beside_an_image_is_refused_as_the_template_refuses_it():
     from tunepack.core.errors import BadInputError
-    from tunepack.trainers.prompt_format import Turn, render
+    from tunepack.trainers.data.prompt_format import Turn, render
 
     turns = [Turn("system", "Be brief."), Turn("user", "<|image|>What is it?")]
     with pytest.raises(BadInputError, match="refuses a system message"):
@@ -533,7 +533,7 @@ def test_tunepack_train_local_runs_both_initializers_and_the_trainer(workspace, 
 
 def test_result_generate_answers_about_an_image_as_the_trained_model_does(workspace, tmp_path):
     """Result.generate(image=...) (the notebook's): transformers with the PEFT adapter, the
-    image tiled by the checkpoint's image processor, run as trained (trainers/mllama.py,
+    image tiled by the checkpoint's image processor, run as trained (trainers/models/mllama.py,
     run_as_trained); its greedy answer is the trainer's own model's, decoded token by token."""
     from transformers import MllamaImageProcessor
     from transformers.models.mllama.processing_mllama import (
@@ -541,7 +541,7 @@ def test_result_generate_answers_about_an_image_as_the_trained_model_does(worksp
         get_cross_attention_token_mask,
     )
 
-    from tunepack.trainers.mllama import mllama_inputs_to_tune
+    from tunepack.trainers.models.mllama import mllama_inputs_to_tune
     from tunepack.types import Result
 
     run = _published_workspace(workspace, tmp_path / "ws")  # trained as the 11B runtime does

@@ -1,6 +1,6 @@
-"""Which examples make each batch (trainers/batching.py) and the loss fused with the output
-projection (trainers/vocab_loss.py): orders that resume exactly, packs that hold every example
-once, and a loss equal to the plain one, gradients included."""
+"""Which examples make each batch (trainers/data/batching.py) and the loss fused with the output
+projection (trainers/objectives/vocab_loss.py): orders that resume exactly, packs that hold every
+example once, and a loss equal to the plain one, gradients included."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ from torchtune.models.llama3 import llama3
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.peft import LoRALinear
 
-from tunepack.trainers import vocab_loss
-from tunepack.trainers.batching import (
+from tunepack.core.errors import BadInputError
+from tunepack.trainers.data.batching import (
     LengthGroupedSampler,
     Packs,
     ShuffledSampler,
+    arrange,
     best_fit_decreasing,
+    hold_out,
 )
+from tunepack.trainers.objectives import vocab_loss
 
 
 def _lengths(n: int, seed: int = 0) -> list[int]:
@@ -90,6 +93,32 @@ def test_a_ragged_last_batch_stays_last():
 
 
 # ------------------------------------------------------------------ packs
+
+
+def test_held_out_rows_are_the_same_whatever_the_run_and_never_trained_on():
+    rows = list(range(50))
+    train, held = hold_out(rows, 0.1)
+    assert len(held) == 5 and sorted(set(train.indices) | set(held)) == rows
+    assert not set(train.indices) & set(held)
+    assert hold_out(rows, 0.1)[1] == held  # a fixed seed: not the run's, not the rank's
+    with pytest.raises(BadInputError, match="val_fraction=0.99 leaves no training rows"):
+        hold_out(rows[:1], 0.99)
+
+
+def test_arrange_groups_the_training_rows_by_their_own_lengths():
+    lengths = _lengths(40)
+    train, _ = hold_out(list(range(40)), 0.25)
+    kept, sampler = arrange(
+        train, "length_grouped", lengths=lengths, batch_size=4, max_seq_len=512,
+        padding_idx=0, rank=0, world_size=1, seed=0,
+    )  # fmt: skip
+    # The sampler indexes the kept rows; each carries its row's length in the whole dataset.
+    assert kept is train and sampler.lengths == [lengths[i] for i in train.indices]
+    _, shuffled = arrange(
+        train, "shuffled", lengths=lengths, batch_size=4, max_seq_len=512,
+        padding_idx=0, rank=0, world_size=1, seed=0,
+    )  # fmt: skip
+    assert type(shuffled) is ShuffledSampler and sorted(shuffled) == list(range(len(train)))
 
 
 def test_best_fit_decreasing_places_every_example_once_within_capacity_and_fills_tighter():

@@ -13,8 +13,8 @@ from torchtune import config
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
-from tunepack.trainers.builders import Gemma2Layer, SoftCappedTiedLinear
 from tunepack.trainers.config import model_component
+from tunepack.trainers.models.builders import Gemma2Layer, SoftCappedTiedLinear
 
 PUBLISHED = list(catalog.CATALOG.values())
 TINY = list(catalog.TINY.values())

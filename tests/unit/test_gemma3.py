@@ -19,7 +19,7 @@ from torchtune.training import MODEL_KEY
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, custom
 from tunepack.trainers.config import model_component
-from tunepack.trainers.gemma3 import (
+from tunepack.trainers.models.gemma3 import (
     MODEL_TYPE,
     Gemma3HFCheckpointer,
     Gemma3RoPE,

@@ -12,7 +12,7 @@ import pytest
 
 from tests import REPO
 from tunepack.runtimes.catalog import Shape
-from tunepack.trainers import compiling
+from tunepack.trainers.process import compiling
 
 ROOT = REPO
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -63,8 +63,11 @@ def test_compile_figures_measure_what_compile_auto_assumes():
     assert got["saving"] == pytest.approx(0.2)
     cost = compiling.GPU  # the constants a GPU run's figures would replace
     assert got["constants"] == {"compile_s": cost.compile_s, "saving": cost.saving}
-    assert got["replaces"]["compile_s"] == f"trainers/compiling.py GPU.compile_s = {cost.compile_s}"
-    assert got["replaces"]["saving"] == f"trainers/compiling.py GPU.saving = {cost.saving}"
+    assert (
+        got["replaces"]["compile_s"]
+        == f"trainers/process/compiling.py GPU.compile_s = {cost.compile_s}"
+    )
+    assert got["replaces"]["saving"] == f"trainers/process/compiling.py GPU.saving = {cost.saving}"
     skipped = gpu_check.compile_figures(gpu, eager, {"skipped": "left out"}, warmup=1)
     assert skipped["skipped"] == "left out" and "compile_s" in skipped["replaces"]
 

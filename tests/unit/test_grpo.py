@@ -14,9 +14,9 @@ import torch
 from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.schemas import SCHEMAS, detect
-from tunepack.trainers import grpo, rewards
 from tunepack.trainers.args import parse_trainer_args
-from tunepack.trainers.rewards import Sample, Weighted
+from tunepack.trainers.objectives import grpo, rewards
+from tunepack.trainers.objectives.rewards import Sample, Weighted
 
 
 def sample(completion: str, answer: str | None = "42", *, tokens: int = 4, pattern: str = ""):

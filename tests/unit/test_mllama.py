@@ -1,4 +1,4 @@
-"""Llama 3.2 Vision (trainers/mllama.py): logits equal to transformers'
+"""Llama 3.2 Vision (trainers/models/mllama.py): logits equal to transformers'
 MllamaForConditionalGeneration on a random checkpoint of no catalog size (irregular
 cross-attention layers, Llama 3 RoPE scaling that acts on the test's length, 2-tile images with a
 mix of aspect ratios, a padded tile and a padded image, non-trivial intermediate layers), with
@@ -21,8 +21,8 @@ from torchtune.modules.peft import LoRALinear, get_adapter_params  # noqa: E402
 from torchtune.training import MODEL_KEY  # noqa: E402
 
 from tunepack.core.errors import BadInputError  # noqa: E402
-from tunepack.trainers import mllama as mllama_module  # noqa: E402
-from tunepack.trainers.mllama import (  # noqa: E402
+from tunepack.trainers.models import mllama as mllama_module  # noqa: E402
+from tunepack.trainers.models.mllama import (  # noqa: E402
     MODEL_TYPE,
     MllamaHFCheckpointer,
     lora_mllama,

@@ -13,8 +13,8 @@ from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.schemas import SCHEMAS, detect
 from tunepack.tiny.dataset import tiny_unpaired_rows
-from tunepack.trainers import kto, orpo
 from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.objectives import kto, orpo
 
 
 def _sigmoid(x: float) -> float:
@@ -104,7 +104,7 @@ def small_model():
 def test_kto_forward_uses_the_reference_point_of_the_mismatched_pairs(small_model):
     from torchtune.modules.peft import disable_adapter
 
-    from tunepack.trainers.dpo import answer_logps
+    from tunepack.trainers.objectives.dpo import answer_logps
 
     batch = kto.collate(
         [

@@ -14,7 +14,7 @@ from torchtune.training import MODEL_KEY
 from tunepack import tiny
 from tunepack.runtimes import catalog
 from tunepack.trainers.config import model_component
-from tunepack.trainers.qwen3 import Qwen3HFCheckpointer, qwen3_hf_to_tune, qwen3_tune_to_hf
+from tunepack.trainers.models.qwen3 import Qwen3HFCheckpointer, qwen3_hf_to_tune, qwen3_tune_to_hf
 
 ENTRY = catalog.TINY["qwen3"]
 

@@ -18,15 +18,15 @@ from torchtune.training import MODEL_KEY
 
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog, custom
-from tunepack.trainers import moe
-from tunepack.trainers.peft_export import export_adapter
-from tunepack.trainers.qwen3_moe import (
+from tunepack.trainers.models import moe
+from tunepack.trainers.models.qwen3_moe import (
     Qwen3MoeHFCheckpointer,
     lora_qwen3_moe,
     qwen3_moe,
     qwen3_moe_hf_to_tune,
     qwen3_moe_tune_to_hf,
 )
+from tunepack.trainers.outputs.peft_export import export_adapter
 
 VOCAB = 200
 # transformers' config keywords; mlp_only_layers=[1] makes layer 1 dense.

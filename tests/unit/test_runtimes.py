@@ -102,7 +102,7 @@ def test_metadata(entry):
     notes = meta["annotations"]
     assert notes["tunepack.dev/hub-id"] == entry.hub_id
     # Every real model takes every method; the tiny one is too small for NF4 (QLoRA), and
-    # Qwen3-MoE's stacked experts are not quantized (trainers/qwen3_moe.py).
+    # Qwen3-MoE's stacked experts are not quantized (trainers/models/qwen3_moe.py).
     no_nf4 = entry.name == "tiny-llama3" or entry.shape.num_experts
     methods = (
         "full,grpo_full,lora,dora,dpo,orpo,kto,grpo"

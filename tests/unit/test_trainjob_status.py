@@ -1,5 +1,5 @@
-"""The progress reporter's rate limit (trainers/trainjob_status.py) on a fake clock: the rule
-itself, whatever the machine's speed. Its real HTTPS server, token and CA:
+"""The progress reporter's rate limit (trainers/outputs/trainjob_status.py) on a fake clock:
+the rule itself, whatever the machine's speed. Its real HTTPS server, token and CA:
 tests/integration/test_trainer_methods.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tunepack.trainers.trainjob_status import StatusReporter
+from tunepack.trainers.outputs.trainjob_status import StatusReporter
 
 INTERVAL = 5.0
 

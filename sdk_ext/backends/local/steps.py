@@ -36,7 +36,7 @@ from tunepack.runtimes.contract import (
     TRAINER_STEP,
     WORKSPACE_VOLUME,
 )
-from tunepack.trainers import noise
+from tunepack.trainers.process import noise
 
 # Which TrainJob initializer block feeds which step (by the step's ancestor label).
 INITIALIZER_SOURCES = {DATASET_STEP.ancestor: "dataset", MODEL_STEP.ancestor: "model"}

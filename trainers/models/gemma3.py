@@ -25,7 +25,7 @@ vision tower and projector are left out), and always saves a text-only ``Gemma3F
 with its ``config.json``.
 
 Builders take no user input: the catalog (runtimes/catalog.py) maps model names to these
-functions, and the trainer builds them through ``tunepack.trainers.builders.build``.
+functions, and the trainer builds them through ``tunepack.trainers.models.builders.build``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import GEMMA3_SIZES
 from tunepack.runtimes.custom import text_config
-from tunepack.trainers import hf_shards
-from tunepack.trainers.decoder_parts import (
+from tunepack.trainers.models import hf_shards
+from tunepack.trainers.models.decoder_parts import (
     attention_projections,
     gated_mlp,
     linear,
@@ -64,7 +64,7 @@ from tunepack.trainers.decoder_parts import (
 
 # The checkpointer's model type: not one of torchtune's ModelType names (it has no Gemma 3), so
 # nothing treats these checkpoints as another family's (the PEFT export leaves q/k rows as they
-# are, trainers/peft_export.py).
+# are, trainers/outputs/peft_export.py).
 MODEL_TYPE = "GEMMA3"
 
 

@@ -1,12 +1,12 @@
 """Qwen3-MoE on torchtune 0.6.1's components and tunepack's mixture-of-experts feed-forward.
 
-Qwen3-MoE is the dense Qwen 3 (``trainers/qwen3.py``: q/k RMSNorm per head before RoPE, explicit
-``head_dim``, no q/k/v biases) whose MLP is, in its sparse layers, a router over
-``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` of
-them per token (``trainers/moe.py``). Which layers are sparse follows transformers'
+Qwen3-MoE is the dense Qwen 3 (``trainers/models/qwen3.py``: q/k RMSNorm per head before RoPE,
+explicit ``head_dim``, no q/k/v biases) whose MLP is, in its sparse layers, a router over
+``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, ``num_experts_per_tok`` of them
+per token (``trainers/models/moe.py``). Which layers are sparse follows transformers'
 ``Qwen3MoeDecoderLayer``: layer ``i`` is sparse unless ``i`` is in ``mlp_only_layers`` or
-``(i + 1) % decoder_sparse_step != 0``; the others have a dense MLP of ``intermediate_size``.
-The builders take the dense ones as ``dense_layers``.
+``(i + 1) % decoder_sparse_step != 0``; the others have a dense MLP of ``intermediate_size``. The
+builders take the dense ones as ``dense_layers``.
 
 LoRA adapts the attention projections; with ``apply_lora_to_mlp`` (``lora_mlp=true``) also the
 dense MLPs of ``dense_layers`` and every expert (``moe.LoRAExperts``: a pair per expert, as PEFT's
@@ -33,15 +33,15 @@ from torchtune.modules import TransformerDecoder
 
 from tunepack.core.errors import ConflictError, UnsupportedError
 from tunepack.runtimes.catalog import QWEN3_MOE_SIZES, expert_lora_obstacle
-from tunepack.trainers.decoder_parts import lora_decoder_args, sized
-from tunepack.trainers.moe import MoEFeedForward
-from tunepack.trainers.qwen3 import (
+from tunepack.trainers.models.decoder_parts import lora_decoder_args, sized
+from tunepack.trainers.models.moe import MoEFeedForward
+from tunepack.trainers.models.qwen3 import (
     Qwen3HFCheckpointer,
     qwen2_conversion,
     qwen3_hf_to_tune,
     qwen3_tune_to_hf,
 )
-from tunepack.trainers.qwen3 import _decoder as _qwen3_decoder
+from tunepack.trainers.models.qwen3 import _decoder as _qwen3_decoder
 
 
 def _decoder(
@@ -57,7 +57,7 @@ def _decoder(
     quantize_base: bool = False,
     **kwargs,
 ) -> TransformerDecoder:
-    """Qwen 3's decoder (trainers/qwen3.py) whose MLPs but ``dense_layers``' are experts."""
+    """Qwen 3's decoder (trainers/models/qwen3.py) whose MLPs but ``dense_layers``' are experts."""
     dense_layers = {int(i) for i in dense_layers}
     if apply_lora_to_mlp and (
         obstacle := expert_lora_obstacle(kwargs.get("dropout", 0.0), kwargs.get("use_dora", False))

@@ -1,19 +1,12 @@
-"""Training progress for the Kubeflow Trainer controller (``TrainJob.status.trainerStatus``).
+"""Training progress for the Kubeflow Trainer controller (``TrainJob.status.trainerStatus``;
+docs/trainer.md, "Progress").
 
-With the TrainJobStatus feature the controller gives the trainer Pod three variables:
-
-    KUBEFLOW_TRAINER_SERVER_URL      HTTPS endpoint to POST to
-    KUBEFLOW_TRAINER_SERVER_CA_CERT  CA bundle that signed the endpoint's certificate
-    KUBEFLOW_TRAINER_SERVER_TOKEN    path to a projected service-account token (it rotates)
-
-and accepts ``{"trainerStatus": {progressPercentage, estimatedRemainingSeconds, metrics: [{name,
-value}], lastUpdatedTime}}`` with a bearer token: the protocol of the Kubeflow SDK's
-``kubeflow.trainer.update_trainjob_status``. That helper posts synchronously from the caller and
-silently drops calls within 5 s of the last, which would stall a training step on a slow server
-and could drop the final 100% update. So this reporter speaks the same protocol from a
-background thread: the loop only hands over its newest snapshot, the thread posts at most every
-``interval`` seconds, and the last snapshot is always sent on close. A down server costs a log
-line, never the run.
+The protocol is that of the Kubeflow SDK's ``kubeflow.trainer.update_trainjob_status``, but that
+helper posts synchronously from the caller and silently drops calls within 5 s of the last,
+which would stall a training step on a slow server and could drop the final 100% update. So this
+reporter posts from a background thread: the loop only hands over its newest snapshot, the
+thread posts at most every ``interval`` seconds, and the last snapshot is always sent on close.
+A down server costs a log line, never the run.
 """
 
 from __future__ import annotations

@@ -2,16 +2,8 @@
 
 Every order here is a pure function of (dataset, seed, epoch): the same on every rank and every
 restart, so a resumed run skips exactly the examples the interrupted one had consumed and goes on
-bit for bit (``start`` counts examples of the global order, as ``set_epoch`` receives it).
-
-- ``ShuffledSampler``: a random permutation per epoch (what DistributedSampler does).
-- ``LengthGroupedSampler`` (the default for unpacked data): the same permutation, cut into large
-  windows, each window sorted by length and cut into batches, the batches shuffled. A batch is
-  padded to its longest example, so batching examples of similar length computes far fewer
-  padding positions, while the window keeps the order random at the scale of the epoch.
-- ``best_fit_packs`` (``packed=true``): examples packed into max_seq_len sequences by best-fit
-  decreasing, never splitting an example; attention stays within each example (the collate
-  function's block mask).
+bit for bit (``start`` counts examples of the global order, as ``set_epoch`` receives it). What
+the orders and packs are for: docs/trainer.md, "Throughput".
 """
 
 from __future__ import annotations
@@ -24,11 +16,16 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, Sampler, Subset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
+
+from tunepack.core.errors import ConflictError
 
 log = logging.getLogger("tunepack.trainer")
 
+# The held-out rows are drawn with this fixed seed, not the run's: the same rows whatever
+# seed= says, on every rank and every restart.
+VALIDATION_SEED = 0x5EED
 # Batches per window of the length-grouped order: large enough that most batches hold examples
 # of nearly one length, small enough that the epoch's order stays shuffled at its scale.
 WINDOW_BATCHES = 64
@@ -196,3 +193,60 @@ def real_positions(labels: torch.Tensor) -> int:
     labelled = labels != CROSS_ENTROPY_IGNORE_IDX
     from_end = labelled.flip(1).int().argmax(dim=1)  # unlabelled positions after the last label
     return int(torch.where(labelled.any(dim=1), labels.size(1) - from_end, 0).sum())
+
+
+def cut_rows_line(lengths: list[int], kept: int, max_seq_len: int) -> str | None:
+    """The line that says how many rows (of ``lengths``, each in tokens before any cut) are
+    longer than the ``kept`` tokens a row keeps under ``max_seq_len``; None when none is."""
+    cut = [n for n in lengths if n > kept]
+    if not cut:
+        return None
+    return (
+        f"{len(cut)} of {len(lengths)} rows are longer than max_seq_len={max_seq_len} tokens and "
+        f"were cut to it (longest {max(cut):,} tokens, {sum(cut) - kept * len(cut):,} tokens "
+        "not trained on); raise max_seq_len or split those rows to train on all of them"
+    )
+
+
+def hold_out(dataset: Dataset, fraction: float) -> tuple[Subset, list[int]]:
+    """The training rows and the indices of the rows set aside for validation (``fraction``).
+
+    The held-out rows are a fixed-seed random draw over the row count: the same on every
+    rank, every restart and whatever ``seed`` is, so validation losses compare across runs.
+    """
+    size = len(dataset)
+    n_val = max(1, round(size * fraction))
+    if size - n_val < 1:
+        raise ConflictError(
+            f"val_fraction={fraction} leaves no training rows of the dataset's {size}: "
+            "lower val_fraction or add data"
+        )
+    order = torch.randperm(size, generator=torch.Generator().manual_seed(VALIDATION_SEED))
+    return Subset(dataset, sorted(order[n_val:].tolist())), sorted(order[:n_val].tolist())
+
+
+def arrange(
+    dataset: Dataset,
+    how: str,
+    *,
+    lengths: Sequence[int],
+    batch_size: int,
+    max_seq_len: int,
+    padding_idx: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+) -> tuple[Dataset, ShuffledSampler]:
+    """The dataset as batches draw from it (``packed``: its packs) and the sampler of each
+    epoch's order (``batching=``); ``lengths``: every row's, as the dataset cuts them."""
+    order = dict(rank=rank, world_size=world_size, seed=seed)
+    match how:
+        case "packed":
+            packs = best_fit_packs(dataset, max_seq_len, padding_idx)
+            return packs, ShuffledSampler(len(packs), **order)
+        case "length_grouped":
+            rows = dataset.indices if isinstance(dataset, Subset) else range(len(dataset))
+            mine = [lengths[i] for i in rows]
+            return dataset, LengthGroupedSampler(mine, batch_size=batch_size, **order)
+        case _:
+            return dataset, ShuffledSampler(len(dataset), **order)

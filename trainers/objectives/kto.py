@@ -1,19 +1,12 @@
-"""Kahneman-Tversky Optimization (``method=kto``) over LoRA adapters, on unpaired examples.
-
-Each row is one answer to a prompt, labelled desirable or undesirable (the ``unpaired``
-schema). The reference is the model with its adapters switched off, as for DPO. An answer's
-implicit reward is ``r = log pi(y|x) - log ref(y|x)`` (summed over its tokens); the reference
-point ``z`` is the batch's estimate of ``KL(pi || ref)``: the mean of the same difference over
-mismatched pairs (each prompt with the next row's answer), clamped at 0 and without gradient,
-summed over every process's rows so that it does not depend on how many share the batch. With
-``beta`` and the weights ``desirable_weight`` / ``undesirable_weight``:
+"""Kahneman-Tversky Optimization (``method=kto``) over LoRA adapters, on unpaired examples
+(docs/trainer.md, "ORPO and KTO").
 
     desirable:    w_d * (1 - sigmoid(beta * (r - z)))
     undesirable:  w_u * (1 - sigmoid(beta * (z - r)))
 
-The metrics are the mean reward of each kind (``reward_chosen`` for desirable answers,
-``reward_rejected`` for undesirable ones), their margin, ``kl`` (z) and the share of answers on
-the right side of ``z`` (``reward_accuracy``).
+``r`` is an answer's log-probability ratio to the reference (the adapters switched off); the
+reference point ``z``, from mismatched pairs of the batch, is summed over every process's rows so
+that it does not depend on how many share the batch.
 """
 
 from __future__ import annotations
@@ -26,8 +19,8 @@ from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
 from torchtune.modules.peft import disable_adapter
 
-from tunepack.trainers import distributed
-from tunepack.trainers.dpo import answer_logps
+from tunepack.trainers.objectives.dpo import answer_logps
+from tunepack.trainers.process import distributed
 
 STAT_NAMES = (
     "tokens",

@@ -1,30 +1,16 @@
-"""Group Relative Policy Optimization (``method=grpo``) over LoRA adapters.
-
-Each micro-batch is a batch of prompts. For every prompt the policy (the model with its
-adapters) samples a group of ``num_generations`` answers, one token at a time with a KV cache;
-the rewards (``trainers/rewards.py``) score each answer, and an answer's advantage is its reward
-relative to its group: ``A = (r - mean(group)) / (std(group) + 1e-4)`` (the sample standard
-deviation). The loss per answer token ``t`` is the clipped policy objective with a KL penalty
-against the reference, the same model with its adapters switched off (no second copy;
-``method=grpo_full`` trains every weight and keeps a frozen copy of the base as its reference;
-with ``beta=0`` there is no KL term and no reference pass):
+"""Group Relative Policy Optimization (``method=grpo``, ``grpo_full``): the prompt dataset,
+sampling with a KV cache, the group advantages and the clipped objective with its KL penalty
+(docs/trainer.md, "Reinforcement learning from verifiable rewards").
 
     ratio = exp(logp_t - old_logp_t)
     loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon) * A) + beta * KL_t
     KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (an unbiased estimate, >= 0)
 
-averaged over each answer's tokens, then over the answers of the step. The answers are sampled
-by the policy being trained and used for one update, so ``old_logp`` is the policy's own
-log-probability without its gradient: the ratio is 1 and its gradient that of ``A * logp``;
-``epsilon`` bounds it where the sampling and training forward passes differ (the clip fraction
-in the metrics counts those tokens). Log-probabilities are those of the sampling distribution,
-the logits divided by ``temperature``.
-
-Sampling is seeded per answer, from the run's seed, the optimizer step, the prompt's row and the
-answer's place in its group, with a generator of its own: a resumed run samples exactly what the
-uninterrupted one did, and the answers to a prompt do not depend on how many processes share the
-batch. With several processes (FSDP2) every rank runs the same number of forward passes (no
-early stop once all of its answers have ended), so the collectives line up.
+The answers are used for one update, so ``old_logp`` is the policy's own log-probability without
+its gradient: the ratio is 1 and its gradient that of ``A * logp``. Log-probabilities are those
+of the sampling distribution, the logits divided by ``temperature``. With several processes
+(FSDP2) every rank runs the same number of forward passes (no early stop once all of its answers
+have ended), so the collectives line up.
 """
 
 from __future__ import annotations
@@ -41,8 +27,8 @@ from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.peft import disable_adapter
 
 from tunepack.core.errors import ConflictError
-from tunepack.trainers import rewards, vocab_loss
-from tunepack.trainers.rewards import Sample, Weighted
+from tunepack.trainers.objectives import rewards, vocab_loss
+from tunepack.trainers.objectives.rewards import Sample, Weighted
 
 _STD_FLOOR = 1e-4  # added to a group's reward standard deviation (all-equal groups: A = 0)
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step, row, answer) over the generator's seeds

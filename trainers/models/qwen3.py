@@ -16,7 +16,7 @@ rows in the order torchtune's Qwen 2 RoPE uses, so no permutation). ``Qwen3HFChe
 torchtune's HF checkpointer with the Qwen 2 conversion extended by those two keys, both ways.
 
 Builders take no user input: the catalog (runtimes/catalog.py) maps model names to these
-functions, and the trainer builds them through ``tunepack.trainers.builders.build``.
+functions, and the trainer builds them through ``tunepack.trainers.models.builders.build``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from torchtune.modules import (
 from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import QWEN3_CONTEXT, QWEN3_HEAD_DIM, QWEN3_SIZES, QWEN3_VOCAB
-from tunepack.trainers.decoder_parts import (
+from tunepack.trainers.models.decoder_parts import (
     attention_projections,
     gated_mlp,
     linear,
@@ -91,7 +91,7 @@ def _decoder(
     dense_layers=(),
     **lora_args,
 ) -> TransformerDecoder:
-    # With ``sparse_mlp`` (Qwen3-MoE, trainers/qwen3_moe.py), the MLP of every layer but
+    # With ``sparse_mlp`` (Qwen3-MoE, trainers/models/qwen3_moe.py), the MLP of every layer but
     # ``dense_layers`` is ``sparse_mlp()``.
     head_dim = head_dim or embed_dim // num_heads
     rope = Qwen2RotaryPositionalEmbeddings(dim=head_dim, max_seq_len=max_seq_len, base=rope_base)

@@ -1,17 +1,10 @@
 """Odds Ratio Preference Optimization (``method=orpo``) over LoRA adapters: preference tuning
-without a reference model.
+without a reference model (docs/trainer.md, "ORPO and KTO").
 
-Batches are DPO's (``trainers/dpo.py``: the chosen conversations, then the rejected ones, padded
-together); one forward pass gives the mean log-probability per answer token of each answer,
-``l = log p(y|x) / |y|``, and its log-odds ``log(p / (1 - p)) = l - log(1 - exp(l))``. The loss
-per pair is the chosen answer's negative log-likelihood (mean per token, as supervised tuning)
-plus ``beta`` times the odds-ratio term:
+Batches are DPO's (``trainers/objectives/dpo.py``); one forward pass gives each answer's mean
+log-probability per token ``l`` and its log-odds ``l - log(1 - exp(l))``:
 
     loss = -l_chosen - beta * log sigmoid(log_odds(chosen) - log_odds(rejected))
-
-The rewards in the metrics are ``beta * l`` of each answer (ORPO's reference-free rewards); the
-margin and accuracy compare them per pair, as DPO's do; ``log_odds_ratio`` and ``nll`` are the
-two terms.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
-from tunepack.trainers.dpo import answer_logps
+from tunepack.trainers.objectives.dpo import answer_logps
 
 STAT_NAMES = ("tokens", "reward_chosen", "reward_rejected", "correct", "log_odds_ratio", "nll")
 

@@ -4,7 +4,7 @@ A row is ``{"messages": [{"role", "content": [{"type": "text", "text"} | {"type"
 "images": ["images/<sha256>.png", ...]}``, its images stored in the dataset directory beside the
 row files. For each row:
 
-- the turns are laid out in the model's chat format (``trainers/prompt_format.py``,
+- the turns are laid out in the model's chat format (``trainers/data/prompt_format.py``,
   ``llama3.2-vision``: ``<|image|>`` where each image part is, as the published template places
   it), prompt tokens masked from the loss unless ``train_on_input``;
 - each image is opened with Pillow and cut into tiles by torchtune's ``CLIPImageTransform`` with
@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
 from tunepack.core.errors import BadDatasetError, BadModelError, ConflictError
-from tunepack.trainers.prompt_format import IMAGE_TOKEN, Turn, render
+from tunepack.trainers.data.prompt_format import IMAGE_TOKEN, Turn, render
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 # transformers' MllamaImageProcessor defaults (OpenAI CLIP's statistics), where a checkpoint's

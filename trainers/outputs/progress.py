@@ -1,10 +1,8 @@
-"""How far a training run has come: the recipe's ``RunProgress``.
+"""How far a training run has come: the recipe's ``RunProgress``, updated by the loop, saved in
+every checkpoint's manifest, read back on resume and reported in ``result.json``.
 
-One record, read and written by the three places that need the whole of it: the training loop
-updates it, every checkpoint's manifest saves it (``to_manifest``) and a resumed run starts from
-it (``from_manifest``), and ``result.json`` reports it (the recipe's ``save``). The manifest's
-keys are a file format: checkpoints written by earlier versions must still resume, hence the
-defaults for the keys added later.
+The manifest's keys are a file format: checkpoints written by earlier versions must still
+resume, hence the defaults for the keys added later.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What tunepack's own decoder families (trainers/qwen3.py, qwen3_moe.py, gemma3.py) share.
+"""What tunepack's own decoder families (trainers/models/qwen3.py, qwen3_moe.py, gemma3.py) share.
 
 - ``sized``: a published size's full and LoRA builders (``qwen3_8b``, ``lora_qwen3_8b``), which
   only pass the catalog's shape of that size to the family's shape-taking builders;

@@ -3,8 +3,8 @@
 A custom runtime (runtimes/custom.py) cannot assume the family's torchtune tokenizer files: a
 fine-tuned or re-trained checkpoint brings its own vocabulary, in the Hugging Face fast-tokenizer
 format. ``CheckpointTokenizer`` encodes text with it (the ``tokenizers`` library, as torchtune
-0.6.1's ``HuggingFaceBaseTokenizer`` does) and ``trainers/prompt_format.FormattedTokenizer`` lays
-conversations out in the family's chat format on top, naming the format's special tokens by
+0.6.1's ``HuggingFaceBaseTokenizer`` does) and ``trainers/data/prompt_format.FormattedTokenizer``
+lays conversations out in the family's chat format on top, naming the format's special tokens by
 their text.
 
 Unlike ``HuggingFaceBaseTokenizer``, whose ``encode(add_bos=False)`` still returns the BOS that a

@@ -1,19 +1,8 @@
 """What a training run leaves in its output directory, written in one place.
 
-The recipe (``trainers/recipe.py``) trains; at the end it hands the weights here:
-
-- ``adapter/`` (LoRA family): a PEFT adapter, ``adapter_model.safetensors`` in each family's
-  Hugging Face layout (``trainers/peft_export.py``) and ``adapter_config.json``;
-- ``merged/`` (LoRA family, ``merge=true``): the adapter folded into a fresh copy of the base;
-- ``model/`` (full fine-tuning): a Hugging Face model, sharded like the base checkpoint;
-- ``result.json``: what the run did and what it published;
-- ``.best/`` (``keep_best=true``): the weights of the best validation loss so far, kept during
-  training and published instead of the last step's.
-
-Every directory is built under a staging name and renamed into place
-(``tunepack.core.durable.publish_dir``), so a reader never sees half of one, and a full disk is
-the one-line ``DiskFullError``. The functions take what they need (state dicts, the config, the
-paths), not the recipe; all of them but ``gather_state`` run on rank 0 only.
+The functions take what they need (state dicts, the config, the paths), not the recipe, so the
+result's layout (docs/trainer.md, "Result layout") is written here alone; all of them but
+``gather_state`` run on rank 0 only.
 """
 
 from __future__ import annotations
@@ -36,11 +25,12 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 from tunepack.core import durable
 from tunepack.core.workspace import ADAPTER_DIR, FULL_MODEL_DIR, MERGED_DIR, RESULT_FILE
 from tunepack.runtimes import methods
-from tunepack.trainers import checkpoint, moe
 from tunepack.trainers.config import result_digest, result_identity
-from tunepack.trainers.peft_export import export_adapter, export_mllama_adapter
+from tunepack.trainers.models import moe
+from tunepack.trainers.outputs import checkpoint
+from tunepack.trainers.outputs.peft_export import export_adapter, export_mllama_adapter
 
-MLLAMA = "MLLAMA"  # trainers/mllama.py's checkpoint model type
+MLLAMA = "MLLAMA"  # trainers/models/mllama.py's checkpoint model type
 
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
@@ -268,7 +258,7 @@ def write_result(
         "artifact": str(artifact),
         "merged_model": str(output_dir / MERGED_DIR) if cfg.merge else None,
         "trainer_args": OmegaConf.to_container(cfg.trainer_args),
-        # The chat format it was trained in (trainers/prompt_format.py): generate() and
+        # The chat format it was trained in (trainers/data/prompt_format.py): generate() and
         # the vLLM manifest prompt the model the same way.
         "chat_template": cfg.tokenizer.get("chat_template"),
         "system_prompt": cfg.tokenizer.get("system_prompt"),

@@ -109,8 +109,8 @@ from tunepack.runtimes.mllama_config import (
     fusion_positions,
     mllama_builder_kwargs,
 )
-from tunepack.trainers import hf_shards
-from tunepack.trainers.decoder_parts import (
+from tunepack.trainers.models import hf_shards
+from tunepack.trainers.models.decoder_parts import (
     attention_projections,
     gated_mlp,
     linear,

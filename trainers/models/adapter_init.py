@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
-from tunepack.trainers.moe import LoRAExperts
+from tunepack.trainers.models.moe import LoRAExperts
 
 # Wrappers that add a level to module names (activation checkpointing, torch.compile).
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")

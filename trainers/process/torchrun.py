@@ -9,7 +9,7 @@ failed worker.
 
 import sys
 
-from tunepack.trainers import noise
+from tunepack.trainers.process import noise
 
 
 def main(argv: list[str]) -> int:

@@ -1,20 +1,10 @@
-"""Direct Preference Optimization (``method=dpo``) over LoRA adapters.
+"""Direct Preference Optimization (``method=dpo``) over LoRA adapters; the losses and metrics:
+docs/trainer.md, "Preference tuning".
 
-The policy is the model with its LoRA adapters; the reference is the same model with the
-adapters switched off (``disable_adapter``), so no second copy of the weights is held. Each
-batch holds the chosen conversations then the rejected ones, padded together; one forward pass
-with the adapters off (no gradient) and one with them on give the log-probability of every
-answer under the reference and the policy. With ``h = (policy_chosen - policy_rejected) -
-(reference_chosen - reference_rejected)``, the loss per pair is
-
-- ``sigmoid`` (the DPO paper): ``-log sigmoid(beta * h)``;
-- ``hinge`` (SLiC / RSO): ``max(0, 1 - beta * h)``;
-- ``ipo`` (IPO): ``(h - 1 / (2 * beta))**2`` on log-probabilities averaged per answer token, as
-  the IPO paper defines them (the others sum them).
-
-The implicit rewards are ``beta * (policy - reference)`` of each answer; their margin (chosen
-minus rejected) and accuracy (the share of pairs whose chosen reward is higher) go to the
-metrics next to the loss.
+The reference is the model with its adapters switched off (``disable_adapter``), so no second
+copy of the weights is held. Each batch holds the chosen conversations then the rejected ones,
+padded together: one forward pass with the adapters off (no gradient) and one with them on give
+every answer's log-probability under the reference and the policy.
 """
 
 from __future__ import annotations

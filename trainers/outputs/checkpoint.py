@@ -1,22 +1,10 @@
 """Resumable training checkpoints: complete or absent, coordinated across ranks.
 
-Layout under the checkpoint root (``/workspace/checkpoints`` in a Pod)::
-
-    step-00000040/
-        .metadata, __0_0.distcp, ...  trainable weights + optimizer (torch.distributed.checkpoint)
-        rank-00000.pt ...             each rank's RNG states
-        trainer.pt                    LR scheduler state
-        manifest.json                 written last: step, data position, counters, run digest,
-                                      and every other file's size and sha256
-
-Every rank writes into ``.step-00000040.partial/``; after a barrier rank 0 writes the manifest and
-renames the directory into place. A rename is atomic, so a directory named ``step-*`` is always
-complete, whatever killed the run and when. Only trainable parameters are saved (the adapter for
-the LoRA family): the frozen base is re-read from the model directory on resume.
-
-A checkpoint damaged afterwards (a truncated, deleted or altered file, an unreadable manifest, a
-missing random state) fails verification before it is loaded: it is set aside as
-``.corrupt-step-00000040`` (kept for inspection, never loaded again) and the next older one is used.
+Under the checkpoint root, ``step-NNNNNNNN/`` holds the trainable weights and optimizer
+(torch.distributed.checkpoint files), ``rank-NNNNN.pt`` (each rank's RNG states),
+``trainer.pt`` (the LR scheduler) and, written last, ``manifest.json`` (the progress, the run's
+identity, every other file's size and sha256). Why each rule (the ``.partial`` directory
+renamed into place, verification, ``.corrupt-*``): docs/trainer.md, "Checkpoints and resume".
 """
 
 from __future__ import annotations
@@ -40,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tunepack.core import durable
-from tunepack.trainers import distributed
-from tunepack.trainers.distributed import Topology
+from tunepack.trainers.config import identity_changes
+from tunepack.trainers.process import distributed
+from tunepack.trainers.process.distributed import Topology
 
 log = logging.getLogger("tunepack.trainer")
 
@@ -153,6 +142,28 @@ def choose(root: Path, digest: str) -> tuple[Path | None, dict | None]:
             return path, None
         set_aside(path, why)
     return None, other
+
+
+def find_or_clear(root: Path, digest: str, identity: dict, *, resume: bool) -> Path | None:
+    """Rank 0: the checkpoint to resume from, or None after clearing the way for a fresh run
+    (``identity``: the run's, to say why another run's checkpoints do not fit)."""
+    if resume:
+        found, other = choose(root, digest)
+        if found is not None:
+            return found
+        why = (
+            identity_changes(other.get("identity"), identity, "checkpoint")
+            if other is not None
+            else "no checkpoint of this run verifies"
+        )
+    else:
+        why = "resume=false"
+    # A fresh run: checkpoints of another identity (or resume=false) would only confuse the
+    # next restart's choice, so they go (damaged ones were set aside, not removed).
+    if complete_checkpoints(root):
+        log.info("%s: starting fresh, removing earlier checkpoints under %s", why, root)
+        clear(root)
+    return None
 
 
 def clear(root: Path) -> None:

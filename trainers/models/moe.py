@@ -28,8 +28,8 @@ LoRA on the experts (``LoRAExperts``, with ``lora_mlp=true``) gives each expert 
 pair on the fused gate/up projection (one pair whose output spans both, as transformers' fused
 ``gate_up_proj`` holds them) and one on the down projection: exactly what PEFT's
 ``target_parameters`` puts on transformers' ``Qwen3MoeExperts``, so the exported adapter loads
-there (``trainers/peft_export.py``). As in PEFT, whose wrapper adds the update to the weights, the
-experts' adapters take no dropout and no DoRA; the router stays frozen.
+there (``trainers/outputs/peft_export.py``). As in PEFT, whose wrapper adds the update to the
+weights, the experts' adapters take no dropout and no DoRA; the router stays frozen.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
-"""``compile=auto``: compile the model's layers when the planned run amortizes the compilation.
+"""``compile=auto``: compile the model's layers when the planned run amortizes the compilation
+(docs/trainer.md, "Throughput").
 
-torch.compile costs a fixed time before the first step (the layers' graphs, compiled once and
-reused by every layer of the same shape; one recompilation when the sequence length first changes,
-after which the length is a dynamic dimension) and then saves a fraction of every step. It pays
-when ``planned training time x saving > compile time``. The planned training time is estimated
-before the model is built, from what is known then: the examples' lengths, the steps, the model's
-parameters, and the device's measured matmul rate (a fraction of a second to measure).
-
-The constants:
-- CPU, measured (benchmarks/side_by_side.py, ``tunepack-compiled`` against ``tunepack``, the
-  issue's 58.7M-parameter Llama 3 workload, 1 thread, 2-core machine under load): the first two
-  steps took about 60 s each (the static graphs, then the dynamic-length ones), and the steps after
-  them used 10% less CPU time per token than eager ones on a quiet machine (4% under load). Much
-  of what compilation used to save on CPU was the elementwise work over the vocabulary, which the
-  fused loss (vocab_loss.py) no longer does; so on CPU compilation pays for runs of an hour or
-  more.
-- GPU, measured once (benchmarks/gpu_check.py on one H100 80GB, torch 2.11, 2026-11-26;
-  docs/gpu.md): a Llama 3.2 1B-shaped LoRA run in bf16 spent 17.2 s compiling and then took
-  29% less time per step (0.244 s against 0.344 s). Until then these were guesses (90 s, 10%).
-  The constants are rounded towards not compiling (20 s, 25%): a larger model's step is more
-  matmul, which compilation does not speed up, and one measurement on one card is a thin base.
-
-The choice made when a run starts is kept in its checkpoints, so a resumed run computes exactly
-as it did before the interruption whatever the clock says the second time.
+torch.compile costs a fixed time before the first step and then saves a fraction of every step;
+it pays when ``planned training time x saving > compile time``, the planned time estimated before
+the model is built (the examples' lengths, the steps, the parameters, the device's measured matmul
+rate). The choice is kept in the run's checkpoints, so a resumed run computes exactly as before.
 """
 
 from __future__ import annotations
@@ -39,7 +21,15 @@ class Cost:
     saving: float  # the fraction of each step's time compilation saves
 
 
+# CPU, measured (benchmarks/side_by_side.py, the 58.7M-parameter Llama 3 workload, 1 thread, a
+# 2-core machine under load): the first two steps took about 60 s each (the static graphs, then the
+# dynamic-length ones), the steps after them 10% less CPU time per token (4% under load); the fused
+# loss (objectives/vocab_loss.py) already does the elementwise work compilation used to save.
 CPU = Cost(compile_s=120.0, saving=0.08)
+# GPU, measured once (benchmarks/gpu_check.py, one H100 80GB, torch 2.11; docs/gpu.md): 17.2 s
+# compiling, then 29% less time per step for a 1B LoRA run in bf16. Rounded towards not compiling:
+# a larger model's step is more matmul, which compilation does not speed up, and one measurement
+# on one card is a thin base.
 GPU = Cost(compile_s=20.0, saving=0.25)
 # Compile only with a clear margin: the estimate of the training time is rough.
 MARGIN = 2.0

@@ -1,12 +1,9 @@
-"""Experiment tracking: train and validation metrics sent to TensorBoard, MLflow or W&B.
+"""Experiment tracking: metrics sent to TensorBoard, MLflow or W&B (docs/trainer.md,
+"Experiment tracking").
 
-``tracker=`` names one entry of a fixed allowlist; this module maps it to torchtune's metric logger
-for that tool, so user input never names a Python object. Only rank 0 tracks. Credentials come
-from the environment only (``MLFLOW_TRACKING_TOKEN`` / ``..._USERNAME`` / ``..._PASSWORD``,
-``WANDB_API_KEY``; on a cluster a Secret reference in the TrainJob's env), never from arguments.
-
-A tracker is a bystander: when it fails (server down, bad URI, missing credentials) the run
-prints one warning line and trains on without it.
+``tracker=`` names one entry of a fixed allowlist mapped here to torchtune's metric logger, so
+user input never names a Python object. A tracker is a bystander: when it fails the run prints
+one warning line and trains on without it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from tunepack.trainers import moe
+from tunepack.trainers.models import moe
 
 # torchtune module path (inside a layer) -> HF module path, for unfused families.
 _MODULES = {
@@ -175,7 +175,7 @@ def _part_rows(module: str, hf_config: dict, n_heads: int, n_kv: int, head_dim: 
     return hf_config["intermediate_size"]  # mlp.w1 (gate) and mlp.w3 (up)
 
 
-# --- Llama 3.2 Vision (trainers/mllama.py) -------------------------------------------------------
+# --- Llama 3.2 Vision (trainers/models/mllama.py) ------------------------------------------------
 
 _MLLAMA_KEY = re.compile(
     r"^decoder\.layers\.(\d+)\.(fusion_layer\.)?(.+)\.(lora_a|lora_b|magnitude)(?:\.weight)?$"
@@ -201,7 +201,7 @@ def export_mllama_adapter(
     ``target_modules`` is a pattern that names only the adapted modules, so the vision tower's
     same-named projections stay untouched."""
     from tunepack.runtimes.mllama_config import fusion_positions
-    from tunepack.trainers.mllama import PROJECTOR_ADAPTER
+    from tunepack.trainers.models.mllama import PROJECTOR_ADAPTER
 
     text = hf_config["text_config"]
     n_heads, n_kv = text["num_attention_heads"], text["num_key_value_heads"]

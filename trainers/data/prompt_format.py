@@ -1,19 +1,9 @@
 """The chat format a run trains in: each family's published Hugging Face chat template.
 
-torchtune 0.6.1's tokenizers lay conversations out in their own way (Llama 2 and Mistral without
-``[INST]``, Gemma without turn markers, Qwen without its default system prompt, Llama 3.1 without
-its dated system header, an end-of-text token after every conversation, ...), so a model trained
-through them would be prompted one way in training and another by vLLM or transformers, which
-apply the chat template of the model's ``tokenizer_config.json``. tunepack trains in that
-template instead: ``FormattedTokenizer`` wraps the family's torchtune tokenizer (which still
-encodes the text) and lays each conversation out as the template does, token for token
-(tests/integration/test_prompt_format.py renders the same conversations with transformers'
-``apply_chat_template`` on every family's tiny model and compares the ids).
-
-A format is a name (``runtimes/chat_templates.py`` holds the published Jinja of each); a run may
-pick another format of the model's group (``chat_template=``) and a default system prompt
-(``system_prompt=``), both validated by ``trainers/args.py``. Formats are Python here: no
-template text from a user or a model repository is ever executed.
+``FormattedTokenizer`` wraps the family's torchtune tokenizer (which still encodes the text) and
+lays each conversation out as the template does, token for token; why, and which formats:
+docs/trainer.md, "Chat format". Formats are Python here: no template text from a user or a model
+repository is ever executed.
 
 Loss: as torchtune's own tokenizers do, a turn is trained whole (its role markers, its content
 and the marker that ends it, so the model learns to stop) when its message is not masked: the
@@ -541,7 +531,7 @@ def build_tokenizer(
         raise UnknownRuntimeError(f"unknown model family {family!r}")
     fmt = check_chat_template(family, chat_template)
     if checkpoint_tokenizer:
-        from tunepack.trainers.checkpoint_tokenizer import CheckpointTokenizer
+        from tunepack.trainers.data.checkpoint_tokenizer import CheckpointTokenizer
 
         base = CheckpointTokenizer(files["path"], max_seq_len=max_seq_len)
     else:

@@ -1,26 +1,9 @@
-"""The rewards ``method=grpo`` scores its sampled answers with.
-
-A fixed set of built-ins, picked by name with ``rewards=name[:weight],...`` (the answer's reward
-is the weighted sum):
-
-- ``exact``: 1 when the answer equals the row's ``answer`` once both are stripped of surrounding
-  whitespace, else 0;
-- ``match``: the same after normalising both (case folded, whitespace runs made one space,
-  surrounding punctuation dropped);
-- ``numeric``: 1 when the last number in the answer equals the last number in the row's
-  ``answer`` (``1,000`` is 1000, ``7.0`` is 7), else 0;
-- ``format``: 1 when ``re.search(reward_pattern, answer)`` finds a match (anchor it with ``^``
-  and ``$`` to hold the whole answer to it), else 0;
-- ``length``: minus the answer's share of ``max_new_tokens`` (0 for an empty answer, -1 for one
-  cut at the limit): a penalty that favours short answers.
-
-Other rewards come only from plugins that the image's owner installs: a Python package that
-declares an entry point in the group ``tunepack.rewards`` (``name = "package.module:function"``;
-the function takes a ``Sample`` and returns a float). A trainer argument only ever names an
-installed plugin; it never names a Python object.
+"""The rewards ``method=grpo`` scores its sampled answers with: the built-ins and the plugins
+(docs/trainer.md, "Reinforcement learning from verifiable rewards").
 
 Standard library only: the argument vocabulary (``tunepack.trainers.args``) parses the names and
-weights, in the initializer images too.
+weights, in the initializer images too. A trainer argument only ever names a built-in or an
+installed plugin (entry point group ``tunepack.rewards``), never a Python object.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""What a step minimizes: the fused next-token loss and the preference and RL objectives."""
