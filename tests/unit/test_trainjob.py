@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-import types
 
 import pytest
 import yaml
@@ -20,19 +17,6 @@ from tunepack.jobs.trainjob import (
 )
 from tunepack.runtimes import catalog, host
 from tunepack.runtimes.validate import validate_trainjob
-
-ARGS_MODULE = "tunepack.trainers.args"
-
-
-@pytest.fixture(autouse=True)
-def real_trainer_args(monkeypatch) -> bool:
-    """Stand in for the trainer's argument parser if it has not landed yet (accepts anything)."""
-    if importlib.util.find_spec(ARGS_MODULE) is not None:
-        return True
-    stub = types.ModuleType(ARGS_MODULE)
-    stub.parse_trainer_args = lambda args, entry: None
-    monkeypatch.setitem(sys.modules, ARGS_MODULE, stub)
-    return False
 
 
 def _build(**overrides) -> dict:
@@ -314,9 +298,7 @@ def test_bad_labels_and_queues_are_named(overrides, message):
         _build(**overrides)
 
 
-def test_trainer_args_are_checked_against_the_vocabulary(real_trainer_args):
-    if not real_trainer_args:
-        pytest.skip(f"{ARGS_MODULE} is not there yet")
+def test_trainer_args_are_checked_against_the_vocabulary():
     with pytest.raises(UnknownKeyError, match="lora_rnk"):
         _build(trainer_args=["method=lora", "lora_rnk=8"])
     with pytest.raises(UnknownKeyError):
