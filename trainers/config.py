@@ -194,29 +194,29 @@ def _without_workspace_paths(data: dict) -> dict:
     if files:
         roots[str(Path(files[0]).parent)] = "<dataset>"
 
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [strip(v) for v in value]
-        if isinstance(value, str):
-            for root, name in roots.items():
-                if value == root or value.startswith(root + "/"):
-                    return name + value[len(root) :]
+    def strip(value: str) -> str:
+        for root, name in roots.items():
+            if value == root or value.startswith(root + "/"):
+                return name + value[len(root) :]
         return value
 
-    return strip(data)
+    return _map_strings(data, strip)
 
 
-def _without_rooms(value):
+def _without_rooms(data: dict) -> dict:
     """Every ``tunepack.trainers.<room>.<module>...`` name in the config as
     ``tunepack.trainers.<module>...``."""
+    return _map_strings(data, lambda value: _IN_A_ROOM.sub("tunepack.trainers.", value))
+
+
+def _map_strings(value, change):
+    """``value`` (a config's dicts, lists and scalars) with ``change`` applied to every string."""
     if isinstance(value, dict):
-        return {k: _without_rooms(v) for k, v in value.items()}
+        return {k: _map_strings(v, change) for k, v in value.items()}
     if isinstance(value, list):
-        return [_without_rooms(v) for v in value]
+        return [_map_strings(v, change) for v in value]
     if isinstance(value, str):
-        return _IN_A_ROOM.sub("tunepack.trainers.", value)
+        return change(value)
     return value
 
 
