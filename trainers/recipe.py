@@ -63,13 +63,13 @@ from tunepack.trainers.config import (
 )
 from tunepack.trainers.data import batching, vision_data
 from tunepack.trainers.data.batching import real_positions
-from tunepack.trainers.models import adapter_init, mllama, moe
+from tunepack.trainers.models import adapter_init, lora_product, mllama, moe
 from tunepack.trainers.objectives import dpo, grpo, kto, orpo, vocab_loss
 from tunepack.trainers.outputs import artifacts, checkpoint, metrics_file
 from tunepack.trainers.outputs.progress import RunProgress
 from tunepack.trainers.outputs.tracking import Tracker
 from tunepack.trainers.outputs.trainjob_status import StatusReporter
-from tunepack.trainers.process import compiling, distributed
+from tunepack.trainers.process import allocator, compiling, distributed
 
 log = logging.getLogger("tunepack.trainer")
 TEXT_BUILDER = DATASET_BUILDERS["text"]  # torchtune keeps max_seq_len - 1 tokens of a text row
@@ -175,6 +175,8 @@ class FineTuneRecipe:
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
+        if self.device.type == "cpu":  # steps reuse their large blocks (process/allocator.py)
+            allocator.keep_large_blocks()
         training.set_seed(seed=cfg.seed)  # seed + rank on each rank, as torchtune does
         if cfg.get("deterministic") and self.device.type == "cuda":
             _deterministic_kernels()
@@ -270,6 +272,7 @@ class FineTuneRecipe:
             model = config.instantiate(cfg.model)
         if self.is_lora:
             set_trainable_params(model, get_adapter_params(model))
+        self._fuse_lora(model)
         missing, unexpected = model.load_state_dict(base_state, strict=not self.is_lora)
         del base_state
         self._check_loaded(model, missing, unexpected)
@@ -277,6 +280,11 @@ class FineTuneRecipe:
         if self.compiled:
             training.compile_model(model, verbose=self.topo.is_main)
         return model
+
+    def _fuse_lora(self, model: nn.Module) -> None:
+        """LoRA's product in one autograd function where it was measured to pay (the CPU)."""
+        if self.is_lora and lora_product.applies(self.device):
+            lora_product.fuse(model)
 
     def _setup_sharded_model(self, base_state: dict[str, torch.Tensor]) -> nn.Module:
         """FSDP2: built on the meta device, sharded, then each rank fills only its shard, so no
@@ -286,6 +294,7 @@ class FineTuneRecipe:
             model = config.instantiate(cfg.model)
         if self.is_lora:
             set_trainable_params(model, get_adapter_params(model))
+        self._fuse_lora(model)
         self._recompute_layers(model)
         if self.compiled:
             training.compile_model(model, verbose=self.topo.is_main)
