@@ -20,6 +20,11 @@ As a program, it runs one benchmarked process:
 With ``$TUNEPACK_BENCH_WORKLOAD`` (the benchmark workload's fields as JSON) its model is added to
 tunepack's catalog in this process first, so ``TUNEPACK_MODEL`` can name it; with the probe file
 set, tunepack's recipe collates through the probe.
+
+With ``$TUNEPACK_BENCH_PROFILE`` (a path) and ``$TUNEPACK_BENCH_PROFILE_AFTER`` (a number of
+batches), torch's profiler records every operator from the batch after that many to the end of
+the process (the steady steps, not the set-up), and the path gets one JSON line per operator and
+input shapes: its name, shapes, self CPU microseconds and calls.
 """
 
 from __future__ import annotations
@@ -47,6 +52,39 @@ def _positions(batch) -> int:
     return int(ids.numel())
 
 
+class _Profile:
+    """torch's profiler over the steady steps (module docstring), started by the probe."""
+
+    profiler = None
+    batches = 0
+
+    @classmethod
+    def batch_collated(cls) -> None:
+        cls.batches += 1
+        after = os.environ.get("TUNEPACK_BENCH_PROFILE_AFTER")
+        if cls.profiler is None and after is not None and cls.batches == int(after) + 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            cls.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            cls.profiler.start()
+
+    @classmethod
+    def write(cls) -> None:
+        path = os.environ.get("TUNEPACK_BENCH_PROFILE")
+        if cls.profiler is None or not path:
+            return
+        cls.profiler.stop()
+        with open(path, "w") as out:
+            for op in cls.profiler.key_averages(group_by_input_shape=True):
+                record = {
+                    "name": op.key,
+                    "shapes": op.input_shapes,
+                    "self_cpu_us": op.self_cpu_time_total,
+                    "calls": op.count,
+                }
+                out.write(json.dumps(record) + "\n")
+
+
 def counting(collate):
     """``collate``, recording each batch it builds in ``$TUNEPACK_BENCH_PROBE``."""
     path = os.environ.get("TUNEPACK_BENCH_PROBE")
@@ -54,6 +92,7 @@ def counting(collate):
         return collate
 
     def probed(examples, *args, **kwargs):
+        _Profile.batch_collated()
         batch = collate(examples, *args, **kwargs)
         record = {
             "cpu_s": time.process_time(),
@@ -98,14 +137,17 @@ def main(argv: list[str]) -> None:
     kind, target, *args = argv
     _register_workload()
     sys.argv = [target, *args]
-    if kind == "module":
-        if target == "tunepack.trainers.launch":
-            _probe_tunepack()
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    elif kind == "script":
-        runpy.run_path(target, run_name="__main__")
-    else:
+    if kind not in ("module", "script"):
         raise SystemExit(f"sbs_probe: kind must be module or script, got {kind!r}")
+    try:
+        if kind == "module":
+            if target == "tunepack.trainers.launch":
+                _probe_tunepack()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    finally:
+        _Profile.write()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python benchmarks/side_by_side.py                # the issue's workload (long at 1 thread)
     python benchmarks/side_by_side.py --steps 6      # the same workload, fewer steps
     python benchmarks/side_by_side.py --size smoke   # seconds per trainer: checks the harness
+    python benchmarks/side_by_side.py --profile      # also: where tunepack's step spends its time
 
 Trainers (each a fresh process, one CPU thread, the same model, rows and settings):
 
@@ -219,6 +220,61 @@ def attention_span(lengths: list[int], max_seq_len: int) -> float:
     return sum(n * n for n in cut) / max(sum(cut), 1)
 
 
+# Where a step's time goes (--profile): each operator's time in one of these parts.
+PARTS = (
+    "frozen projections",
+    "vocabulary projection",
+    "LoRA's rank-wide products",
+    "attention",
+    "elementwise, norms, optimizer and the rest",
+)
+_MATMULS = {"aten::mm": 0, "aten::addmm": 1, "aten::addmm_": 1}  # where the two factors start
+
+
+def _op_flops(op: dict) -> float:
+    """The FLOPs an operator's shapes say it computed: 2 M K N for a matrix product; for
+    attention (causal, as the trainers run it) 2 B H S^2 D forward, twice that backward."""
+    shapes = op["shapes"]
+    if op["name"] in _MATMULS:
+        first = _MATMULS[op["name"]]
+        (m, k), (_, n) = shapes[first], shapes[first + 1]
+        return 2.0 * m * k * n * op["calls"]
+    if op["name"].startswith("aten::_scaled_dot_product") and shapes and len(shapes[0]) == 4:
+        b, h, q, d = shapes[0]
+        forward = 2.0 * b * h * q * shapes[1][2] * d  # QK^T and PV: 4 b h q k d, causal half
+        return forward * (2 if "backward" in op["name"] else 1) * op["calls"]
+    return 0.0
+
+
+def _part(op: dict, vocab: int, rank: int) -> str:
+    if op["name"].startswith("aten::_scaled_dot_product"):
+        return PARTS[3]
+    if op["name"] in _MATMULS:
+        first = _MATMULS[op["name"]]
+        dims = {d for shape in op["shapes"][first : first + 2] for d in shape}
+        if vocab in dims:
+            return PARTS[1]
+        return PARTS[2] if rank in dims else PARTS[0]
+    return PARTS[4]
+
+
+def breakdown(ops: list[dict], vocab: int, rank: int, peak_flops: float) -> list[dict]:
+    """The profiled steps' operator time by part: seconds, share, GFLOP and rate against the
+    peak. Only operators' own (self) time is counted, so nothing is counted twice."""
+    parts = {name: {"part": name, "s": 0.0, "flops": 0.0} for name in PARTS}
+    for op in ops:
+        part = parts[_part(op, vocab, rank)]
+        part["s"] += op["self_cpu_us"] / 1e6
+        part["flops"] += _op_flops(op)
+    total = sum(p["s"] for p in parts.values()) or 1.0
+    for p in parts.values():
+        p["share"] = p["s"] / total
+        rate = p["flops"] / p["s"] if p["s"] and p["flops"] else None
+        p["gflop_per_s"] = rate / 1e9 if rate else None
+        p["of_peak"] = rate / peak_flops if rate else None
+    return list(parts.values())
+
+
 # ----------------------------------------------------------------------------- runs
 def steady(records: list[dict], warmup: int, prefetch: int) -> dict:
     """CPU and wall seconds of the steps after ``warmup``, and their real tokens.
@@ -304,7 +360,9 @@ class Bench(RunDirs):
             return self._tunepack(name, TUNEPACK_MODES[name])
         return getattr(self, "_" + name.replace("-", "_"))(name)
 
-    def _tunepack(self, name: str, extra: tuple[str, ...] = ()) -> dict:
+    def _tunepack(
+        self, name: str, extra: tuple[str, ...] = (), profile: Path | None = None
+    ) -> dict:
         s, run = self.settings, self._run_dir(name)
         ws = run / "ws"
         ws.mkdir()
@@ -330,6 +388,9 @@ class Bench(RunDirs):
         ]
         probe = run / "probe.jsonl"
         env = {**self.env, "TUNEPACK_WORKSPACE": str(ws), "TUNEPACK_BENCH_PROBE": str(probe)}
+        if profile is not None:
+            env["TUNEPACK_BENCH_PROFILE"] = str(profile)
+            env["TUNEPACK_BENCH_PROFILE_AFTER"] = str(s.warmup)
         cmd = [sys.executable, PROBE, "module", "tunepack.trainers.launch", *args]
         usage = measure(cmd, env, run / "train.log")
         metrics = [
@@ -346,6 +407,13 @@ class Bench(RunDirs):
         result["metrics_fill"] = [m.get("fill") for m in steps]
         result["probe_fill"] = [r["real"] / r["positions"] for r in records]
         return result
+
+    def profile(self) -> list[dict]:
+        """One more run of tunepack's default, its steady steps under torch's profiler: the
+        time of each operator and input shapes (sbs_probe)."""
+        path = self.root / "profile.jsonl"
+        self._tunepack("tunepack-profiled", profile=path)
+        return read_records(path)
 
     def _torchtune_stock(self, name: str) -> dict:
         if self.tunepack_cfg is None:  # its config is derived from tunepack's
@@ -451,6 +519,12 @@ def render(report: dict) -> str:
         f"{flops['seq_len']:.0f} tokens) / this machine's {peak['flops_per_s'] / 1e9:.1f} GFLOP/s "
         f"peak ({peak['what']}, measured in this run)"
     )
+    if report.get("profile"):
+        lines += ["", "where tunepack's steady steps spend their time (one more run, profiled):"]
+        lines.append(f"{'part':<44}{'s':>7}{'share':>7}{'GFLOP/s':>9}{'of peak':>9}")
+        for p in report["profile"]:
+            rate = f"{p['gflop_per_s']:9.1f}{p['of_peak']:9.0%}" if p["gflop_per_s"] else ""
+            lines.append(f"{p['part']:<44}{p['s']:7.2f}{p['share']:7.0%}{rate}")
     v = report["versions"]
     lines.append(
         "versions: "
@@ -476,6 +550,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also run tunepack's default once under torch's profiler and show where its "
+        "steady steps spend their time, part by part, against the peak",
+    )
     add_run_arguments(parser, SYSTEMS)
     args = parser.parse_args(argv)
 
@@ -499,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     with scratch("tunepack-sbs-", args.keep) as root:
         bench = Bench(root, workload, settings, trl)
         rounds = run_rounds(bench, systems, args.rounds, log)
+        ops = bench.profile() if args.profile else []
         enc = _encoding(bench.model_dir)
         row_tokens = [
             sum(len(enc.encode(v)) for v in r.values())
@@ -534,6 +615,9 @@ def main(argv: list[str] | None = None) -> int:
             "loadavg_before": list(load_before),
             "loadavg_after": list(os.getloadavg()),
             "cpu_count": os.cpu_count(),
+            "profile": breakdown(ops, workload.vocab_size, settings.lora_rank, peak["flops_per_s"])
+            if ops
+            else None,
         }
     emit(render(report), report, args.json)
     return 0

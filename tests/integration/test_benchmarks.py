@@ -32,7 +32,7 @@ def test_side_by_side_smoke_report(tmp_path):
     done = run_benchmark(
         "side_by_side.py", "--size", "smoke", "--rounds", "1", "--trl", "if-ready",
         # Compiling takes minutes of CPU; the smoke run checks the harness, not compilation.
-        "--systems", ",".join(SMOKE_SYSTEMS), "--json", str(out),
+        "--systems", ",".join(SMOKE_SYSTEMS), "--json", str(out), "--profile",
     )  # fmt: skip
     report = json.loads(out.read_text())
     ran, skipped = report["systems"], report["skipped"]
@@ -67,6 +67,13 @@ def test_side_by_side_smoke_report(tmp_path):
         assert report["versions"][package], package
     assert report["parameters"] == dataclasses.replace(sbs_workload.SMOKE).entry().parameter_count
     assert len(report["loadavg_before"]) == 3
+    # --profile: the steady steps of one more run, by part; the projections ran and were timed.
+    parts = {p["part"]: p for p in report["profile"]}
+    assert list(parts) == list(side_by_side.PARTS)
+    assert sum(p["share"] for p in parts.values()) == pytest.approx(1.0)
+    for name in ("frozen projections", "vocabulary projection", "attention"):
+        assert parts[name]["s"] > 0 and parts[name]["gflop_per_s"] > 0, name
+    assert "where tunepack's steady steps spend their time" in done.stdout
 
 
 @pytest.mark.slow

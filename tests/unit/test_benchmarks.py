@@ -71,3 +71,28 @@ def test_steady_window_skips_warmup_and_follows_prefetch():
     # A loader one batch ahead stamps record k + 1 before step k.
     window = side_by_side.steady(stamps([0, 0, 1, 3, 6], [5, 6, 7, 8, 9]), warmup=1, prefetch=1)
     assert window == {"steps": 2, "cpu_s": 5, "wall_s": 5, "real": 6 + 7}
+
+
+def test_profile_breakdown_sorts_operators_into_parts_and_counts_their_flops():
+    def op(name, shapes, us=1_000_000, calls=1):
+        return {"name": name, "shapes": shapes, "self_cpu_us": us, "calls": calls}
+
+    ops = [
+        op("aten::mm", [[2048, 512], [512, 1536]], calls=2),  # a frozen projection, twice
+        op("aten::addmm_", [[2048, 1536], [2048, 8], [8, 1536]]),  # LoRA's rank-8 update
+        op("aten::mm", [[256, 512], [512, 32768]]),  # the vocabulary projection
+        op("aten::_scaled_dot_product_flash_attention_for_cpu", [[4, 8, 512, 64]] * 3),
+        op("aten::mul", [[4, 512, 1536], [4, 512, 1536]], us=500_000),
+    ]
+    parts = {p["part"]: p for p in side_by_side.breakdown(ops, 32768, 8, peak_flops=1e10)}
+    assert list(parts) == list(side_by_side.PARTS)
+    frozen = parts["frozen projections"]
+    assert frozen["flops"] == 2 * (2 * 2048 * 512 * 1536) and frozen["s"] == 1.0
+    assert frozen["of_peak"] == pytest.approx(frozen["flops"] / 1e10)
+    assert parts["LoRA's rank-wide products"]["flops"] == 2 * 2048 * 8 * 1536
+    assert parts["vocabulary projection"]["flops"] == 2 * 256 * 512 * 32768
+    # causal attention: QK^T and PV over half the query-key pairs
+    assert parts["attention"]["flops"] == 2 * 4 * 8 * 512 * 512 * 64
+    rest = parts["elementwise, norms, optimizer and the rest"]
+    assert rest["flops"] == 0 and rest["gflop_per_s"] is None
+    assert rest["share"] == pytest.approx(0.5 / 4.5)
