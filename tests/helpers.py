@@ -32,6 +32,21 @@ NF4_TINY = dataclasses.replace(
 )
 
 
+def small_decoder(build, num_layers: int, **kwargs):
+    """A small torchtune Llama 3 decoder (97-id vocabulary, width 32) from ``build`` (a plain or
+    LoRA builder; ``kwargs``: the LoRA builder's own arguments)."""
+    return build(
+        vocab_size=97,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        embed_dim=32,
+        max_seq_len=64,
+        intermediate_dim=64,
+        **kwargs,
+    )
+
+
 def run_program(module: str, env: dict[str, str], *args: str, timeout: int = 600, cwd=None):
     """Run a tunepack program as the local backend would: a separate Python process."""
     return subprocess.run(

@@ -15,6 +15,7 @@ from torchtune.models.llama3 import llama3
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.peft import LoRALinear
 
+from tests.helpers import small_decoder
 from tunepack.core.errors import BadInputError
 from tunepack.trainers.data.batching import (
     LengthGroupedSampler,
@@ -205,23 +206,10 @@ def test_the_bf16_loss_is_as_close_to_exact_as_the_plain_bf16_loss(rows):
         assert error <= max(2 * plain_error, 2**-8), (error, plain_error)
 
 
-def _decoder(build, num_layers: int):
-    """A small torchtune Llama 3 decoder (97-id vocabulary, width 32)."""
-    return build(
-        vocab_size=97,
-        num_layers=num_layers,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=32,
-        max_seq_len=64,
-        intermediate_dim=64,
-    )
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_decoder_returns_the_loss_of_the_counted_positions_with_the_same_gradients(tied):
     torch.manual_seed(0)
-    model = _decoder(llama3_2 if tied else llama3, num_layers=2)
+    model = small_decoder(llama3_2 if tied else llama3, num_layers=2)
     assert vocab_loss.supports(model)
     tokens = torch.randint(0, 97, (2, 12))
     labels = tokens.clone()
@@ -244,6 +232,6 @@ def test_a_decoder_returns_the_loss_of_the_counted_positions_with_the_same_gradi
 
 
 def test_lora_on_the_output_projection_keeps_the_plain_loss():
-    model = _decoder(llama3, num_layers=1)
+    model = small_decoder(llama3, num_layers=1)
     model.output = LoRALinear(32, 97, rank=4, alpha=8)
     assert not vocab_loss.supports(model)

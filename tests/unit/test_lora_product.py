@@ -10,6 +10,7 @@ import torch
 from torchtune.models.llama3_2 import lora_llama3_2
 from torchtune.modules.peft import DoRALinear, LoRALinear
 
+from tests.helpers import small_decoder
 from tunepack.trainers.models import lora_product
 from tunepack.trainers.models.lora_product import FusedLoRALinear
 from tunepack.trainers.process import allocator
@@ -86,16 +87,11 @@ def test_dropout_keeps_torchtunes_forward():
 
 def test_fuse_switches_the_plain_lora_layers_of_a_model_and_keeps_its_state_and_output():
     torch.manual_seed(0)
-    model = lora_llama3_2(
+    model = small_decoder(
+        lora_llama3_2,
+        num_layers=2,
         lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
         apply_lora_to_mlp=True,
-        vocab_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        embed_dim=32,
-        max_seq_len=32,
-        intermediate_dim=48,
         lora_rank=4,
         lora_alpha=8.0,
     )
@@ -103,7 +99,7 @@ def test_fuse_switches_the_plain_lora_layers_of_a_model_and_keeps_its_state_and_
         if isinstance(module, LoRALinear):
             torch.nn.init.normal_(module.lora_b.weight)
     plain = sum(type(m) is LoRALinear for m in model.modules())
-    tokens = torch.randint(0, 64, (2, 9))
+    tokens = torch.randint(0, 97, (2, 9))
     before, keys = model(tokens), list(model.state_dict())
     assert lora_product.fuse(model) == plain == 2 * 7  # q, k, v, output and the MLP's three
     assert not any(type(m) is LoRALinear for m in model.modules())
