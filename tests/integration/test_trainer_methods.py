@@ -12,12 +12,14 @@ import threading
 import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torchtune.modules.peft import LoRALinear
 
 from tests.helpers import NF4_TINY, TINY, losses_of, run_program, setup_recipe, trainer_config
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes.planner import Step
 from tunepack.tiny import write_tiny_model
 from tunepack.trainers.args import parse_trainer_args
+from tunepack.trainers.models.lora_product import FusedLoRALinear
 from tunepack.trainers.outputs.trainjob_status import StatusReporter
 from tunepack.trainers.process import compiling
 
@@ -262,6 +264,16 @@ def test_compile_auto_leaves_a_short_run_eager_and_its_resume_keeps_the_recorded
         output=tmp_path,
     )
     assert resumed.resumed_from == 2 and resumed.compiled is True
+
+
+def test_a_cpu_lora_run_computes_its_lora_layers_in_one_function(initialized_workspace, tmp_path):
+    """On the CPU the trainer switches every plain LoRA layer to FusedLoRALinear
+    (trainers/models/lora_product.py) before training, and the loss falls."""
+    recipe = train_in_process(initialized_workspace, tmp_path, ["max_steps=4"])
+    layers = [m for m in recipe.model.modules() if isinstance(m, LoRALinear)]
+    assert layers and all(type(m) is FusedLoRALinear for m in layers)
+    losses = losses_of(tmp_path)
+    assert losses[-1] < losses[0], losses
 
 
 def test_the_step_is_logged_recorded_and_kept_by_a_resume(initialized_workspace, tmp_path, caplog):
