@@ -74,21 +74,37 @@ def installed_runtimes(api, controlplane):
 @pytest.fixture
 def on_kwok(api):
     """Pods are scheduled to KWOK's fake nodes only (they complete at once)."""
-    api.cordon(executor=True)
+    api.cordon(executor=True, node=True)
     yield
-    api.cordon(executor=False)
+    api.cordon(executor=False, node=False)
 
 
 @pytest.fixture
 def on_executor(api):
     """Pods are scheduled to the executor's node only (they run for real)."""
-    api.cordon(kwok=True)
+    api.cordon(kwok=True, node=True)
     yield
-    api.cordon(kwok=False)
+    api.cordon(kwok=False, node=False)
 
 
-# The tiny model and dataset for the runs executed for real, in S3 (moto, on loopback) as a
-# cluster's users keep them: the pods read them with the credentials of the runtimes' default
+@pytest.fixture
+def on_node(api):
+    """Pods are scheduled to the real kubelet's node (they run for real, in tunepack's images
+    under containerd). Yields "kubelet", or "executor" where the tier has no real node
+    (``make test-cluster TIER_IMAGES=0``, or no root: tests/controlplane/netns.py): there the
+    executor's node runs them."""
+    if api.real_node() is None:
+        api.cordon(kwok=True)
+        yield "executor"
+        api.cordon(kwok=False)
+        return
+    api.cordon(kwok=True, executor=True)
+    yield "kubelet"
+    api.cordon(kwok=False, executor=False)
+
+
+# The tiny model and dataset for the runs executed for real, in S3 (moto, in the tier's network)
+# as a cluster's users keep them: the pods read them with the credentials of the runtimes' default
 # Secret, whether they run as processes or in tunepack's images (which see no host files).
 SOURCE_KEYS = {"AWS_ACCESS_KEY_ID": "AKIASOURCESTEST", "AWS_SECRET_ACCESS_KEY": "sources/secret/42"}
 
@@ -98,9 +114,11 @@ def s3_sources():
     import boto3
     from moto.server import ThreadedMotoServer
 
+    from tests.controlplane import netns
     from tunepack.tiny import write_tiny_dataset, write_tiny_model
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    # On the node IP when the tier has its own network: the real node's pods reach it there.
+    server = ThreadedMotoServer(ip_address=netns.NODE_IP if netns.inside() else "127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
     url = f"http://{host}:{port}"

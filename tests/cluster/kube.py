@@ -18,6 +18,7 @@ from kubernetes.client.exceptions import ApiException
 GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
 JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
 EXECUTOR_LABEL = "tunepack.dev/executor"
+NODE_LABEL = "tunepack.dev/node"  # the real kubelet's node (tests/controlplane/node.py)
 KWOK_LABEL = "type"
 
 
@@ -105,13 +106,28 @@ class Api:
             if err.status != 404:
                 raise
 
-    def cordon(self, *, executor: bool | None = None, kwok: bool | None = None) -> None:
-        for node in self.core.list_node().items:
-            labels = node.metadata.labels or {}
-            if executor is not None and labels.get(EXECUTOR_LABEL) == "true":
-                self.core.patch_node(node.metadata.name, {"spec": {"unschedulable": executor}})
-            if kwok is not None and labels.get(KWOK_LABEL) == "kwok":
-                self.core.patch_node(node.metadata.name, {"spec": {"unschedulable": kwok}})
+    def cordon(
+        self,
+        *,
+        executor: bool | None = None,
+        kwok: bool | None = None,
+        node: bool | None = None,
+    ) -> None:
+        """Mark each kind of node (un)schedulable: the executor's, KWOK's, the real kubelet's."""
+        for item in self.core.list_node().items:
+            labels = item.metadata.labels or {}
+            for wanted, matches in (
+                (executor, labels.get(EXECUTOR_LABEL) == "true"),
+                (kwok, labels.get(KWOK_LABEL) == "kwok"),
+                (node, labels.get(NODE_LABEL) == "kubelet"),
+            ):
+                if wanted is not None and matches:
+                    self.core.patch_node(item.metadata.name, {"spec": {"unschedulable": wanted}})
+
+    def real_node(self) -> str | None:
+        """The real kubelet's node, if the tier runs one."""
+        nodes = self.core.list_node(label_selector=f"{NODE_LABEL}=kubelet").items
+        return nodes[0].metadata.name if nodes else None
 
     # --- Trainer objects --------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def _local_image_id(image: str) -> str:
     return f"sha256:{done.stdout.strip()}"
 
 
-def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_executor, sources):
+def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_node, sources):
     client = _client(namespace)
     name = _train(namespace, sources, method="lora", epochs=2)
     job = client.wait_for_job_status(name, timeout=RUN_TIMEOUT)
@@ -104,17 +104,21 @@ def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_
     base = AutoModelForCausalLM.from_pretrained(_volume(api, namespace, name) / "model")
     PeftModel.from_pretrained(base, adapter)
 
-    # Every step ran in its image (make test-cluster), reported as a kubelet reports it.
+    # Every step ran in its image (make test-cluster): on the real node, a kubelet's report of
+    # containerd's containers; on the executor's, the same fields for its runc containers.
     if os.environ.get("TUNEPACK_TIER_IMAGES") == "1":
+        runtime = "containerd://" if on_node == "kubelet" else "runc://"
         ran = {}
         for pod in api.pods(namespace):
+            if on_node == "kubelet":
+                assert pod.spec.node_name == api.real_node()
             for cs in pod.status.container_statuses:
-                assert cs.container_id.startswith("runc://"), cs
+                assert cs.container_id.startswith(runtime), cs
                 ran[cs.image] = cs.image_id
         assert ran == {image: _local_image_id(image) for image in ran}
         assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
 
-    # Logs through the apiserver (the executor serves the kubelet's log endpoint).
+    # Logs through the apiserver, from the kubelet (or the executor's copy of its endpoint).
     logs = "\n".join(client.get_job_logs(name))
     assert "training finished" in logs or "step" in logs, logs[-2000:]
 

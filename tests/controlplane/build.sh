@@ -18,11 +18,14 @@ ldflags_base="-s -w"
 
 log() { printf '[controlplane build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
-# done_or_build NAME VERSION FUNCTION: runs FUNCTION with $out (a fresh staging directory) unless
-# NAME@VERSION is complete; the directory is renamed into place only when every binary is there.
+# done_or_build NAME VERSION FUNCTION BINARY...: runs FUNCTION with $out (a fresh staging
+# directory) unless NAME@VERSION is complete and holds every BINARY (so a build that adds one is
+# redone); the directory is renamed into place only when every binary is there.
 done_or_build() {
-  local name=$1 version=$2 fn=$3 dest="$cache/$1@$2"
-  if [ -f "$dest/.complete" ]; then log "$name@$version: cached"; return 0; fi
+  local name=$1 version=$2 fn=$3 dest="$cache/$1@$2" b missing=""
+  shift 3
+  for b in "$@"; do [ -x "$dest/$b" ] || missing="$missing $b"; done
+  if [ -f "$dest/.complete" ] && [ -z "$missing" ]; then log "$name@$version: cached"; return 0; fi
   local started=$SECONDS
   out=$(mktemp -d "$cache/.$name@$version.XXXXXX")
   chmod 755 "$out"
@@ -52,6 +55,9 @@ done_or_build() {
     rm -rf "$out"
     exit 1
   fi
+  for b in "$@"; do
+    [ -x "$out/$b" ] || { log "$name@$version: build FAILED: it made no $b"; rm -rf "$out"; exit 1; }
+  done
   date -u +%FT%TZ > "$out/.complete"
   rm -rf "$dest"; mv "$out" "$dest"
   log "$name@$version: built in $((SECONDS - started)) s"
@@ -114,18 +120,17 @@ build_kubernetes() {
     grep -m1 '^godebug' "$gomod" >> go.mod || true
     sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$gomod" \
       | while read -r m; do echo "replace $m => $m $minor" >> go.mod; done
-    local cmds="kube-apiserver kube-controller-manager kube-scheduler"
-    local pkgs=""; for c in $cmds; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@$KUBERNETES_VERSION"; done
+    local pkgs=""; for c in $KUBERNETES_BINARIES; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c"; done
     # shellcheck disable=SC2086
-    go get $pkgs
+    go get $(for p in $pkgs; do echo "$p@$KUBERNETES_VERSION"; done)
     local v="k8s.io/component-base/version" commit
     commit=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" \
       | sed -n 's/^[[:space:]]*"Hash": "\(.*\)",\{0,1\}$/\1/p' | head -1)
     local ld="$ldflags_base -X $v.gitVersion=$KUBERNETES_VERSION -X $v.gitCommit=${commit:-unknown}"
     ld="$ld -X $v.gitTreeState=clean -X $v.gitMajor=1 -X $v.gitMinor=$(echo "$KUBERNETES_VERSION" | cut -d. -f2)"
-    for c in $cmds; do
-      go build -o "$out/$c" -ldflags "$ld" "k8s.io/kubernetes/cmd/$c"
-    done
+    # One `go build` of every command: the packages they share compile once.
+    # shellcheck disable=SC2086
+    go build -o "$out/" -ldflags "$ld" $pkgs
   )
   rm -rf "$dir"
 }
@@ -162,21 +167,60 @@ build_kueue() {
   rm -rf "$dir"
 }
 
+# The node's pod network: the standard CNI plugins (bridge, host-local IPAM, loopback).
+build_cni() {
+  local dir; dir=$(scratch) pkgs=""
+  for p in main/bridge main/loopback ipam/host-local; do
+    pkgs="$pkgs github.com/containernetworking/plugins/plugins/$p"
+  done
+  (
+    cd "$dir"
+    go get "github.com/containernetworking/plugins@$CNI_PLUGINS_VERSION"
+    # shellcheck disable=SC2086
+    go build -o "$out/" -ldflags "$ldflags_base" $pkgs
+  )
+  rm -rf "$dir"
+}
+
+# Cluster DNS: CoreDNS with only the plugins the tier's Corefile uses (coredns/main.go), as
+# CoreDNS documents for a build of one's own, instead of its ~60 (cloud DNS clients included).
+build_coredns() {
+  local dir; dir=$(scratch)
+  (
+    cd "$dir"
+    cp "$here/coredns/main.go" .
+    go get "github.com/coredns/coredns@$COREDNS_VERSION"
+    go build -o "$out/coredns" -ldflags "$ldflags_base -X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION" .
+  )
+  rm -rf "$dir"
+}
+
+# The node's sandbox process (pause/main.go, standard library only), cached by its content.
+build_pause() {
+  local dir; dir=$(scratch)
+  (cd "$dir" && cp "$here/pause/main.go" . && go build -o "$out/pause" -ldflags "$ldflags_base" .)
+  rm -rf "$dir"
+}
+
 command -v go >/dev/null || { echo "build.sh: go is not on PATH (the cluster tier needs Go 1.26)" >&2; exit 2; }
 # A bound on the cold build, so CI on a fresh machine ends in time even with a slow proxy: about
 # 8 minutes on 2 cores when measured, 35 allowed. Go's caches keep what a stopped build did.
 budget=${TUNEPACK_CONTROLPLANE_BUILD_SECONDS:-2100}
 deadline=$((SECONDS + budget))
-export ldflags_base cache
-export -f scratch build_module build_trainer build_jobset build_kwok build_etcd build_kubernetes \
+export ldflags_base cache here
+export -f scratch build_module build_cni build_coredns build_pause build_trainer build_jobset build_kwok build_etcd build_kubernetes \
   build_scheduler_plugins build_kueue
 total=$SECONDS
-done_or_build kubernetes "$KUBERNETES_VERSION" build_kubernetes
-done_or_build etcd "$ETCD_VERSION" build_etcd
-done_or_build trainer "$TRAINER_VERSION" build_trainer
-done_or_build jobset "$JOBSET_VERSION" build_jobset
-done_or_build kwok "$KWOK_VERSION" build_kwok
-done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plugins
-done_or_build kueue "$KUEUE_VERSION-trainer-$TRAINER_VERSION" build_kueue
+# shellcheck disable=SC2086
+done_or_build kubernetes "$KUBERNETES_VERSION" build_kubernetes $KUBERNETES_BINARIES
+done_or_build etcd "$ETCD_VERSION" build_etcd etcd
+done_or_build trainer "$TRAINER_VERSION" build_trainer trainer-controller-manager
+done_or_build jobset "$JOBSET_VERSION" build_jobset jobset
+done_or_build kwok "$KWOK_VERSION" build_kwok kwok
+done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plugins kube-scheduler controller
+done_or_build kueue "$KUEUE_VERSION-trainer-$TRAINER_VERSION" build_kueue kueue
+done_or_build cni-plugins "$CNI_PLUGINS_VERSION" build_cni bridge loopback host-local
+done_or_build coredns "$COREDNS_VERSION" build_coredns coredns
+done_or_build pause "$(sha256sum "$here/pause/main.go" | cut -c1-12)" build_pause pause
 log "all components ready in $((SECONDS - total)) s"
 echo "$cache"

