@@ -243,6 +243,9 @@ def _container(step: Step, entry: ModelEntry, extra_env: dict[str, str]) -> dict
         "command": step.command,
         "env": [{"name": name, "value": value} for name, value in env.items()],
         "volumeMounts": [{"name": INITIALIZER_VOLUME, "mountPath": DEFAULT_WORKSPACE}],
+        # A failed step's pod status then carries its last log lines, the one-line error among
+        # them (`kubectl describe pod`); the programs write no termination-log file.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},

@@ -124,10 +124,14 @@ def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_
 
 
 def test_two_nodes_rendezvous_with_the_platforms_ranks(
-    api, namespace, installed_runtimes, on_executor, sources
+    api, namespace, installed_runtimes, on_node, sources
 ):
+    """Two trainer pods (1 CPU each: both fit the real node's 2) rendezvous through the JobSet's
+    pod DNS name (cluster DNS on the real node) with the ranks the platform gave them."""
     client = _client(namespace)
-    name = _train(namespace, sources, method="lora", epochs=1, num_nodes=2)
+    name = _train(
+        namespace, sources, method="lora", epochs=1, num_nodes=2, resources_per_node={"cpu": 1}
+    )
     job = client.wait_for_job_status(name, timeout=RUN_TIMEOUT)
     assert job.status == "Complete", api.diagnose(namespace, name)
     pods = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
@@ -139,7 +143,7 @@ def test_two_nodes_rendezvous_with_the_platforms_ranks(
 
 
 def test_bad_input_fails_at_once_without_retries(
-    api, namespace, installed_runtimes, on_executor, sources
+    api, namespace, installed_runtimes, on_node, sources
 ):
     """Exit 65 from the dataset initializer: the Job's podFailurePolicy fails it, the JobSet's
     BadInput rule fails the JobSet, the TrainJob is Failed, nothing is retried."""
@@ -180,16 +184,26 @@ def _wait_for_checkpoint(api, namespace, name):
     )
 
 
+def _trainer_pid(api, controlplane, namespace: str, name: str, node_kind: str) -> int:
+    """The PID of the trainer container's main process, on whichever node runs it."""
+    if node_kind == "executor":
+        pids = _executor_root(controlplane) / "pids"
+        return int(next(pids.glob(f"{namespace}_{name}-node-0-0-*_node.pid")).read_text())
+    from tests.controlplane.node import task_pid
+
+    pod = training_pod(api, namespace, name)
+    status = next(cs for cs in pod.status.container_statuses if cs.name == "node")
+    return task_pid(_executor_root(controlplane).parent, status.container_id)
+
+
 def test_a_killed_trainer_is_restarted_and_resumes(
-    api, controlplane, namespace, installed_runtimes, on_executor, sources
+    api, controlplane, namespace, installed_runtimes, on_node, sources
 ):
-    """SIGKILL of the trainer process (a crash): the JobSet restarts, the trainer resumes from
-    its newest checkpoint and the TrainJob completes."""
+    """SIGKILL of the trainer container's process (a crash): the JobSet restarts, the trainer
+    resumes from its newest checkpoint and the TrainJob completes."""
     name = _train(namespace, sources, method="lora", epochs=6, checkpoint_every_steps=8)
     _wait_for_checkpoint(api, namespace, name)
-    pids = _executor_root(controlplane) / "pids"
-    pidfile = next(pids.glob(f"{namespace}_{name}-node-0-0-*_node.pid"))
-    os.kill(int(pidfile.read_text()), signal.SIGKILL)
+    os.kill(_trainer_pid(api, controlplane, namespace, name, on_node), signal.SIGKILL)
 
     job = _client(namespace).wait_for_job_status(name, timeout=RUN_TIMEOUT)
     assert job.status == "Complete", api.diagnose(namespace, name)
@@ -199,7 +213,7 @@ def test_a_killed_trainer_is_restarted_and_resumes(
 
 
 def test_an_evicted_trainer_checkpoints_exits_75_and_resumes(
-    api, namespace, installed_runtimes, on_executor, sources
+    api, namespace, installed_runtimes, on_node, sources
 ):
     """Deleting the trainer pod (what a preemption does): SIGTERM, a checkpoint, exit 75; the
     failure is retriable, the JobSet restarts and the trainer resumes where it stopped."""
@@ -271,7 +285,7 @@ def vision_sources(s3_sources):
 
 
 def test_the_vision_runtime_trains_on_images_for_real(
-    api, namespace, installed_runtimes, on_executor, sources, vision_sources
+    api, namespace, installed_runtimes, on_node, sources, vision_sources
 ):
     """The published Llama 3.2 Vision runtime through the whole platform: the dataset
     initializer fetches and checks each picture from S3 (Pillow, in its image), the model

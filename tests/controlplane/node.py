@@ -419,6 +419,22 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         return out.returncode == 0 and out.stdout.strip() == "True"
 
 
+def task_pid(tier_root: Path, container_id: str) -> int:
+    """The PID (in this machine's PID namespace) of a container's main process on the node of
+    the tier under ``tier_root``, from a pod status's ``containerd://<id>``."""
+    cid = container_id.removeprefix("containerd://")
+    done = subprocess.run(
+        ["ctr", f"--address={tier_root / 'node' / 'containerd.sock'}",
+         f"--namespace={CONTAINERD_NAMESPACE}", "tasks", "list"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    for line in done.stdout.splitlines()[1:]:
+        fields = line.split()
+        if fields and fields[0] == cid:
+            return int(fields[1])
+    raise NodeError(f"container {cid} has no running task on the node")
+
+
 def _full(image: str) -> str:
     """containerd's name for an image reference (docker.io/library/ for bare names)."""
     first = image.split("/")[0]
