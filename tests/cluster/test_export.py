@@ -30,7 +30,7 @@ def s3(s3_sources):
 
 
 def test_a_trainjob_exports_to_s3_after_training(
-    api, namespace, installed_runtimes, on_executor, sources, s3, tmp_path, monkeypatch
+    api, namespace, installed_runtimes, on_node, sources, s3, tmp_path, monkeypatch
 ):
     from kubernetes import client as k8s
 

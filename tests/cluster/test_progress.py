@@ -1,11 +1,12 @@
 """Live progress through the real Trainer (its ``TrainJobStatus`` feature gate, on in the tier).
 
-The Trainer's trainjobstatus plugin gives the trainer pod the status server's URL (its Service's
-name, which resolves to 127.0.0.1 in the pod), a CA and a projected service-account token of the
-TrainJob's audience; the trainer posts progress, ETA and metrics there; the Trainer's status
-server checks the token against the apiserver's OIDC discovery and writes
-``status.trainerStatus``, from which ``kubectl``, ``tunepack status``, ``tunepack jobs`` and the
-notebook's progress bar read it. (Without the gate: tests/integration/test_sdk_kubernetes.py.)
+The Trainer's trainjobstatus plugin gives the trainer pod the status server's URL (its
+Service's name, which cluster DNS and kube-proxy route to the Trainer), a CA and a projected
+service-account token of the TrainJob's audience; the trainer posts progress, ETA and metrics
+there; the Trainer's status server checks the token against the apiserver's OIDC discovery and
+writes ``status.trainerStatus``, from which ``kubectl``, ``tunepack status``, ``tunepack jobs``
+and the notebook's progress bar read it. (Without the gate: tests/integration/
+test_sdk_kubernetes.py.)
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _metrics(status: dict) -> dict[str, str]:
 
 
 def test_progress_reaches_trainjob_status_and_every_reader(
-    api, controlplane, namespace, installed_runtimes, on_executor, sources, capsys
+    api, controlplane, namespace, installed_runtimes, on_node, sources, capsys
 ):
     from tunepack import FineTune, Initializer
 
@@ -76,8 +77,9 @@ def test_progress_reaches_trainjob_status_and_every_reader(
     assert job.status == "Complete", api.diagnose(namespace, name)
     bar = capsys.readouterr().err
 
-    # What the Trainer's plugin gave the trainer pod: the status server by its Service's name,
-    # which the pod resolves to 127.0.0.1, with a CA and a token for this TrainJob only.
+    # What the Trainer's plugin gave the trainer pod: the status server by its Service's name
+    # (on the real node: cluster DNS gives its ClusterIP, which kube-proxy routes to the Trainer;
+    # on the executor's, 127.0.0.1), with a CA and a token for this TrainJob only.
     (pod,) = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
     env = {e.name: e.value for e in pod.spec.containers[0].env}
     url = urllib.parse.urlsplit(env["KUBEFLOW_TRAINER_SERVER_URL"])
@@ -86,8 +88,13 @@ def test_progress_reaches_trainjob_status_and_every_reader(
         url.path
         == f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{namespace}/trainjobs/{name}/status"
     )
-    hosts = (_executor_root(controlplane) / "pods" / pod.metadata.uid / "hosts").read_text()
-    assert f"127.0.0.1\t{SERVICE}\n" in hosts
+    if on_node == "executor":
+        hosts = (_executor_root(controlplane) / "pods" / pod.metadata.uid / "hosts").read_text()
+        assert f"127.0.0.1\t{SERVICE}\n" in hosts
+    else:
+        service = api.core.read_namespaced_service(*SERVICE.split(".")[:2])
+        assert service.spec.cluster_ip.startswith("10.96."), service.spec
+        assert pod.spec.node_name == api.real_node() and pod.status.pod_ip.startswith("10.88.")
     token_volume = next(v for v in pod.spec.volumes if v.name == "kubeflow-trainer-token")
     (audience,) = {
         s.service_account_token.audience

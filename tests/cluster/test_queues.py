@@ -317,9 +317,9 @@ def _result(api, namespace: str, job: str) -> dict:
 
 
 def test_a_preempted_trainer_checkpoints_and_resumes_bit_identical(
-    api, controlplane, namespace, installed_runtimes, on_executor, sources, queue
+    api, controlplane, namespace, installed_runtimes, on_node, sources, queue
 ):
-    """A low-priority job trains on the executor's node; a high-priority one arrives and the
+    """A low-priority job trains on the real node; a high-priority one arrives and the
     quota holds one job. Kueue evicts the first (suspends its TrainJob: the Trainer suspends the
     JobSet, its pods are deleted): the trainer receives SIGTERM, checkpoints and exits 75. The
     high one runs; the low one is re-admitted, resumes from that checkpoint and ends with the

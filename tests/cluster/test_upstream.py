@@ -109,7 +109,7 @@ def parquet_sources(sources, s3_sources):
 
 
 def test_the_notebooks_parquet_split_slice_trains_on_those_rows(
-    api, namespace, installed_runtimes, on_executor, parquet_sources
+    api, namespace, installed_runtimes, on_node, parquet_sources
 ):
     from kubeflow.trainer import (
         BuiltinTrainer,
