@@ -32,6 +32,14 @@ class Attached:
         pass
 
 
+def tier_root(controlplane) -> Path:
+    """The directory of the running control plane (its logs, the executor's and the node's)."""
+    root = getattr(controlplane, "root", None)
+    if root is None:  # attached to one started with `python -m tests.controlplane up`
+        root = Path(controlplane.kubeconfig).parent
+    return Path(root)
+
+
 def tunepack(*args: str, kubeconfig: Path, timeout: float = 300, env: dict | None = None):
     """Run the ``tunepack`` CLI as a user would, against this control plane."""
     exe = Path(sys.executable).with_name("tunepack")

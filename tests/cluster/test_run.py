@@ -65,10 +65,7 @@ def training_pod(api, namespace: str, job: str):
 
 
 def _executor_root(controlplane) -> Path:
-    root = getattr(controlplane, "root", None)
-    if root is None:  # attached to one started with `python -m tests.controlplane up`
-        root = Path(controlplane.kubeconfig).parent
-    return Path(root) / "executor"
+    return kube.tier_root(controlplane) / "executor"
 
 
 def _local_image_id(image: str) -> str:
@@ -112,9 +109,10 @@ def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_
         for pod in api.pods(namespace):
             if on_node == "kubelet":
                 assert pod.spec.node_name == api.real_node()
+            images = {c.name: c.image for c in pod.spec.containers}
             for cs in pod.status.container_statuses:
                 assert cs.container_id.startswith(runtime), cs
-                ran[cs.image] = cs.image_id
+                ran[images[cs.name]] = cs.image_id  # the status's `image` may be another name
         assert ran == {image: _local_image_id(image) for image in ran}
         assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
 
@@ -193,7 +191,7 @@ def _trainer_pid(api, controlplane, namespace: str, name: str, node_kind: str) -
 
     pod = training_pod(api, namespace, name)
     status = next(cs for cs in pod.status.container_statuses if cs.name == "node")
-    return task_pid(_executor_root(controlplane).parent, status.container_id)
+    return task_pid(kube.tier_root(controlplane), status.container_id)
 
 
 def test_a_killed_trainer_is_restarted_and_resumes(
@@ -320,5 +318,5 @@ def test_the_vision_runtime_trains_on_images_for_real(
     assert "multi_modal_projector" in config["target_modules"]
     assert (adapter / "adapter_model.safetensors").stat().st_uid == 1000
     if os.environ.get("TUNEPACK_TIER_IMAGES") == "1":
-        ran = {cs.image for pod in api.pods(namespace) for cs in pod.status.container_statuses}
+        ran = {c.image for pod in api.pods(namespace) for c in pod.spec.containers}
         assert len(ran) == 3, ran  # dataset-initializer, model-initializer, trainer

@@ -419,16 +419,29 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
         return out.returncode == 0 and out.stdout.strip() == "True"
 
 
+def _ctr_at(tier_root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ctr", f"--address={tier_root / 'node' / 'containerd.sock'}",
+         f"--namespace={CONTAINERD_NAMESPACE}", *args],
+        capture_output=True, text=True, check=check, timeout=120,
+    )  # fmt: skip
+
+
+def tag_image(tier_root: Path, image: str, name: str) -> None:
+    """Give an image of the node another name (as a push to another registry would)."""
+    _ctr_at(tier_root, "images", "tag", "--force", _full(image), _full(name))
+
+
+def untag_image(tier_root: Path, name: str) -> None:
+    """Remove one name of an image of the node (the image stays under its other names)."""
+    _ctr_at(tier_root, "images", "rm", _full(name), check=False)
+
+
 def task_pid(tier_root: Path, container_id: str) -> int:
     """The PID (in this machine's PID namespace) of a container's main process on the node of
     the tier under ``tier_root``, from a pod status's ``containerd://<id>``."""
     cid = container_id.removeprefix("containerd://")
-    done = subprocess.run(
-        ["ctr", f"--address={tier_root / 'node' / 'containerd.sock'}",
-         f"--namespace={CONTAINERD_NAMESPACE}", "tasks", "list"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    for line in done.stdout.splitlines()[1:]:
+    for line in _ctr_at(tier_root, "tasks", "list").stdout.splitlines()[1:]:
         fields = line.split()
         if fields and fields[0] == cid:
             return int(fields[1])
