@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?=
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: FORCE venv install dev quickstart test test-unit test-cluster controlplane lint runtimes images images-local push-images clean
+.PHONY: FORCE venv install dev quickstart test test-unit test-cluster controlplane node-runtime lint runtimes images images-local push-images clean
 
 venv: $(BIN)/python
 $(BIN)/python:
@@ -61,17 +61,30 @@ test: dev
 test-unit: dev
 	$(BIN)/pytest -q tests/unit
 
-# The real control plane (etcd, Kubernetes 1.36, Kubeflow Trainer v2.3.0, JobSet, KWOK), built from
-# the Go module proxy with Go 1.26 and cached outside the checkout by version (tests/controlplane).
+# The real control plane and node (etcd, Kubernetes 1.36 with kubelet and kube-proxy, Kubeflow
+# Trainer v2.3.0, JobSet, KWOK, scheduler-plugins, Kueue, CNI plugins, CoreDNS), built from the Go
+# module proxy with Go 1.26 and cached outside the checkout by version (tests/controlplane).
 controlplane:
 	bash tests/controlplane/build.sh
 
 # The tier on the real control plane: install, admission, rendering, real runs (tests/cluster).
-# The executed pods run in tunepack's images, built here first (images-local; needs root):
-# TIER_IMAGES=0 runs them as processes of this checkout instead (no root, no images).
-TIER_IMAGES ?= 1
-test-cluster: dev controlplane $(if $(filter 1,$(TIER_IMAGES)),images-local)
-	TUNEPACK_TIER_IMAGES=$(TIER_IMAGES) $(BIN)/pytest -q -m controlplane tests/cluster
+# The executed pods run on a real node (kubelet, containerd, pod network, kube-proxy, CoreDNS)
+# in tunepack's images, built here first (images-local), inside a network namespace the tier
+# makes for itself (tests/controlplane/netns.py); all of this needs root. TIER_NODE=0 runs
+# the tests that need no node only (no root, no images; the executed runs are skipped).
+TIER_NODE ?= 1
+test-cluster: dev controlplane $(if $(filter 1,$(TIER_NODE)),images-local node-runtime)
+ifeq ($(TIER_NODE),1)
+	TUNEPACK_TIER_IMAGES=1 $(BIN)/python -m tests.controlplane.netns -- \
+		$(BIN)/pytest -q -m controlplane tests/cluster
+else
+	$(BIN)/pytest -q -m controlplane tests/cluster
+endif
+
+# The real node's container runtime: Debian's containerd (apt-get when missing; root).
+node-runtime:
+	@command -v containerd >/dev/null || { echo "==> installing containerd (apt-get)"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd >/dev/null; }
 
 lint: dev
 	$(BIN)/ruff check .

@@ -1,12 +1,12 @@
 """The real-control-plane tier (``make test-cluster``): fixtures.
 
 One control plane per session (``tests/controlplane``): etcd, kube-apiserver, controller-manager,
-scheduler, JobSet and the Kubeflow Trainer with their webhooks, KWOK nodes and the pod executor.
+scheduler, JobSet and the Kubeflow Trainer with their webhooks, KWOK nodes and one real node.
 Set ``TUNEPACK_CONTROLPLANE_KUBECONFIG`` to reuse one started with ``python -m tests.controlplane
 up`` (faster when iterating on a test).
 
 Pods go to KWOK's fake nodes (they "succeed" at once: admission and rendering tests) or to the
-executor's node (they run for real): the ``nodes`` fixture cordons one kind or the other.
+real node (they run for real): the ``on_kwok`` and ``on_node`` fixtures cordon the other kind.
 """
 
 from __future__ import annotations
@@ -74,38 +74,31 @@ def installed_runtimes(api, controlplane):
 @pytest.fixture
 def on_kwok(api):
     """Pods are scheduled to KWOK's fake nodes only (they complete at once)."""
-    api.cordon(executor=True, node=True)
+    api.cordon(node=True)
     yield
-    api.cordon(executor=False, node=False)
-
-
-@pytest.fixture
-def on_executor(api):
-    """Pods are scheduled to the executor's node only (they run for real)."""
-    api.cordon(kwok=True, node=True)
-    yield
-    api.cordon(kwok=False, node=False)
+    api.cordon(node=False)
 
 
 @pytest.fixture
 def on_node(api):
-    """Pods are scheduled to the real kubelet's node (they run for real, in tunepack's images
-    under containerd). Yields "kubelet", or "executor" where the tier has no real node
-    (``make test-cluster TIER_IMAGES=0``, or no root: tests/controlplane/netns.py): there the
-    executor's node runs them."""
+    """Pods are scheduled to the real node only: they run for real, in tunepack's images, under
+    its kubelet and containerd. Skipped where the tier has no node because it runs outside a
+    network namespace of its own (no root: ``make test-cluster TIER_NODE=0``); inside one, a
+    missing node is an error."""
+    from tests.controlplane import netns
+
     if api.real_node() is None:
-        api.cordon(kwok=True)
-        yield "executor"
-        api.cordon(kwok=False)
-        return
-    api.cordon(kwok=True, executor=True)
+        if netns.inside():
+            pytest.fail("the tier runs in its network namespace but has no real node")
+        pytest.skip("needs the tier's real node: make test-cluster, as root")
+    api.cordon(kwok=True)
     yield "kubelet"
-    api.cordon(kwok=False, executor=False)
+    api.cordon(kwok=False)
 
 
 # The tiny model and dataset for the runs executed for real, in S3 (moto, in the tier's network)
 # as a cluster's users keep them: the pods read them with the credentials of the runtimes' default
-# Secret, whether they run as processes or in tunepack's images (which see no host files).
+# Secret, from tunepack's images (which see no host files).
 SOURCE_KEYS = {"AWS_ACCESS_KEY_ID": "AKIASOURCESTEST", "AWS_SECRET_ACCESS_KEY": "sources/secret/42"}
 
 

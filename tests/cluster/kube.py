@@ -17,7 +17,6 @@ from kubernetes.client.exceptions import ApiException
 
 GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
 JOBSET_GROUP, JOBSET_VERSION = "jobset.x-k8s.io", "v1alpha2"
-EXECUTOR_LABEL = "tunepack.dev/executor"
 NODE_LABEL = "tunepack.dev/node"  # the real kubelet's node (tests/controlplane/node.py)
 KWOK_LABEL = "type"
 
@@ -33,7 +32,7 @@ class Attached:
 
 
 def tier_root(controlplane) -> Path:
-    """The directory of the running control plane (its logs, the executor's and the node's)."""
+    """The directory of the running control plane (its logs, the node's files)."""
     root = getattr(controlplane, "root", None)
     if root is None:  # attached to one started with `python -m tests.controlplane up`
         root = Path(controlplane.kubeconfig).parent
@@ -114,18 +113,11 @@ class Api:
             if err.status != 404:
                 raise
 
-    def cordon(
-        self,
-        *,
-        executor: bool | None = None,
-        kwok: bool | None = None,
-        node: bool | None = None,
-    ) -> None:
-        """Mark each kind of node (un)schedulable: the executor's, KWOK's, the real kubelet's."""
+    def cordon(self, *, kwok: bool | None = None, node: bool | None = None) -> None:
+        """Mark each kind of node (un)schedulable: KWOK's, the real kubelet's."""
         for item in self.core.list_node().items:
             labels = item.metadata.labels or {}
             for wanted, matches in (
-                (executor, labels.get(EXECUTOR_LABEL) == "true"),
                 (kwok, labels.get(KWOK_LABEL) == "kwok"),
                 (node, labels.get(NODE_LABEL) == "kubelet"),
             ):

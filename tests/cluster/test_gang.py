@@ -10,7 +10,7 @@ scheduler admits a pod only when ``minMember`` pods of its group exist.
   completed) can never form that gang: the initializers wait forever.
 - tunepack's ``manifests/components/gang-coscheduling`` starts every step together and lets the
   trainer wait for the initializers on the volume (``tunepack.core.handoff``): a 2-node job with
-  both initializers is placed whole and completes, for real, on the executor's node.
+  both initializers is placed whole and completes, for real, on the real node.
 - Two such jobs competing for 3 GPU nodes never hold part of their nodes each: one runs whole,
   the other waits whole (not one of its pods bound) and runs once the first has finished.
 - A gang that can never fit is not waited on forever: ``tunepack status`` shows the scheduler's
@@ -65,6 +65,18 @@ def _as_namespaced(runtime: dict, namespace: str, name: str | None = None) -> di
         "labels": runtime["metadata"].get("labels", {}),
         "annotations": runtime["metadata"].get("annotations", {}),
     }
+    return runtime
+
+
+CPU_PER_POD = "300m"
+
+
+def _small_pods(runtime: dict) -> dict:
+    """The runtime with every step's container asking CPU_PER_POD (memory unchanged)."""
+    runtime = copy.deepcopy(runtime)
+    for job in runtime["spec"]["template"]["spec"]["replicatedJobs"]:
+        for container in job["template"]["spec"]["template"]["spec"]["containers"]:
+            container["resources"]["requests"]["cpu"] = CPU_PER_POD
     return runtime
 
 
@@ -182,15 +194,19 @@ def test_a_two_node_job_with_initializers_is_gang_scheduled_and_completes(
     controlplane,
     namespace,
     installed_runtimes,
-    on_executor,
+    on_node,
     sources,
 ):
     """The gang overlay's runtime, through the SDK as a notebook uses it: all five pods are
     created together, placed by the gang scheduler as one group, the trainer waits for the
-    initializers' results on the volume, and the job trains for real on two nodes."""
+    initializers' results on the volume, and the job trains for real on two nodes.
+
+    The real node has 2 CPUs and the five pods as the runtime writes them ask 7 together (an
+    initializer 1, a trainer 2, the exporter 1): this namespace's copy of the runtime asks
+    CPU_PER_POD each, so that the whole gang fits on it at once."""
     gang = _kustomized_gang_runtime(controlplane, TINY)
     assert gang["spec"]["podGroupPolicy"] == {"coscheduling": {"scheduleTimeoutSeconds": 120}}
-    _apply(controlplane, _as_namespaced(gang, namespace))
+    _apply(controlplane, _as_namespaced(_small_pods(gang), namespace))
 
     from tunepack import FineTune, Initializer
 
@@ -252,7 +268,7 @@ def gang_nodes(api, controlplane):
         "apply", "-f", "-", input=yaml.safe_dump_all(nodes), kubeconfig=controlplane.kubeconfig
     )
     assert done.returncode == 0, done.stderr
-    api.cordon(executor=True, kwok=True)
+    api.cordon(kwok=True, node=True)
 
     def ready():
         items = api.core.list_node(label_selector=f"{GANG_NODE_LABEL}=true").items
@@ -265,7 +281,7 @@ def gang_nodes(api, controlplane):
 
     kube.wait_for(ready, 60, "the gang test's KWOK nodes to be Ready")
     yield GANG_NODES
-    api.cordon(executor=False, kwok=False)
+    api.cordon(kwok=False, node=False)
     gone = kube.kubectl(
         "delete",
         "node",

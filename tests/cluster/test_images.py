@@ -41,27 +41,24 @@ def _podman(*args: str) -> None:
 @pytest.fixture
 def other_registry(api, controlplane, on_node):
     """tunepack's images also named ``OTHER/<image>:TAG``, as if pushed there: in the local
-    storage the executor's node runs from, and in the real node's containerd (whose kubelet
-    then lists them in the node's ``status.images``)."""
+    storage and in the real node's containerd (whose kubelet then lists them in the node's
+    ``status.images``)."""
     from tests.controlplane import node
 
     root = kube.tier_root(controlplane)
     for image in IMAGES:
         ours, theirs = f"{IMAGE_REGISTRY}/{image}:{__version__}", f"{OTHER}/{image}:{TAG}"
         _podman("tag", ours, theirs)
-        if on_node == "kubelet":
-            node.tag_image(root, ours, theirs)
-    if on_node == "kubelet":
-        kube.wait_for(
-            lambda: _node_holds(api, f"{OTHER}/trainer:{TAG}"), 120, "the kubelet to list them"
-        )
-    yield on_node
+        node.tag_image(root, ours, theirs)
+    kube.wait_for(
+        lambda: _node_holds(api, f"{OTHER}/trainer:{TAG}"), 120, "the kubelet to list them"
+    )
+    yield
     # Only the names given here go: `podman untag IMAGE` alone would remove every name of the
     # image, the runtimes' own included, from the storage other runs share.
     for image in IMAGES:
         _podman("untag", f"{IMAGE_REGISTRY}/{image}:{__version__}", f"{OTHER}/{image}:{TAG}")
-        if on_node == "kubelet":
-            node.untag_image(root, f"{OTHER}/{image}:{TAG}")
+        node.untag_image(root, f"{OTHER}/{image}:{TAG}")
 
 
 def _node_holds(api, ref: str) -> bool:
@@ -111,11 +108,11 @@ def test_a_trainjob_completes_from_runtimes_installed_from_another_registry(
     done = _install(controlplane, namespace, "--registry", OTHER, "--tag", TAG)
     assert done.returncode == 0, done.stderr
     refs = [f"{OTHER}/{image}:{TAG}" for image in IMAGES]
-    # The real kubelet lists its images in the node's status (no probe needed); the executor's
-    # node lists none, so a probe pod pulls each.
-    how = "already on node" if other_registry == "kubelet" else "pulled on node"
-    node = api.real_node() if other_registry == "kubelet" else _executor_node(api)
-    assert done.stdout.splitlines()[:3] == [f"image {ref}: pullable ({how} {node})" for ref in refs]
+    # The kubelet lists its images in the node's status: no probe pod is needed.
+    node = api.real_node()
+    assert done.stdout.splitlines()[:3] == [
+        f"image {ref}: pullable (already on node {node})" for ref in refs
+    ]
     assert "trainingruntime.trainer.kubeflow.org/tunepack-tiny-llama3 created" in done.stdout
 
     from tunepack import FineTune, Initializer
@@ -146,12 +143,3 @@ def _local_image_id(image: str) -> str:
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     return f"sha256:{done.stdout.strip()}"
-
-
-def _executor_node(api) -> str:
-    (node,) = [
-        n.metadata.name
-        for n in api.core.list_node().items
-        if (n.metadata.labels or {}).get(kube.EXECUTOR_LABEL) == "true"
-    ]
-    return node

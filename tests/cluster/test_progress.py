@@ -20,7 +20,7 @@ import requests
 import yaml
 
 from tests.cluster import kube
-from tests.cluster.test_run import RUN_TIMEOUT, TINY, _executor_root, _volume
+from tests.cluster.test_run import RUN_TIMEOUT, TINY, _volume
 
 pytestmark = pytest.mark.controlplane
 
@@ -78,8 +78,8 @@ def test_progress_reaches_trainjob_status_and_every_reader(
     bar = capsys.readouterr().err
 
     # What the Trainer's plugin gave the trainer pod: the status server by its Service's name
-    # (on the real node: cluster DNS gives its ClusterIP, which kube-proxy routes to the Trainer;
-    # on the executor's, 127.0.0.1), with a CA and a token for this TrainJob only.
+    # (cluster DNS gives its ClusterIP, which kube-proxy routes to the Trainer process), with a
+    # CA and a token for this TrainJob only.
     (pod,) = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
     env = {e.name: e.value for e in pod.spec.containers[0].env}
     url = urllib.parse.urlsplit(env["KUBEFLOW_TRAINER_SERVER_URL"])
@@ -88,13 +88,9 @@ def test_progress_reaches_trainjob_status_and_every_reader(
         url.path
         == f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{namespace}/trainjobs/{name}/status"
     )
-    if on_node == "executor":
-        hosts = (_executor_root(controlplane) / "pods" / pod.metadata.uid / "hosts").read_text()
-        assert f"127.0.0.1\t{SERVICE}\n" in hosts
-    else:
-        service = api.core.read_namespaced_service(*SERVICE.split(".")[:2])
-        assert service.spec.cluster_ip.startswith("10.96."), service.spec
-        assert pod.spec.node_name == api.real_node() and pod.status.pod_ip.startswith("10.88.")
+    service = api.core.read_namespaced_service(*SERVICE.split(".")[:2])
+    assert service.spec.cluster_ip.startswith("10.96."), service.spec
+    assert pod.spec.node_name == api.real_node() and pod.status.pod_ip.startswith("10.88.")
     token_volume = next(v for v in pod.spec.volumes if v.name == "kubeflow-trainer-token")
     (audience,) = {
         s.service_account_token.audience
@@ -163,7 +159,7 @@ def test_progress_reaches_trainjob_status_and_every_reader(
     # discovery): no token, or a token of another audience, is refused; the trainer's own
     # audience is this TrainJob's.
     ca = api.core.read_namespaced_config_map(f"{name}-tls-config", namespace).data["ca.crt"]
-    ca_file = _executor_root(controlplane).parent / f"status-ca-{namespace}.crt"
+    ca_file = kube.tier_root(controlplane) / f"status-ca-{namespace}.crt"
     ca_file.write_text(ca)
     loopback = f"https://127.0.0.1:{url.port}{url.path}"
     body = {"trainerStatus": {"progressPercentage": 1}}

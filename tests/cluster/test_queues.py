@@ -11,7 +11,7 @@ made its namespace's own and the quota the test needs:
   field (a runtime patch's ``terminationGracePeriodSeconds``) survives Kueue's update;
 - with GPU quota for one job, the second waits whole (suspended, no pod) and is admitted when
   the first has finished;
-- a higher-priority job preempts a running one on the executor's node: the trainer gets SIGTERM,
+- a higher-priority job preempts a running one on the real node: the trainer gets SIGTERM,
   checkpoints and exits 75, and once re-admitted it resumes and ends bit-identical to a run that
   was never interrupted.
 """

@@ -1,10 +1,10 @@
 """Real runs: the whole platform, and tunepack's programs executed for real.
 
 The TrainJob goes through the real apiserver, webhooks, Trainer, JobSet, Job controller and
-scheduler; the pods land on the executor's node, which runs the dataset-initializer,
-model-initializer and trainer programs as processes with the env, args and volumes the control
-plane resolved, and reports their real exit codes. The result is read from the volume behind the
-TrainJob's PVC.
+scheduler; the pods land on the real node, whose kubelet runs the dataset-initializer,
+model-initializer and trainer in tunepack's images under containerd, with the env, args and
+volumes the control plane resolved, and reports their real exit codes. The result is read from
+the volume behind the TrainJob's PVC (a hostPath PV of the tier's provisioner).
 """
 
 from __future__ import annotations
@@ -64,10 +64,6 @@ def training_pod(api, namespace: str, job: str):
     return pod
 
 
-def _executor_root(controlplane) -> Path:
-    return kube.tier_root(controlplane) / "executor"
-
-
 def _local_image_id(image: str) -> str:
     import subprocess
 
@@ -101,22 +97,19 @@ def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_
     base = AutoModelForCausalLM.from_pretrained(_volume(api, namespace, name) / "model")
     PeftModel.from_pretrained(base, adapter)
 
-    # Every step ran in its image (make test-cluster): on the real node, a kubelet's report of
-    # containerd's containers; on the executor's, the same fields for its runc containers.
-    if os.environ.get("TUNEPACK_TIER_IMAGES") == "1":
-        runtime = "containerd://" if on_node == "kubelet" else "runc://"
-        ran = {}
-        for pod in api.pods(namespace):
-            if on_node == "kubelet":
-                assert pod.spec.node_name == api.real_node()
-            images = {c.name: c.image for c in pod.spec.containers}
-            for cs in pod.status.container_statuses:
-                assert cs.container_id.startswith(runtime), cs
-                ran[images[cs.name]] = cs.image_id  # the status's `image` may be another name
-        assert ran == {image: _local_image_id(image) for image in ran}
-        assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
+    # Every step ran in its image on the real node, as its kubelet reports containerd's
+    # containers: the image ID of this machine's build.
+    ran = {}
+    for pod in api.pods(namespace):
+        assert pod.spec.node_name == api.real_node()
+        images = {c.name: c.image for c in pod.spec.containers}
+        for cs in pod.status.container_statuses:
+            assert cs.container_id.startswith("containerd://"), cs
+            ran[images[cs.name]] = cs.image_id  # the status's `image` may be another name
+    assert ran == {image: _local_image_id(image) for image in ran}
+    assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
 
-    # Logs through the apiserver, from the kubelet (or the executor's copy of its endpoint).
+    # Logs through the apiserver, from the kubelet.
     logs = "\n".join(client.get_job_logs(name))
     assert "training finished" in logs or "step" in logs, logs[-2000:]
 
@@ -182,11 +175,8 @@ def _wait_for_checkpoint(api, namespace, name):
     )
 
 
-def _trainer_pid(api, controlplane, namespace: str, name: str, node_kind: str) -> int:
-    """The PID of the trainer container's main process, on whichever node runs it."""
-    if node_kind == "executor":
-        pids = _executor_root(controlplane) / "pids"
-        return int(next(pids.glob(f"{namespace}_{name}-node-0-0-*_node.pid")).read_text())
+def _trainer_pid(api, controlplane, namespace: str, name: str) -> int:
+    """The PID of the trainer container's main process (containerd's task of it)."""
     from tests.controlplane.node import task_pid
 
     pod = training_pod(api, namespace, name)
@@ -201,7 +191,7 @@ def test_a_killed_trainer_is_restarted_and_resumes(
     resumes from its newest checkpoint and the TrainJob completes."""
     name = _train(namespace, sources, method="lora", epochs=6, checkpoint_every_steps=8)
     _wait_for_checkpoint(api, namespace, name)
-    os.kill(_trainer_pid(api, controlplane, namespace, name, on_node), signal.SIGKILL)
+    os.kill(_trainer_pid(api, controlplane, namespace, name), signal.SIGKILL)
 
     job = _client(namespace).wait_for_job_status(name, timeout=RUN_TIMEOUT)
     assert job.status == "Complete", api.diagnose(namespace, name)
@@ -317,6 +307,5 @@ def test_the_vision_runtime_trains_on_images_for_real(
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert "multi_modal_projector" in config["target_modules"]
     assert (adapter / "adapter_model.safetensors").stat().st_uid == 1000
-    if os.environ.get("TUNEPACK_TIER_IMAGES") == "1":
-        ran = {c.image for pod in api.pods(namespace) for c in pod.spec.containers}
-        assert len(ran) == 3, ran  # dataset-initializer, model-initializer, trainer
+    ran = {c.image for pod in api.pods(namespace) for c in pod.spec.containers}
+    assert len(ran) == 3, ran  # dataset-initializer, model-initializer, trainer

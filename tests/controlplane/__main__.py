@@ -1,12 +1,15 @@
-"""Build, start and stop the loopback control plane by hand.
+"""Build, start and stop the control plane (and its real node, as root) by hand.
 
     python -m tests.controlplane build              # build.sh: build or reuse the binaries
     python -m tests.controlplane up [--dir D]       # start in the background; prints KUBECONFIG
+    python -m tests.controlplane shell [--dir D] [CMD]  # CMD (a shell) in the tier's namespaces
     python -m tests.controlplane down [--dir D]     # stop exactly what `up` started
     python -m tests.controlplane serve --dir D      # foreground (what `up` runs)
 
 `up` runs a supervisor that owns every process of the control plane; they die with it, and it
-stops by itself after --ttl seconds (default 2 h) so nothing outlives a forgotten session.
+stops by itself after --ttl seconds (default 2 h) so nothing outlives a forgotten session. As
+root it runs in a network namespace of its own (``netns.py``) with the real node; its servers
+and pods are reached from there only: ``shell`` runs a command (or a shell) inside it.
 """
 
 from __future__ import annotations
@@ -20,18 +23,21 @@ import threading
 import time
 from pathlib import Path
 
+from tests.controlplane import netns
 from tests.controlplane.cluster import ControlPlane, ControlPlaneError, build
 
 DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "tunepack-controlplane"
 
 
-def serve(root: Path, ttl: float, gates: dict[str, bool], executor: bool = True) -> int:
+def serve(root: Path, ttl: float, gates: dict[str, bool], node: bool = True) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: done.set())
     cp = ControlPlane(root, feature_gates=gates)
+    if netns.inside():
+        (root / "NETNS").write_text(str(os.getpid()))
     try:
-        cp.start(executor=executor)
+        cp.start(node=node)
     except ControlPlaneError as err:
         print(f"control plane failed to start: {err}", file=sys.stderr)
         return 1
@@ -41,11 +47,12 @@ def serve(root: Path, ttl: float, gates: dict[str, bool], executor: bool = True)
         done.wait(ttl)
     finally:
         (root / "READY").unlink(missing_ok=True)
+        (root / "NETNS").unlink(missing_ok=True)
         cp.stop()
     return 0
 
 
-def up(root: Path, ttl: float, gates: list[str], executor: bool = True) -> int:
+def up(root: Path, ttl: float, gates: list[str], node: bool = True) -> int:
     if (root / "serve.pid").exists() and _alive(int((root / "serve.pid").read_text())):
         print(f"already running: KUBECONFIG={root / 'admin.kubeconfig'}")
         return 0
@@ -53,8 +60,10 @@ def up(root: Path, ttl: float, gates: list[str], executor: bool = True) -> int:
     (root / "READY").unlink(missing_ok=True)
     argv = [sys.executable, "-m", "tests.controlplane", "serve", f"--dir={root}", f"--ttl={ttl}"]
     argv += [f"--feature-gate={g}" for g in gates]
-    if not executor:
-        argv.append("--no-executor")
+    if not node:
+        argv.append("--no-node")
+    elif os.geteuid() == 0:  # the real node needs the tier's own network namespace
+        argv = [sys.executable, "-m", "tests.controlplane.netns", "--", *argv]
     with open(root / "serve.log", "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -69,8 +78,30 @@ def up(root: Path, ttl: float, gates: list[str], executor: bool = True) -> int:
     if proc.poll() is not None:
         print((root / "serve.log").read_text()[-4000:], file=sys.stderr)
         return 1
+    if (root / "NETNS").exists():
+        print(f"# in the tier's network namespace: python -m tests.controlplane shell --dir {root}")
     print(f"export KUBECONFIG={root / 'admin.kubeconfig'}")
     return 0
+
+
+def shell(root: Path, command: list[str]) -> int:
+    """Run ``command`` (default: $SHELL) in the running tier's network and mount namespaces,
+    with KUBECONFIG set: where its servers, pods and Services can be reached."""
+    pidfile = root / "NETNS"
+    if not pidfile.exists():
+        print(f"no tier with a network namespace runs under {root}", file=sys.stderr)
+        return 2
+    pid = pidfile.read_text().strip()
+    env = {
+        "KUBECONFIG": str(root / "admin.kubeconfig"),
+        "TUNEPACK_CONTROLPLANE_KUBECONFIG": str(root / "admin.kubeconfig"),
+        netns.ENV: "1",
+    }
+    argv = ["nsenter", f"--target={pid}", "--net", "--mount", f"--wd={os.getcwd()}", "--",
+            "env", *(f"{k}={v}" for k, v in env.items()),
+            *(command or [os.environ.get("SHELL", "/bin/bash")])]  # fmt: skip
+    os.execvp(argv[0], argv)
+    return 1
 
 
 def down(root: Path) -> int:
@@ -104,26 +135,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.controlplane", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("build")
-    for name in ("up", "serve", "down"):
+    for name in ("up", "serve", "down", "shell"):
         p = sub.add_parser(name)
         p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
-        if name != "down":
+        if name == "shell":
+            p.add_argument("command", nargs="*", help="default: $SHELL")
+        if name in ("up", "serve"):
             p.add_argument("--ttl", type=float, default=7200.0)
             p.add_argument("--feature-gate", action="append", default=[], metavar="NAME=BOOL")
-            p.add_argument("--no-executor", action="store_true", help="KWOK nodes only")
+            p.add_argument("--no-node", action="store_true", help="KWOK nodes only")
     args = parser.parse_args(argv)
     if args.cmd == "build":
         print(build())
         return 0
+    if args.cmd == "shell":
+        return shell(args.dir.resolve(), args.command)
     if args.cmd == "down":
         return down(args.dir.resolve())
     if args.cmd == "up":
-        return up(args.dir.resolve(), args.ttl, args.feature_gate, not args.no_executor)
+        return up(args.dir.resolve(), args.ttl, args.feature_gate, not args.no_node)
     gates = {}
     for g in args.feature_gate:
         k, _, v = g.partition("=")
         gates[k] = v.lower() in ("1", "true", "yes")
-    return serve(args.dir.resolve(), args.ttl, gates, not args.no_executor)
+    return serve(args.dir.resolve(), args.ttl, gates, not args.no_node)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ log() { printf '[controlplane build %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 done_or_build() {
   local name=$1 version=$2 fn=$3 dest="$cache/$1@$2" b missing=""
   shift 3
+  kept+=("$name@$version")
   for b in "$@"; do [ -x "$dest/$b" ] || missing="$missing $b"; done
   if [ -f "$dest/.complete" ] && [ -z "$missing" ]; then log "$name@$version: cached"; return 0; fi
   local started=$SECONDS
@@ -110,6 +111,11 @@ build_etcd() {
 
 # k8s.io/kubernetes replaces its staging modules with ./staging paths: pin each to its published
 # v0.x.y twin, keep its godebug line, and stamp the version so /version tells the truth.
+# Kueue depends on k8s.io/kubernetes too (v1.36.0), so it is built here, in the same module and
+# the same `go build` as the kube-* commands: every package they share compiles once (MVS takes
+# the newer of each dependency). It is built against the Trainer API this tier runs (versions.env
+# says why). scheduler-plugins cannot join: it pins Kubernetes 1.35 and does not compile against
+# 1.36, and the module proxy serves no 1.36 release of it.
 build_kubernetes() {
   local dir; dir=$(scratch)
   (
@@ -120,17 +126,19 @@ build_kubernetes() {
     grep -m1 '^godebug' "$gomod" >> go.mod || true
     sed -n 's#^[[:space:]]*\(k8s\.io/[a-z0-9-]*\) => \./staging/.*#\1#p' "$gomod" \
       | while read -r m; do echo "replace $m => $m $minor" >> go.mod; done
-    local pkgs=""; for c in $KUBERNETES_BINARIES; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c"; done
-    # shellcheck disable=SC2086
-    go get $(for p in $pkgs; do echo "$p@$KUBERNETES_VERSION"; done)
+    local pkgs="" c
+    for c in $KUBERNETES_BINARIES; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c"; done
+    # shellcheck disable=SC2046,SC2086
+    go get $(for p in $pkgs; do echo "$p@$KUBERNETES_VERSION"; done) \
+      "sigs.k8s.io/kueue@$KUEUE_VERSION" "github.com/kubeflow/trainer/v2@$TRAINER_VERSION"
     local v="k8s.io/component-base/version" commit
     commit=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" \
       | sed -n 's/^[[:space:]]*"Hash": "\(.*\)",\{0,1\}$/\1/p' | head -1)
     local ld="$ldflags_base -X $v.gitVersion=$KUBERNETES_VERSION -X $v.gitCommit=${commit:-unknown}"
     ld="$ld -X $v.gitTreeState=clean -X $v.gitMajor=1 -X $v.gitMinor=$(echo "$KUBERNETES_VERSION" | cut -d. -f2)"
-    # One `go build` of every command: the packages they share compile once.
+    ld="$ld -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION"
     # shellcheck disable=SC2086
-    go build -o "$out/" -ldflags "$ld" $pkgs
+    go build -o "$out/" -ldflags "$ld" $pkgs sigs.k8s.io/kueue/cmd/kueue
   )
   rm -rf "$dir"
 }
@@ -150,19 +158,6 @@ build_scheduler_plugins() {
     go get "sigs.k8s.io/scheduler-plugins@$SCHEDULER_PLUGINS_VERSION"
     go build -o "$out/kube-scheduler" -ldflags "$ldflags_base" sigs.k8s.io/scheduler-plugins/cmd/scheduler
     go build -o "$out/controller" -ldflags "$ldflags_base" sigs.k8s.io/scheduler-plugins/cmd/controller
-  )
-  rm -rf "$dir"
-}
-
-# Kueue against the Trainer API this tier runs (versions.env says why): MVS takes the newer
-# Trainer module; everything else as Kueue's own go.mod pins it. The cache key names both.
-build_kueue() {
-  local dir; dir=$(scratch)
-  (
-    cd "$dir"
-    go get "sigs.k8s.io/kueue@$KUEUE_VERSION" "github.com/kubeflow/trainer/v2@$TRAINER_VERSION"
-    go build -o "$out/kueue" -ldflags "$ldflags_base -X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION" \
-      sigs.k8s.io/kueue/cmd/kueue
   )
   rm -rf "$dir"
 }
@@ -209,18 +204,26 @@ budget=${TUNEPACK_CONTROLPLANE_BUILD_SECONDS:-2100}
 deadline=$((SECONDS + budget))
 export ldflags_base cache here
 export -f scratch build_module build_cni build_coredns build_pause build_trainer build_jobset build_kwok build_etcd build_kubernetes \
-  build_scheduler_plugins build_kueue
+  build_scheduler_plugins
 total=$SECONDS
+kept=()
 # shellcheck disable=SC2086
-done_or_build kubernetes "$KUBERNETES_VERSION" build_kubernetes $KUBERNETES_BINARIES
+done_or_build kubernetes "$KUBERNETES_VERSION+kueue-$KUEUE_VERSION+trainer-$TRAINER_VERSION" \
+  build_kubernetes $KUBERNETES_BINARIES kueue
 done_or_build etcd "$ETCD_VERSION" build_etcd etcd
 done_or_build trainer "$TRAINER_VERSION" build_trainer trainer-controller-manager
 done_or_build jobset "$JOBSET_VERSION" build_jobset jobset
 done_or_build kwok "$KWOK_VERSION" build_kwok kwok
 done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plugins kube-scheduler controller
-done_or_build kueue "$KUEUE_VERSION-trainer-$TRAINER_VERSION" build_kueue kueue
 done_or_build cni-plugins "$CNI_PLUGINS_VERSION" build_cni bridge loopback host-local
 done_or_build coredns "$COREDNS_VERSION" build_coredns coredns
 done_or_build pause "$(sha256sum "$here/pause/main.go" | cut -c1-12)" build_pause pause
+# Bounded: what an earlier version of this script built and this one no longer names goes.
+for entry in "$cache"/*@*; do
+  [ -d "$entry" ] || continue
+  case " ${kept[*]} " in *" $(basename "$entry") "*) ;; *)
+    log "removing $(basename "$entry") (superseded)"; rm -rf "$entry" "$entry.build.log" ;;
+  esac
+done
 log "all components ready in $((SECONDS - total)) s"
 echo "$cache"

@@ -1,23 +1,25 @@
-"""A real Kubeflow Trainer control plane as local processes on 127.0.0.1.
+"""A real Kubeflow Trainer control plane as local processes, with one real node.
 
 ``ControlPlane(root).start()`` runs, from the binaries ``build.sh`` caches:
 
     etcd -> kube-apiserver -> kube-controller-manager (Job, GC, PV binder, ...) + kube-scheduler
          -> CRDs (Trainer's, JobSet's) -> JobSet controller + webhooks
          -> Trainer controller + webhooks -> Kueue + webhooks (TrainJob integration)
-         -> KWOK (fake nodes) -> the pod executor (its own node)
+         -> KWOK (fake nodes) -> the real node (``node.py``: containerd, kubelet, CNI,
+            kube-proxy, CoreDNS), in the tier's own network namespace (``netns.py``)
 
-Every server listens on 127.0.0.1 on a port picked here (but one: the Trainer's status server
-listens on every interface, having no address setting in v2.3.0; every request to it goes to
-127.0.0.1); every process gets ``PR_SET_PDEATHSIG``
+Every server listens on 127.0.0.1 on a port picked here (but the Trainer's status server, which
+listens on every interface, having no address setting in v2.3.0, and what the node's pods must
+reach, on the node's bridge address; all of it inside the tier's network namespace when it has
+one, where nothing else is); every process gets ``PR_SET_PDEATHSIG``
 so it dies with the process that started it; ``stop()`` signals exactly the PIDs started here.
 Webhooks are registered as URL webhooks with this control plane's CA, only once each server
 answers, from the upstream modules' own webhook manifests (rendered with a real kustomize).
 
 Nothing here is faked: admission, CEL rules, the controllers and the scheduler are upstream
-code. What is not real: nodes (KWOK's, plus the executor's node, where pods run as local
-processes or runc containers) and DNS (the executor maps pod and Service names to 127.0.0.1).
-The Trainer and Kueue run as processes with the files their pods would have (``podfs``).
+code, and so are the node's kubelet, container runtime, pod network, Services and DNS. What is
+not real: KWOK's nodes (pods there only change phase). The controllers run as processes, not
+pods; the Trainer and Kueue with the files their pods would have (``podfs``).
 """
 
 from __future__ import annotations
@@ -49,10 +51,6 @@ HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
 VERSIONS_FILE = HERE / "versions.env"
 TRAINER_NAMESPACE = "kubeflow-system"  # where the SDK looks for the public ConfigMap
-EXECUTOR_NODE = "tunepack-executor"
-# The executor runs pods in their images (`make test-cluster` builds them: make images-local);
-# unset, it runs this checkout's programs as processes (faster to iterate, no root needed).
-IMAGES = os.environ.get("TUNEPACK_TIER_IMAGES") == "1"
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 SERVICE_CIDR = "10.96.0.0/24"  # never routed: no Service traffic leaves the apiserver
 KWOK_POD_CIDR = "127.0.100.0/24"  # loopback, so a pod IP never names another host
@@ -104,6 +102,11 @@ def versions() -> dict[str, str]:
             key, value = line.split("=", 1)
             out[key] = value.strip('"')
     return out
+
+
+def kubernetes_build(v: dict[str, str]) -> str:
+    """The cache key of the one build of the kube-* commands and Kueue (build.sh)."""
+    return f"{v['KUBERNETES_VERSION']}+kueue-{v['KUEUE_VERSION']}+trainer-{v['TRAINER_VERSION']}"
 
 
 def build(log=None) -> Path:
@@ -165,14 +168,15 @@ class ControlPlane:
 
     def binary(self, component: str, name: str) -> Path:
         v = versions()
+        if component == "kueue":  # built with the kube-* commands (build.sh says why)
+            component = "kubernetes"
         version = {
-            "kubernetes": v["KUBERNETES_VERSION"],
+            "kubernetes": kubernetes_build(v),
             "etcd": v["ETCD_VERSION"],
             "trainer": v["TRAINER_VERSION"],
             "jobset": v["JOBSET_VERSION"],
             "kwok": v["KWOK_VERSION"],
             "scheduler-plugins": v["SCHEDULER_PLUGINS_VERSION"],
-            "kueue": f"{v['KUEUE_VERSION']}-trainer-{v['TRAINER_VERSION']}",
             "cni-plugins": v["CNI_PLUGINS_VERSION"],
             "coredns": v["COREDNS_VERSION"],
             "pause": hashlib.sha256((HERE / "pause/main.go").read_bytes()).hexdigest()[:12],
@@ -184,7 +188,9 @@ class ControlPlane:
 
     # --- lifecycle --------------------------------------------------------------------------
 
-    def start(self, executor: bool = True) -> ControlPlane:
+    def start(self, node: bool = True) -> ControlPlane:
+        """Start every component; the real node too when ``node`` and this process runs in the
+        tier's network namespace (``netns.py``: root), where its pods can have a network."""
         self.root.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         if self.bin_dir is None:
@@ -207,7 +213,6 @@ class ControlPlane:
             "kueue_webhook",
             "kueue_health",
             "kwok",
-            "executor_logs",
         ):
             self.ports[name] = free_port()
         try:
@@ -221,9 +226,7 @@ class ControlPlane:
             self._trainer()
             kueue.start(self)
             self._kwok()
-            if executor:
-                self._executor()
-            if executor and IMAGES and netns.inside():
+            if node and netns.inside():
                 self._node = Node(self, tunepack_images())
                 self._node.start()
             self._provisioner = Provisioner(self)
@@ -315,7 +318,7 @@ class ControlPlane:
             client=True,
         )
         self.sa = ca.service_account_keys()
-        for name in ("jobset-webhook", "kueue-webhook", "executor"):
+        for name in ("jobset-webhook", "kueue-webhook"):
             ca.issue(name, common_name=name, sans=LOOPBACK_SANS, server=True)
         # The Trainer's webhooks and status server share one certificate (its Secret's, in a
         # cluster): the pods reach the status server by its Service's name (trainer_service_names).
@@ -335,7 +338,6 @@ class ControlPlane:
             "trainer",
             "kueue",
             "kwok",
-            "executor",
             "gang-scheduler",
             "gang-controller",
             "kubelet",
@@ -425,7 +427,7 @@ class ControlPlane:
                 "--allow-privileged=true",
                 # Without it every new Node keeps a not-ready taint (no kubelet clears it).
                 "--disable-admission-plugins=TaintNodesByCondition",
-                # Logs of executor pods: the apiserver dials the node's InternalIP (127.0.0.1).
+                # Pod logs: the apiserver dials the kubelet at its node's InternalIP.
                 f"--kubelet-client-certificate={self.kubelet_client.cert}",
                 f"--kubelet-client-key={self.kubelet_client.key}",
                 "--kubelet-preferred-address-types=InternalIP",
@@ -707,8 +709,9 @@ class ControlPlane:
         """What the Trainer's pod has in a cluster, made here: its namespace, ServiceAccount,
         webhook Secret (``ca.crt``: the trainjobstatus plugin copies it into each TrainJob's
         ``<name>-tls-config`` ConfigMap for the trainer pods) and Service (the name in the pods'
-        ``KUBEFLOW_TRAINER_SERVER_URL``; the executor resolves it to 127.0.0.1, and with no
-        kube-proxy its port is the status server's own). Returns the directories to mount where
+        ``KUBEFLOW_TRAINER_SERVER_URL``, without a selector: the real node gives it an
+        EndpointSlice at the Trainer process's address, its port the status server's own).
+        Returns the directories to mount where
         its container has them (``podfs``): the service-account volume, with a TokenRequest
         token whose issuer the status server verifies the pods' tokens against, and the
         serving certificate."""
@@ -835,37 +838,6 @@ class ControlPlane:
             "jsonpath={range .items[*]}{.status.conditions[?(@.type=='Ready')].status}{' '}{end}",
         ).stdout.split()
         return len(out) == len(KWOK_NODES) and all(s == "True" for s in out)
-
-    def _executor(self) -> None:
-        proc = self._spawn(
-            "executor",
-            [
-                sys.executable,
-                "-m",
-                "tests.controlplane.executor",
-                f"--kubeconfig={self.kubeconfig_for('executor')}",
-                f"--node={EXECUTOR_NODE}",
-                f"--root={self.root / 'executor'}",
-                f"--log-port={self.ports['executor_logs']}",
-                f"--serving-cert={self.pki_dir / 'executor.crt'}",
-                f"--serving-key={self.pki_dir / 'executor.key'}",
-                f"--path={os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-                *(["--images"] if IMAGES else []),
-            ],
-            env={"PYTHONPATH": str(HERE.parent.parent)},
-        )
-        self._wait(proc, self._executor_ready, "executor node Ready")
-
-    def _executor_ready(self) -> bool:
-        out = self.kubectl(
-            "get",
-            "node",
-            EXECUTOR_NODE,
-            "-o",
-            "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
-            check=False,
-        )
-        return out.returncode == 0 and out.stdout.strip() == "True"
 
 
 class Provisioner:

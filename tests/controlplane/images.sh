@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make images-local`: tunepack's three images built on this machine, from a Debian base made here
 # with debootstrap (no image registry is reachable), into the local container storage where the
-# cluster tier's executor and `podman run` find them under the names the runtimes use.
+# cluster tier's real node (imported into its containerd) and `podman run` find them under the
+# names the runtimes use.
 #
 # Cached by content: the base is tagged by what it is made from (suite and packages) and made
 # once; the images are built with buildah's layer cache, so a change to tunepack's source rebuilds

@@ -17,8 +17,8 @@ execs COMMAND:
 
 Nothing is added to this machine's own network namespace; the namespace and everything in it
 go away when the last process in it exits (every process of the tier dies with the one that
-started it). Needs root. Without it (``make test-cluster TIER_IMAGES=0``) the tier runs on
-loopback in the machine's namespace, with the executor's node only.
+started it). Needs root. Without it (``make test-cluster TIER_NODE=0``) the tier runs on
+loopback in the machine's namespace, without the real node (KWOK's nodes only).
 """
 
 from __future__ import annotations

@@ -75,7 +75,16 @@ class Node:
         self._kubelet()
 
     def stop(self) -> None:
-        """Containers first (their shims would outlive containerd), then the shims."""
+        """The kubelet first (it would start sandboxes again), then every container (their shims
+        would outlive containerd), then the shims; the tier stops containerd and the rest."""
+        for proc in self.cp.processes:
+            if proc.name == "kubelet" and proc.popen.poll() is None:
+                proc.popen.terminate()
+                try:
+                    proc.popen.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.popen.kill()
+                    proc.popen.wait()
         if not self.socket.exists():
             return
         try:

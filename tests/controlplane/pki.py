@@ -2,7 +2,7 @@
 
 Every component talks TLS as in a real cluster: the apiserver's serving certificate, client
 certificates for the admin and each controller (RBAC groups in the subject's O), serving
-certificates for the webhooks and the executor's log endpoint, and the service-account key pair.
+certificates for the webhooks and the kubelet's endpoint, and the service-account key pair.
 All names are loopback names; the keys live in the control plane's own directory and die with it.
 """
 

@@ -1,6 +1,6 @@
 """Where the runtimes' images come from (``tunepack install --registry/--tag``) and whether the
 cluster can pull them (``tunepack.tools.images.check``, driven here by a fake core API and a fake
-clock; the real kubelet's words through the tier's executor: tests/cluster/test_install.py)."""
+clock; the real kubelet's words on the tier's real node: tests/cluster/test_images.py)."""
 
 from __future__ import annotations
 
