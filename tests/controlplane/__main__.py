@@ -34,6 +34,7 @@ def serve(root: Path, ttl: float, gates: dict[str, bool], node: bool = True) -> 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: done.set())
     cp = ControlPlane(root, feature_gates=gates)
+    root.mkdir(parents=True, exist_ok=True)
     if netns.inside():
         (root / "NETNS").write_text(str(os.getpid()))
     try:
@@ -96,6 +97,7 @@ def shell(root: Path, command: list[str]) -> int:
         "KUBECONFIG": str(root / "admin.kubeconfig"),
         "TUNEPACK_CONTROLPLANE_KUBECONFIG": str(root / "admin.kubeconfig"),
         netns.ENV: "1",
+        "TUNEPACK_TIER_IMAGES": "1",  # the node runs tunepack's images
     }
     argv = ["nsenter", f"--target={pid}", "--net", "--mount", f"--wd={os.getcwd()}", "--",
             "env", *(f"{k}={v}" for k, v in env.items()),

@@ -249,17 +249,19 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
                 ["podman", "save", "--format", "docker-archive", image],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )  # fmt: skip
-            done = self._ctr("images", "import", "--digests", "-", stdin=save.stdout, check=False)
+            done = self._ctr("images", "import", "-", stdin=save.stdout, check=False)
             save.wait()
             if save.returncode or done.returncode:
                 raise NodeError(f"importing {image} into containerd failed: {done.stderr}")
             have[image] = image_id
             marker.write_text(json.dumps(have))
             print(f"node: imported {image} in {time.monotonic() - started:.0f} s", flush=True)
+        # The CRI names each image also by its ID (sha256:...): an old ID's name would keep the
+        # old image's layers (GBs for the trainer) after its tag moved on.
+        keep = {_full(i) for i in want} | {f"sha256:{i}" for i in want.values()}
         for name in self._ctr("images", "list", "-q").stdout.split():
-            if name.startswith("sha256:") or name.split("@")[0] in {_full(i) for i in want}:
-                continue
-            self._ctr("images", "rm", name, check=False)
+            if name not in keep:
+                self._ctr("images", "rm", name, check=False)
         marker.write_text(json.dumps(want))
 
     # --- cluster DNS and Services -----------------------------------------------------------
