@@ -74,7 +74,9 @@ def _local_image_id(image: str) -> str:
     return f"sha256:{done.stdout.strip()}"
 
 
-def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_node, sources):
+def test_sdk_trains_tiny_llama3_for_real(
+    api, controlplane, namespace, installed_runtimes, on_node, sources
+):
     client = _client(namespace)
     name = _train(namespace, sources, method="lora", epochs=2)
     job = client.wait_for_job_status(name, timeout=RUN_TIMEOUT)
@@ -109,9 +111,20 @@ def test_sdk_trains_tiny_llama3_for_real(api, namespace, installed_runtimes, on_
     assert ran == {image: _local_image_id(image) for image in ran}
     assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
 
-    # Logs through the apiserver, from the kubelet.
-    logs = "\n".join(client.get_job_logs(name))
-    assert "training finished" in logs or "step" in logs, logs[-2000:]
+    # Logs through the apiserver, from the kubelet: each metrics line the trainer wrote to the
+    # volume is in what the SDK, `tunepack logs` and `kubectl logs` show of its pod.
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) >= 2
+    sdk = "\n".join(client.get_job_logs(name)).splitlines()
+    cli = kube.tunepack("logs", name, "--namespace", namespace, kubeconfig=controlplane.kubeconfig)
+    assert cli.returncode == 0, cli.stderr
+    (trainer,) = api.pods(namespace, "jobset.sigs.k8s.io/replicatedjob-name=node")
+    shown = kube.kubectl(
+        "logs", trainer.metadata.name, "--namespace", namespace, kubeconfig=controlplane.kubeconfig
+    )
+    assert shown.returncode == 0, shown.stderr
+    for lines in (sdk, cli.stdout.splitlines(), shown.stdout.splitlines()):
+        assert all(line in lines for line in metrics), lines[-20:]
 
 
 def test_two_nodes_rendezvous_with_the_platforms_ranks(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from tests.controlplane import netns
 from tests.controlplane.cluster import ControlPlane, ControlPlaneError, build
+from tests.controlplane.node import NodeError
 
 DEFAULT_DIR = Path(os.environ.get("TMPDIR", "/tmp")) / "tunepack-controlplane"
 
@@ -39,7 +40,7 @@ def serve(root: Path, ttl: float, gates: dict[str, bool], node: bool = True) -> 
         (root / "NETNS").write_text(str(os.getpid()))
     try:
         cp.start(node=node)
-    except ControlPlaneError as err:
+    except (ControlPlaneError, NodeError) as err:
         print(f"control plane failed to start: {err}", file=sys.stderr)
         return 1
     (root / "READY").write_text(str(cp.kubeconfig) + "\n")

@@ -18,6 +18,7 @@ the shims themselves, found by the socket address of this containerd only.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -63,6 +64,7 @@ class Node:
         if not netns.inside():
             raise NodeError("the real node runs only in the tier's network namespace (netns.py)")
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock_store()
         self.cp.ports.update(
             kubelet=free_port(), kubelet_healthz=free_port(), proxy_healthz=free_port(),
             proxy_metrics=free_port(), coredns_ready=free_port(), coredns_health=free_port(),
@@ -101,6 +103,19 @@ class Node:
                 pass
         while self._shims() and time.monotonic() < deadline:
             time.sleep(0.2)
+
+    def _lock_store(self) -> None:
+        """One node at a time on the image store in the cache: two containerds on one root
+        would corrupt it. The lock goes with this process."""
+        self.containerd_root.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.containerd_root.parent / "containerd.lock", "w")  # noqa: SIM115
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NodeError(
+                f"another tier's node uses {self.containerd_root}: stop it first "
+                "(python -m tests.controlplane down, or wait for its make test-cluster)"
+            ) from None
 
     def _shims(self) -> list[int]:
         """The PIDs of containerd-shim processes started by this node's containerd."""
