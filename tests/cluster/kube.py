@@ -39,6 +39,15 @@ def tier_root(controlplane) -> Path:
     return Path(root)
 
 
+def local_image_id(image: str) -> str:
+    """The ID of an image in this machine's container storage, as a kubelet reports it."""
+    done = subprocess.run(
+        ["podman", "image", "inspect", "--format", "{{.Id}}", image],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    return f"sha256:{done.stdout.strip()}"
+
+
 def tunepack(*args: str, kubeconfig: Path, timeout: float = 300, env: dict | None = None):
     """Run the ``tunepack`` CLI as a user would, against this control plane."""
     exe = Path(sys.executable).with_name("tunepack")

@@ -134,12 +134,4 @@ def test_a_trainjob_completes_from_runtimes_installed_from_another_registry(
         (spec,) = pod.spec.containers
         (status,) = pod.status.container_statuses
         ran[spec.image] = status.image_id
-    assert ran == {ref: _local_image_id(ref) for ref in refs}
-
-
-def _local_image_id(image: str) -> str:
-    done = subprocess.run(
-        ["podman", "image", "inspect", "--format", "{{.Id}}", image],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
-    return f"sha256:{done.stdout.strip()}"
+    assert ran == {ref: kube.local_image_id(ref) for ref in refs}

@@ -64,16 +64,6 @@ def training_pod(api, namespace: str, job: str):
     return pod
 
 
-def _local_image_id(image: str) -> str:
-    import subprocess
-
-    done = subprocess.run(
-        ["podman", "image", "inspect", "--format", "{{.Id}}", image],
-        capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
-    return f"sha256:{done.stdout.strip()}"
-
-
 def test_sdk_trains_tiny_llama3_for_real(
     api, controlplane, namespace, installed_runtimes, on_node, sources
 ):
@@ -108,7 +98,7 @@ def test_sdk_trains_tiny_llama3_for_real(
         for cs in pod.status.container_statuses:
             assert cs.container_id.startswith("containerd://"), cs
             ran[images[cs.name]] = cs.image_id  # the status's `image` may be another name
-    assert ran == {image: _local_image_id(image) for image in ran}
+    assert ran == {image: kube.local_image_id(image) for image in ran}
     assert len(ran) == 3  # dataset-initializer, model-initializer, trainer
 
     # Logs through the apiserver, from the kubelet: each metrics line the trainer wrote to the
