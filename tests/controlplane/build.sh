@@ -207,6 +207,17 @@ build_pause() {
   rm -rf "$dir"
 }
 
+# The files the tier reads from a component's module when it runs (CRDs, webhook and RBAC
+# manifests, KWOK's stages), copied out of the module: the tier has no network and Go's caches
+# are removed below. keep_files MODULE VERSION PATH...
+keep_files() {
+  local dir p
+  dir=$(cd / && go mod download -json "$1@$2" | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  shift 2
+  for p in "$@"; do mkdir -p "$out/$(dirname "$p")" && cp -R "$dir/$p" "$out/$p"; done
+  chmod -R u+w,a+rX "$out"  # the module cache's copies are read-only
+}
+
 command -v go >/dev/null || { echo "build.sh: go is not on PATH (the cluster tier needs Go 1.26)" >&2; exit 2; }
 # A bound on the cold build, so CI on a fresh machine ends in time even with a slow proxy: about
 # 19 minutes on a busy 2-core machine when measured, 35 allowed. Go's caches keep what a stopped
@@ -214,7 +225,7 @@ command -v go >/dev/null || { echo "build.sh: go is not on PATH (the cluster tie
 budget=${TUNEPACK_CONTROLPLANE_BUILD_SECONDS:-2100}
 deadline=$((SECONDS + budget))
 export ldflags_base cache here
-export -f scratch build_module build_cni build_coredns build_pause build_trainer build_jobset build_kwok build_etcd build_kubernetes \
+export -f keep_files scratch build_module build_cni build_coredns build_pause build_trainer build_jobset build_kwok build_etcd build_kubernetes \
   build_scheduler_plugins
 total=$SECONDS
 kept=()
@@ -229,6 +240,16 @@ done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plu
 done_or_build cni-plugins "$CNI_PLUGINS_VERSION" build_cni bridge loopback host-local
 done_or_build coredns "$COREDNS_VERSION" build_coredns coredns
 done_or_build pause "$(sha256sum "$here/pause/main.go" | cut -c1-12)" build_pause pause
+files() { # NAME MODULE VERSION PATH...: the module's PATHs in NAME-files@VERSION
+  local name=$1 module=$2 version=$3
+  shift 3
+  done_or_build "$name-files" "$version" "keep_files $module $version $*" "$@"
+}
+files trainer github.com/kubeflow/trainer/v2 "$TRAINER_VERSION" manifests/base
+files jobset sigs.k8s.io/jobset "$JOBSET_VERSION" config/components
+files kwok sigs.k8s.io/kwok "$KWOK_VERSION" kustomize/stage
+files scheduler-plugins sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" config/crd
+files kueue sigs.k8s.io/kueue "$KUEUE_VERSION" config/components/crd config/components/webhook
 # Bounded: what an earlier version of this script built and this one no longer names goes.
 for entry in "$cache"/*@*; do
   [ -d "$entry" ] || continue

@@ -123,19 +123,6 @@ def build(log=None) -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
-def module_dir(module: str, version: str) -> Path:
-    """Where the Go module cache holds module@version (downloaded if it is not there yet)."""
-    out = subprocess.run(
-        ["go", "mod", "download", "-json", f"{module}@{version}"],
-        stdout=subprocess.PIPE,
-        text=True,
-        check=True,
-        env={**os.environ, "GOFLAGS": "-mod=mod"},
-        cwd="/",
-    ).stdout
-    return Path(json.loads(out)["Dir"])
-
-
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG = 1: SIGTERM this process when the one that started it exits.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
@@ -167,24 +154,36 @@ class ControlPlane:
         return self.root / "logs"
 
     def binary(self, component: str, name: str) -> Path:
-        v = versions()
         if component == "kueue":  # built with the kube-* commands (build.sh says why)
             component = "kubernetes"
-        version = {
+        return self._cached(f"{component}@{self._version(component)}", name)
+
+    def files(self, component: str, path: str) -> Path:
+        """A path of the component's module that build.sh kept (CRDs, manifests): the tier reads
+        them with no network and no Go module cache."""
+        return self._cached(f"{component}-files@{self._version(component)}", path)
+
+    def _cached(self, entry: str, name: str) -> Path:
+        path = self.bin_dir / entry / name
+        if not path.exists():
+            raise ControlPlaneError(f"{path} is missing: run {BUILD_SCRIPT}")
+        return path
+
+    @staticmethod
+    def _version(component: str) -> str:
+        v = versions()
+        return {
             "kubernetes": kubernetes_build(v),
             "etcd": v["ETCD_VERSION"],
             "trainer": v["TRAINER_VERSION"],
             "jobset": v["JOBSET_VERSION"],
             "kwok": v["KWOK_VERSION"],
             "scheduler-plugins": v["SCHEDULER_PLUGINS_VERSION"],
+            "kueue": v["KUEUE_VERSION"],
             "cni-plugins": v["CNI_PLUGINS_VERSION"],
             "coredns": v["COREDNS_VERSION"],
             "pause": hashlib.sha256((HERE / "pause/main.go").read_bytes()).hexdigest()[:12],
         }[component]
-        path = self.bin_dir / f"{component}@{version}" / name
-        if not path.is_file():
-            raise ControlPlaneError(f"{path} is missing: run {BUILD_SCRIPT}")
-        return path
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -508,19 +507,11 @@ class ControlPlane:
         return done
 
     def _crds(self) -> None:
-        v = versions()
-        self.trainer_src = module_dir("github.com/kubeflow/trainer/v2", v["TRAINER_VERSION"])
-        self.jobset_src = module_dir("sigs.k8s.io/jobset", v["JOBSET_VERSION"])
-        self.kwok_src = module_dir("sigs.k8s.io/kwok", v["KWOK_VERSION"])
-        files = sorted(
-            (self.trainer_src / "manifests/base/crds").glob("trainer.kubeflow.org_*.yaml")
-        )
-        files += sorted((self.jobset_src / "config/components/crd/bases").glob("*.yaml"))
-        self.scheduler_plugins_src = module_dir(
-            "sigs.k8s.io/scheduler-plugins", v["SCHEDULER_PLUGINS_VERSION"]
-        )
+        crds = self.files("trainer", "manifests/base/crds")
+        files = sorted(crds.glob("trainer.kubeflow.org_*.yaml"))
+        files += sorted(self.files("jobset", "config/components/crd/bases").glob("*.yaml"))
         # PodGroups, and ElasticQuotas, which the PodGroup controller's manager also watches.
-        files += sorted((self.scheduler_plugins_src / "config/crd/bases").glob("*.yaml"))
+        files += sorted(self.files("scheduler-plugins", "config/crd/bases").glob("*.yaml"))
         for f in files:
             self.kubectl("apply", "--server-side", "-f", str(f))
         self.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
@@ -655,7 +646,7 @@ class ControlPlane:
             proc, lambda: _http_ok(health) and _tcp_open(self.ports["jobset_webhook"]), "readyz"
         )
         rendered = self.kubectl(
-            "kustomize", str(self.jobset_src / "config/components/webhook")
+            "kustomize", str(self.files("jobset", "config/components/webhook"))
         ).stdout
         self._register_webhooks("jobset", rendered, self.ports["jobset_webhook"])
 
@@ -700,7 +691,7 @@ class ControlPlane:
         self._wait(proc, lambda: _http_ok(health), "readyz (webhook server started)")
         self._register_webhooks(
             "kubeflow-trainer",
-            (self.trainer_src / "manifests/base/webhook/manifests.yaml").read_text(),
+            self.files("trainer", "manifests/base/webhook/manifests.yaml").read_text(),
             self.ports["trainer_webhook"],
         )
         self._trainer_public_config()
@@ -760,7 +751,7 @@ class ControlPlane:
     def _trainer_public_config(self) -> None:
         """What the upstream install adds for the SDK: the kubeflow-trainer-public ConfigMap with
         the Trainer's version, readable by every authenticated user (upstream's Role/Binding)."""
-        rbac = self.trainer_src / "manifests/base/rbac"
+        rbac = self.files("trainer", "manifests/base/rbac")
         public = {
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -780,7 +771,7 @@ class ControlPlane:
     def _kwok(self) -> None:
         stages = []
         for kind in ("node", "pod"):
-            for f in sorted((self.kwok_src / "kustomize/stage" / kind / "fast").glob("*.yaml")):
+            for f in sorted((self.files("kwok", "kustomize/stage") / kind / "fast").glob("*.yaml")):
                 if f.name == "pod-complete.yaml":
                     stages.append(_with_complete_delay(f.read_text()))
                 elif f.name != "kustomization.yaml":

@@ -28,10 +28,9 @@ _WEBHOOK_PATHS = ("trainer-kubeflow-org-v1alpha1-trainjob", "-kueue-x-k8s-io-")
 
 
 def start(cp: ControlPlane) -> None:
-    from tests.controlplane.cluster import _http_ok, _tcp_open, module_dir, versions
+    from tests.controlplane.cluster import _http_ok, _tcp_open
 
-    src = module_dir("sigs.k8s.io/kueue", versions()["KUEUE_VERSION"])
-    for crd in sorted((src / "config/components/crd/bases").glob("*.yaml")):
+    for crd in sorted(cp.files("kueue", "config/components/crd/bases").glob("*.yaml")):
         cp.kubectl("apply", "--server-side", "-f", str(crd))
     cp.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
     cp.kubectl("create", "namespace", NAMESPACE)
@@ -61,7 +60,7 @@ def start(cp: ControlPlane) -> None:
         lambda: _http_ok(health) and _tcp_open(cp.ports["kueue_webhook"]),
         "readyz (webhook server started)",
     )
-    hooks = (src / "config/components/webhook/manifests.yaml").read_text()
+    hooks = cp.files("kueue", "config/components/webhook/manifests.yaml").read_text()
     cp._register_webhooks("kueue", _only_served(hooks), cp.ports["kueue_webhook"])
 
 
