@@ -7,7 +7,8 @@
     python -m tests.controlplane serve --dir D      # foreground (what `up` runs)
 
 `up` runs a supervisor that owns every process of the control plane; they die with it, and it
-stops by itself after --ttl seconds (default 2 h) so nothing outlives a forgotten session. As
+stops by itself after --ttl seconds (default 2 h) so nothing outlives a forgotten session; `up`
+in a stopped tier's directory starts afresh (its logs and state are removed). As
 root it runs in a network namespace of its own (``netns.py``) with the real node; its servers
 and pods are reached from there only: ``shell`` runs a command (or a shell) inside it.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +60,15 @@ def up(root: Path, ttl: float, gates: list[str], node: bool = True) -> int:
     if (root / "serve.pid").exists() and _alive(int((root / "serve.pid").read_text())):
         print(f"already running: KUBECONFIG={root / 'admin.kubeconfig'}")
         return 0
+    if root.is_dir() and any(root.iterdir()):
+        # A stopped tier's directory: its etcd data, ports and kubeconfigs are stale, and a
+        # restart on them fails; nothing in it is reused, so it starts afresh.
+        if not (root / "serve.log").exists():
+            print(f"--dir {root}: not empty and not a tier's directory; name a new or empty one",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"starting afresh in {root} (the tier that ran there has stopped)")
+        shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "READY").unlink(missing_ok=True)
     argv = [sys.executable, "-m", "tests.controlplane", "serve", f"--dir={root}", f"--ttl={ttl}"]
