@@ -28,6 +28,7 @@ import ctypes
 import hashlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,6 +38,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +47,6 @@ import yaml
 from tests.controlplane import kueue, netns
 from tests.controlplane.node import Node
 from tests.controlplane.pki import LOOPBACK_SANS, Authority
-from tests.helpers import free_port
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE / "build.sh"
@@ -123,6 +124,25 @@ def build(log=None) -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
+def server_ports() -> Iterator[int]:
+    """Ports for the tier's servers: each given once, free when given, and below the kernel's
+    ephemeral range. Ports picked by binding port 0 can repeat (a cold CI run had two servers
+    drawn the same one), and a port in that range can be taken by a client's outgoing
+    connection before the server it was picked for starts."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    # Above the fixed defaults of the Kubernetes components (10248-10259); a random start, so
+    # that two tiers in one network namespace rarely walk the same ports.
+    first = random.randrange(12000, max(12001, low - 2000))
+    for port in range(first, low):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        yield port
+    raise ControlPlaneError(f"no free port left between {first} and {low}")
+
+
 def _die_with_parent() -> None:
     # PR_SET_PDEATHSIG = 1: SIGTERM this process when the one that started it exits.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
@@ -142,6 +162,7 @@ class ControlPlane:
     feature_gates: dict[str, bool] = field(default_factory=dict)
     processes: list[Process] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
+    free_ports: Iterator[int] = field(default_factory=server_ports, repr=False)
 
     # --- paths ------------------------------------------------------------------------------
 
@@ -213,7 +234,7 @@ class ControlPlane:
             "kueue_health",
             "kwok",
         ):
-            self.ports[name] = free_port()
+            self.ports[name] = next(self.free_ports)
         try:
             self._pki()
             self._etcd()

@@ -30,7 +30,6 @@ from pathlib import Path
 import yaml
 
 from tests.controlplane import netns
-from tests.helpers import free_port
 
 NODE_NAME = "tunepack-node"
 # The label the tests select (and cordon) this node by, as KWOK's nodes by theirs.
@@ -65,10 +64,9 @@ class Node:
             raise NodeError("the real node runs only in the tier's network namespace (netns.py)")
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock_store()
-        self.cp.ports.update(
-            kubelet=free_port(), kubelet_healthz=free_port(), proxy_healthz=free_port(),
-            proxy_metrics=free_port(), coredns_ready=free_port(), coredns_health=free_port(),
-        )  # fmt: skip
+        for name in ("kubelet", "kubelet_healthz", "proxy_healthz", "proxy_metrics",
+                     "coredns_ready", "coredns_health"):  # fmt: skip
+            self.cp.ports[name] = next(self.cp.free_ports)
         self._containerd()
         self._import_images()
         self._cluster_services()

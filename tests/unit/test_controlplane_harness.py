@@ -1,4 +1,4 @@
-"""`python -m tests.controlplane up` on a directory it did not make: refused, nothing removed."""
+"""The cluster tier's own machinery (tests/controlplane) where it needs no control plane."""
 
 from tests.controlplane.__main__ import main
 
