@@ -17,8 +17,8 @@ rm -rf "$cache"/.scratch.* "$cache"/.*@*.??????  # left by a build that was stop
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
 # Go's module and build caches: the build's own, in $cache/.go, unless the caller names theirs
 # (GOCACHE or GOMODCACHE). They let a build the budget stopped go on where it stopped, and are
-# removed once every component is built: about 12 GB (measured) of sources and objects behind 0.9 GB of
-# binaries, which a version bump would mostly not reuse.
+# removed once every component is built: about 12 GB (measured) of sources and objects behind
+# 0.9 GB of binaries, which a version bump would mostly not reuse.
 own_go=""
 if [ -z "${GOCACHE:-}" ] && [ -z "${GOMODCACHE:-}" ]; then
   own_go="$cache/.go"
