@@ -328,3 +328,20 @@ def kill_9_and_resume(workspace: Path, args: list[str], *, at_step: int, every: 
     again = launch_trainer(trainer_env(workspace), *args)
     assert again.returncode == 0, again.stderr
     return newest
+
+
+def still_running(proc) -> bool:
+    """Whether ``proc`` (a ``psutil.Process``) has not fully exited. psutil calls a process a
+    zombie as soon as its main thread has exited, while its other threads may still be exiting
+    with its files, and the workspace lock, open (a CI run failed on that); only a zombie without
+    other threads has let go of them."""
+    import psutil
+
+    try:
+        if not proc.is_running():
+            return False
+        if proc.status() != psutil.STATUS_ZOMBIE:
+            return True
+        return len(os.listdir(f"/proc/{proc.pid}/task")) > 1
+    except (psutil.Error, OSError):
+        return False  # gone while looked at

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import free_port, write_kubeconfig
+from tests.helpers import free_port, still_running, write_kubeconfig
 
 EXIT_BAD_INPUT, EXIT_TRANSIENT, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 65, 75, 130, 141
 CLI = [sys.executable, "-m", "tunepack.cli"]
@@ -277,10 +277,10 @@ def _wait_for_training(proc, workspace: Path, seen: dict[int, psutil.Process]) -
 
 
 def _left_running(seen: dict[int, psutil.Process], pgid: int) -> list[int]:
-    alive = [p.pid for p in seen.values() if p.is_running() and p.status() != "zombie"]
+    alive = [p.pid for p in seen.values() if still_running(p)]
     for proc in psutil.process_iter():  # anything else still in the run's process group
         try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != "zombie":
+            if os.getpgid(proc.pid) == pgid and still_running(proc):
                 alive.append(proc.pid)
         except (OSError, psutil.Error):
             continue
