@@ -82,6 +82,45 @@ def test_the_lock_is_held_until_the_last_process_that_inherited_it_exits(tmp_pat
                 pass
 
 
+def test_a_process_holds_the_lock_until_its_last_thread_has_exited(tmp_path):
+    """A process whose main thread has exited is a zombie to psutil while its other threads run
+    on, with the lock still held: the kill tests wait for ``still_running`` to be False, not for
+    the zombie state (a SIGKILLed trainer's threads exit one by one on a loaded machine)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import ctypes, sys, threading\n"
+            "from pathlib import Path\n"
+            "from tunepack.core.workspace import lock_workspace\n"
+            f"lock = lock_workspace(Path({str(tmp_path)!r}), 'holder')\n"
+            "threading.Thread(target=sys.stdin.read).start()  # until the test closes stdin\n"
+            "print('locked', flush=True)\n"
+            "ctypes.CDLL(None).pthread_exit(None)  # the main thread only\n",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        proc = psutil.Process(holder.pid)
+        deadline = time.monotonic() + 60  # guards a hang only: the main thread exits at once
+        while proc.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.status() == psutil.STATUS_ZOMBIE and still_running(proc)
+        with pytest.raises(WorkspaceBusyError, match=r"in use by holder \(pid \d+"):
+            lock_workspace(tmp_path, "next run")
+        holder.stdin.close()  # the last thread returns
+        holder.wait(60)
+        assert not still_running(proc)
+        with lock_workspace(tmp_path, "next run") as lock:
+            assert lock.owned
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_process_that_inherited_the_lock_takes_it_as_its_own(tmp_path, monkeypatch):
     with lock_workspace(tmp_path, "runner") as held:
         monkeypatch.setenv(LOCK_FD_ENV, str(held.fd))
