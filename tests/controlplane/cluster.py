@@ -25,6 +25,7 @@ pods; the Trainer and Kueue with the files their pods would have (``podfs``).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -95,6 +96,7 @@ class ControlPlaneError(RuntimeError):
     """A component did not come up; the message carries the tail of its log."""
 
 
+@functools.cache  # read by every binary() and files() lookup; the file does not change
 def versions() -> dict[str, str]:
     out = {}
     for line in VERSIONS_FILE.read_text().splitlines():

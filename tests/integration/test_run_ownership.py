@@ -213,17 +213,6 @@ def _files(root: Path) -> dict[Path, float]:
     return found
 
 
-def _alive(seen: dict[int, psutil.Process]) -> list[str]:
-    alive = []
-    for proc in seen.values():
-        try:
-            if still_running(proc):
-                alive.append(" ".join(proc.cmdline()[:6]))
-        except psutil.Error:
-            continue
-    return alive
-
-
 def _torchrun_seen(seen: dict[int, psutil.Process]) -> bool:
     for proc in seen.values():
         try:
