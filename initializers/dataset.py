@@ -61,6 +61,7 @@ def initialize() -> None:
         "requested_schema": (schemas.requested() or _Auto).name,
         "column_map": schemas.column_map(),
     }
+    workspace.claim_workspace(workspace.workspace_root(), PROGRAM)
     dest = workspace.dataset_dir()
     for stale in atomic.remove_stale_partials(dest):
         _log(f"removed {stale.name} left by an interrupted run")

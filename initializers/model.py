@@ -60,6 +60,7 @@ def initialize() -> None:
     if (checked := trainer_args.check_from_env()) is not None:
         _log(f"the trainer's {checked} arguments are valid")
     source_uri = uri.from_env()
+    workspace.claim_workspace(workspace.workspace_root(), PROGRAM)
     dest = workspace.model_dir()
     if source_uri.is_local:
         source = _checked_local(entry, source_uri, uri.resolve(source_uri))

@@ -12,7 +12,13 @@ from __future__ import annotations
 import yaml
 
 from tunepack.core.errors import EXIT_BAD_INPUT
-from tunepack.core.workspace import DEFAULT_WORKSPACE, MODEL_ENV, WORKSPACE_ENV
+from tunepack.core.workspace import (
+    DEFAULT_WORKSPACE,
+    JOB_NAME_ENV,
+    JOB_UID_ENV,
+    MODEL_ENV,
+    WORKSPACE_ENV,
+)
 from tunepack.runtimes import catalog, host
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.runtimes.contract import (
@@ -241,7 +247,7 @@ def _container(step: Step, entry: ModelEntry, extra_env: dict[str, str]) -> dict
         "name": step.job,
         "image": step.image_ref,
         "command": step.command,
-        "env": [{"name": name, "value": value} for name, value in env.items()],
+        "env": [{"name": name, "value": value} for name, value in env.items()] + _job_env(),
         "volumeMounts": [{"name": INITIALIZER_VOLUME, "mountPath": DEFAULT_WORKSPACE}],
         # A failed step's pod status then carries its last log lines, the one-line error among
         # them (`kubectl describe pod`); the programs write no termination-log file.
@@ -251,6 +257,22 @@ def _container(step: Step, entry: ModelEntry, extra_env: dict[str, str]) -> dict
             "capabilities": {"drop": ["ALL"]},
         },
     }
+
+
+# The job each step runs for, so that a program refuses a workspace that holds another job's work
+# (tunepack.core.workspace, "the job that owns the workspace"): JobSet labels every pod with its
+# JobSet's name and uid, the TrainJob's JobSet being named after the TrainJob.
+JOB_LABEL_ENV = (
+    (JOB_NAME_ENV, "jobset.sigs.k8s.io/jobset-name"),
+    (JOB_UID_ENV, "jobset.sigs.k8s.io/jobset-uid"),
+)
+
+
+def _job_env() -> list[dict]:
+    return [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{label}']"}}}
+        for name, label in JOB_LABEL_ENV
+    ]
 
 
 def _secret_env(refs: tuple[tuple[str, str, str], ...]) -> list[dict]:

@@ -146,6 +146,8 @@ def run(argv: list[str]) -> int:
         checkpoint_dir=root / workspace.CHECKPOINTS_DIR,
     )
     layout = layout_from_env(cfg.device)
+    if layout.node_rank == 0:  # the other nodes share node 0's workspace and its run
+        workspace.claim_workspace(root, PROGRAM)
     digest = result_digest(cfg)
     result_path = output / workspace.RESULT_FILE
     if result_path.exists():

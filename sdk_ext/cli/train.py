@@ -52,8 +52,31 @@ def cmd_train(ns: argparse.Namespace) -> int:
     resumed = previous if workspace == previous_workspace and _has_work(workspace) else None
     # The workspace first: a run refused because another holds it touches no job's record.
     with lock_workspace(workspace, f"local TrainJob {name!r}") or nullcontext() as lock:
+        _claim(backend, workspace, name, given=ns.workspace)
         job_dir = backend.register(trainjob, workspace, replace=True)
         return _run_local(ns, trainjob, job_dir, workspace, resumed, lock)
+
+
+def _claim(backend, workspace: Path, name: str, given: str | None) -> None:
+    """Make ``workspace`` job ``name``'s, refusing one that another local job ran in: that job's
+    result, status and checkpoints live there, and this run would replace them."""
+    from tunepack.core.errors import WorkspaceClaimedError
+    from tunepack.core.workspace import JobIdentity, record_owner
+
+    others = backend.jobs_in_workspace(workspace, besides=name)
+    if others:
+        owner = others[0]
+        status = backend.get_job(owner).status
+        raise WorkspaceClaimedError(
+            f"--workspace {given or workspace} holds local TrainJob {owner!r} ({status}); these "
+            f"arguments make job {name!r}, which would replace its dataset, model, checkpoints "
+            f"and result: give this job another --workspace, run {owner!r} again with --name "
+            f"{owner}, or delete it first (`tunepack delete {owner} --local` keeps the workspace)",
+            workspace=str(workspace),
+            owner=owner,
+            job=name,
+        )
+    record_owner(workspace, JobIdentity(name))
 
 
 def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:

@@ -100,6 +100,22 @@ class DoesNotFitError(BadInputError):
     """The run needs more than the hardware has: GPU memory, GPUs, a CUDA device."""
 
 
+class WorkspaceClaimedError(ConflictError):
+    """The workspace holds another job's work, which this job would replace. ``workspace``,
+    ``owner`` (the job whose work it holds) and ``job`` (the one refused) carry the facts."""
+
+    def __init__(
+        self,
+        *args,
+        workspace: str = "",
+        owner: str = "",
+        job: str = "",
+        cli_message: str | None = None,
+    ):
+        super().__init__(*args, cli_message=cli_message)
+        self.workspace, self.owner, self.job = workspace, owner, job
+
+
 class UnsupportedError(BadInputError):
     """What tunepack, the chosen model or backend, or vLLM does not do (nor would, for a secret)."""
 

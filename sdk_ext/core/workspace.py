@@ -12,10 +12,12 @@ import json
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tunepack.core.errors import WorkspaceBusyError
+from tunepack.core import durable
+from tunepack.core.errors import WorkspaceBusyError, WorkspaceClaimedError
 
 WORKSPACE_ENV = "TUNEPACK_WORKSPACE"
 DEFAULT_WORKSPACE = "/workspace"
@@ -190,3 +192,85 @@ def _busy_message(root: Path, path: Path) -> str:
         "other's checkpoints and result; wait for that run to end (or stop it), or use another "
         "workspace"
     )
+
+
+# --- the job that owns the workspace -------------------------------------------------------------
+#
+# A workspace holds one job's work: its dataset, base model, checkpoints and result. A second job
+# run in it would replace all of them, and the first job's ``result``/``status`` would then report
+# the second's run. So the first program of a job to touch a workspace records the job there
+# (``tunepack-job.json``), and every program refuses to work in a workspace that holds another
+# job's work. The job is named by the platform: on a cluster JobSet labels each pod with the
+# JobSet's (= the TrainJob's) name and uid, which the runtimes hand to the programs through the
+# downward API; the local backend sets the same variables. A program run on its own, without
+# them, checks nothing.
+
+JOB_FILE = "tunepack-job.json"
+JOB_NAME_ENV = "TUNEPACK_JOB_NAME"
+JOB_UID_ENV = "TUNEPACK_JOB_UID"  # on a cluster: tells a TrainJob from an earlier one of its name
+# What a job makes in its workspace: a workspace holding none of these holds no job's work.
+WORK_DIRS = (DATASET_DIR, MODEL_DIR, CHECKPOINTS_DIR, OUTPUT_DIR)
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    name: str
+    uid: str = ""
+
+    @classmethod
+    def from_env(cls) -> JobIdentity | None:
+        """The job this program runs for, as the platform names it (None: run on its own)."""
+        name = os.environ.get(JOB_NAME_ENV, "").strip()
+        return cls(name, os.environ.get(JOB_UID_ENV, "").strip()) if name else None
+
+
+def holds_work(root: Path) -> bool:
+    """Whether the workspace at ``root`` holds anything a job made."""
+    return any((Path(root) / part).exists() for part in WORK_DIRS)
+
+
+def job_owner(root: Path) -> JobIdentity | None:
+    """The job recorded as the owner of the workspace at ``root`` (None: none, or unreadable)."""
+    try:
+        record = json.loads((Path(root) / JOB_FILE).read_text())
+        return JobIdentity(str(record["name"]), str(record.get("uid") or ""))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_owner(root: Path, job: JobIdentity) -> None:
+    """Record ``job`` as the owner of the workspace at ``root``."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    durable.write_json(Path(root) / JOB_FILE, {"name": job.name, "uid": job.uid})
+
+
+def claim_workspace(root: Path, program: str) -> None:
+    """Make sure the workspace at ``root`` is this job's (``JobIdentity.from_env``) before
+    ``program`` changes anything in it, and record it as the job's. Raises
+    ``WorkspaceClaimedError`` where it holds the work of a job of another name. A TrainJob of
+    the same name but another uid (a TrainJob deleted and created again, its retained claim
+    bound anew) takes the workspace over, which is said."""
+    job = JobIdentity.from_env()
+    if job is None:
+        return
+    owner = job_owner(root)
+    if owner == job:
+        return
+    if owner is not None and holds_work(root):
+        if owner.name != job.name:
+            raise WorkspaceClaimedError(
+                f"workspace {root} holds the work of job {owner.name!r} (its dataset, model, "
+                f"checkpoints and result); job {job.name!r} would replace it: give each job a "
+                f"workspace of its own (a runtime's volumeClaimPolicies make one per TrainJob; "
+                f"a claim shared through runtimePatches does not), or delete {root}/{JOB_FILE} "
+                f"once {owner.name!r}'s result is no longer needed",
+                workspace=str(root),
+                owner=owner.name,
+                job=job.name,
+            )
+        print(
+            f"{program}: workspace {root} holds the work of an earlier job named {job.name!r} "
+            f"(uid {owner.uid or 'unknown'}); this one (uid {job.uid or 'unknown'}) takes it over",
+            flush=True,
+        )
+    record_owner(root, job)

@@ -411,3 +411,54 @@ def test_the_summary_points_at_the_tracker_and_results_carry_the_validation_loss
         f"tracked: final loss {recorded['final_loss']:.4f}; val loss {recorded['val_loss']:.4f} "
         f"(best {recorded['best_val_loss']:.4f}); tracker: {pointer}\n"
     )
+
+
+def test_a_job_is_refused_the_workspace_another_job_ran_in(
+    home, tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """Issue 49, item 1. The same command with another argument in the same --workspace is
+    another job: it is refused in one line naming the job that owns the workspace and the ways
+    out (exit 65), before anything is recorded or touched, and the first job's result, status
+    and record stay its own. Once that job is deleted, the new one takes the workspace."""
+    workspace = tmp_path / "shared"
+    first = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(workspace), "--quiet"
+    )
+    assert first.returncode == 0, first.stderr
+    owner = first.stdout.split()[2].rstrip(":")
+    result = workspace / "output" / "result.json"
+    before, loss = result.read_bytes(), json.loads(result.read_text())["final_loss"]
+
+    refused = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(workspace),
+        "lr=0.0005",
+    )  # fmt: skip
+    assert refused.returncode == 65, refused.stderr
+    assert refused.stdout == ""
+    other = re.search(r"these arguments make job '(tiny-llama3-[0-9a-f]{10})'", refused.stderr)
+    assert other and other[1] != owner, refused.stderr
+    assert refused.stderr == (
+        f"tunepack: error: --workspace {workspace} holds local TrainJob {owner!r} (Complete); "
+        f"these arguments make job {other[1]!r}, which would replace its dataset, model, "
+        f"checkpoints and result: give this job another --workspace, run {owner!r} again with "
+        f"--name {owner}, or delete it first (`tunepack delete {owner} --local` keeps the "
+        "workspace)\n"
+    )
+    assert result.read_bytes() == before
+    listed = [line.split()[0] for line in tunepack(home, "jobs", "--local").stdout.splitlines()]
+    assert owner in listed and other[1] not in listed
+    shown = tunepack(home, "result", owner, "--local")
+    assert shown.returncode == 0, shown.stderr
+    assert f"  final loss  {loss:.4f}" in shown.stdout.splitlines(), shown.stdout
+    assert json.loads((workspace / "tunepack-job.json").read_text())["name"] == owner
+
+    # The way out the line names: delete the owner (its workspace is kept), then train.
+    assert tunepack(home, "delete", owner, "--local").returncode == 0
+    taken = _train(
+        home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(workspace),
+        "--quiet", "lr=0.0005",
+    )  # fmt: skip
+    assert taken.returncode == 0, taken.stderr
+    assert taken.stdout.split()[2].rstrip(":") == other[1]
+    assert json.loads((workspace / "tunepack-job.json").read_text())["name"] == other[1]
+    assert result.read_bytes() != before

@@ -40,12 +40,14 @@ from tunepack.core.errors import (
     UnknownRuntimeError,
     UnsupportedError,
     WorkspaceBusyError,
+    WorkspaceClaimedError,
 )
 
 # Every error type, the kind it narrows (the class whose exit code and meaning it keeps) and the
 # exit code a program ends with. RuntimeInUseError, ImageNotPullable and NonFiniteLossError are
-# raised only against a cluster or by a training run: their lines are pinned where those run
-# (tests/integration/test_sdk_kubernetes.py, test_trainer_integrity.py).
+# raised only against a cluster or by a training run, WorkspaceClaimedError by a program in a
+# workspace: their lines are pinned where those run (tests/integration/test_sdk_kubernetes.py,
+# test_trainer_integrity.py, test_workspace_owner.py, test_cli_jobs.py).
 KINDS = {
     BadInputError: (TunepackError, EXIT_BAD_INPUT),
     TransientError: (TunepackError, EXIT_TRANSIENT),
@@ -61,6 +63,7 @@ KINDS = {
     BadModelError: (BadInputError, EXIT_BAD_INPUT),
     DoesNotFitError: (BadInputError, EXIT_BAD_INPUT),
     UnsupportedError: (BadInputError, EXIT_BAD_INPUT),
+    WorkspaceClaimedError: (ConflictError, EXIT_BAD_INPUT),
     WorkspaceBusyError: (TransientError, EXIT_TRANSIENT),
     DiskFullError: (TransientError, EXIT_TRANSIENT),
     RuntimeInUseError: (TransientError, EXIT_TRANSIENT),

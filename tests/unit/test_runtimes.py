@@ -244,8 +244,11 @@ def test_environment(entry):
         )
     trainer_env = env(_container(jobs["node"]))
     refs = env_refs(_container(jobs["node"]))
-    # The tracker's credentials, by reference to one optional Secret (a run without one works).
-    assert refs == {
+    # The tracker's credentials, by reference to one optional Secret (a run without one works);
+    # the job's name and uid from JobSet's pod labels (tests/integration/test_workspace_owner.py).
+    job_refs = {"TUNEPACK_JOB_NAME", "TUNEPACK_JOB_UID"}
+    assert job_refs <= set(refs)
+    assert {k: v for k, v in refs.items() if k not in job_refs} == {
         name: {
             "secretKeyRef": {"name": "tunepack-tracker-credentials", "key": name, "optional": True}
         }

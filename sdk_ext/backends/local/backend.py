@@ -32,7 +32,7 @@ from tunepack.core.errors import (
     UnknownRuntimeError,
     WorkspaceBusyError,
 )
-from tunepack.core.workspace import MODEL_DIR
+from tunepack.core.workspace import MODEL_DIR, job_owner
 from tunepack.jobs import naming, submit
 from tunepack.jobs.trainjob import export_of
 from tunepack.runtimes import catalog, contract
@@ -186,6 +186,26 @@ class LocalBackend(TunepackBackend):
         if runtime is not None:
             jobs = [j for j in jobs if j.runtime.name == runtime.name]
         return sorted(jobs, key=lambda j: j.creation_timestamp)
+
+    def jobs_in_workspace(self, workspace: Path, besides: str | None = None) -> list[str]:
+        """The names of the jobs whose steps run in ``workspace`` (but ``besides``), the one
+        the workspace records as its owner first, then the newest first."""
+        if not self.root.is_dir():
+            return []
+        wanted = Path(workspace).resolve()
+        found = []
+        for path in self.root.iterdir():
+            job = JobRecord(path)
+            if path.name == besides or not job.exists():
+                continue
+            try:
+                if job.workspace.resolve() == wanted:
+                    found.append((job.created() or "", path.name))
+            except (OSError, ValueError, KeyError):
+                continue  # deleted since the directory was listed, or unreadable
+        owner = job_owner(wanted)
+        found.sort(key=lambda f: (owner is not None and f[1] == owner.name, f[0]), reverse=True)
+        return [name for _, name in found]
 
     def job_dir(self, name: str) -> Path:
         """The directory of job ``name``'s record (``<root>/<name>/``)."""

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from tunepack.core import lifetime, program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadValueError
-from tunepack.core.workspace import LOGS_DIR, WorkspaceLock, lock_workspace
+from tunepack.core.workspace import JOB_NAME_ENV, LOGS_DIR, WorkspaceLock, lock_workspace
 from tunepack.initializers.export import EXPORT_URI_ENV
 from tunepack.runtimes import contract
 from tunepack.runtimes.contract import (
@@ -169,6 +169,9 @@ def resolve_steps(runtime: dict, trainjob: dict, workspace: Path) -> list[StepPr
         # the TrainJob's runtimePatches, as on a cluster. Secret references have no local
         # equivalent: credentials come from this process's environment.
         env.update(patched_env(trainjob, job["name"], container["name"]))
+        # What JobSet's pod labels give each step on a cluster (the runtime's downward API).
+        if job_name := (trainjob.get("metadata") or {}).get("name"):
+            env[JOB_NAME_ENV] = job_name
         if ancestor == EXPORT_STEP.ancestor and not env.get(EXPORT_URI_ENV):
             # On a cluster the exporter Pod runs and does nothing; here the no-op is left out.
             continue
