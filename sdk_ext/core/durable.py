@@ -24,6 +24,32 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _FULL_MESSAGES = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
 _NEARLY_FULL = 1 << 20  # free bytes below which an opaque write failure is taken as disk-full
 
+# The names the writers below stage under or set aside, beside what they write: each is
+# ``.<name><mark><suffix>`` (these functions), so that a killed writer's leftovers are known by
+# the same marks (``remove_staging_leftovers``).
+_TEMP_MARK = ".tmp-"  # write_bytes: the file before its rename
+_STAGING_MARK = ".partial-"  # publish_dir: the directory while it is written
+_ASIDE_MARK = ".old-"  # publish_dir: the replaced directory, until the new one is in place
+LEFTOVER_MARKS = (_TEMP_MARK, _STAGING_MARK, _ASIDE_MARK)
+
+
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}{_TEMP_MARK}{os.getpid()}")
+
+
+def _staging_prefix(destination: Path) -> str:
+    return f".{destination.name}{_STAGING_MARK}"  # mkdtemp adds the random suffix
+
+
+def _aside_name(destination: Path) -> Path:
+    return destination.with_name(f".{destination.name}{_ASIDE_MARK}{os.getpid()}")
+
+
+def is_leftover(name: str) -> bool:
+    """Whether ``name`` is one a writer here stages under or sets aside (``.<name><mark>...``)."""
+    # A leading dot, the name, the mark, a suffix: the mark is inside what the dot starts.
+    return name.startswith(".") and any(mark in name[1:-1] for mark in LEFTOVER_MARKS)
+
 
 def is_disk_full(err: BaseException) -> bool:
     """Whether ``err`` (or an exception it was raised from) says the disk or quota is full."""
@@ -117,7 +143,7 @@ def write_bytes(path: Path, data: bytes) -> None:
     The rename also means a hard-linked file (a model file linked into the workspace) is never
     written through.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = _temp_name(path)
     try:
         with disk_full_as_error(path, len(data)):
             with open(tmp, "wb") as f:
@@ -165,7 +191,7 @@ def publish_dir(
     with disk_full_as_error(destination, needed):
         destination.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(
-            tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent)
+            tempfile.mkdtemp(prefix=_staging_prefix(destination), dir=destination.parent)
         )
     try:
         with disk_full_as_error(destination, needed):
@@ -174,7 +200,7 @@ def publish_dir(
         rename_dir(
             staging,
             destination,
-            aside=destination.with_name(f".{destination.name}.old-{os.getpid()}"),
+            aside=_aside_name(destination),
         )
     finally:
         if staging.exists():
@@ -183,16 +209,13 @@ def publish_dir(
 
 
 def remove_staging_leftovers(directory: Path) -> list[Path]:
-    """Remove what ``publish_dir`` stages or sets aside in ``directory``
-    (``.<name>.partial-*``, ``.<name>.old-*``) and a killed run left behind; return it. Only
-    for a caller that holds the directory alone (the trainer under the workspace lock)."""
+    """Remove what the writers here stage or set aside in ``directory`` and a killed run left
+    behind (``is_leftover``: ``write_bytes``' ``.<name>.tmp-*``, ``publish_dir``'s
+    ``.<name>.partial-*`` and ``.<name>.old-*``); return it. Only for a caller that holds the
+    directory alone (the trainer under the workspace lock)."""
     if not directory.is_dir():
         return []
-    left = sorted(
-        p
-        for p in directory.iterdir()
-        if p.name.startswith(".") and (".partial-" in p.name or ".old-" in p.name)
-    )
+    left = sorted(p for p in directory.iterdir() if is_leftover(p.name))
     for path in left:
         remove(path)
     return left

@@ -73,19 +73,22 @@ def test_staging_left_by_a_run_killed_while_publishing_is_removed_at_start(
     initialized_workspace, tmp_path
 ):
     """A kill during publish leaves ``output/.adapter.partial-*`` (and possibly the old result
-    set aside): the next run, holding the workspace lock, removes them and says so (issue 28)."""
+    set aside), one during the final save ``output/.result.json.tmp-<pid>``: the next run,
+    holding the workspace lock, removes them and says so (issue 28; issue 49, item 13)."""
     workspace = tmp_path / "ws"
     shutil.copytree(initialized_workspace, workspace)
     left = [workspace / "output" / ".adapter.partial-3f9a1c", workspace / "output" / ".model.old-7"]
     for path in left:
         path.mkdir(parents=True)
+    left.append(workspace / "output" / ".result.json.tmp-4242")
+    left[-1].write_text('{"steps": ')
     done = _launch(workspace, *ARGS)
     assert done.returncode == 0, done.stderr
     for path in left:
-        assert f"trainer: removed {path}, left by an interrupted run" in done.stdout
+        assert f"trainer: removed {path}, left by an interrupted run\n" in done.stdout
         assert not path.exists()
     names = [p.name for p in (workspace / "output").iterdir()]
-    assert not [n for n in names if ".partial-" in n or ".old-" in n], names
+    assert not [n for n in names if any(m in n for m in (".partial-", ".old-", ".tmp-"))], names
 
 
 def test_resumed_run_records_each_step_once(finished, tmp_path):

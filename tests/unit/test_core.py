@@ -113,6 +113,66 @@ def test_write_bytes_is_world_readable_whatever_the_umask(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["data.bin"]
 
 
+class _Killed(BaseException):
+    """A SIGKILL at that instant: what the directory holds then is what the kill leaves."""
+
+
+def _killed_at(directory, monkeypatch, target, name) -> list[str]:
+    """Make a call of ``target.name`` the instant a writer is killed; the list it returns gets
+    the names ``directory`` holds then."""
+    seen = []
+
+    def kill(*args, **kwargs):
+        seen.extend(p.name for p in directory.iterdir())
+        raise _Killed
+
+    monkeypatch.setattr(target, name, kill)
+    return seen
+
+
+def test_the_start_of_run_cleanup_removes_every_name_a_killed_writer_leaves(tmp_path, monkeypatch):
+    """Issue 49, item 13: the temporary names are each writer's own, killed in the middle (the
+    trainer's final save of result.json left ``.result.json.tmp-<pid>``, kept after the re-run)."""
+    out = tmp_path / "output"
+    out.mkdir()
+    durable.write_text(out / "result.json", "{}")
+    durable.publish_dir(out / "adapter", lambda d: (d / "w").write_text("old"))
+    left = set()
+
+    seen = _killed_at(out, monkeypatch, durable.os, "replace")  # before the rename
+    with pytest.raises(_Killed):
+        durable.write_text(out / "result.json", '{"new": 1}')
+    monkeypatch.undo()
+    left |= set(seen)
+
+    def write(staging):  # while the staging directory is written
+        left.update(p.name for p in out.iterdir())
+        raise _Killed
+
+    with pytest.raises(_Killed):
+        durable.publish_dir(out / "adapter", write)
+
+    seen = _killed_at(out, monkeypatch, durable, "remove")  # the old one set aside
+    with pytest.raises(_Killed):
+        durable.publish_dir(out / "adapter", lambda d: (d / "w").write_text("new"))
+    monkeypatch.undo()
+    left |= set(seen)
+
+    left -= {"result.json", "adapter"}
+    marks = {mark for name in left for mark in durable.LEFTOVER_MARKS if mark in name}
+    assert marks == set(durable.LEFTOVER_MARKS), left  # one leftover of each kind was seen
+    for name in left:  # as the kills left them (a writer's finally does not run under SIGKILL)
+        if ".tmp-" in name:
+            (out / name).write_text("{")
+        else:
+            (out / name).mkdir(exist_ok=True)
+    (out / ".keep").write_text("not a writer's")
+    removed = durable.remove_staging_leftovers(out)
+    assert sorted(p.name for p in removed) == sorted(left)
+    assert sorted(p.name for p in out.iterdir()) == [".keep", "adapter", "result.json"]
+    assert f".result.json.tmp-{os.getpid()}" in left
+
+
 def test_json_digest_depends_on_content_not_on_key_order():
     a = {"lr": 0.0001, "model": {"rank": 8, "alpha": 16}}
     b = {"model": {"alpha": 16, "rank": 8}, "lr": 0.0001}
