@@ -47,19 +47,29 @@ def _step_of(path: Path) -> int:
     return int(path.name.removeprefix(PREFIX))
 
 
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+def _checkpoint_dirs(root: Path) -> list[Path]:
+    """The ``step-NNNNNNNN`` directories under ``root``, with or without their manifest, oldest
+    first."""
     if not root.is_dir():
         return []
     found = [
         p
         for p in root.iterdir()
-        if p.is_dir()
-        and p.name.startswith(PREFIX)
-        and p.name.removeprefix(PREFIX).isdigit()
-        and (p / MANIFEST).is_file()
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name.removeprefix(PREFIX).isdigit()
     ]
     return sorted(found, key=_step_of)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    return [p for p in _checkpoint_dirs(root) if (p / MANIFEST).is_file()]
+
+
+def without_manifest(root: Path) -> list[Path]:
+    """``step-*`` directories under ``root`` with no manifest, oldest first: never a save's
+    (it renames a directory into place with its manifest written last), so a copy cut short, a
+    removal killed half-way or a manifest deleted by hand."""
+    return [p for p in _checkpoint_dirs(root) if not (p / MANIFEST).is_file()]
 
 
 def read_manifest(path: Path) -> dict:
@@ -127,6 +137,8 @@ def choose(root: Path, digest: str) -> tuple[Path | None, dict | None]:
     Also returns the newest other checkpoint's manifest when none matches, to say why the run
     starts fresh.
     """
+    for path in without_manifest(root):  # never loaded: said once, and out of the way
+        set_aside(path, f"{MANIFEST} is missing")
     other = None
     for path in reversed(complete_checkpoints(root)):
         try:
@@ -160,7 +172,7 @@ def find_or_clear(root: Path, digest: str, identity: dict, *, resume: bool) -> P
         why = "resume=false"
     # A fresh run: checkpoints of another identity (or resume=false) would only confuse the
     # next restart's choice, so they go (damaged ones were set aside, not removed).
-    if complete_checkpoints(root):
+    if _checkpoint_dirs(root):
         log.info("%s: starting fresh, removing earlier checkpoints under %s", why, root)
         clear(root)
     return None
