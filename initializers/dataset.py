@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from tunepack.core import workspace
-from tunepack.core.errors import BadDatasetError
+from tunepack.core.errors import BadDatasetError, BadValueError
 from tunepack.initializers import (
     atomic,
     download,
@@ -272,6 +272,7 @@ def _write_dataset(
     read_whole = True  # False once past the slice's end: the rest is not read
     digest = hashlib.sha256()
     source_formats = set()
+    columns: dict[str, None] = {}  # the source's columns, in the order rows show them
     with open(out_path, "xb") as out:
         for name, path in files.items():
             if stop is not None and position >= stop:
@@ -288,9 +289,11 @@ def _write_dataset(
                 if not start < position <= (position if stop is None else stop):
                     continue  # outside the slice: neither checked nor trained on
                 if problem is None:
-                    row = schemas.rename(row, mapping)
+                    if mapping and isinstance(row, dict) and not row.keys() <= columns.keys():
+                        columns.update(dict.fromkeys(row))
+                    source_row, row = row, schemas.rename(row, mapping)
                     if schema is None and isinstance(row, dict):
-                        schema = schemas.detect(row, source_uri.display)
+                        schema = _detect(row, source_row, mapping, source_uri)
                         _log(f"rows look like the {schema.name} schema")
                     if schema is None:
                         problem = f"expected a JSON object, got {formats.json_type(row)}"
@@ -318,6 +321,16 @@ def _write_dataset(
         out.flush()
         os.fsync(out.fileno())
 
+    if columns and (absent := [src for src in mapping if src not in columns]):
+        rows_of = (
+            f"split {split.spec!r} of "
+            if split is not None
+            else "the validation rows of "
+            if out_path.name == VALIDATION_FILE
+            else ""
+        )
+        which = f"no row of {rows_of}dataset {source_uri.display!r} has"
+        raise BadValueError(schemas.absent_columns_message(absent, list(columns), which))
     hint = (schema or schemas.SCHEMAS["instruction"]).hint
     if bad_rows:
         shown = f" (first {MAX_REPORTED} shown)" if bad_rows > MAX_REPORTED else ""
@@ -342,6 +355,20 @@ def _write_dataset(
         "schema": schema,
         "source_format": "+".join(sorted(source_formats)),
     }
+
+
+def _detect(row: dict, source_row: dict, mapping: dict[str, str], source_uri) -> schemas.Schema:
+    """The schema the first row (``row``, renamed from ``source_row``) shows; when it shows
+    none, a column map naming columns that row lacks is the likelier mistake, and is said."""
+    try:
+        return schemas.detect(row, source_uri.display)
+    except BadDatasetError:
+        if absent := [src for src in mapping if src not in source_row]:
+            which = f"the first row of dataset {source_uri.display!r} does not have"
+            raise BadValueError(
+                schemas.absent_columns_message(absent, list(source_row), which)
+            ) from None
+        raise
 
 
 def _count_rows(files: dict[str, Path]) -> int:

@@ -516,6 +516,25 @@ def parse_column_map(raw: str, names: Spelling = VARIABLES) -> dict[str, str]:
     return mapping
 
 
+MAX_COLUMNS_SHOWN = 20
+
+
+def absent_columns_message(absent: list[str], columns: list[str], which: str) -> str:
+    """The refusal of a column map that names columns (``absent``) the data does not have:
+    ``which`` says of which rows (``no row of dataset 'd.jsonl' has``), ``columns`` what they
+    have."""
+    quoted = [repr(c) for c in absent]
+    named = " and ".join([", ".join(quoted[:-1]), quoted[-1]] if len(quoted) > 1 else quoted)
+    shown = ", ".join(repr(c) for c in columns[:MAX_COLUMNS_SHOWN])
+    if len(columns) > MAX_COLUMNS_SHOWN:
+        shown += f" and {len(columns) - MAX_COLUMNS_SHOWN} more"
+    plural = "s" if len(absent) > 1 else ""
+    return (
+        f"{spelling().column_map} names column{plural} {named}, which {which}; its columns are "
+        f"{shown or 'none'}"
+    )
+
+
 def rename(row: object, mapping: dict[str, str]) -> object:
     if not mapping or not isinstance(row, dict):
         return row

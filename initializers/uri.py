@@ -132,6 +132,7 @@ def parse(raw: str | None) -> StorageUri:
         )
     match = _SCHEME_RE.match(raw)
     if match is None:
+        _refuse_near_uri(raw)
         # "file:/abs" (one slash) is a valid file URI too; everything else is a path.
         path = raw.removeprefix("file:") if raw.startswith("file:/") else raw
         return StorageUri(raw=raw, scheme="file", location=_absolute(path))
@@ -144,6 +145,29 @@ def parse(raw: str | None) -> StorageUri:
     if scheme == "file":
         return _parse_file_uri(raw)
     return _module(scheme).parse(raw, scheme, raw[match.end() :])
+
+
+# "hf:/org/x", "s3:bucket/x": a remote scheme short of its two slashes, which would otherwise be
+# read as a relative path (and fail later, as a missing file, or never).
+_NEAR_SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(/?)")
+
+
+def _refuse_near_uri(raw: str) -> None:
+    """Refuse ``raw`` when it is a remote scheme (``hf:``, ``s3:``, ``https:``) without the two
+    slashes after it, saying the URI meant; ``./hf:...`` stays a path."""
+    near = _NEAR_SCHEME_RE.match(raw)
+    if near is None or near.group(1).lower() not in _SOURCES or near.group(1).lower() == "file":
+        return
+    scheme, slash = near.groups()
+    # Redacted as the URI meant (urlsplit reads the one-slash form as a path: it would show a
+    # password), and shown as written.
+    meant = redact(f"{scheme}://{raw[near.end() :]}").partition("://")[2]
+    given = f"{scheme}:{slash}{meant}"
+    raise BadValueError(
+        f"storage URI {given!r} has {'one slash' if slash else 'no slashes'} after '{scheme}:': "
+        f"did you mean {scheme}://{meant}? (a local path that begins with '{scheme}:' is "
+        f"written ./{given})"
+    )
 
 
 def from_env() -> StorageUri:

@@ -216,6 +216,27 @@ CORPUS = [
         "'instruction' and 'output' and an optional string 'input':\n  d.jsonl row 2: field "
         "'output' is missing (--column-map maps column 'answer' to it)",
     ),
+    (  # issue 49, item 5: a column map naming a column the data lacks was ignored silently
+        "column-map-absent-column",
+        {
+            "d.jsonl": [
+                {"instruction": "x", "output": "y"},
+                {"instruction": "x", "output": "y", "input": "z"},
+            ]
+        },
+        "d.jsonl",
+        {"COLUMN_MAP": "questoin:instruction"},
+        "COLUMN_MAP names column 'questoin', which no row of dataset 'd.jsonl' has; its columns "
+        "are 'instruction', 'output', 'input'",
+    ),
+    (  # ... or, where the first row then shows no schema, hidden behind "cannot tell the schema"
+        "column-map-absent-columns-cli",
+        {"d.jsonl": [{"question": "q", "answer": "a"}]},
+        "d.jsonl",
+        {"COLUMN_MAP": "questoin:instruction,answr:output", "TUNEPACK_SPELLING": "cli"},
+        "--column-map names columns 'questoin' and 'answr', which the first row of dataset "
+        "'d.jsonl' does not have; its columns are 'question', 'answer'",
+    ),
     (
         "schema-unknown-cli",
         {"d.jsonl": [{"text": "x"}]},
@@ -295,6 +316,14 @@ CORPUS = [
         {},
         "hub URI 'hf://org' does not name a repository; write hf://org/name for a model or "
         "hf://datasets/org/name for a dataset",
+    ),
+    (  # issue 49, item 5: one slash made it a relative path
+        "hf-one-slash",
+        {},
+        "hf:/org/x",
+        {},
+        "storage URI 'hf:/org/x' has one slash after 'hf:': did you mean hf://org/x? (a local "
+        "path that begins with 'hf:' is written ./hf:/org/x)",
     ),
     (
         "hf-bad-id",
