@@ -39,7 +39,7 @@ class Arg:
     name: str
     parse: Callable[[str, str], object]
     help: str
-    default: object = None  # None: taken from the catalog entry or the method (see defaults())
+    default: object = None  # None: taken from the catalog entry or the method (see job_defaults)
     optional: bool = False  # None is a value of its own (max_steps: no limit), never filled in
 
     @property
@@ -737,6 +737,22 @@ def parse_trainer_args(args: Iterable[str], entry: ModelEntry) -> TrainArgs:
     return resolve_args(parse_args(args), entry)
 
 
+def job_defaults(entry: ModelEntry, method: str) -> dict[str, object]:
+    """Every argument's value in a job of ``entry`` with ``method`` that does not give it (None:
+    optional, or not the method's): what ``resolve_args`` starts from, and what ``tunepack
+    plan`` plans when a flag is left out."""
+    owner = methods.get(method)
+    # Precedence: the user's value (resolve_args), then the catalog entry's, then the method's,
+    # then the key's; for a key the method owns (Method.owns), the method's before the entry's.
+    resolved = {arg.name: arg.default for arg in VOCABULARY}
+    resolved["lr"] = owner.lr
+    resolved.update(owner.defaults)
+    resolved.update(
+        {k: v for k, v in entry.defaults.items() if k in resolved and k not in owner.owns}
+    )
+    return resolved
+
+
 def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
     """Typed values to ``TrainArgs`` for a catalog model: defaults by precedence, the method's
     keys, the model's limits; every rule's message names the values as ``parsed`` spells them."""
@@ -749,14 +765,7 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
         raise ConflictError(lora_with_full_message(given, len(lora), method.name))
     if not method.adapters and values.get("merge"):
         raise ConflictError(merge_with_full_message(f"merge={pairs['merge']}", method.name))
-    # Precedence: the user's value, then the catalog entry's, then the method's, then the key's;
-    # for a key the method owns (Method.owns), the method's before the catalog entry's.
-    resolved = {arg.name: arg.default for arg in VOCABULARY}
-    resolved["lr"] = method.lr
-    resolved.update(method.defaults)
-    resolved.update(
-        {k: v for k, v in entry.defaults.items() if k in resolved and k not in method.owns}
-    )
+    resolved = job_defaults(entry, method.name)
     resolved.update(values)
     if resolved["max_seq_len"] > entry.shape.max_seq_len:
         raise BadValueError(

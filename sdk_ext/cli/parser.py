@@ -293,7 +293,12 @@ def _add_plan(sub: _Commands) -> None:
         help=f"tokens per sequence (max_seq_len; default {DEFAULT_PLAN_SEQ_LEN}, or the model's "
         "context where shorter)",
     )
-    p.add_argument("--batch-size", type=int, default=1, help="per device")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="examples per device (default: a job's, the model's batch_size in the catalog, as "
+        "tunepack train and render trainjob take it; the plan's first line says it)",
+    )
     p.add_argument("--gpu", default=DEFAULT_GPU, help=GPU_HELP)
     p.add_argument("--nodes", type=int, default=1, help="trainer nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node (default 1)")

@@ -75,6 +75,7 @@ class _writing:
 def cmd_plan(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import ConflictError
     from tunepack.runtimes.planner import model_entry, plan
+    from tunepack.trainers.args import job_defaults
 
     if ns.lora_rank is not None and not methods.get(ns.method).adapters:
         raise ConflictError(
@@ -93,6 +94,9 @@ def cmd_plan(ns: argparse.Namespace) -> int:
             f"{ns.method} samples no answers; leave it out, or use --method grpo"
         )
     entry = model_entry(ns.model, ns.model_dir)  # a -custom runtime's config.json, read once
+    batch_size = ns.batch_size
+    if batch_size is None:  # as a job of the model gets it, so plan and the job agree
+        batch_size = job_defaults(entry, ns.method)["batch_size"]
     seq_len, note = ns.seq_len, None
     if seq_len is None:
         seq_len = min(DEFAULT_PLAN_SEQ_LEN, entry.shape.max_seq_len)
@@ -105,7 +109,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         entry,
         ns.method,
         seq_len,
-        ns.batch_size,
+        batch_size,
         ns.gpu,
         nodes=ns.nodes,
         gpus_per_node=ns.gpus_per_node,

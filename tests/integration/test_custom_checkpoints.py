@@ -615,5 +615,5 @@ def test_plan_command_caps_the_default_seq_len_to_the_checkpoints_context(llama_
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert f"lora, seq_len {context}, batch 1/device" in done.stdout
+    assert f"lora, seq_len {context}, batch 2/device" in done.stdout  # a job's: CUSTOM_TIER's
     assert f"note: seq_len {context} is " in done.stdout and "--seq-len N to choose" in done.stdout

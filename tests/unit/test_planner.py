@@ -307,10 +307,47 @@ def test_cli_plan_defaults_seq_len_to_a_shorter_context_and_shows_tiny_sizes(cap
     assert out.splitlines()[0].startswith("tiny-llama3 lora, seq_len 512,")
     assert "note: seq_len 512 is tiny-llama3's context (the default 2048 is longer)" in out
     # Its sizes are MiB, not 0.00 GiB.
-    assert " 0.00 " not in out and "peak            8.74 MiB at the loss" in out
+    assert " 0.00 " not in out and "peak           61.24 MiB at the loss" in out  # batch 8
     # An explicit --seq-len longer than the context is still refused.
     code, _, err = _cli(capsys, "--model", "tiny-llama3", "--seq-len", "1024")
     assert code == 65 and "seq_len=1024 is larger than tiny-llama3's context of 512" in err
+
+
+def test_cli_plan_plans_the_batch_size_a_job_gets_and_agrees_with_render_trainjob(capsys):
+    """Issue 49, item 3: plan defaulted to batch 1 while a job of the model gets the catalog's (4
+    for llama3.2-1b), so plan said "fits" where render trainjob of the same job refused."""
+    from tunepack.cli import main
+
+    code, out, err = _cli(capsys, "--model", "llama3.2-1b", "--method", "dpo", "--gpu", "l4")
+    assert (code, err) == (1, "")
+    assert out.splitlines()[0] == (
+        "llama3.2-1b dpo, seq_len 2048, batch 4/device, 1 node(s) x 1 L4-24GB"
+    )
+    assert "  does NOT fit in 20.0 GiB usable per device" in out.splitlines()
+    job = ["--runtime", "llama3.2-1b", "--dataset", "/d", "--model", "/m", "--gpu", "l4"]
+    assert main(["render", "trainjob", *job, "method=dpo"]) == 65
+    refused = capsys.readouterr().err
+    assert refused.startswith(
+        f"tunepack: error: this fine-tune is estimated not to fit in GPU memory:\n{out}Lower "
+    )
+    # --batch-size still chooses, as batch_size= does for the job.
+    code, out, _ = _cli(capsys, "--model", "llama3.2-1b", "--method", "dpo", "--gpu", "l4",
+                        "--batch-size", "1")  # fmt: skip
+    assert code == 0 and out.startswith("llama3.2-1b dpo, seq_len 2048, batch 1/device,")
+    assert main(["render", "trainjob", *job, "method=dpo", "batch_size=1"]) == 0
+
+
+def test_cli_plan_help_says_its_batch_size_is_a_jobs(capsys):
+    from tunepack.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--batch-size BATCH_SIZE examples per device (default: a job's, the model's batch_size "
+        "in the catalog, as tunepack train and render trainjob take it; the plan's first line "
+        "says it)"
+    ) in help_text
 
 
 def test_plan_shows_the_step_the_trainer_would_choose(capsys):
