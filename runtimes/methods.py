@@ -85,6 +85,9 @@ class Method:
     # where the method's number (``sequences``) is not fixed ("": it is).
     sequences_key: str = ""
     validates: bool = True  # has a validation loss (held-out rows are next-token losses)
+    # The metrics its objective reports each step besides the loss (metrics.jsonl, the TrainJob
+    # status, result.json's method_metrics): what a hyperparameter search may optimise.
+    metrics: tuple[str, ...] = ()
     plan_note: str = ""  # what the planner adds to a plan of this method
 
     @property
@@ -115,7 +118,20 @@ _GRPO = dict(
     defaults=(("beta", 0.04),),
     sequences_key="num_generations",
     validates=False,
+    # and reward_<name> for each of its rewards (GRPO_REWARD_METRIC)
+    metrics=(
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "completion_length",
+        "clip_fraction",
+        "zero_std_fraction",
+    ),
 )
+# GRPO reports each reward's own mean as reward_<the reward's name>.
+GRPO_REWARD_METRIC = "reward_{}"
+# What DPO, ORPO and KTO report of the implicit rewards of chosen and rejected answers.
+PREFERENCE_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
@@ -141,6 +157,7 @@ METHODS: dict[str, Method] = {
             no_packing="each preference pair is its own sequence",
             owns=("lr",),
             keys=("beta", "dpo_loss"),
+            metrics=PREFERENCE_METRICS,
             plan_note="dpo: each example is two sequences (chosen, rejected) and each step adds "
             "a reference forward pass without gradients (compute, not memory)",
         ),
@@ -156,6 +173,7 @@ METHODS: dict[str, Method] = {
             no_packing="each preference pair is its own sequence",
             owns=("lr",),
             keys=("beta",),
+            metrics=(*PREFERENCE_METRICS, "log_odds_ratio", "nll"),
             plan_note="orpo: each example is two sequences (chosen, rejected); no reference pass",
         ),
         Method(
@@ -170,6 +188,7 @@ METHODS: dict[str, Method] = {
             no_packing="each answer is its own sequence, scored against mismatched pairs",
             owns=("lr",),
             keys=("beta", "desirable_weight", "undesirable_weight"),
+            metrics=(*PREFERENCE_METRICS, "kl"),
             plan_note="kto: each example is two sequences (its answer, and a mismatched answer "
             "for the reference point) and each step adds reference forward passes without "
             "gradients (compute, not memory)",

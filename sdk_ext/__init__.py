@@ -5,6 +5,7 @@ initializer and backend types (the very same classes as ``kubeflow.trainer``'s):
 
 >>> from tunepack import TrainingClient, FineTune, Initializer, LocalBackendConfig
 >>> from tunepack import BuiltinTrainer, TorchTuneConfig, LoraConfig, KubernetesBackendConfig
+>>> from tunepack import OptimizerClient, TrainJobTemplate, Search, TrialConfig, Objective
 """
 
 from tunepack.core import __version__
@@ -17,6 +18,18 @@ _EXPORTS = {
     "Initializer": "tunepack.jobs.translate",
     "LocalBackendConfig": "tunepack.backends.local",
     "plan": "tunepack.runtimes.planner",
+    # Hyperparameter search: the Kubeflow SDK's OptimizerClient for tunepack runtimes, its
+    # result types, and tunepack's TPE search and median early stopping.
+    "OptimizerClient": "tunepack.optimizer.client",
+    "OptimizationJob": "tunepack.optimizer.types",
+    "Trial": "tunepack.optimizer.types",
+    "Result": "tunepack.optimizer.types",
+    "TPESearch": "tunepack.optimizer.space",
+    "MedianStop": "tunepack.optimizer.space",
+    **dict.fromkeys(
+        ("Search", "Objective", "TrialConfig", "RandomSearch", "GridSearch", "TrainJobTemplate"),
+        "kubeflow.optimizer",
+    ),
     # The Kubeflow SDK's types, re-exported unchanged.
     **dict.fromkeys(
         (

@@ -276,6 +276,19 @@ class FineTune:
                 "give export='s3://bucket/prefix' (or hf://org/name) too"
             )
 
+    @property
+    def func_args(self):
+        """What the Kubeflow SDK's ``OptimizerClient`` reads of a ``CustomTrainer``: a
+        ``FineTune`` trial is tunepack's to run, so the SDK's client is told which one to use
+        instead of failing on a missing attribute."""
+        from tunepack.core.errors import UnsupportedError
+
+        raise UnsupportedError(
+            "kubeflow.optimizer.OptimizerClient runs CustomTrainer trials only; for a FineTune "
+            "trial template use tunepack.OptimizerClient, with the same arguments "
+            "(docs/optimize.md)"
+        )
+
     def to_args(self) -> list[str]:
         """The trainer's ``key=value`` arguments, in vocabulary order (unset fields omitted)."""
         return [

@@ -10,8 +10,9 @@ import sys
 
 from tunepack.backends.api_errors import api_message
 from tunepack.cli import cluster
+from tunepack.cli.optimize import ACTIONS as _OPTIMIZE_ACTIONS
 from tunepack.cli.output import console_logging
-from tunepack.cli.parser import build_parser
+from tunepack.cli.parser import build_parser, optimize_action_parser
 from tunepack.core import program
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, TunepackError
 
@@ -40,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     console_logging()
     try:
-        ns = build_parser().parse_args(argv)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if len(argv) > 1 and argv[0] == "optimize" and argv[1] in optimize_actions():
+            ns = optimize_action_parser().parse_args(argv[1:])
+        else:
+            ns = build_parser().parse_args(argv)
         return ns.func(ns)
     except TunepackError as err:
         print(program.error_line(PROGRAM, err.cli_message or err), file=sys.stderr)
@@ -77,6 +82,10 @@ def _main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+
+
+def optimize_actions() -> tuple[str, ...]:
+    return _OPTIMIZE_ACTIONS
 
 
 def _is_cluster_error(err: BaseException | None) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from tunepack.cli import optimize
 from tunepack.cli.jobs import cmd_delete, cmd_download, cmd_jobs, cmd_logs, cmd_result, cmd_status
 from tunepack.cli.render import cmd_render_serving, cmd_render_trainjob
 from tunepack.cli.runtimes import cmd_args, cmd_install, cmd_runtimes
@@ -138,6 +139,12 @@ def _flag_for_an_argument(message: str) -> str | None:
     return None
 
 
+def optimize_action_parser() -> argparse.ArgumentParser:
+    """``tunepack optimize jobs|status|best|logs|delete ...``: its own parser (the search's
+    run takes trainer arguments as words, which a nested command could not tell apart)."""
+    return optimize.action_parser(_Parser, JOBS_DIR_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the commands in the order ``tunepack --help`` lists them."""
     parser = _Parser(prog="tunepack", description=DESCRIPTION)
@@ -148,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tiny_model(sub)
     _add_tiny_dataset(sub)
     _add_train(sub)
+    optimize.add_parsers(sub, _Parser, _add_job_arguments, _add_memory_arguments, JOBS_DIR_HELP)
     _add_jobs(sub)
     _add_status(sub)
     _add_logs(sub)

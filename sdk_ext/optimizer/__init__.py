@@ -1,0 +1,1 @@
+"""Hyperparameter search over tunepack runtimes: ``tunepack.OptimizerClient`` (docs/optimize.md)."""

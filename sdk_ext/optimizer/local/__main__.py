@@ -1,0 +1,7 @@
+"""``python -m tunepack.optimizer.local DIR ROOT GPU MEMORY_CHECK``: a detached study runner."""
+
+import sys
+
+from tunepack.optimizer.local.backend import runner_main
+
+sys.exit(runner_main(sys.argv[1:]))

@@ -1,0 +1,532 @@
+"""``LocalOptimizerBackend``: ``tunepack.OptimizerClient``'s backend on this machine, an Optuna
+study whose trials are the local backend's TrainJobs (``study.run``).
+
+The same methods and result types as the Kubeflow SDK's optimizer backend
+(``kubeflow.optimizer.backends.base.RuntimeBackend``). An optimization job is named after the
+call (``hpo-<digest of the template and the search>``): the same call again resumes it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from pathlib import Path
+
+from kubeflow.optimizer.types.algorithm_types import GridSearch, RandomSearch
+from kubeflow.optimizer.types.optimization_types import Objective, TrialConfig
+from kubeflow.optimizer.types.search_types import CategoricalSearchSpace, ContinuousSearchSpace
+from kubeflow.trainer.types import types as kf
+
+from tunepack.backends.local import LocalBackend, LocalBackendConfig
+from tunepack.core.digest import json_digest
+from tunepack.core.errors import (
+    BadValueError,
+    ConflictError,
+    NotFoundError,
+    UnsupportedError,
+    WorkspaceBusyError,
+)
+from tunepack.optimizer import space as spaces
+from tunepack.optimizer.local import study as studies
+from tunepack.optimizer.local.record import (
+    COMPLETE,
+    CREATED,
+    FAILED,
+    OPTIMIZATIONS_DIR,
+    RUNNING,
+    STOPPED,
+    TERMINAL,
+    OptimizationRecord,
+    Template,
+)
+from tunepack.optimizer.space import SDK, MedianStop, Spelling, TPESearch
+from tunepack.optimizer.types import (
+    TRIAL_COMPLETE,
+    TRIAL_FAILED,
+    TRIAL_PRUNED,
+    TRIAL_RUNNING,
+    TRIAL_STOPPED,
+    TRIAL_WAITING,
+    Metric,
+    OptimizationJob,
+    Result,
+    Trial,
+)
+from tunepack.runtimes import methods
+
+NAME_PREFIX = "hpo-"
+
+
+class LocalOptimizerBackend:
+    """Optimization jobs on this machine, under ``<jobs root>/.optimizations/``."""
+
+    def __init__(self, cfg: LocalBackendConfig):
+        self.cfg = cfg
+        self.trainer = LocalBackend(cfg)
+        self.root = self.trainer.root / OPTIMIZATIONS_DIR
+
+    # --- what the call asks, checked before anything is created --------------------------------
+
+    def prepare(
+        self,
+        trial_template: object,
+        *,
+        search_space: object,
+        trial_config: TrialConfig | None = None,
+        objectives: list[Objective] | None = None,
+        algorithm: object = None,
+        early_stopping: MedianStop | None = None,
+        spelling: Spelling = SDK,
+    ) -> tuple[Template, spaces.Space]:
+        """The trial template and the search, parsed and checked: every key, bound and choice
+        by the trainer's vocabulary, each metric against the method, the largest point against
+        the memory plan. Raises ``BadInputError`` (one line) before anything is created."""
+        from tunepack.jobs.submit import local_trainjob
+        from tunepack.jobs.translate import storage_uri, to_finetune, to_initializer
+
+        if not isinstance(trial_template, kf.TrainJobTemplate):
+            raise BadValueError(
+                "trial_template must be TrainJobTemplate(runtime='tunepack-...', "
+                f"trainer=FineTune(...), initializer=Initializer(...)), got {trial_template!r}"
+            )
+        runtime = trial_template.runtime
+        runtime = runtime.name if isinstance(runtime, kf.Runtime) else runtime
+        if not isinstance(runtime, str) or not runtime:
+            raise BadValueError("TrainJobTemplate.runtime: name a tunepack runtime")
+        runtime = self.trainer.resolve_runtime(runtime).name
+        finetune = to_finetune(trial_template.trainer)
+        initializer = to_initializer(trial_template.initializer)
+        parameters = spaces.parse_space(search_space, spelling)
+        config = trial_config or TrialConfig()
+        for field in ("num_trials", "parallel_trials"):
+            value = getattr(config, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                shown = spelling.trials if field == "num_trials" else f"TrialConfig.{field}"
+                raise BadValueError(spaces.invalid_count_message(shown, value))
+        failed = config.max_failed_trials
+        if failed is not None and (not isinstance(failed, int) or failed < 0):
+            raise BadValueError(
+                f"TrialConfig.max_failed_trials={failed!r} is not valid: expected an integer >= 0"
+            )
+        chosen = spaces.parse_algorithm(algorithm, parameters, spelling)
+        # The metrics every trial reports: the methods the search can draw, the template's
+        # validation rows and rewards.
+        drawn = next((p.choices for p in parameters if p.name == "method"), None)
+        method_names = drawn or (finetune.method or methods.DEFAULT,)
+        rewards = tuple(w.name for w in (finetune.parsed_args().values.get("rewards") or ()))
+        if not rewards:
+            from tunepack.trainers.objectives import rewards as reward_names
+
+            rewards = (reward_names.DEFAULT,)
+        validates = bool(finetune.val_fraction)
+        goals = None
+        for name in method_names:
+            method = methods.get(name)
+            goals = spaces.parse_objectives(
+                objectives, method, validates and method.validates, rewards, spelling
+            )
+        if early_stopping is not None:
+            if not isinstance(early_stopping, MedianStop):
+                raise UnsupportedError(
+                    f"early_stopping={early_stopping!r}: tunepack stops trials early by the "
+                    "median rule, MedianStop(min_trials_required=3, start_step=0)"
+                )
+            if goals[0].metric == spaces.VAL_LOSS and not finetune.eval_every_steps:
+                raise ConflictError(
+                    "early_stopping: MedianStop compares trials at their evaluations, but the "
+                    "trial template evaluates only at the end: set eval_every_steps (e.g. "
+                    "FineTune(eval_every_steps=10))"
+                )
+        num_trials = config.num_trials
+        if chosen.name == "grid":
+            num_trials = min(num_trials, spaces.grid_size(parameters))
+        space = spaces.Space(
+            parameters, goals, chosen, early_stopping, num_trials, config.parallel_trials, failed
+        )
+        # Every value a trial can draw, each with the template's other values, as FineTune
+        # takes it; the largest point (the most memory) through the job's own checks.
+        for p in parameters:
+            for raw in p.choices or (spaces._number(p.low), spaces._number(p.high)):
+                value = raw if not p.integer or p.choices else str(int(float(raw)))
+                try:
+                    template_with(finetune, {p.name: value})
+                except BadValueError as err:
+                    raise BadValueError(f"{spelling.key(p.name)}: {err}") from None
+        largest = template_with(finetune, {p.name: p.largest() for p in parameters})
+        local_trainjob(self.trainer, runtime, initializer, largest, name="hpo-check")
+        template = Template(
+            runtime=runtime,
+            args=finetune.to_args(),
+            placement={
+                k: getattr(finetune, k)
+                for k in ("num_nodes", "num_proc_per_node", "resources_per_node", "env")
+                if getattr(finetune, k) is not None
+            },
+            dataset=storage_uri(initializer.dataset, "dataset"),
+            model=storage_uri(initializer.model, "model"),
+            initializer_env=dict(initializer.env or {}),
+        )
+        return template, space
+
+    # --- the jobs ------------------------------------------------------------------------------
+
+    def create(self, template: Template, space: spaces.Space) -> OptimizationRecord:
+        """The record of this optimization job: a new one, or the one the same call made (to
+        resume it). ``WorkspaceBusyError`` while that one runs."""
+        import dataclasses
+
+        identity = {
+            "template": dataclasses.asdict(template),
+            "parameters": [p.to_dict() for p in space.parameters],
+            "goals": [dataclasses.asdict(g) for g in space.goals],
+            "algorithm": dataclasses.asdict(space.algorithm),
+            "early_stopping": dataclasses.asdict(space.early_stopping)
+            if space.early_stopping
+            else None,
+            "trials": [space.num_trials, space.parallel_trials, space.max_failed_trials],
+        }
+        record = OptimizationRecord(self.root / (NAME_PREFIX + json_digest(identity)[:10]))
+        if record.exists():
+            status, _ = record.status()
+            if status in (CREATED, RUNNING):
+                raise WorkspaceBusyError(
+                    f"optimization {record.name!r} is running (pid {record.state().get('pid')}); "
+                    "wait for it (wait_for_job_status) or delete it first"
+                )
+            return record
+        record.create(template, space)
+        return record
+
+    def optimize(
+        self,
+        trial_template,
+        *,
+        search_space,
+        trial_config=None,
+        objectives=None,
+        algorithm=None,
+        early_stopping=None,
+    ) -> str:
+        template, space = self.prepare(
+            trial_template,
+            search_space=search_space,
+            trial_config=trial_config,
+            objectives=objectives,
+            algorithm=algorithm,
+            early_stopping=early_stopping,
+        )
+        record = self.create(template, space)
+        if record.status()[0] != COMPLETE:
+            self._start(record)
+        return record.name
+
+    def _start(self, record: OptimizationRecord) -> None:
+        """The detached runner of ``record`` (``python -m tunepack.optimizer.local``), which
+        outlives the notebook's kernel."""
+        record.update(status=CREATED, pid=None, message=None)
+        with record.runner_log.open("a") as log:
+            proc = subprocess.Popen(
+                [
+                    sys.executable, "-m", "tunepack.optimizer.local", str(record.path),
+                    str(self.trainer.root), self.cfg.gpu, self.cfg.memory_check,
+                ],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        record.update(pid=proc.pid)
+
+    def run(self, record: OptimizationRecord, echo: Callable[[str], None], stop: threading.Event):
+        """Run the study in this process (``tunepack optimize --local``)."""
+        return studies.run(record, self.trainer, echo, stop)
+
+    def _record(self, name: str) -> OptimizationRecord:
+        record = OptimizationRecord(self.root / name)
+        if not name or "/" in name or name in (".", "..") or not record.exists():
+            raise NotFoundError(
+                f"no local optimization job {name!r} under {self.root}; see list_jobs()",
+                cli_message=f"no local optimization job {name!r} under {self.root}; "
+                "`tunepack optimize jobs --local` lists them",
+            )
+        return record
+
+    def list_jobs(self) -> list[OptimizationJob]:
+        if not self.root.is_dir():
+            return []
+        jobs = [
+            self.get_job(p.name)
+            for p in sorted(self.root.iterdir())
+            if OptimizationRecord(p).exists()
+        ]
+        return sorted(jobs, key=lambda j: j.creation_timestamp)
+
+    def get_job(self, name: str) -> OptimizationJob:
+        record = self._record(name)
+        space = record.space()
+        status, message = record.status()
+        trials = self._trials(record, space)
+        best = _best(trials, space)
+        return OptimizationJob(
+            name=name,
+            search_space={p.name: _sdk_space(p) for p in space.parameters},
+            objectives=[Objective(metric=g.metric, direction=g.direction) for g in space.goals],
+            algorithm=_sdk_algorithm(space.algorithm),
+            trial_config=TrialConfig(
+                num_trials=space.num_trials,
+                parallel_trials=space.parallel_trials,
+                max_failed_trials=space.max_failed_trials,
+            ),
+            trials=trials,
+            creation_timestamp=datetime.fromisoformat(record.state()["created"]),
+            status=status,
+            message=message,
+            best_trial=best.name if best else None,
+        )
+
+    def _trials(self, record: OptimizationRecord, space: spaces.Space) -> list[Trial]:
+        if not (record.path / "study.db").exists():
+            return []
+        import optuna
+
+        study = studies.open_study(record, space)
+        states = {
+            optuna.trial.TrialState.COMPLETE: TRIAL_COMPLETE,
+            optuna.trial.TrialState.PRUNED: TRIAL_PRUNED,
+            optuna.trial.TrialState.RUNNING: TRIAL_RUNNING,
+            optuna.trial.TrialState.WAITING: TRIAL_WAITING,
+        }
+        running = record.status()[0] == RUNNING
+        out = []
+        for t in study.get_trials(deepcopy=False):
+            if t.state is optuna.trial.TrialState.FAIL:
+                state = TRIAL_STOPPED if t.user_attrs.get(studies.STOPPED_ATTR) else TRIAL_FAILED
+            else:
+                state = states[t.state]
+            if state == TRIAL_RUNNING and not running:
+                state = TRIAL_STOPPED
+            if state == TRIAL_WAITING:
+                continue  # enqueued again: shown as the trial it resumes
+            job = t.user_attrs.get(studies.JOB_ATTR) or record.trial_job(t.number)
+            try:
+                trainjob = self.trainer.get_job(job)
+                metrics = _metrics(_records(self.trainer.job_dir(job)))
+            except (NotFoundError, OSError, ValueError):
+                trainjob, metrics = None, []
+            params = {
+                p.name: studies.spelled(p, t.params[p.name])
+                for p in space.parameters
+                if p.name in t.params
+            }
+            out.append(
+                Trial(
+                    name=job,
+                    parameters=params,
+                    trainjob=trainjob,
+                    metrics=metrics,
+                    number=t.number,
+                    state=state,
+                    objective=t.value if t.state is optuna.trial.TrialState.COMPLETE else None,
+                    message=t.user_attrs.get(studies.MESSAGE_ATTR),
+                    exit_code=t.user_attrs.get(studies.EXIT_ATTR),
+                )
+            )
+        return out
+
+    def get_best_results(self, name: str) -> Result | None:
+        job = self.get_job(name)
+        best = next((t for t in job.trials if t.name == job.best_trial), None)
+        if best is None:
+            return None
+        return Result(parameters=dict(best.parameters), metrics=best.metrics, trial=best.name)
+
+    def best_trial(self, name: str) -> str:
+        """The best finished trial's TrainJob (``NotFoundError`` while there is none)."""
+        job = self.get_job(name)
+        if job.best_trial is None:
+            raise NotFoundError(
+                f"optimization {name!r} has no finished trial yet ({job.status}"
+                + (f": {job.message}" if job.message else "")
+                + ")"
+            )
+        return job.best_trial
+
+    def get_job_logs(
+        self, name: str, trial_name: str | None = None, follow: bool = False
+    ) -> Iterator[str]:
+        job = self.get_job(name)
+        names = [t.name for t in job.trials]
+        if trial_name is None:
+            trial_name = job.best_trial or (names[0] if names else None)
+        if trial_name is None:
+            return iter(())
+        if trial_name not in names:
+            raise NotFoundError(
+                f"optimization {name!r} has no trial {trial_name!r}; its trials are "
+                f"{', '.join(names) or 'none yet'}"
+            )
+        return self.trainer.get_job_logs(trial_name, follow=follow)
+
+    def wait_for_job_status(
+        self,
+        name: str,
+        status: set[str] = {COMPLETE},  # noqa: B006 (the SDK's signature)
+        timeout: int = 3600,
+        polling_interval: int = 2,
+        callbacks=None,
+    ) -> OptimizationJob:
+        allowed = {CREATED, RUNNING, COMPLETE, FAILED, STOPPED}
+        if not set(status) <= allowed:
+            raise ValueError(f"Expected status {status} must be a subset of {allowed}")
+        deadline = time.monotonic() + timeout
+        while True:
+            job = self.get_job(name)
+            for callback in callbacks or []:
+                callback(job)
+            if job.status in status:
+                return job
+            if job.status in TERMINAL:
+                raise RuntimeError(
+                    f"OptimizationJob {name} is {job.status}"
+                    + (f": {job.message}" if job.message else "")
+                )
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"Timeout waiting for OptimizationJob {name} to reach {status}")
+            time.sleep(polling_interval)
+
+    def get_job_events(self, name: str) -> list[kf.Event]:
+        events = []
+        for trial in self.get_job(name).trials:
+            if trial.trainjob is None:
+                continue
+            for event in self.trainer.get_job_events(trial.name):
+                events.append(event)
+        return sorted(events, key=lambda e: e.event_time)
+
+    def delete_job(self, name: str) -> None:
+        """Stop the job's runner, then delete its trials' TrainJobs (workspaces too) and its
+        record."""
+        import shutil
+
+        record = self._record(name)
+        pid = record.state().get("pid")
+        if pid and record.alive() and record.state()["status"] in (CREATED, RUNNING):
+            import os
+
+            try:
+                os.killpg(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            while record.alive():
+                time.sleep(0.2)
+        for trial in self._trials(record, record.space()):
+            try:
+                self.trainer.delete_job(trial.name, keep_workspace=False)
+            except NotFoundError:
+                pass
+        shutil.rmtree(record.path)
+
+    def result(self, name: str, trial_name: str | None = None):
+        """The best trial's (or ``trial_name``'s) result, as ``TrainingClient.result`` gives it."""
+        return self.trainer.result(trial_name or self.best_trial(name))
+
+
+def template_with(finetune, values: dict[str, str]):
+    """The template's FineTune with ``values`` (trainer arguments as spelled) in place."""
+    import dataclasses
+
+    return dataclasses.replace(finetune, **{k: studies.typed(k, v) for k, v in values.items()})
+
+
+def _best(trials: list[Trial], space: spaces.Space) -> Trial | None:
+    done = [t for t in trials if t.state == TRIAL_COMPLETE and t.objective is not None]
+    if not done:
+        return None
+    pick = min if space.goal.direction == "minimize" else max
+    return pick(done, key=lambda t: t.objective)
+
+
+def _records(job_dir: Path) -> list[dict]:
+    """Every record of a trial's metrics.jsonl (steps and evaluations)."""
+    import json
+
+    from tunepack.backends.local.job import JobRecord
+
+    try:
+        lines = JobRecord(job_dir).metrics_path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return out
+
+
+def _metrics(records: list[dict]) -> list[Metric]:
+    """Each numeric metric of a trial's metrics.jsonl: its min, max and latest value."""
+    seen: dict[str, list[float]] = {}
+    skip = {
+        "step",
+        "total_steps",
+        "epoch",
+        "tokens",
+        "elapsed_s",
+        "eval_s",
+        "val_rows",
+        "best_step",
+    }
+    for record in records:
+        for key, value in record.items():
+            if (
+                key in skip
+                or key == "event"
+                or not isinstance(value, int | float)
+                or isinstance(value, bool)
+            ):
+                continue
+            seen.setdefault(key, []).append(float(value))
+    return [
+        Metric(name=k, min=repr(min(v)), max=repr(max(v)), latest=repr(v[-1]))
+        for k, v in seen.items()
+    ]
+
+
+def _sdk_space(p: spaces.Parameter):
+    from kubeflow.optimizer.types.search_types import Distribution
+
+    if p.choices:
+        return CategoricalSearchSpace(choices=list(p.choices))
+    kind = Distribution.LOG_UNIFORM if p.log else Distribution.UNIFORM
+    return ContinuousSearchSpace(min=p.low, max=p.high, distribution=kind)
+
+
+def _sdk_algorithm(algorithm: spaces.Algorithm):
+    if algorithm.name == "grid":
+        return GridSearch()
+    if algorithm.name == "tpe":
+        return TPESearch(random_state=algorithm.seed)
+    return RandomSearch(random_state=algorithm.seed)
+
+
+def runner_main(argv: list[str]) -> int:
+    """The detached runner (``python -m tunepack.optimizer.local DIR ROOT GPU MEMORY_CHECK``)."""
+    from tunepack.core import program
+    from tunepack.core.errors import TunepackError
+
+    path, root, gpu, memory_check = argv
+    record = OptimizationRecord(Path(path))
+    backend = LocalBackend(LocalBackendConfig(root_dir=root, gpu=gpu, memory_check=memory_check))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        outcome = studies.run(record, backend, lambda line: print(line, flush=True), stop)
+    except TunepackError as err:
+        record.update(status=FAILED, message=str(err))
+        print(program.error_line("tunepack", err), file=sys.stderr, flush=True)
+        return err.exit_code
+    return {COMPLETE: 0, STOPPED: 75}.get(outcome.status, 1)
