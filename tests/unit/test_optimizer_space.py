@@ -83,7 +83,15 @@ def test_a_space_is_typed_parameters_each_checked_by_its_arguments_parser():
             "Search.choice([...]), got 0.001",
         ),
     ],
-    ids=["foreign-name", "typo", "refused-choice", "refused-bound", "empty", "range-of-words", "raw"],
+    ids=[
+        "foreign-name",
+        "typo",
+        "refused-choice",
+        "refused-bound",
+        "empty",
+        "range-of-words",
+        "raw",
+    ],
 )
 def test_a_key_or_value_the_vocabulary_refuses_is_one_line(space, error, line):
     with pytest.raises(error) as caught:
@@ -193,8 +201,7 @@ def test_the_clis_search_and_objective_flags():
     with pytest.raises(BadValueError) as caught:
         spaces.parse_objective_flag("val_loss:lowest")
     assert str(caught.value) == (
-        "--objective 'val_loss:lowest' is not valid: expected METRIC[:min|:max], e.g. "
-        "val_loss:min"
+        "--objective 'val_loss:lowest' is not valid: expected METRIC[:min|:max], e.g. val_loss:min"
     )
 
 
