@@ -36,7 +36,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
     print(f"{job.name}  {job.status}  runtime {job.runtime.name}")
     for step in job.steps:
         print(f"  {step.name:<22}{step.status}")
-    finished = job.status in ("Complete", "Failed")
+    finished = job.status in ("Complete", "Failed", "Stopped")
     progress = getattr(job, "progress", None)  # None: a job of a runtime not tunepack's
     if progress and progress.percent is not None:
         print(f"  progress {output.progress_line(progress, finished)}")
@@ -44,6 +44,8 @@ def cmd_status(ns: argparse.Namespace) -> int:
         print(f"  progress unavailable{_why_no_progress(ns.name, finished)}")
     if getattr(job, "message", None):
         print(f"  message: {job.message}")
+    if job.status == "Stopped":
+        return EXIT_TRANSIENT  # a local job its user stopped: running it again resumes it
     if job.status != "Failed":
         return 0
     # As the runtimes' failure policy reads the code: 65 was bad input; anything else was

@@ -118,7 +118,7 @@ def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
         raise
     failed = outcome.failed
     if stop.interrupted and failed:
-        _record_failure(
+        _record_stop(
             job_dir,
             f"stopped ({stop.cause}) in step {failed.name!r}; to resume, run the same command "
             f"again (it resumes in {workspace})",
@@ -181,6 +181,15 @@ def _record_failure(job_dir: Path, message: str) -> None:
         update_state(job_dir, status="Failed", message=message)
     except OSError:
         pass  # the record is gone: nothing to say it in
+
+
+def _record_stop(job_dir: Path, message: str) -> None:
+    from tunepack.backends.local import JobRecord
+
+    try:
+        JobRecord(job_dir).stopped(message)
+    except (OSError, ValueError, KeyError):
+        pass  # the record is gone or damaged: nothing to say it in
 
 
 def _check_workspace(workspace: Path, given: str | None) -> None:

@@ -353,3 +353,68 @@ def test_ctrl_c_at_a_terminal_stops_the_run_after_a_checkpoint(
         os.close(master)
     _assert_stopped(proc, workspace, out, err, seen)
     assert list((workspace / "checkpoints").glob("step-*")), "the trainer did not checkpoint"
+
+
+def test_a_stopped_local_job_shows_as_stopped_and_resumable(tmp_path, tiny_model_dir):
+    """Ctrl-C to `train --local` while the dataset initializer downloads (from a server that
+    answers only once the test is over): the job is Stopped, not Failed, in `tunepack status`,
+    `tunepack jobs` and `get_job()`, with how to resume it; `wait_for_job_status` says so at
+    once rather than wait for a job that will not go on."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tunepack import LocalBackendConfig, TrainingClient
+
+    asked, over = threading.Event(), threading.Event()
+
+    class Hanging(BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.set()
+            over.wait(120)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hanging)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    jobs, workspace = tmp_path / "jobs", tmp_path / "ws"
+    given = ["--local", "--jobs-dir", str(jobs)]
+    proc = subprocess.Popen(
+        [
+            *CLI, "train", *given, "--runtime", "tiny-llama3", "--name", "stopme",
+            "--workspace", str(workspace), "--model", f"file://{tiny_model_dir}",
+            "--dataset", f"http://127.0.0.1:{server.server_address[1]}/d.jsonl",
+        ],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert asked.wait(120), "the dataset initializer never asked the server"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        over.set()
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    message = (
+        "stopped (Ctrl-C) in step 'dataset-initializer'; to resume, run the same command "
+        f"again (it resumes in {workspace})"
+    )
+    status = tunepack("status", "stopme", *given)
+    assert status.returncode == EXIT_TRANSIENT, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0] == "stopme  Stopped  runtime tunepack-tiny-llama3"
+    assert lines[1] == f"  {'dataset-initializer':<22}Stopped"
+    assert lines[-1] == f"  message: {message}"
+    listed = tunepack("jobs", *given)
+    assert listed.returncode == 0, listed.stderr
+    row = listed.stdout.splitlines()[1].split()
+    assert row[:3] == ["stopme", "tunepack-tiny-llama3", "Stopped"], listed.stdout
+    client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))
+    job = client.get_job("stopme")
+    assert (job.status, job.message, job.exit_code) == ("Stopped", message, EXIT_TRANSIENT)
+    with pytest.raises(RuntimeError) as raised:
+        client.wait_for_job_status("stopme", timeout=600, polling_interval=1)
+    assert str(raised.value) == f"TrainJob stopme is Stopped: {message}"

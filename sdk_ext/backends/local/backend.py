@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from tunepack.backends.base import TunepackBackend, builtin_torchtune_trainer, sdk_step
 from tunepack.backends.local import runner
-from tunepack.backends.local.job import RUNNER_CLI, TERMINAL, JobRecord
+from tunepack.backends.local.job import RUNNER_CLI, TERMINAL, TRAINJOB_STOPPED, JobRecord
 from tunepack.backends.local.progress import read_progress
 from tunepack.backends.local.steps import order_steps
 from tunepack.core.errors import (
@@ -279,7 +279,11 @@ class LocalBackend(TunepackBackend):
             message=message,
             progress=read_progress(job.metrics_path),
             exit_code=next(
-                (s["exit_code"] for s in state["steps"].values() if s.get("status") == "Failed"),
+                (
+                    s["exit_code"]
+                    for s in state["steps"].values()
+                    if s.get("status") in (kc.TRAINJOB_FAILED, TRAINJOB_STOPPED)
+                ),
                 None,
             ),
         )
@@ -336,7 +340,9 @@ class LocalBackend(TunepackBackend):
             if "started" in info:
                 events.append((info["started"], step, "Started", f"step {step} started"))
             if "finished" in info:
-                reason = "Completed" if info["status"] == "Succeeded" else "Failed"
+                reason = {"Succeeded": "Completed", TRAINJOB_STOPPED: TRAINJOB_STOPPED}.get(
+                    info["status"], "Failed"
+                )
                 message = f"step {step} {reason.lower()} (exit code {info['exit_code']})"
                 events.append((info["finished"], step, reason, message))
         return [
@@ -363,6 +369,7 @@ class LocalBackend(TunepackBackend):
             kc.TRAINJOB_RUNNING,
             kc.TRAINJOB_COMPLETE,
             kc.TRAINJOB_FAILED,
+            TRAINJOB_STOPPED,
         }
         if not status.issubset(allowed):
             raise ValueError(f"Expected status {status} must be a subset of {allowed}")
@@ -371,8 +378,9 @@ class LocalBackend(TunepackBackend):
             job = self.get_job(name)
             for callback in callbacks or []:
                 callback(job)
-            if job.status == kc.TRAINJOB_FAILED and kc.TRAINJOB_FAILED not in status:
-                raise RuntimeError(f"TrainJob {name} is Failed: {job.message}")
+            if job.status in (kc.TRAINJOB_FAILED, TRAINJOB_STOPPED) and job.status not in status:
+                # A stopped job stays stopped until it is run again: waiting longer is no use.
+                raise RuntimeError(f"TrainJob {name} is {job.status}: {job.message}")
             if job.status in status:
                 return job
             time.sleep(polling_interval)

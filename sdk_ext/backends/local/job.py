@@ -26,7 +26,11 @@ RUNNER_LOG = "runner.log"
 WORKSPACE_DIR = "workspace"
 
 RUNNER_CLI = "cli"  # state["runner"]: run in the foreground by `tunepack train --local`
-TERMINAL = (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED)
+# A local job its user stopped (Ctrl-C, SIGTERM or SIGHUP to `tunepack train --local`): its
+# steps stopped cleanly (the trainer after a checkpoint) and running it again resumes it. Not a
+# status of the Kubeflow SDK's: a cluster TrainJob stopped so is retried by its failure policy.
+TRAINJOB_STOPPED = "Stopped"
+TERMINAL = (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED, TRAINJOB_STOPPED)
 
 
 def now() -> str:
@@ -69,6 +73,15 @@ class JobRecord:
     def update(self, **fields) -> None:
         """Set top-level fields of the state (e.g. a status and message)."""
         self.write_state({**self.state(), **fields})
+
+    def stopped(self, message: str) -> None:
+        """Record the job as Stopped (``TRAINJOB_STOPPED``) with ``message``; the steps the stop
+        ended (those recorded Failed) are Stopped too."""
+        state = self.state()
+        for info in state["steps"].values():
+            if info.get("status") == "Failed":
+                info["status"] = TRAINJOB_STOPPED
+        self.write_state({**state, "status": TRAINJOB_STOPPED, "message": message})
 
     def created(self) -> str | None:
         """When the job was first created (None: its record cannot say)."""
