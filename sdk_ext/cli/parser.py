@@ -381,6 +381,12 @@ def _add_install(sub: _Commands) -> None:
         metavar="SECONDS",
         help="how long the image check waits for the probes' pulls (default 60)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the objects it would apply as YAML documents (as `kubectl apply "
+        "--dry-run=client -o yaml`) and apply nothing: no cluster or kubeconfig needed",
+    )
     p.set_defaults(func=cmd_install)
 
 

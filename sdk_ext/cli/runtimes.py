@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tunepack.cli import output
 from tunepack.cli.cluster import check_cluster, load_config
@@ -39,7 +40,13 @@ def cmd_install(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadValueError, ImageNotPullable
     from tunepack.jobs.naming import check_dns_label
     from tunepack.tools import images
-    from tunepack.tools.install import admission_objects, describe, install, runtime_objects
+    from tunepack.tools.install import (
+        admission_objects,
+        describe,
+        dry_run_text,
+        install,
+        runtime_objects,
+    )
 
     if ns.namespace is not None:
         check_dns_label("--namespace", ns.namespace)
@@ -55,6 +62,15 @@ def cmd_install(ns: argparse.Namespace) -> int:
     source = images.ImageSource.parse(ns.registry, ns.tag)
     objects = runtime_objects(ns.runtime or None, namespace=ns.namespace, images=source)
     objects += admission_objects(ns.namespace)
+    if ns.dry_run:  # no cluster: nothing read, checked or sent
+        sys.stdout.write(dry_run_text(objects))
+        sys.stdout.flush()
+        print(
+            f"tunepack: dry run: {len(objects)} object{'s' if len(objects) != 1 else ''}, none "
+            "applied (no cluster was asked; the image check runs at install)",
+            file=sys.stderr,
+        )
+        return 0
     check_cluster(ns.context, local_option=False)
     load_config(ns.context)
     api = client.ApiClient()

@@ -61,6 +61,15 @@ def admission_objects(namespace: str | None = None) -> list[dict]:
     return [] if namespace else admission.policy_objects()
 
 
+def dry_run_text(objects: list[dict]) -> str:
+    """What ``tunepack install --dry-run`` prints: ``objects`` as YAML documents, as ``kubectl
+    apply --dry-run=client -o yaml`` shows what it would apply (and ``kubectl apply -f -``
+    takes back)."""
+    from tunepack.runtimes.builder import to_yaml
+
+    return "".join(f"---\n{to_yaml(obj)}" for obj in objects)
+
+
 def describe(obj: dict) -> str:
     """How kubectl names an object in its output: ``clustertrainingruntime.<group>/<name>``."""
     group = obj["apiVersion"].split("/")[0]

@@ -418,3 +418,37 @@ def test_a_stopped_local_job_shows_as_stopped_and_resumable(tmp_path, tiny_model
     with pytest.raises(RuntimeError) as raised:
         client.wait_for_job_status("stopme", timeout=600, polling_interval=1)
     assert str(raised.value) == f"TrainJob stopme is Stopped: {message}"
+
+
+def test_install_dry_run_prints_the_objects_without_a_cluster(tmp_path):
+    """`tunepack install --dry-run` with no kubeconfig at all: the objects it would apply, as
+    YAML documents (as `kubectl apply --dry-run=client -o yaml` shows them), and one line saying
+    nothing was applied."""
+    import yaml
+
+    from tunepack.tools.images import ImageSource
+    from tunepack.tools.install import admission_objects, runtime_objects
+
+    args = ["--runtime", "tunepack-tiny-llama3", "--registry", "registry.example.com/ml"]
+    done = tunepack("install", "--dry-run", *args, env=_env(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == (
+        "tunepack: dry run: 3 objects, none applied (no cluster was asked; the image check runs "
+        "at install)\n"
+    )
+    expected = (
+        runtime_objects(
+            ["tunepack-tiny-llama3"], images=ImageSource.parse("registry.example.com/ml", None)
+        )
+        + admission_objects()
+    )
+    assert list(yaml.safe_load_all(done.stdout)) == expected
+    assert done.stdout.startswith(
+        "---\napiVersion: trainer.kubeflow.org/v1alpha1\nkind: ClusterTrainingRuntime\n"
+    )
+    assert "image: registry.example.com/ml/" in done.stdout
+    namespaced = tunepack("install", "--dry-run", *args, "--namespace", "ml", env=_env(tmp_path))
+    assert namespaced.returncode == 0, namespaced.stderr
+    [runtime] = yaml.safe_load_all(namespaced.stdout)
+    assert (runtime["kind"], runtime["metadata"]["namespace"]) == ("TrainingRuntime", "ml")
+    assert namespaced.stderr.startswith("tunepack: dry run: 1 object, none applied")
