@@ -247,6 +247,42 @@ class Plan:
         return self.peak_gib <= self.capacity_gib
 
     def summary(self) -> str:
+        parts = self._parts()
+        lines = [parts["head"], f"  step ({parts['how']}): {parts['step']}"]
+        lines += [f"  {name:<12}{value:8.2f} {parts['unit']}" for name, value in parts["rows"]]
+        peak = f"{parts['peak']:8.2f} {parts['unit']}"
+        lines.append(f"  {'peak':<12}{peak} {parts['where']}: {parts['sum']}")
+        lines.append(f"  {parts['verdict']}")
+        lines += [f"  {line}" for line in parts["after"]]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        """The plan as a table in a notebook: the memory per device, term by term, the peak and
+        the verdict (what ``summary()`` says, in the same words)."""
+        import html
+
+        parts = self._parts()
+        esc = html.escape
+        rows = "".join(
+            f"<tr><td>{esc(name)}</td><td>{value:.2f}</td></tr>" for name, value in parts["rows"]
+        )
+        peak = (
+            f"<tr><th>peak</th><td><b>{parts['peak']:.2f}</b></td></tr>"
+            f'<tr><td colspan="2">{esc(parts["where"])}: {esc(parts["sum"])}</td></tr>'
+        )
+        after = "".join(f"<li>{esc(line)}</li>" for line in parts["after"])
+        return (
+            f"<div><table><caption>{esc(parts['head'])}</caption>"
+            f"<thead><tr><th>memory per device</th><th>{parts['unit']}</th></tr></thead>"
+            f"<tbody>{rows}{peak}</tbody></table>"
+            f"<p>step ({esc(parts['how'])}): {esc(parts['step'])}</p>"
+            f"<p><b>{esc(parts['verdict'])}</b></p>"
+            + (f"<ul>{after}</ul>" if after else "")
+            + "</div>"
+        )
+
+    def _parts(self) -> dict:
+        """What ``summary`` and ``_repr_html_`` show, each part once: the sizes in ``unit``."""
         rows = [
             ("weights", self.weights),
             ("gradients", self.gradients),
@@ -261,9 +297,6 @@ class Plan:
             f"{self.nodes} node(s) x {self.gpus_per_node} {self.gpu}"
         )
         unit, scale = _unit(self.peak_bytes)
-        how = "chosen for the device" if self.step.chosen else "as given"
-        lines = [head, f"  step ({how}): {self.step.describe(self.tokens)}"]
-        lines += [f"  {name:<12}{value / scale:8.2f} {unit}" for name, value in rows]
         moment = self.peak_moment
         if moment == "loss":
             parts = "weights + optimizer + " + ("gradients + " if self.gradients_at_loss else "")
@@ -280,22 +313,31 @@ class Plan:
             "update": "at the update",
             "generation": "while sampling answers",
         }
-        peak = f"{self.peak_bytes / scale:8.2f} {unit}"
-        lines.append(f"  {'peak':<12}{peak} {where[moment]}: {parts}")
         verdict = "fits" if self.fits else "does NOT fit"
-        lines.append(f"  {verdict} in {self.capacity_gib:.1f} GiB usable per device")
+        after = []
         if self.recommended:
             n, g = self.recommended
-            lines.append(f"  recommended: {n} node(s) x {g} GPU(s)")
+            after.append(f"recommended: {n} node(s) x {g} GPU(s)")
         if self.active_parameters is not None:
-            lines.append(
-                f"  note: mixture of experts: {self.parameters / 1e9:.2f}B parameters, "
+            after.append(
+                f"note: mixture of experts: {self.parameters / 1e9:.2f}B parameters, "
                 f"{self.active_parameters / 1e9:.2f}B active per token; every expert's weights "
                 f"are held ({self.expert_weights / scale:.2f} {unit} of the weights per device), "
                 "activations follow the active ones"
             )
-        lines += [f"  note: {note}" for note in self.notes]
-        return "\n".join(lines)
+        after += [f"note: {note}" for note in self.notes]
+        return {
+            "head": head,
+            "how": "chosen for the device" if self.step.chosen else "as given",
+            "step": self.step.describe(self.tokens),
+            "unit": unit,
+            "rows": [(name, value / scale) for name, value in rows],
+            "peak": self.peak_bytes / scale,
+            "where": where[moment],
+            "sum": parts,
+            "verdict": f"{verdict} in {self.capacity_gib:.1f} GiB usable per device",
+            "after": after,
+        }
 
 
 def _unit(size: float) -> tuple[str, int]:

@@ -3,6 +3,7 @@ against the peaks measured on an H100 (benchmarks/results/)."""
 
 from __future__ import annotations
 
+import html
 import json
 
 import pytest
@@ -403,3 +404,31 @@ def test_cli_plan_sizes_lora_on_the_experts_with_lora_mlp(capsys):
     code, _, err = _cli(capsys, "--model", "qwen3-30b-a3b", "--method", "full", "--lora-mlp")
     assert code == 65
     assert "--lora-mlp is a LoRA setting, but --method full trains every weight" in err
+
+
+def test_a_plan_shows_as_a_table_in_a_notebook():
+    """``tunepack.plan(...)`` in a notebook: a table of the memory per device, the peak and the
+    verdict in summary()'s words, not the dataclass's fields."""
+    import tunepack
+
+    shown = tunepack.plan("llama3.1-8b", "lora", seq_len=2048, batch_size=2)._repr_html_()
+    assert shown.startswith(
+        "<div><table><caption>llama3.1-8b lora, seq_len 2048, batch 2/device, 1 node(s) x 1 "
+        "H100-80GB</caption><thead><tr><th>memory per device</th><th>GiB</th></tr></thead>"
+        "<tbody><tr><td>weights</td><td>15.10</td></tr>"
+    )
+    assert "<tr><th>peak</th><td><b>42.38</b></td></tr>" in shown
+    assert (
+        '<tr><td colspan="2">at the loss: weights + optimizer + the kept activations (24.00 GiB) '
+        "+ logits</td></tr>" in shown
+    )
+    assert "<p><b>fits in 77.2 GiB usable per device</b></p>" in shown
+    assert shown.endswith("<ul><li>recommended: 1 node(s) x 1 GPU(s)</li></ul></div>")
+    big = tunepack.plan("llama3.1-70b", "full", seq_len=8192, batch_size=8, gpu="l4")
+    shown = big._repr_html_()
+    assert f"<p><b>does NOT fit in {big.capacity_gib:.1f} GiB usable per device</b></p>" in shown
+    lines = big.summary().splitlines()
+    words = [line.strip() for line in lines if line.startswith(("  step ", "  note: "))]
+    assert words and any(w.startswith("note: ") for w in words), lines
+    for line in words:  # the step and the notes, in summary()'s words
+        assert html.escape(line) in shown, line
