@@ -76,7 +76,12 @@ def cmd_optimize(ns: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        echo = (lambda line: None) if ns.quiet else (lambda line: print(line, flush=True))
+
+        def echo(line: str) -> None:
+            # --quiet: the search's own lines (trials started and ended), not the steps' output
+            if not ns.quiet or line.startswith("tunepack: "):
+                print(line, flush=True)
+
         outcome = backend.run(record, echo, stop)
     finally:
         for sig, handler in previous.items():
@@ -238,7 +243,11 @@ def add_parsers(sub, parser_class, add_job_arguments, add_memory_arguments, jobs
     )
     add_memory_arguments(p)
     p.add_argument("--jobs-dir", help=jobs_dir_help)
-    p.add_argument("--quiet", action="store_true", help="print only the trials' ends and the best")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="print the trials and the best, not the initializers' output",
+    )
     p.set_defaults(func=cmd_optimize)
 
 

@@ -298,8 +298,13 @@ class LocalOptimizerBackend:
             optuna.trial.TrialState.WAITING: TRIAL_WAITING,
         }
         running = record.status()[0] == RUNNING
-        out = []
+        # One trial per TrainJob: a stopped trial that ran again is shown as its last attempt.
+        latest = {}
         for t in study.get_trials(deepcopy=False):
+            if t.state is not optuna.trial.TrialState.WAITING:
+                latest[t.user_attrs.get(studies.JOB_ATTR) or record.trial_job(t.number)] = t
+        out = []
+        for t in latest.values():
             if t.state is optuna.trial.TrialState.FAIL:
                 state = TRIAL_STOPPED if t.user_attrs.get(studies.STOPPED_ATTR) else TRIAL_FAILED
             else:

@@ -27,6 +27,7 @@ from kubeflow.trainer.constants import constants as kc
 from tunepack.backends.local import runner
 from tunepack.backends.local.job import JobRecord
 from tunepack.backends.local.steps import INITIALIZER_SOURCES, resolve_steps, run_step
+from tunepack.core.errors import TunepackError
 from tunepack.core.workspace import DATASET_DIR, LOGS_DIR, MODEL_DIR, lock_workspace
 from tunepack.optimizer.local.record import (
     COMPLETE,
@@ -83,9 +84,8 @@ def _sampler(space: Space):
     import optuna
 
     seed = space.algorithm.seed
-    if space.algorithm.name == "grid":
-        grid = {p.name: list(p.choices) for p in space.parameters}
-        return optuna.samplers.GridSampler(grid, seed=seed)
+    # A grid's points are enqueued in order (_enqueue_grid), which every sampler takes as given:
+    # Optuna's GridSampler stops its study from a callback, which asking and telling cannot do.
     if space.algorithm.name == "tpe":
         return optuna.samplers.TPESampler(seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
@@ -130,6 +130,13 @@ def spelled(param: Parameter, value: object) -> str:
 def typed(name: str, raw: str) -> object:
     """A trainer argument's value as ``FineTune`` takes it (its parser's)."""
     return _BY_NAME[name].parse(name, raw)
+
+
+def shown_number(job: str) -> int | str:
+    """A trial as the console numbers it: by its TrainJob (``<search>-<n>``), which a stopped
+    trial keeps when it runs again under a new Optuna number."""
+    tail = job.rpartition("-")[2]
+    return int(tail) if tail.isdigit() else job
 
 
 def counted(trial) -> bool:
@@ -201,6 +208,8 @@ def run(
     record.update(status=RUNNING, pid=os.getpid(), message=None)
     study = open_study(record, space)
     _settle(study, echo)
+    if space.algorithm.name == "grid" and not study.get_trials(deepcopy=False):
+        _enqueue_grid(study, space)
     shared = _initialize(record, backend, template, echo)
     if isinstance(shared, Outcome):
         record.update(status=shared.status, message=shared.message)
@@ -216,7 +225,8 @@ def run(
             for trial in active:
                 _wait_ended(trial.job)
                 echo(
-                    f"tunepack: trial {trial.trial.number} stopped; it resumes from its checkpoint"
+                    f"tunepack: trial {shown_number(trial.job.path.name)} stopped; it resumes "
+                    "from its checkpoint"
                 )
             outcome = Outcome(STOPPED, "stopped; the same optimize() call resumes it")
             break
@@ -234,7 +244,9 @@ def run(
             break
         while todo > 0 and len(active) < slots and not _grid_exhausted(study, space):
             free_gpu = [g for g in gpus if g not in {_gpu_of(a) for a in active}]
-            active.append(_launch(record, backend, study, space, template, shared, free_gpu, echo))
+            started = _launch(record, backend, study, space, template, shared, free_gpu, echo)
+            if started is not None:
+                active.append(started)
             todo -= 1
         for trial in list(active):
             if _follow(trial, study, space, template, echo):
@@ -252,6 +264,16 @@ def run(
         stop.wait(POLL_S)
     record.update(status=outcome.status, message=outcome.message)
     return outcome
+
+
+def _enqueue_grid(study, space: Space) -> None:
+    """Every point of a grid, in order (the first parameter's values slowest), as Katib's grid
+    goes."""
+    import itertools
+
+    names = [p.name for p in space.parameters]
+    for point in itertools.product(*(p.choices for p in space.parameters)):
+        study.enqueue_trial(dict(zip(names, point, strict=True)))
 
 
 def _grid_exhausted(study, space: Space) -> bool:
@@ -278,7 +300,8 @@ def _settle(study, echo: Callable[[str], None]) -> None:
         optuna.Trial(study, trial._trial_id).set_user_attr(STOPPED_ATTR, True)
         study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         study.enqueue_trial(trial.params, user_attrs={JOB_ATTR: trial.user_attrs.get(JOB_ATTR)})
-        echo(f"tunepack: trial {trial.number} was stopped; it runs again from its checkpoint")
+        job = trial.user_attrs.get(JOB_ATTR) or str(trial.number)
+        echo(f"tunepack: trial {shown_number(job)} was stopped; it runs again from its checkpoint")
 
 
 def _initialize(record: OptimizationRecord, backend, template, echo) -> Path | Outcome:
@@ -307,7 +330,7 @@ def _initialize(record: OptimizationRecord, backend, template, echo) -> Path | O
     return shared
 
 
-def _launch(record, backend, study, space, template, shared: Path, gpus, echo) -> _Active:
+def _launch(record, backend, study, space, template, shared: Path, gpus, echo) -> _Active | None:
     """Ask the study for a point and start its trial: a local TrainJob of the backend."""
     from tunepack.jobs.submit import local_trainjob
 
@@ -321,13 +344,22 @@ def _launch(record, backend, study, space, template, shared: Path, gpus, echo) -
         import dataclasses
 
         finetune = dataclasses.replace(finetune, env={**(finetune.env or {}), **env})
-    trainjob = local_trainjob(
-        backend, template.runtime, template.initializer(), finetune, name=job_name
-    )
+    shown = " ".join(f"{k}={v}" for k, v in values.items())
+    try:
+        trainjob = local_trainjob(
+            backend, template.runtime, template.initializer(), finetune, name=job_name
+        )
+    except TunepackError as err:  # a point the job's checks refuse: the trial fails, at once
+        import optuna
+
+        trial.set_user_attr(MESSAGE_ATTR, str(err))
+        trial.set_user_attr(EXIT_ATTR, err.exit_code)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)
+        echo(f"tunepack: trial {shown_number(job_name)} ({job_name}): {shown}: refused: {err}")
+        return None
     job = JobRecord(backend.register(trainjob, replace=True))
     _link_initialized(shared, job.workspace)
-    shown = " ".join(f"{k}={v}" for k, v in values.items())
-    echo(f"tunepack: trial {trial.number} ({job_name}): {shown}")
+    echo(f"tunepack: trial {shown_number(job_name)} ({job_name}): {shown}")
     runner.start(job)
     return _Active(trial, job, values)
 
@@ -377,7 +409,7 @@ def _follow(active: _Active, study, space: Space, template, echo) -> bool:
     status = _job_status(active.job)
     if status not in (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED):
         return False
-    number = active.trial.number
+    number = shown_number(active.job.path.name)
     if active.pruned_at is not None:
         active.trial.set_user_attr(PRUNED_AT_ATTR, active.pruned_at)
         study.tell(active.trial, state=optuna.trial.TrialState.PRUNED)
@@ -391,7 +423,7 @@ def _follow(active: _Active, study, space: Space, template, echo) -> bool:
         value = objective_value(result, space.goal, result.get("method") or "lora")
         if value is not None:
             study.tell(active.trial, value)
-            best = study.best_trial.number == number
+            best = study.best_trial.number == active.trial.number
             echo(
                 f"tunepack: trial {number} done: {space.goal.metric} {value:.4f}"
                 + (" (best so far)" if best else "")
@@ -399,7 +431,7 @@ def _follow(active: _Active, study, space: Space, template, echo) -> bool:
             return True
         message = f"its result.json reports no {space.goal.metric}"
     else:
-        message = active.job.state().get("message") or "failed"
+        message = active.job.status()[1] or "failed"
     code = next(
         (s.get("exit_code") for s in active.job.state()["steps"].values() if s.get("exit_code")),
         None,
