@@ -26,6 +26,7 @@ from tunepack.jobs.trainjob import (
 )
 from tunepack.jobs.translate import (
     dataset_split,
+    initializer_env,
     refuse_upstream_full,
     storage_uri,
     to_finetune,
@@ -126,7 +127,7 @@ def build(
         num_proc_per_node=num_proc,
         resources_per_node=resources,
         trainer_env=finetune.env,
-        initializer_env=init.env or None,
+        initializer_env=initializer_env(init, trainer),
         dataset_secret=init.dataset_secret,
         model_secret=init.model_secret,
         dataset_split=dataset_split(trainer),

@@ -266,11 +266,86 @@ def _from_dataset_config(ds: kf.TorchTuneInstructDataset) -> dict[str, object]:
             "translated: tunepack's dataset initializer reads JSON (.json, .jsonl), CSV, Parquet "
             "and Arrow files; convert the data to one of them"
         )
-    for name in ("new_system_prompt", "column_map"):
-        if getattr(ds, name) is not None:
-            raise UnsupportedError(
-                f"TorchTuneInstructDataset.{name} cannot be translated: tunepack's dataset "
-                "initializer expects instruction rows with 'instruction'/'input'/'output' "
-                "columns; rewrite the rows to that schema"
+    _column_map(ds)  # refused here, by name, as the other fields; the initializer's env: below
+    values: dict[str, object] = {}
+    if ds.train_on_input is not None:
+        values["train_on_input"] = ds.train_on_input
+    if ds.new_system_prompt is not None:
+        # torchtune prepends it as the system message of every instruction row (which has
+        # none): tunepack's system_prompt, the system message of the rows that have none.
+        values["system_prompt"] = ds.new_system_prompt
+    return values
+
+
+# torchtune's instruction fields (InputOutputToMessages: "input", the prompt, and "output") as
+# tunepack's instruction schema names them (initializers/schemas.py: 'instruction', 'output').
+_INSTRUCT_FIELDS = {"input": "instruction", "output": "output"}
+
+
+def _column_map(ds: kf.TorchTuneInstructDataset) -> dict[str, str] | None:
+    """Upstream's ``column_map`` ({torchtune field: dataset column}, as torchtune 0.6.1's
+    ``instruct_dataset`` reads it: both ``input`` and ``output``) as the dataset initializer's
+    ``COLUMN_MAP`` ({dataset column: tunepack field}); None when not given."""
+    given = ds.column_map
+    if given is None:
+        return None
+    example = "e.g. {'input': 'question', 'output': 'answer'}"
+    if not isinstance(given, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in given.items()
+    ):
+        raise BadValueError(
+            f"TorchTuneInstructDataset.column_map={given!r} is not valid: expected a dict of "
+            f"torchtune's field names to the dataset's column names, {example}"
+        )
+    unknown = [k for k in given if k not in _INSTRUCT_FIELDS]
+    missing = [k for k in _INSTRUCT_FIELDS if k not in given]
+    if unknown or missing:
+        problem = (
+            f"key {unknown[0]!r} is not one of torchtune's instruction fields"
+            if unknown
+            else f"it has no key {missing[0]!r} (torchtune needs both)"
+        )
+        raise BadValueError(
+            f"TorchTuneInstructDataset.column_map={given!r} is not valid: {problem}; its keys "
+            f"are 'input' (the prompt) and 'output' (the answer), each mapped to the dataset's "
+            f"column, {example}"
+        )
+    if given["input"] == given["output"]:
+        raise BadValueError(
+            f"TorchTuneInstructDataset.column_map={given!r} maps 'input' and 'output' to the "
+            "same column: the prompt and the answer need a column each"
+        )
+    return {given[field]: ours for field, ours in _INSTRUCT_FIELDS.items()}
+
+
+def dataset_env(trainer: object) -> dict[str, str]:
+    """The dataset initializer's environment for upstream's ``TorchTuneInstructDataset``:
+    ``COLUMN_MAP`` from its ``column_map`` (``TrainJobSpec.initializer_env``); empty when it
+    names none."""
+    import json
+
+    from tunepack.initializers.schemas import COLUMN_MAP_ENV
+
+    config = getattr(trainer, "config", None) if isinstance(trainer, kf.BuiltinTrainer) else None
+    ds = getattr(config, "dataset_preprocess_config", None)
+    mapping = _column_map(ds) if ds is not None else None
+    if not mapping:
+        return {}
+    if any(c in column for column in mapping for c in ",:{"):
+        return {COLUMN_MAP_ENV: json.dumps(mapping)}  # the pairs cannot spell such a name
+    return {COLUMN_MAP_ENV: ",".join(f"{column}:{ours}" for column, ours in mapping.items())}
+
+
+def initializer_env(init: Initializer, trainer: object) -> dict[str, str] | None:
+    """The initializers' environment: ``init.env`` with ``dataset_env(trainer)``, refused when
+    both set a variable to different values (None: no variable)."""
+    env = dict(init.env or {})
+    for name, value in dataset_env(trainer).items():
+        if name in env and env[name] != value:
+            raise ConflictError(
+                f"the column map is given twice and differs: Initializer env {name}="
+                f"{env[name]!r}, TorchTuneInstructDataset.column_map as {name}={value!r}; "
+                "give it once"
             )
-    return {} if ds.train_on_input is None else {"train_on_input": ds.train_on_input}
+        env[name] = value
+    return env or None

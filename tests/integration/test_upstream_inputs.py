@@ -39,3 +39,26 @@ def test_the_notebooks_parquet_slice_trains_on_those_rows(tmp_path):
     manifest = json.loads((tmp_path / "ws" / "dataset" / MANIFEST_FILE).read_text())
     assert (manifest["rows"], manifest["source_format"]) == (1000, "parquet")
     assert "read 1000 rows (instruction, split train[:1000])" in done.stdout
+
+
+def test_a_torchtune_column_map_reads_the_columns_it_names(tmp_path):
+    """``TorchTuneInstructDataset(column_map={'input': 'question', 'output': 'answer'})``: the
+    dataset initializer, with the TrainJob's env, reads 'question' as the prompt and 'answer'
+    as the answer, as torchtune's instruct_dataset would."""
+    data = tmp_path / "qa.jsonl"
+    rows = [{"question": f"q{i}", "answer": f"a{i}", "id": i} for i in range(20)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = _build(
+        _trainer(column_map={"input": "question", "output": "answer"}), dataset=f"file://{data}"
+    )
+    block = job["spec"]["initializer"]["dataset"]
+    done = run_dataset_initializer(
+        tmp_path / "ws", block["storageUri"], timeout=120, **_env(job, "dataset")
+    )
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads((tmp_path / "ws" / "dataset" / MANIFEST_FILE).read_text())
+    assert manifest["column_map"] == {"question": "instruction", "answer": "output"}
+    assert (manifest["rows"], manifest["schema"]) == (20, "instruction")
+    written = (tmp_path / "ws" / "dataset" / "train.jsonl").read_text().splitlines()
+    assert json.loads(written[3]) == {"instruction": "q3", "input": "", "output": "a3"}
+    assert "read 20 rows (instruction, split train)" in done.stdout

@@ -107,3 +107,73 @@ def test_an_access_token_is_pointed_at_the_secret_way_and_never_repeated():
     job = submit.build(TINY, fixed, _trainer(), name="j")
     assert job["spec"]["initializer"]["model"]["secretRef"] == {"name": "hf-token"}
     assert token not in json.dumps(job)
+
+
+def test_column_map_and_new_system_prompt_keep_torchtunes_meaning():
+    """torchtune's ``column_map`` maps its fields ('input', the prompt, and 'output') to the
+    dataset's columns; tunepack's COLUMN_MAP maps a column to its field ('from:to'): the map is
+    turned around, torchtune's 'input' being tunepack's 'instruction'. ``new_system_prompt`` is
+    the trainer's system_prompt."""
+    job = _build(
+        _trainer(
+            column_map={"input": "question", "output": "answer"}, new_system_prompt="Be terse."
+        )
+    )
+    assert _env(job, "dataset")["COLUMN_MAP"] == "question:instruction,answer:output"
+    assert job["spec"]["trainer"]["args"][-1] == "system_prompt=Be terse."
+    odd = _build(_trainer(column_map={"input": "q:1", "output": "a,2"}))
+    assert json.loads(_env(odd, "dataset")["COLUMN_MAP"]) == {"q:1": "instruction", "a,2": "output"}
+
+
+@pytest.mark.parametrize(
+    "column_map, message",
+    [
+        (
+            {"input": "question"},
+            "TorchTuneInstructDataset.column_map={'input': 'question'} is not valid: it has no key "
+            "'output' (torchtune needs both); its keys are 'input' (the prompt) and 'output' (the "
+            "answer), each mapped to the dataset's column, e.g. {'input': 'question', 'output': "
+            "'answer'}",
+        ),
+        (
+            {"prompt": "q", "output": "a"},
+            "TorchTuneInstructDataset.column_map={'prompt': 'q', 'output': 'a'} is not valid: key "
+            "'prompt' is not one of torchtune's instruction fields; its keys are 'input' (the "
+            "prompt) and 'output' (the answer), each mapped to the dataset's column, e.g. "
+            "{'input': 'question', 'output': 'answer'}",
+        ),
+        (
+            {"input": "q", "output": "q"},
+            "TorchTuneInstructDataset.column_map={'input': 'q', 'output': 'q'} maps 'input' and "
+            "'output' to the same column: the prompt and the answer need a column each",
+        ),
+    ],
+)
+def test_a_column_map_torchtune_would_refuse_is_refused_by_name(column_map, message):
+    with pytest.raises(BadInputError) as err:
+        _build(_trainer(column_map=column_map))
+    assert str(err.value) == message
+
+
+def test_a_column_map_given_twice_must_agree():
+    init = Initializer(
+        dataset="file:///data/train", model=MODEL, env={"COLUMN_MAP": "q:instruction,a:output"}
+    )
+    with pytest.raises(BadInputError) as err:
+        submit.build(
+            TINY, init, _trainer(column_map={"input": "question", "output": "answer"}), name="j"
+        )
+    assert str(err.value) == (
+        "the column map is given twice and differs: Initializer env COLUMN_MAP="
+        "'q:instruction,a:output', TorchTuneInstructDataset.column_map as COLUMN_MAP="
+        "'question:instruction,answer:output'; give it once"
+    )
+    same = Initializer(
+        dataset="file:///data/train",
+        model=MODEL,
+        env={"COLUMN_MAP": "question:instruction,answer:output"},
+    )
+    job = submit.build(
+        TINY, same, _trainer(column_map={"input": "question", "output": "answer"}), name="j"
+    )
+    assert _env(job, "dataset")["COLUMN_MAP"] == "question:instruction,answer:output"
