@@ -38,7 +38,16 @@ NOT_SEARCHED = frozenset(
         "keep_checkpoints",
         "deterministic",
         "merge",
-        "val_fraction",  # the objective's own rows: every trial must be measured on the same
+        # How a step is computed, not what it learns (the memory plan's choices, compilation,
+        # precision), and how trials are measured, which must be the same in every trial: the
+        # objective's own rows, when and which step is evaluated.
+        "activation_checkpointing",
+        "loss_chunk",
+        "compile",
+        "dtype",
+        "val_fraction",
+        "eval_every_steps",
+        "keep_best",
     }
 )
 _BY_NAME = {arg.name: arg for arg in VOCABULARY}

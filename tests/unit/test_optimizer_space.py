@@ -229,3 +229,19 @@ def test_a_cluster_optimizer_is_refused_in_one_line_until_it_exists():
         "is not in this version of tunepack yet; pass LocalBackendConfig() to search on this "
         "machine"
     )
+
+
+def test_docs_list_the_searchable_arguments_and_each_methods_metrics():
+    """docs/optimize.md says what is searched and what each method reports: as the code does."""
+    from tests import REPO
+
+    text = (REPO / "docs" / "optimize.md").read_text()
+    listed = text.split("The arguments a search may draw:\n\n")[1].split("\n\n")[0]
+    assert [k.strip() for k in listed.replace("\n", " ").split(",")] == list(spaces.SEARCHABLE)
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2] for line in text.splitlines() if "| " in line
+    }
+    assert all(f"`{m}`" in rows["dpo"] for m in DPO.metrics)
+    assert all(f"`{m}`" in rows["orpo"] for m in methods.get("orpo").metrics[4:])
+    assert all(f"`{m}`" in rows["kto"] for m in methods.get("kto").metrics[4:])
+    assert all(f"`{m}`" in rows["grpo, grpo_full"] for m in GRPO.metrics)
