@@ -25,7 +25,7 @@ from pathlib import Path
 from kubeflow.trainer.constants import constants as kc
 
 from tunepack.backends.local import runner
-from tunepack.backends.local.job import JobRecord
+from tunepack.backends.local.job import TERMINAL, JobRecord
 from tunepack.backends.local.steps import INITIALIZER_SOURCES, resolve_steps, run_step
 from tunepack.core.errors import TunepackError
 from tunepack.core.workspace import DATASET_DIR, LOGS_DIR, MODEL_DIR, lock_workspace
@@ -407,7 +407,7 @@ def _follow(active: _Active, study, space: Space, template, echo) -> bool:
                 runner.stop(active.job)
                 break
     status = _job_status(active.job)
-    if status not in (kc.TRAINJOB_COMPLETE, kc.TRAINJOB_FAILED):
+    if status not in TERMINAL:  # Complete, Failed, or Stopped (by early stopping, a signal)
         return False
     number = shown_number(active.job.path.name)
     if active.pruned_at is not None:
