@@ -3,8 +3,10 @@ W&B in offline mode. The tracker packages are dev dependencies: a missing one fa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -74,9 +76,41 @@ def _pointer(workspace: Path) -> str | None:
     )
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """A real ``mlflow server`` on 127.0.0.1 with a sqlite store in tmp_path, stopped by PID."""
+# mlflow server's job queue (huey) lives in a directory it makes with mkdtemp(dir="/dev/shm"),
+# a name no flag sets, and never removes: the tests' server runs without job execution (it needs
+# none: runs and metrics only), so it makes none.
+HUEY_STORE_ENV = "_MLFLOW_HUEY_STORAGE_PATH"
+SHM = Path("/dev/shm")
+
+
+def _huey_stores_in_shm() -> set[Path]:
+    """The directories in /dev/shm that hold an MLflow job queue (``*.mlflow-huey-store``)."""
+    try:
+        return {d for d in SHM.glob("tmp*") if d.is_dir() and any(d.glob("*.mlflow-huey-store"))}
+    except OSError:
+        return set()
+
+
+def _huey_stores_of(pid: int) -> set[str]:
+    """The job-queue directories the processes of the server ``pid`` (its group) were given."""
+    import psutil
+
+    stores = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pid and HUEY_STORE_ENV in (env := proc.environ()):
+                stores.add(env[HUEY_STORE_ENV])
+        except (OSError, psutil.Error):
+            continue
+    return stores
+
+
+@contextlib.contextmanager
+def _running_mlflow_server(tmp_path: Path):
+    """A real ``mlflow server`` on 127.0.0.1 with a sqlite store in tmp_path, stopped by PID;
+    yields its URI and the set of job-queue directories its processes were given, filled when
+    it stops (and each removed then: only this server was given it)."""
+    stores: set[str] = set()
     port = free_port()
     mlflow_cli = Path(sys.executable).with_name("mlflow")
     assert mlflow_cli.exists(), "the mlflow package (a dev dependency) is not installed"
@@ -89,6 +123,7 @@ def mlflow_server(tmp_path):
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its workers are in its process group, stopped with it
         cwd=tmp_path,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     uri = f"http://127.0.0.1:{port}"
     try:
@@ -105,8 +140,9 @@ def mlflow_server(tmp_path):
                     "mlflow server did not start: " + (tmp_path / "mlflow-server.log").read_text()
                 )
             time.sleep(0.5)
-        yield uri
+        yield uri, stores
     finally:
+        stores.update(_huey_stores_of(server.pid))
         os.killpg(server.pid, signal.SIGTERM)
         try:
             server.wait(timeout=30)
@@ -114,6 +150,25 @@ def mlflow_server(tmp_path):
             os.killpg(server.pid, signal.SIGKILL)
             server.wait()
         log.close()
+        for store in stores:  # mkdtemp's, made for this server alone
+            shutil.rmtree(store, ignore_errors=True)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    with _running_mlflow_server(tmp_path) as (uri, _):
+        yield uri
+
+
+def test_the_mlflow_server_leaves_nothing_in_dev_shm(tmp_path):
+    """`make test` used to leave a /dev/shm/tmp* directory of *.mlflow-huey-store files per
+    MLflow server; the tests' server makes none, so nothing of it is left when it stops."""
+    before = _huey_stores_in_shm()
+    with _running_mlflow_server(tmp_path) as (_, given):
+        pass
+    assert given == set(), f"the mlflow server was given job-queue directories {sorted(given)}"
+    left = sorted(str(d) for d in _huey_stores_in_shm() - before)
+    assert left == [], f"the stopped mlflow server left {left} in /dev/shm"
 
 
 def test_mlflow_server_receives_train_and_val_metrics(
