@@ -32,7 +32,7 @@ FORCE:
 install: $(VENV)/.installed
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(VENV)/.sources
 	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e . $(EDITABLE)
+	$(BIN)/pip install -q -e '.[optimize]' $(EDITABLE)
 	touch $@
 
 dev: $(VENV)/.dev-installed

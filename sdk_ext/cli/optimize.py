@@ -232,7 +232,13 @@ def add_parsers(sub, parser_class, add_job_arguments, add_memory_arguments, jobs
         help="the metric to optimise (default: val_loss:min where val_fraction holds out rows, "
         "else loss:min)",
     )
-    p.add_argument("--algorithm", choices=("random", "grid", "tpe"), default="random")
+    p.add_argument(
+        "--algorithm",
+        choices=("random", "grid", "tpe"),
+        default="random",
+        help="how points are drawn: random (default), grid (every --search a choice: each point "
+        "once, in order) or tpe (where earlier trials did well)",
+    )
     p.add_argument("--seed", type=int, help="the search's seed (random, tpe)")
     p.add_argument(
         "--early-stop",

@@ -4,4 +4,5 @@ import sys
 
 from tunepack.optimizer.local.backend import runner_main
 
-sys.exit(runner_main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(runner_main(sys.argv[1:]))

@@ -26,6 +26,7 @@ from tunepack.core.digest import json_digest
 from tunepack.core.errors import (
     BadValueError,
     ConflictError,
+    NotAvailableError,
     NotFoundError,
     UnsupportedError,
     WorkspaceBusyError,
@@ -65,6 +66,13 @@ class LocalOptimizerBackend:
     """Optimization jobs on this machine, under ``<jobs root>/.optimizations/``."""
 
     def __init__(self, cfg: LocalBackendConfig):
+        try:
+            import optuna  # noqa: F401 (the studies' engine: said here, before any work)
+        except ImportError:
+            raise NotAvailableError(
+                "the local optimizer runs its trials on Optuna, which is not installed: pip "
+                "install 'tunepack[optimize]' (make install has it)"
+            ) from None
         self.cfg = cfg
         self.trainer = LocalBackend(cfg)
         self.root = self.trainer.root / OPTIMIZATIONS_DIR
