@@ -82,7 +82,7 @@ class Parameter:
         if self.choices:
             return f"{self.name}=choice:{','.join(self.choices)}"
         kind = "loguniform" if self.log else "uniform"
-        return f"{self.name}={kind}:{_number(self.low)}:{_number(self.high)}"
+        return f"{self.name}={kind}:{number(self.low)}:{number(self.high)}"
 
     def largest(self) -> str:
         """The value that needs the most memory, for the memory plan (the top of a range, the
@@ -90,7 +90,7 @@ class Parameter:
         if self.choices:
             numbers = [c for c in self.choices if _is_number(c)]
             return max(numbers, key=float) if numbers else self.choices[0]
-        return _number(int(self.high) if self.integer else self.high)
+        return number(int(self.high) if self.integer else self.high)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v not in (None, False, ())}
@@ -255,11 +255,11 @@ def _from_spec(name: str, spec: object, spelling: Spelling) -> Parameter:
     log = space.distribution == "logUniform"
     if not low < high:
         raise BadValueError(
-            f"{shown}: the range {_number(low)}..{_number(high)} is empty: min must be below max"
+            f"{shown}: the range {number(low)}..{number(high)} is empty: min must be below max"
         )
     if log and low <= 0:
         raise BadValueError(
-            f"{shown}: Search.loguniform needs min > 0, got {_number(low)}; use Search.uniform"
+            f"{shown}: Search.loguniform needs min > 0, got {number(low)}; use Search.uniform"
         )
     integer = arg.rule.kind == "int"
     if integer and math.floor(high) < math.ceil(low):
@@ -421,7 +421,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _number(value: float | int | None) -> str:
+def number(value: float | int | None) -> str:
     if value is None:
         return "?"
     if float(value).is_integer() and abs(value) < 1e15:

@@ -181,19 +181,22 @@ class JobRecord:
     def alive(self) -> bool:
         """Whether the job's runner process still runs."""
         pid = self.pid()
-        if pid is None:
-            return True  # between mkdir and Popen: still being created
-        try:
-            finished, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
-            if finished:
-                return False
-        except ChildProcessError:
-            pass  # not our child (another process started it)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        return True if pid is None else process_alive(pid)  # None: still being created
+
+
+def process_alive(pid: int) -> bool:
+    """Whether the runner process ``pid`` still runs (reaped here if it is our own child)."""
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)  # our own child: reap it
+        if finished:
             return False
-        return True
+    except ChildProcessError:
+        pass  # not our child (another process started it)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def update_state(job_dir: Path, **fields) -> None:

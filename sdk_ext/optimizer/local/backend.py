@@ -158,7 +158,7 @@ class LocalOptimizerBackend:
         # Every value a trial can draw, each with the template's other values, as FineTune
         # takes it; the largest point (the most memory) through the job's own checks.
         for p in parameters:
-            for raw in p.choices or (spaces._number(p.low), spaces._number(p.high)):
+            for raw in p.choices or (spaces.number(p.low), spaces.number(p.high)):
                 value = raw if not p.integer or p.choices else str(int(float(raw)))
                 try:
                     template_with(finetune, {p.name: value})

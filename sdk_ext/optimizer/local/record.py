@@ -9,12 +9,13 @@ the same jobs root, named ``<name>-<trial number>``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import os
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tunepack.backends.local.job import process_alive
 from tunepack.core import durable
 from tunepack.optimizer.space import Algorithm, Goal, MedianStop, Parameter, Space
 
@@ -51,8 +52,6 @@ class Template:
         from tunepack.finetune import FineTune
 
         base = FineTune.from_args(self.args, **self.placement)
-        import dataclasses
-
         return dataclasses.replace(base, **values) if values else base
 
     def initializer(self):
@@ -133,19 +132,7 @@ class OptimizationRecord:
 
     def alive(self) -> bool:
         pid = self.state().get("pid")
-        if pid is None:
-            return True  # being created
-        try:
-            finished, _ = os.waitpid(pid, os.WNOHANG)
-            if finished:
-                return False
-        except ChildProcessError:
-            pass
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+        return True if pid is None else process_alive(pid)  # None: being created
 
     # --- paths -------------------------------------------------------------------------------
 
