@@ -1,0 +1,149 @@
+"""Figures the examples and docs quote, held to the code that computes them.
+
+In an example's comments every GiB or Gi figure is one of these, and is checked against the code:
+  - ``N.N GiB per GPU for the job below``: the memory planner's peak for the example's own job,
+    as ``tunepack render trainjob`` plans it (runtimes/planner.py);
+  - ``N.N GiB per GPU with key=value ...``: the same job with those trainer arguments changed;
+  - ``NGi ... workspace volume``: the size of the workspace PVC the runtime claims;
+  - the trainer Pod's requests and the host memory per process (runtimes/host.py).
+A figure in none of these forms fails the test: it would be one no test keeps true.
+
+In docs/*.md, a figure written after the command that prints it, ``(`tunepack plan ...`: N.NN
+GiB)``, is the peak that command plans now.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.unit.test_examples import EXAMPLES, EXAMPLES_DIR, _load
+from tunepack import cli
+from tunepack.jobs import submit
+from tunepack.runtimes import catalog, host
+from tunepack.runtimes.store import load_runtime
+from tunepack.trainers.args import parse_trainer_args
+
+# "11.9 GiB per GPU for the job below", "18.6 GiB per GPU with max_seq_len=2048 batch_size=2"
+PLANNED = re.compile(r"(\d+\.\d) GiB per GPU (?:for the job below|with ((?:\w+=[\w.-]+ ?)+))")
+# "the 30Gi ReadWriteOnce workspace volume", "the runtime's 60Gi workspace volume"
+WORKSPACE = re.compile(r"(\d+(?:Gi|Ti)) (?:ReadWriteOnce |ReadWriteMany )?workspace volume")
+# "trainer Pod requests 1 GPU, 2 CPUs, 8Gi memory": runtimes/host.py's NodeShape.describe()
+POD_REQUESTS = re.compile(r"trainer Pod requests (\d+ GPUs?, \d+ CPUs, \d+Gi memory)")
+# "a node of 4 vCPUs and 16 GiB holds it": a cloud instance, held to be at least the requests
+NODE = re.compile(r"a node of (\d+) vCPUs and (\d+) GiB holds it")
+# "sized for its own 1 GPU (2 CPUs, 20Gi" and "want 2 CPUs and 3 GiB more each"
+SIZED_FOR = re.compile(r"sized for its own (\d+) GPUs? \((\d+) CPUs, (\d+Gi)")
+PER_PROCESS = re.compile(r"want (\d+) CPUs and (\d+) GiB more each")
+HELD = (PLANNED, WORKSPACE, POD_REQUESTS, NODE, SIZED_FOR, PER_PROCESS)
+FIGURE = re.compile(r"\b\d+(?:\.\d+)? ?(?:GiB|Gi|Ti)\b")
+
+
+def _comment_text(name: str) -> str:
+    """The example's comments as one line of text (a figure's words may span two lines)."""
+    lines = (EXAMPLES_DIR / name).read_text().splitlines()
+    return " ".join(
+        line.strip().lstrip("#").strip() for line in lines if line.strip().startswith("#")
+    )
+
+
+def _args_with(args: list[str], changes: str) -> list[str]:
+    """The trainer arguments, each ``key=value`` of ``changes`` replacing (or adding) its key."""
+    given = dict(a.partition("=")[::2] for a in args)
+    given.update(c.partition("=")[::2] for c in changes.split())
+    return [f"{k}={v}" for k, v in given.items()]
+
+
+def _planned_peak(name: str, changes: str | None) -> float:
+    """The planner's peak GiB per GPU for the example's job (with ``changes``), as job building
+    (render trainjob, train) plans it on the GPU the example is sized for."""
+    obj = _load(name)
+    entry = catalog.get(obj["spec"]["runtimeRef"]["name"])
+    trainer = obj["spec"]["trainer"]
+    args = trainer["args"] if changes is None else _args_with(trainer["args"], changes)
+    plan = submit.check_memory(
+        entry,
+        parse_trainer_args(args, entry),
+        trainer.get("numNodes", 1),
+        trainer["numProcPerNode"],
+        EXAMPLES[name],
+        "warn",
+    )
+    return plan.peak_gib
+
+
+def test_the_planned_figure_pattern_reads_both_forms():
+    text = "11.9 GiB per GPU for the job below, 18.6 GiB per GPU with max_seq_len=2048 lr=2e-5;"
+    found = [(m.group(1), m.group(2)) for m in PLANNED.finditer(text)]
+    assert found == [("11.9", None), ("18.6", "max_seq_len=2048 lr=2e-5")]
+    assert _args_with(["method=lora", "max_seq_len=1024"], "max_seq_len=2048 lr=1") == [
+        "method=lora", "max_seq_len=2048", "lr=1"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_figure_in_an_example_is_one_the_test_holds(name):
+    text = _comment_text(name)
+    spans = [(m.start(), m.end()) for pattern in HELD for m in pattern.finditer(text)]
+    loose = [
+        f.group(0)
+        for f in FIGURE.finditer(text)
+        if not any(start <= f.start() < end for start, end in spans)
+    ]
+    assert not loose, f"{name}: figures no test holds (write them in a form above): {loose}"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_memory_figures_are_the_planners_for_the_examples_job(name):
+    text = _comment_text(name)
+    quoted = [(m.group(1), m.group(2)) for m in PLANNED.finditer(text)]
+    assert any(changes is None for _, changes in quoted), (
+        f"{name}: no 'N.N GiB per GPU for the job below' figure"
+    )
+    for figure, changes in quoted:
+        planned = f"{_planned_peak(name, changes):.1f}"
+        where = "for the job below" if changes is None else f"with {changes}"
+        assert figure == planned, f"{name}: says {figure} GiB per GPU {where}; planned {planned}"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_a_plan_command_in_an_example_plans_its_job(name, capsys):
+    """A `tunepack plan ...` line in the comments plans the job below, one micro-batch a step
+    (plan takes no grad_accum)."""
+    for command in re.findall(r"`tunepack plan ([^`]+)`", _comment_text(name)):
+        assert cli.main(["plan", *command.split()]) == 0
+        peak = re.search(r"peak +(\d+\.\d+) GiB", capsys.readouterr().out).group(1)
+        job = _planned_peak(name, "grad_accum=1")
+        assert peak == f"{job:.2f}", f"{name}: `tunepack plan {command}` is not the job below"
+
+
+def _claimed_storage(runtime: dict) -> str:
+    (policy,) = runtime["spec"]["template"]["spec"]["volumeClaimPolicies"]
+    (claim,) = policy["templates"]
+    return claim["spec"]["resources"]["requests"]["storage"]
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_workspace_size_is_the_runtimes_claim(name):
+    ref = _load(name)["spec"]["runtimeRef"]["name"]
+    claimed = _claimed_storage(load_runtime(ref))
+    assert claimed == catalog.get(ref).resources.workspace_storage
+    sizes = WORKSPACE.findall(_comment_text(name))
+    assert sizes, f"{name}: says nothing of its workspace volume's size"
+    assert set(sizes) == {claimed}, f"{name}: says {sizes}; {ref} claims {claimed}"
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_trainer_node_figures_are_the_runtimes(name):
+    text = _comment_text(name)
+    entry = catalog.get(_load(name)["spec"]["runtimeRef"]["name"])
+    own = host.node_shape(entry)
+    for said in POD_REQUESTS.findall(text):
+        assert said == own.describe(), f"{name}: says the Pod requests {said}"
+    for cpus, gib in NODE.findall(text):
+        assert int(cpus) >= int(own.cpu) and int(gib) >= int(own.memory.removesuffix("Gi"))
+    for gpus, cpus, memory in SIZED_FOR.findall(text):
+        assert (int(gpus), cpus, memory) == (own.gpus, own.cpu, own.memory), name
+    for cpus, gib in PER_PROCESS.findall(text):
+        assert (int(cpus), int(gib)) == (host.CPUS_PER_PROCESS, host.PROCESS_GIB), name
