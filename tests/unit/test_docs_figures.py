@@ -18,10 +18,12 @@ import re
 
 import pytest
 
+from tests import REPO
 from tests.unit.test_examples import EXAMPLES, EXAMPLES_DIR, _load
 from tunepack import cli
+from tunepack.core.errors import BadInputError
 from tunepack.jobs import submit
-from tunepack.runtimes import catalog, host
+from tunepack.runtimes import catalog, host, methods
 from tunepack.runtimes.store import load_runtime
 from tunepack.trainers.args import parse_trainer_args
 
@@ -147,3 +149,35 @@ def test_the_trainer_node_figures_are_the_runtimes(name):
         assert (int(gpus), cpus, memory) == (own.gpus, own.cpu, own.memory), name
     for cpus, gib in PER_PROCESS.findall(text):
         assert (int(cpus), int(gib)) == (host.CPUS_PER_PROCESS, host.PROCESS_GIB), name
+
+
+def _section(doc: str, heading: str) -> str:
+    """The text under ``heading`` in ``docs/<doc>`` up to the next heading, on one line."""
+    text = (REPO / "docs" / doc).read_text()
+    start = text.index(f"\n{heading}\n")
+    ends = [i for i in (text.find("\n## ", start + 1), text.find("\n### ", start + 1)) if i > 0]
+    end = min(ends, default=len(text))
+    return " ".join(text[start:end].split())
+
+
+VISION = ("llama3.2-vision-11b", "llama3.2-vision-90b")
+
+
+@pytest.mark.parametrize("model", VISION)
+def test_trainer_md_vision_names_the_methods_it_trains_and_those_it_refuses(model):
+    """docs/trainer.md's Llama 3.2 Vision section: the methods it trains with are the runtime's;
+    the ones it says are refused are every other method, and each is refused in one line."""
+    section = _section("trainer.md", "### Llama 3.2 Vision: image-text chats")
+    entry = catalog.get(model)
+    trained = set(re.findall(r"`method=(\w+)`", section))
+    assert trained == set(entry.methods), f"says it trains with {sorted(trained)}"
+    (sentence,) = [s for s in section.split(". ") if "`packed=true` is refused" in s]
+    refused = set(re.findall(r"`(\w+)`", sentence))
+    assert refused == set(methods.METHODS) - set(entry.methods), f"says {sorted(refused)} refused"
+    for method in sorted(refused) + ["packed"]:
+        given = "packed=true" if method == "packed" else f"method={method}"
+        with pytest.raises(BadInputError) as caught:
+            parse_trainer_args([given], entry)
+        assert "\n" not in str(caught.value)
+        if method != "packed":  # "in one line naming the methods above"
+            assert all(m in str(caught.value) for m in trained), str(caught.value)
