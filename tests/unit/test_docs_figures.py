@@ -8,8 +8,11 @@ In an example's comments every GiB or Gi figure is one of these, and is checked 
   - the trainer Pod's requests and the host memory per process (runtimes/host.py).
 A figure in none of these forms fails the test: it would be one no test keeps true.
 
-In docs/*.md, a figure written after the command that prints it, ``(`tunepack plan ...`: N.NN
-GiB)``, is the peak that command plans now.
+In docs/*.md and README.md, a figure written after the command that prints it, ``(`tunepack plan
+...`: N.NN GiB)`` (``, recomputing R of L layers`` after it where said), is what that command
+plans now. docs/planner.md's tables (the step chosen on each card; the measured H100 jobs against
+their plans) are what the planner and the measurement reports say; docs/trainer.md's Llama 3.2
+Vision section names the methods the vision runtimes train with and refuse.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import pytest
 
 from tests import REPO
 from tests.unit.test_examples import EXAMPLES, EXAMPLES_DIR, _load
+from tests.unit.test_planner import measured_jobs, plan_now
 from tunepack import cli
 from tunepack.core.errors import BadInputError
 from tunepack.jobs import submit
 from tunepack.runtimes import catalog, host, methods
+from tunepack.runtimes.planner import plan
 from tunepack.runtimes.store import load_runtime
 from tunepack.trainers.args import parse_trainer_args
 
@@ -181,3 +186,105 @@ def test_trainer_md_vision_names_the_methods_it_trains_and_those_it_refuses(mode
         assert "\n" not in str(caught.value)
         if method != "packed":  # "in one line naming the methods above"
             assert all(m in str(caught.value) for m in trained), str(caught.value)
+
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# "(`tunepack plan --model gemma-7b --method full`: 79.52 GiB)", ", recomputing 30 of 32 layers"
+PLAN_FIGURE = re.compile(
+    r"`tunepack plan ([^`]+)`: (\d+\.\d+) GiB(?:[^;)]*?, recomputing (\d+) of (\d+) layers)?"
+)
+
+
+def _plan_figures() -> list[tuple[str, str, str, tuple]]:
+    found = []
+    for path in DOCS:
+        text = " ".join(path.read_text().split())
+        for m in PLAN_FIGURE.finditer(text):
+            found.append((path.name, m.group(1), m.group(2), m.group(3, 4)))
+    return found
+
+
+def test_docs_quote_plan_figures_in_the_form_this_test_reads():
+    assert len([f for f in _plan_figures() if f[0] == "planner.md"]) >= 4, _plan_figures()
+
+
+@pytest.mark.parametrize(
+    ("doc", "command", "figure", "recompute"),
+    [pytest.param(*f, id=f"{f[0]}: {f[1]}") for f in _plan_figures()],
+)
+def test_a_plan_figure_in_the_docs_is_what_the_command_prints(
+    doc, command, figure, recompute, capsys
+):
+    code = cli.main(["plan", *command.split()])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out  # fits, or does not
+    decimals = len(figure.partition(".")[2])
+    peak = float(re.search(r"peak +(\d+\.\d+) GiB", out).group(1))
+    assert figure == f"{peak:.{decimals}f}", f"{doc}: `tunepack plan {command}` plans {peak}"
+    if recompute[0] is not None:
+        step = re.search(r"recompute (\d+) of (\d+) layers", out).group(1, 2)
+        assert step == recompute, f"{doc}: `tunepack plan {command}`: recompute {step}"
+
+
+def _table_after(text: str, marker: str) -> list[list[str]]:
+    """The rows (cells) of the first Markdown table after ``marker``, its header left out."""
+    rows = []
+    for line in text[text.index(marker) :].splitlines()[1:]:
+        if not line.startswith("|"):
+            if rows:
+                break
+            continue
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return [r for r in rows[1:] if not set("".join(r)) <= set("-: ")]
+
+
+def test_planner_md_step_table_is_the_step_chosen_on_each_card():
+    text = (REPO / "docs" / "planner.md").read_text()
+    rows = _table_after(text, "For example Llama 3.1 8B LoRA at 2048 tokens x 4:")
+    cards = []
+    for cell, recompute, loss in rows:
+        for card in cell.split(", "):
+            cards.append(card)
+            p = plan("llama3.1-8b", "lora", 2048, 4, gpu=card)
+            assert recompute == f"{p.step.recompute_layers} of {p.step.layers}", card
+            rows_at_once = p.step.loss_chunk_rows
+            said = (
+                f"the whole logits ({p.tokens} rows)"
+                if rows_at_once >= p.tokens
+                else f"{rows_at_once} rows at a time"
+            )
+            assert loss == said, card
+    assert len(cards) >= 5, rows
+    h100 = plan("llama3.1-8b", "lora", 2048, 4, gpu="H100-80GB")
+    assert f"planned peak {h100.peak_gib:.2f} GiB" in " ".join(text.split())
+
+
+# docs/planner.md's "Checked on a GPU" table: its first column -> the measured workload
+MEASURED_ROWS = {
+    "LoRA": "lora/tunepack",
+    "QLoRA": "qlora/tunepack",
+    "DoRA": "dora/tunepack",
+    "full": "full/tunepack",
+    "LoRA, plain loss (`fused_loss=False`)": "lora/tunepack-plain-loss",
+    "LoRA, `compile=true`": "lora/tunepack-compiled",
+}
+
+
+def test_planner_md_measured_table_is_the_reports_and_the_plans_of_today():
+    text = (REPO / "docs" / "planner.md").read_text()
+    rows = _table_after(text, "## Checked on a GPU")
+    jobs = {job["name"]: (report, job) for report, job in measured_jobs()}
+    named = []
+    for label, measured, then, ratio_then, now, ratio_now in rows:
+        size, _, kind = label.partition(" ")
+        assert kind in MEASURED_ROWS, f"row {label!r}: the shape (1B, 8B), then a MEASURED_ROWS job"
+        name = f"{size.lower()}/{MEASURED_ROWS[kind]}"
+        named.append(name)
+        report, job = jobs[name]
+        p = plan_now(report, job)
+        peak, planned = job["peak_memory_gib"], job["plan"]["peak_gib"]
+        assert measured == f"{peak:.3f}" and then == f"{planned:.3f}", label
+        assert ratio_then == f"{peak / planned:.2f}", label
+        assert now == f"{p.peak_gib:.3f} ({p.peak_moment})", label
+        assert ratio_now == f"{peak / p.peak_gib:.3f}", label
+    assert sorted(named) == sorted(jobs), "the table lists every measured tunepack job"

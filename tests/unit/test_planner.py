@@ -153,7 +153,7 @@ H100_REPORTS = (
 BANDS = {"tunepack": 0.05, "tunepack-plain-loss": 0.05, "tunepack-compiled": 0.10}
 
 
-def _measured_jobs() -> list[tuple[dict, dict]]:
+def measured_jobs() -> list[tuple[dict, dict]]:
     """(report, workload) of every measured tunepack job."""
     jobs = []
     for name in H100_REPORTS:
@@ -166,12 +166,10 @@ def _measured_jobs() -> list[tuple[dict, dict]]:
     return jobs
 
 
-@pytest.mark.parametrize(
-    ("report", "job"), [pytest.param(r, j, id=j["name"]) for r, j in _measured_jobs()]
-)
-def test_plans_of_the_measured_h100_jobs(report, job):
+def plan_now(report: dict, job: dict):
+    """The plan today's planner makes for a measured job's settings (docs/planner.md's table)."""
     size = report["sizes"][job["size"]]
-    p = estimate(
+    return estimate(
         catalog.get(size["catalog_name"]),
         job["method"],
         size["seq_len"],
@@ -184,12 +182,19 @@ def test_plans_of_the_measured_h100_jobs(report, job):
         # The trainer of those days computed the fused loss 8M logits at a time.
         loss_chunk=LOSS_CHUNK_ELEMENTS // catalog.get(size["catalog_name"]).shape.vocab_size,
     )
+
+
+@pytest.mark.parametrize(
+    ("report", "job"), [pytest.param(r, j, id=j["name"]) for r, j in measured_jobs()]
+)
+def test_plans_of_the_measured_h100_jobs(report, job):
+    p = plan_now(report, job)
     ratio = job["peak_memory_gib"] / p.peak_gib
     assert abs(ratio - 1) <= BANDS[job["system"]], f"{job['name']}: {ratio:.3f}\n{p.summary()}"
 
 
 def test_all_measured_h100_jobs_are_checked():
-    names = {job["name"] for _, job in _measured_jobs()}
+    names = {job["name"] for _, job in measured_jobs()}
     assert names == {
         "1b/lora/tunepack", "1b/lora/tunepack-compiled", "1b/lora/tunepack-plain-loss",
         "1b/qlora/tunepack", "1b/dora/tunepack", "1b/full/tunepack",
