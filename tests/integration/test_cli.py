@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,18 @@ import pytest
 import torch
 import yaml
 
+from tests import REPO
 from tunepack.runtimes.validate import validate_trainjob
+
+# README's "What the quickstart does": the commands `make quickstart` runs, and their output.
+QUICKSTART = (REPO / "README.md").read_text().split("## What the quickstart does", 1)[1]
+QUICKSTART = QUICKSTART.split("\n## ", 1)[0]
+# The trainer arguments of its `tunepack train` line (the key=value words after the flags).
+QUICKSTART_ARGS = [
+    word
+    for word in re.search(r"^tunepack train (.*?)\n```", QUICKSTART, re.S | re.M).group(1).split()
+    if "=" in word and not word.startswith("-")
+]
 
 
 def tunepack(*args: str, cwd=None, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -34,7 +46,7 @@ def quickstart(tmp_path_factory):
         "train", "--local", "--runtime", "tunepack-tiny-llama3",
         "--workspace", str(workspace),
         "--dataset", f"file://{data}", "--model", f"file://{model}",
-        "method=lora", "epochs=2",
+        *QUICKSTART_ARGS,
     )  # fmt: skip
     return done, workspace
 
@@ -43,12 +55,12 @@ def test_quickstart_trains_and_summarises(quickstart):
     done, workspace = quickstart
     assert done.returncode == 0, done.stderr + done.stdout
     result = json.loads((workspace / "output" / "result.json").read_text())
-    assert result["steps"] == 64
+    assert result["steps"] == 96
     assert result["final_loss"] < result["first_loss"] - 0.5
     for line in (
         "tunepack: training finished",
         "runtime     tunepack-tiny-llama3",
-        "steps       64",
+        "steps       96",
         f"result      {workspace / 'output' / 'adapter'}",
     ):
         assert line in done.stdout
@@ -56,6 +68,34 @@ def test_quickstart_trains_and_summarises(quickstart):
     assert done.stdout.index("==> dataset-initializer") < done.stdout.index("==> node")
     for step in ("dataset-initializer", "model-initializer", "node"):
         assert (workspace / "logs" / f"{step}.log").stat().st_size > 0
+
+
+def test_the_readme_quickstart_is_the_makefiles_and_its_output_is_this_runs(quickstart):
+    """README's quickstart output (the run is deterministic on a CPU: the same losses with 1 or
+    2 threads) is what the same command prints: steps, first and final loss, in each line."""
+    makefile = (REPO / "Makefile").read_text().split("\nquickstart:", 1)[1].split("\n\n", 1)[0]
+    assert QUICKSTART_ARGS and makefile.split()[-len(QUICKSTART_ARGS) :] == QUICKSTART_ARGS
+    epochs = dict(word.split("=", 1) for word in QUICKSTART_ARGS)["epochs"]
+    done, workspace = quickstart
+    assert done.returncode == 0, done.stderr + done.stdout
+    result = json.loads((workspace / "output" / "result.json").read_text())
+    steps, first, final = (
+        result["steps"],
+        f"{result['first_loss']:.4f}",
+        f"{result['final_loss']:.4f}",
+    )
+    said = re.search(r"trainer: done: (\d+) steps, loss (\S+) -> (\S+);", QUICKSTART)
+    assert said.groups() == (str(steps), first, final), "README's quickstart output is stale"
+    summary = re.search(r"^  loss +(\S+) \(first step\) -> (\S+) \(last step\)$", QUICKSTART, re.M)
+    assert summary.groups() == (first, final)
+    assert re.search(rf"^  steps +{steps}$", QUICKSTART, re.M)
+    last_step = re.search(r"^\[node\] step (\d+)/(\d+) +epoch (\d+) +loss (\S+) ", QUICKSTART, re.M)
+    assert last_step.groups() == (str(steps), str(steps), epochs, final)
+    # and the run printed those lines
+    printed = [line for line in done.stdout.splitlines() if line.startswith("[node] step ")]
+    assert re.match(rf"\[node\] step {steps}/{steps} +epoch {epochs} +loss {final} ", printed[-1])
+    assert f"trainer: done: {steps} steps, loss {first} -> {final};" in done.stdout
+    assert f"{first} (first step) -> {final} (last step)" in done.stdout
 
 
 def test_quickstart_adapter_loads_with_peft(quickstart):
@@ -80,7 +120,7 @@ def test_rerun_on_complete_workspace_does_no_work(quickstart, tmp_path):
     data = json.loads((workspace / "dataset" / "tunepack-manifest.json").read_text())["source"]
     again = tunepack(
         "train", "--local", "--runtime", "tunepack-tiny-llama3", "--workspace", str(workspace),
-        "--dataset", data, "--model", model, "method=lora", "epochs=2",
+        "--dataset", data, "--model", model, *QUICKSTART_ARGS,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert "nothing to do" in again.stdout
