@@ -29,15 +29,23 @@ $(VENV)/.sources: FORCE | $(BIN)/python
 	@echo '$(SOURCE_FILES)' | cmp -s - $@ || echo '$(SOURCE_FILES)' > $@
 FORCE:
 
+# torchtune 0.6.1's own metadata asks for huggingface_hub[hf_transfer], an extra huggingface_hub
+# 2.x no longer has (hf-xet replaced it; no download uses it), and pip warns of it at every
+# install of tunepack: pip has no way to drop another package's requirement. That one line, matched
+# whole, is left out of pip's stderr; all else pip says, and its exit status, stand (bash: the
+# filter is a process substitution, so the command's status is pip's).
+NO_HF_TRANSFER_WARNING := 2> >(grep -v -x "WARNING: huggingface-hub [^ ]* does not provide the extra 'hf-transfer'" >&2)
+
 install: $(VENV)/.installed
+$(VENV)/.installed $(VENV)/.dev-installed: SHELL := bash
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py $(VENV)/.sources
 	$(BIN)/pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[optimize]' $(EDITABLE)
+	$(BIN)/pip install -q -e '.[optimize]' $(EDITABLE) $(NO_HF_TRANSFER_WARNING)
 	touch $@
 
 dev: $(VENV)/.dev-installed
 $(VENV)/.dev-installed: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[dev]' $(EDITABLE)
+	$(BIN)/pip install -q -e '.[dev]' $(EDITABLE) $(NO_HF_TRANSFER_WARNING)
 	touch $@
 
 # A real LoRA fine-tune on the local backend: dataset-initializer -> model-initializer -> trainer.

@@ -8,7 +8,17 @@ found, so a new subpackage ships without an edit (tests/integration/test_wheel.p
 built wheel).
 """
 
+import warnings
+
 from setuptools import find_packages, setup
+from setuptools.warnings import InformationOnly
+
+# A strict editable install (the Makefile's editable_mode=strict) has setuptools tell, on every
+# build, that it laid its link tree out in build/__editable__.* and not to remove it: a notice
+# with nothing to act on (the Makefile says what the tree is), which pip prints as a 13-line
+# warning at each `make install` and `make dev`. That notice alone is left out; setuptools' other
+# warnings, and its deprecations, are shown as before.
+warnings.filterwarnings("ignore", message=r"Editable installation\.", category=InformationOnly)
 
 # import package -> the directory it lives in
 ROOTS = {
