@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadModelError, BadValueError
-from tunepack.initializers import atomic, download, trainer_args, uri
+from tunepack.initializers import atomic, download, schemas, trainer_args, uri
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.archives import extract, is_archive
 from tunepack.initializers.retry import retrying
@@ -118,7 +118,7 @@ def _checked_local(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source
     if not source.is_dir():
         raise BadModelError(
             f"model at {source_uri.display!r} is not a directory; point "
-            f"{workspace.STORAGE_URI_ENV} at the directory holding "
+            f"{schemas.spelling().model} at the directory holding "
             f"{', '.join(entry.required_files())}"
         )
     _check_required_files(entry, source_uri, source)
@@ -230,11 +230,22 @@ def _check_required_files(
 def _missing_files_error(
     entry: catalog.ModelEntry, source_uri: uri.StorageUri, missing: list[str]
 ) -> BadModelError:
-    parts = "; and ".join(f"{rel}, which {_purpose(entry, rel)} needs" for rel in missing)
+    # Each purpose said once, with the files it needs (the weights and config.json: the loader).
+    by_purpose: dict[str, list[str]] = {}
+    for rel in missing:
+        by_purpose.setdefault(_purpose(entry, rel), []).append(rel)
+    parts = "; and ".join(
+        f"{_listed(files)}, which {purpose} needs" for purpose, files in by_purpose.items()
+    )
     return BadModelError(
         f"model at {source_uri.display!r} is missing {parts}. Point "
-        f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
+        f"{schemas.spelling().model} at a complete copy of {entry.hub_id}"
     )
+
+
+def _listed(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _check_shards(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source: Path) -> None:
@@ -244,7 +255,7 @@ def _check_shards(entry: catalog.ModelEntry, source_uri: uri.StorageUri, source:
         raise BadModelError(
             f"model at {source_uri.display!r} is missing {len(missing)} checkpoint shard(s) "
             f"named by {catalog.SAFETENSORS_INDEX}: {', '.join(missing)}. Point "
-            f"{workspace.STORAGE_URI_ENV} at a complete copy of {entry.hub_id}"
+            f"{schemas.spelling().model} at a complete copy of {entry.hub_id}"
         )
 
 
@@ -309,7 +320,7 @@ def _check_config(entry: catalog.ModelEntry, source_uri: uri.StorageUri, path: P
         raise BadModelError(
             f"model at {source_uri.display!r} is not {entry.name}: its config.json has "
             f"{', '.join(mismatches)}; use the runtime made for this model or point "
-            f"{workspace.STORAGE_URI_ENV} at {entry.hub_id}"
+            f"{schemas.spelling().model} at {entry.hub_id}"
         )
 
 

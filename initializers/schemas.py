@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from tunepack.core import workspace
 from tunepack.core.durable import size_text
@@ -19,16 +19,24 @@ from tunepack.runtimes import catalog
 SCHEMA_ENV = "DATASET_SCHEMA"
 COLUMN_MAP_ENV = "COLUMN_MAP"
 # Who set them, so that messages name them as that caller wrote them: the ``tunepack`` command
-# sets it to ``cli`` (its flags --column-map, --dataset-schema); unset, the variables themselves.
+# sets it to ``cli`` (its flags --dataset, --model, --column-map, --dataset-schema); unset, the
+# variables themselves.
 SPELLING_ENV = "TUNEPACK_SPELLING"
+# With ``cli``: the variables among SPELLED that the step took from the environment of the
+# command that ran it (a COLUMN_MAP exported in the shell), not from its flags, as a comma list.
+# Messages name those as the variables they are: the user never passed the flag.
+INHERITED_ENV = "TUNEPACK_INHERITED"
+SPELLED = (workspace.STORAGE_URI_ENV, COLUMN_MAP_ENV, SCHEMA_ENV)
 
 
 @dataclass(frozen=True)
 class Spelling:
-    """How a caller names the schema settings: container variables or CLI flags."""
+    """How a caller names the initializers' settings: container variables or CLI flags."""
 
     column_map: str
     schema: str
+    dataset: str = workspace.STORAGE_URI_ENV  # the dataset initializer's source
+    model: str = workspace.STORAGE_URI_ENV  # the model initializer's source
 
     def given(self, name: str, raw: str) -> str:
         """``COLUMN_MAP='x'`` (a variable) or ``--column-map 'x'`` (a flag)."""
@@ -36,12 +44,20 @@ class Spelling:
 
 
 VARIABLES = Spelling(COLUMN_MAP_ENV, SCHEMA_ENV)
-FLAGS = Spelling("--column-map", "--dataset-schema")
+FLAGS = Spelling("--column-map", "--dataset-schema", "--dataset", "--model")
 
 
 def spelling() -> Spelling:
-    """The caller's names for the settings, from ``TUNEPACK_SPELLING``."""
-    return FLAGS if os.environ.get(SPELLING_ENV, "").strip() == "cli" else VARIABLES
+    """The caller's names for the settings, from ``TUNEPACK_SPELLING``: the CLI's flags, but a
+    variable the step inherited (``TUNEPACK_INHERITED``) by its own name."""
+    if os.environ.get(SPELLING_ENV, "").strip() != "cli":
+        return VARIABLES
+    inherited = {name.strip() for name in os.environ.get(INHERITED_ENV, "").split(",")}
+    names = {}
+    for field in fields(Spelling):
+        variable = getattr(VARIABLES, field.name)
+        names[field.name] = variable if variable in inherited else getattr(FLAGS, field.name)
+    return Spelling(**names)
 
 
 ROLES = ("system", "user", "assistant")

@@ -134,7 +134,8 @@ def _run_local(ns, trainjob, job_dir, workspace, resumed, lock) -> int:
             pass  # the terminal went away (SIGHUP): the job's state says the same
         return stop.exit_code
     if failed:
-        # The job's record has the same lines (run_job), for tunepack status and get_job().
+        # The job's record has the same lines (run_job), for tunepack status and get_job(). The
+        # echo held them back (steps._tail): said once, here, on stderr.
         reason = "\n  ".join(failed.error_lines())
         print(
             f"tunepack: step {failed.name!r} failed with exit code {failed.exit_code} "

@@ -503,6 +503,75 @@ def test_model_directories(capsys, jobs, tmp_path, tiny_dataset_file, tiny_model
     assert list(Path(".tunepack/runs").glob("*/model/*")) == []  # the trainer never started
 
 
+FAILED_STEP = (
+    "tunepack: step '{}' failed with exit code 65 (bad input: fix it and run again); log: "
+)
+
+
+def test_a_model_initializer_run_by_the_cli_names_its_flag_and_says_it_once(
+    capsys, jobs, tmp_path, tiny_dataset_file, tiny_model_dir
+):
+    """Issue 49, item 4: the source is the --model the user gave (STORAGE_URI only in a Pod);
+    each purpose once, with its files; the error line once (it was echoed as the step wrote it,
+    then repeated under the step's failure)."""
+    model = Path(shutil.copytree(tiny_model_dir, tmp_path / "partial"))
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (model / name).unlink()
+    code, out, err = run_cli(capsys, _train(tiny_dataset_file, model, "max_steps=1"))
+    assert code == EXIT_BAD_INPUT, err
+    head, line = err.splitlines()
+    assert head.startswith(FAILED_STEP.format("model-initializer"))
+    assert head.endswith("/logs/model-initializer.log")
+    assert line == (
+        f"  model-initializer: error: model at '{model}' is missing config.json and "
+        "model.safetensors, which the tiny-llama3 checkpoint loader needs; and tokenizer.json, "
+        "which the tiny-llama3 tokenizer needs. Point --model at a complete copy of "
+        "tunepack/tiny-llama3"
+    )
+    assert "error:" not in out, out  # the console's echo of the step held it back
+
+
+def test_the_error_and_its_rows_are_shown_once(
+    capsys, jobs, tmp_path, tiny_dataset_file, tiny_model_dir
+):
+    """The rows that detail a failed step's error come with it, once, under the step's failure
+    on stderr, as with --quiet (test_dataset_files)."""
+    path, _ = _datasets(tmp_path, _rows(tiny_dataset_file))["bad-json-rows"]
+    code, out, err = run_cli(capsys, _train(path, tiny_model_dir, "max_steps=1"))
+    assert code == EXIT_BAD_INPUT, err
+    head, *detail = err.splitlines()
+    assert head.startswith(FAILED_STEP.format("dataset-initializer"))
+    assert detail[0].startswith(
+        f"  dataset-initializer: error: dataset '{path}' has 2 invalid rows"
+    )
+    assert detail[1:] == [
+        f"    bad.jsonl row {n}: not valid JSON (Expecting property name enclosed in double "
+        "quotes at column 2)"
+        for n in (4, 9)
+    ]
+    assert "error:" not in out and "bad.jsonl row" not in out, out
+    assert "[dataset-initializer] dataset-initializer: read 10 rows and 2 invalid rows" in out
+
+
+@pytest.mark.parametrize("given", ["flag", "shell"])
+def test_a_setting_from_the_shell_is_named_as_the_variable(
+    capsys, jobs, tmp_path, monkeypatch, tiny_dataset_file, tiny_model_dir, given
+):
+    """Issue 49, item 4: COLUMN_MAP exported in the shell reaches the dataset initializer of
+    `train --local`, whose message named it --column-map, a flag the user never passed."""
+    flags = ["--column-map", "questoin:instruction"] if given == "flag" else []
+    if given == "shell":
+        monkeypatch.setenv("COLUMN_MAP", "questoin:instruction")
+    argv = _train(tiny_dataset_file, tiny_model_dir, "--quiet", *flags, "max_steps=1")
+    code, _, err = run_cli(capsys, argv)
+    assert code == EXIT_BAD_INPUT, err
+    name = "--column-map" if given == "flag" else "COLUMN_MAP"
+    assert err.splitlines()[1] == (
+        f"  dataset-initializer: error: {name} names column 'questoin', which no row of dataset "
+        f"'{tiny_dataset_file}' has; its columns are 'instruction', 'input', 'output'"
+    )
+
+
 # --- the other commands -------------------------------------------------------------------------
 
 OTHER_COMMANDS = [

@@ -539,16 +539,19 @@ def test_model_missing_tokenizer_file_is_reported_before_copying(tmp_path):
 
 
 def test_model_missing_several_files(tmp_path):
+    """Each purpose is said once, with the files it needs (issue 49, item 4: the loader's clause
+    was repeated for each of its files); a container program names its own variable."""
     source = fake_model(tmp_path / "x")
+    (source / "config.json").unlink()
     (source / "model.safetensors").unlink()
     (source / "tokenizer.json").unlink()
     result = run_program("model", tmp_path, str(source))
     assert_bad_input(
         result,
         "model",
-        f"model at '{source}' is missing model.safetensors, which the tiny-llama3 checkpoint "
-        f"loader needs; and tokenizer.json, which the tiny-llama3 tokenizer needs. Point "
-        f"STORAGE_URI at a complete copy of tunepack/tiny-llama3",
+        f"model at '{source}' is missing config.json and model.safetensors, which the "
+        f"tiny-llama3 checkpoint loader needs; and tokenizer.json, which the tiny-llama3 "
+        f"tokenizer needs. Point STORAGE_URI at a complete copy of tunepack/tiny-llama3",
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from tests.unit.test_local import _trainjob
 from tunepack.backends.local.steps import run_trainjob
-from tunepack.runtimes.contract import container, replicated_jobs
+from tunepack.runtimes.contract import TRAINER_STEP, container, replicated_jobs
 from tunepack.runtimes.store import load_runtime
 
 
@@ -81,3 +81,34 @@ def test_a_replica_has_one_name_on_the_console_in_logs_and_for_step(tmp_path):
             assert f"[{replica}] hello from node" in lines, lines
         steps = ["dataset-initializer", "model-initializer"] + [f"node-{i}" for i in range(nodes)]
         assert sdk_step("node", steps) == ("node-0" if nodes == 1 else "node")
+
+
+def test_a_failed_steps_error_is_held_back_for_its_summary_and_any_other_is_echoed(tmp_path):
+    """Issue 49, item 4: the failed step's last error (with its detail lines) was echoed, then
+    said again under the step's failure. It is held back for that summary; an earlier error, a
+    succeeding step's, or another replica's is echoed as before."""
+    from tunepack.backends.local.steps import StepProcess, run_step
+
+    code = (
+        "import os, sys; rank = os.environ.get('PET_NODE_RANK', '0'); "
+        "print('trainer: error: not the last'); print('trainer: working'); "
+        "print(f'trainer: error: rank {rank}'); print('  its detail'); "
+        "sys.exit(int(sys.argv[1]) if rank == '1' else 0)"
+    )
+    for exit_code in (0, 65):
+        lines: list[str] = []
+        command = [sys.executable, "-c", code, str(exit_code)]
+        step = StepProcess("node", TRAINER_STEP.ancestor, command, {}, replicas=2)
+        outcome = run_step(step, tmp_path / f"logs-{exit_code}", echo=lines.append)
+        assert outcome.exit_code == exit_code
+        for rank in (0, 1):
+            said = [x for x in lines if x.startswith(f"[node-{rank}] ")]
+            held_back = exit_code and rank == 1
+            assert said == [
+                f"[node-{rank}] trainer: error: not the last",
+                f"[node-{rank}] trainer: working",
+                *([] if held_back else [f"[node-{rank}] trainer: error: rank {rank}"]),
+                *([] if held_back else [f"[node-{rank}]   its detail"]),
+            ]
+        if exit_code:
+            assert outcome.error_lines() == ["trainer: error: rank 1", "  its detail"]

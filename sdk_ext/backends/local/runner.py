@@ -32,7 +32,7 @@ from tunepack.backends.local.steps import (
 from tunepack.core import program
 from tunepack.core.errors import TunepackError
 from tunepack.core.workspace import WorkspaceLock, export_record_file, lock_workspace
-from tunepack.initializers.schemas import SPELLING_ENV
+from tunepack.initializers.schemas import INHERITED_ENV, SPELLED, SPELLING_ENV
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
 
@@ -112,6 +112,10 @@ def run_job(
         if cli:  # the steps' messages name the settings as the command's flags
             for step in steps:
                 step.env[SPELLING_ENV] = "cli"
+                # ... but a setting the step inherits from this process's environment (COLUMN_MAP
+                # exported in the shell) as that variable: the user passed no flag for it.
+                inherited = [n for n in SPELLED if n in os.environ and n not in step.env]
+                step.env[INHERITED_ENV] = ",".join(inherited)
         outcome = _run_steps(job, state, steps, logs, echo, lock)
         # The trainer rewrites result.json whenever it trains, the exporter its record whenever
         # it sends files: both unchanged, the run changed nothing.

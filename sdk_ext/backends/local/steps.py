@@ -307,13 +307,24 @@ def restore_previous_logs(log_dir: Path, kept: Path, current: tuple[str, ...] = 
         pass
 
 
-def _tail(log: Path, prefix: str, echo: Callable[[str], None], done: threading.Event) -> None:
+def _tail(
+    log: Path,
+    prefix: str,
+    echo: Callable[[str], None],
+    done: threading.Event,
+    held: list[str] | None = None,
+) -> None:
     """Echo the progress lines a step writes to ``log`` until the step has ended.
+
+    An error line and the lines detailing it (a dataset's first offending rows) are held back
+    while nothing follows them: left in ``held`` at the end, they are the step's last error,
+    which the run's summary of a failed step says (``run_step`` echoes them where it does not).
 
     The step writes its log file itself, not through a pipe to this process: when the CLI is
     killed or its terminal closes, the steps' output has nowhere to break, and a trainer that is
     checkpointing after a stop signal is not killed by a write to a closed pipe.
     """
+    held = [] if held is None else held
     partial = ""
     with log.open(errors="replace") as f:
         while True:
@@ -322,9 +333,21 @@ def _tail(log: Path, prefix: str, echo: Callable[[str], None], done: threading.E
                 if not line.endswith("\n"):
                     partial += line
                     continue
-                shown = progress_line(partial + line)
-                partial = ""
-                if shown is not None and not _echo(echo, f"[{prefix}] {shown}"):
+                text, partial = partial + line, ""
+                if held and text.startswith(program.DETAIL_INDENT):
+                    if len(held) <= MAX_DETAIL_LINES:
+                        held.append(text.rstrip())
+                    continue
+                shown = progress_line(text)
+                if shown is None:
+                    continue
+                for earlier in held:  # an error that was not the last
+                    if not _echo(echo, f"[{prefix}] {earlier}"):
+                        return
+                held.clear()
+                if program.ERROR_MARK in shown:
+                    held.append(shown)
+                elif not _echo(echo, f"[{prefix}] {shown}"):
                     return
             if ended:
                 if partial:
@@ -356,6 +379,7 @@ def run_step(
     log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     procs, tails = [], []
+    held: list[list[str]] = [[] for _ in range(step.replicas)]  # each replica's last error
     ended = threading.Event()
     for rank in range(step.replicas):
         env = {**os.environ, **step.env, **(lock.env() if lock else {})}
@@ -374,7 +398,9 @@ def run_step(
         procs.append(proc)
         if echo is not None:
             prefix = replica_name(step.name, rank, step.replicas)
-            tail = threading.Thread(target=_tail, args=(log_path, prefix, echo, ended), daemon=True)
+            tail = threading.Thread(
+                target=_tail, args=(log_path, prefix, echo, ended, held[rank]), daemon=True
+            )
             tail.start()
             tails.append(tail)
     try:
@@ -387,6 +413,12 @@ def run_step(
     if code < 0:  # killed by signal N: 128 + N, as a shell and the kubelet report it
         code = 128 - code
     log = step_log(log_dir, step.name, rank, step.replicas)  # the failing replica's, if one did
+    # The failed replica's last error is its caller's to say, once, with the step's failure
+    # (StepOutcome.error_lines); any other replica's is echoed here.
+    for other, lines in enumerate(held):
+        if code == 0 or other != rank:
+            for line in lines:
+                _echo(echo, f"[{replica_name(step.name, other, step.replicas)}] {line}")
     return StepOutcome(step.name, code, time.perf_counter() - started, log)
 
 
