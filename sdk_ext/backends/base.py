@@ -57,11 +57,21 @@ class TunepackBackend(RuntimeBackend):
         ``ValueError`` while the job is not Complete."""
         job = self.get_job(name)
         if job.status != kc.TRAINJOB_COMPLETE:
-            raise ValueError(
-                f"TrainJob {name} is {job.status}, not Complete"
-                + (f": {job.message}" if getattr(job, "message", None) else "")
-                + "; wait_for_job_status(name) first"
-            )
+            why = f": {job.message}" if getattr(job, "message", None) else ""
+            if job.status == kc.TRAINJOB_FAILED:  # waiting would give it no result
+                failed = [s.name for s in job.steps or [] if s.status == kc.TRAINJOB_FAILED]
+                step = f", step={failed[0]!r}" if failed else ""
+                raise ValueError(
+                    f"TrainJob {name} failed and has no result (its log: "
+                    f"get_job_logs({name!r}{step})){why}"
+                )
+            if job.status in (kc.TRAINJOB_CREATED, kc.TRAINJOB_RUNNING):
+                raise ValueError(
+                    f"TrainJob {name} is {job.status}, not Complete{why}; "
+                    "wait_for_job_status(name) first"
+                )
+            # Stopped: its message says how to resume it.
+            raise ValueError(f"TrainJob {name} is {job.status} and has no result{why}")
         return self._result(name)
 
     @abc.abstractmethod

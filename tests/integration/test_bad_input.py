@@ -674,6 +674,20 @@ def test_python_sees_the_failed_step_and_its_reason(failed_job):
     assert "has 1 invalid row" in message
 
 
+def test_python_result_of_a_failed_job_says_it_failed_not_to_wait(failed_job):
+    """Issue 49, item 4: result() said "wait_for_job_status(name) first" of a job that had
+    failed, which no wait would change."""
+    client, name, _ = failed_job
+    with pytest.raises(ValueError) as err:
+        client.result(name)
+    head = str(err.value).splitlines()[0]
+    assert head.startswith(
+        f"TrainJob {name} failed and has no result (its log: get_job_logs({name!r}, "
+        "step='dataset-initializer')): step 'dataset-initializer' failed with exit code 65"
+    ), head
+    assert "wait_for_job_status" not in str(err.value)
+
+
 def test_python_exception_names_the_offending_rows(failed_job):
     _, _, message = failed_job
     assert "bad.jsonl row 1: not valid JSON" in message
