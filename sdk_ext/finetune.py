@@ -35,10 +35,12 @@ import difflib
 import functools
 import sys
 import textwrap
+import types
 import typing
 
 from tunepack.core.errors import BadInputError, BadValueError, ConflictError, UnknownKeyError
 from tunepack.runtimes import methods
+from tunepack.spelling import SDK, Spelling
 from tunepack.trainers.args import (
     LORA_KEYS,
     VOCABULARY,
@@ -234,47 +236,7 @@ class FineTune:
                 raw = _raw(value)
                 checked[arg.name] = (raw, _check_value(arg, value, raw))
         object.__setattr__(self, "_checked", checked)  # not a field: repr and == leave it out
-        if self.method is not None and not methods.get(self.method).adapters:
-            lora = [f"{k}={getattr(self, k)!r}" for k in LORA_KEYS if getattr(self, k) is not None]
-            if lora:
-                given = ", ".join(lora)
-                message = lora_with_full_message(given, len(lora), self.method)
-                raise ConflictError(f"FineTune: {message}")
-            if self.merge:
-                message = merge_with_full_message("merge=True", self.method)
-                raise ConflictError(f"FineTune: {message}")
-        nodes, procs = self.num_nodes, self.num_proc_per_node
-        for name, value in (("num_nodes", nodes), ("num_proc_per_node", procs)):
-            bad_type = not isinstance(value, int) or isinstance(value, bool)
-            if value is not None and (bad_type or value < 1):
-                raise BadValueError(
-                    f"FineTune.{name}={value!r} is not valid: expected an integer >= 1"
-                )
-        if self.resources_per_node is not None and not isinstance(self.resources_per_node, dict):
-            raise BadValueError(
-                "FineTune.resources_per_node must be a dict such as {'gpu': 1, 'memory': '64Gi'}, "
-                f"got {self.resources_per_node!r}"
-            )
-        if self.env is not None and not (
-            isinstance(self.env, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items())
-        ):
-            raise BadValueError(f"FineTune.env must map names to string values, got {self.env!r}")
-        if self.export is not None:
-            from tunepack.initializers.export import export_uri_problem
-
-            problem = (
-                export_uri_problem(self.export)
-                if isinstance(self.export, str)
-                else f"expected a string such as 's3://bucket/prefix', got {self.export!r}"
-            )
-            if problem:
-                raise BadValueError(f"FineTune.export: {problem}")
-        if self.export_secret is not None and self.export is None:
-            raise ConflictError(
-                "FineTune.export_secret names the exporter's credentials, but export is not set; "
-                "give export='s3://bucket/prefix' (or hf://org/name) too"
-            )
+        check_fields(self, SDK)
 
     @property
     def func_args(self):
@@ -314,17 +276,82 @@ class FineTune:
         return ParsedArgs(values, spelled)
 
     @classmethod
-    def from_args(cls, args: list[str], **placement: typing.Any) -> FineTune:
+    def from_args(
+        cls, args: list[str], *, spelling: Spelling = SDK, **placement: typing.Any
+    ) -> FineTune:
         """A ``FineTune`` from tunepack's ``key=value`` trainer arguments (as the CLI takes them).
 
         Unknown, repeated or malformed keys and bad values raise ``BadInputError`` as the trainer
-        would; ``placement`` takes the non-argument fields (``num_nodes=2``, ...).
+        would; ``placement`` takes the non-argument fields (``num_nodes=2``, ...); a message
+        names them as ``spelling`` says (``tunepack.spelling.CLI``: the command's flags).
         """
         if isinstance(args, str) or not all(isinstance(a, str) for a in args):
             raise BadValueError(
                 f"trainer arguments must be a list of 'key=value' strings, got {args!r}"
             )
-        return cls(**parse_args(args).values, **placement)
+        parsed = parse_args(args)
+        values = {**parsed.values, **placement}
+        fields = dict.fromkeys(f.name for f in dataclasses.fields(cls))
+        check_fields(types.SimpleNamespace(**{**fields, **values}), spelling, parsed.spelled)
+        return cls(**values)
+
+
+def check_fields(
+    finetune: typing.Any, spelling: Spelling = SDK, spelled: dict[str, str] | None = None
+) -> None:
+    """The checks of a FineTune's fields together (``finetune``: the object, or any with its
+    attributes): LoRA settings with a method that has no adapters, the placement and the export;
+    ``BadInputError`` naming them as ``spelling`` says (``spelled``: the trainer arguments as
+    the caller wrote them, ``key=value``)."""
+
+    def given(key: str) -> str:
+        value = getattr(finetune, key)
+        return spelling.given_arg(key, value, (spelled or {}).get(key, _raw(value)))
+
+    if finetune.method is not None and not methods.get(finetune.method).adapters:
+        lora = [given(k) for k in LORA_KEYS if getattr(finetune, k) is not None]
+        if lora:
+            message = lora_with_full_message(", ".join(lora), len(lora), finetune.method)
+            raise ConflictError(f"{spelling.finetune}{message}")
+        if finetune.merge:
+            message = merge_with_full_message(given("merge"), finetune.method)
+            raise ConflictError(f"{spelling.finetune}{message}")
+    for name in ("num_nodes", "num_proc_per_node"):
+        value = getattr(finetune, name)
+        bad_type = not isinstance(value, int) or isinstance(value, bool)
+        if value is not None and (bad_type or value < 1):
+            raise BadValueError(
+                f"{spelling.given(name, value)} is not valid: expected an integer >= 1"
+            )
+    resources = finetune.resources_per_node
+    if resources is not None and not isinstance(resources, dict):
+        raise BadValueError(
+            f"{spelling.named('resources_per_node')} must be a dict such as {{'gpu': 1, "
+            f"'memory': '64Gi'}}, got {resources!r}"
+        )
+    env = finetune.env
+    if env is not None and not (
+        isinstance(env, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in env.items())
+    ):
+        raise BadValueError(f"{spelling.named('env')} must map names to string values, got {env!r}")
+    export = finetune.export
+    if export is not None:
+        from tunepack.initializers.export import export_uri_problem
+
+        problem = (
+            export_uri_problem(export)
+            if isinstance(export, str)
+            else f"expected a string such as 's3://bucket/prefix', got {export!r}"
+        )
+        if problem:
+            raise BadValueError(f"{spelling.named('export')}: {problem}")
+    if finetune.export_secret is not None and export is None:
+        example = spelling.given_other("export", "s3://bucket/prefix")
+        raise ConflictError(
+            f"{spelling.named('export_secret')} names the exporter's credentials, but "
+            f"{spelling.named_other('export')} is not set; give {example} (or hf://org/name) too"
+        )
 
 
 def _refuse_unknown_names(init: typing.Callable[..., None]) -> typing.Callable[..., None]:

@@ -31,6 +31,7 @@ from tunepack.jobs.trainjob import export_of
 from tunepack.runtimes import catalog
 from tunepack.runtimes.contract import EXPORT_STEP, workspace_pvc
 from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
+from tunepack.spelling import SDK, Spelling
 from tunepack.types import Progress, Result, RuntimeList, TrainJob, TunepackRuntime
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
         super().__init__(cfg)
         self.gpu = gpu
         self.memory_check = memory_check
+        # The caller's words in train()'s refusals: the SDK's, or the CLI's (`tunepack train`).
+        self.spelling: Spelling = SDK
         # What get_job last found of each job's unscheduled pods, for wait_for_job_status.
         self._unscheduled: dict[str, scheduling.Unscheduled | scheduling.NotStarting | None] = {}
 
@@ -169,6 +172,7 @@ class KubernetesBackend(SdkBackend, TunepackBackend):
             gpu=self.gpu,
             memory_check=self.memory_check,
             runtime_kind=runtime.kind.value,
+            spelling=self.spelling,
             **fields,
         )
         job_name = trainjob["metadata"]["name"]

@@ -46,9 +46,10 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
     trainjob = build_trainjob(spec)
     if not local:
         from tunepack.jobs.submit import check_spec_plan
+        from tunepack.spelling import CLI
 
         # The memory check of `train` (TrainingClient), with the same --gpu and --memory-check.
-        check_spec_plan(spec, ns.gpu, ns.memory_check)
+        check_spec_plan(spec, ns.gpu, ns.memory_check, CLI)
     return trainjob
 
 

@@ -226,6 +226,7 @@ def _local_trainjob(ns: argparse.Namespace, backend, workspace: Path | None) -> 
     ``--workspace`` given (absolute), part of the default name."""
     from tunepack.jobs.naming import stable_job_name
     from tunepack.jobs.submit import local_trainjob
+    from tunepack.spelling import CLI
 
     trainer = _finetune(ns)
     runtime = backend.resolve_runtime(ns.runtime)  # a short name resolves, said on the console
@@ -235,7 +236,7 @@ def _local_trainjob(ns: argparse.Namespace, backend, workspace: Path | None) -> 
         if ns.name is not None
         else stable_job_name(runtime.name, ns.dataset, ns.model, trainer, workspace)
     )
-    return local_trainjob(backend, runtime.name, initializer, trainer, name=name)
+    return local_trainjob(backend, runtime.name, initializer, trainer, name=name, spelling=CLI)
 
 
 def _train_on_cluster(ns: argparse.Namespace) -> int:
@@ -246,6 +247,7 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
     from tunepack.client import TrainingClient
     from tunepack.jobs.naming import timestamped_job_name
     from tunepack.jobs.trainjob import QUEUE_LABEL
+    from tunepack.spelling import CLI
 
     trainer = _finetune(ns)
     options = [Name(ns.name if ns.name is not None else timestamped_job_name(ns.runtime))]
@@ -253,6 +255,7 @@ def _train_on_cluster(ns: argparse.Namespace) -> int:
         options.append(Labels({QUEUE_LABEL: ns.queue}))
     check_cluster(ns.context)
     client = TrainingClient(backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
+    client.backend.spelling = CLI  # its refusals in this command's words
     name = client.train(
         runtime=ns.runtime,
         initializer=_initializer(ns),
@@ -290,9 +293,11 @@ def _finetune(ns: argparse.Namespace):
     """The trainer of ``train`` (local or cluster): its ``key=value`` arguments checked as
     ``FineTune`` checks a notebook's, with the placement and export flags."""
     from tunepack.finetune import FineTune
+    from tunepack.spelling import CLI
 
     return FineTune.from_args(
         ns.trainer_args,
+        spelling=CLI,
         num_nodes=ns.num_nodes,
         num_proc_per_node=ns.num_proc_per_node,
         env=_verbose_env(ns),

@@ -33,6 +33,7 @@ from tunepack.jobs.translate import (
     to_initializer,
 )
 from tunepack.runtimes import catalog, custom, planner
+from tunepack.spelling import SDK, Spelling
 from tunepack.trainers.args import resolve_args
 
 logger = logging.getLogger(__name__)
@@ -87,9 +88,10 @@ def build(
     active_deadline_seconds: int | None = None,
     runtime_patches: list[dict] | None = None,
     local: bool = False,
+    spelling: Spelling = SDK,
 ) -> dict:
     """The TrainJob (a dict) for a tunepack runtime, built from the ``TrainJobSpec`` these
-    inputs make. Raises ``BadInputError`` on bad input.
+    inputs make. Raises ``BadInputError`` on bad input, in ``spelling``'s words.
 
     ``runtime_kind`` and the metadata/spec extras are ``TrainJobSpec``'s; ``local=True`` builds
     for the local backend (plain paths kept, ``numProcPerNode`` left to the launcher unless the
@@ -115,6 +117,7 @@ def build(
         resources=resources,
         gpu=gpu,
         memory_check=memory_check,
+        spelling=spelling,
     )
     spec = TrainJobSpec(
         name=random_job_name() if name is None else name,
@@ -152,6 +155,7 @@ def check_plan(
     resources: dict | None,
     gpu: str,
     memory_check: planner.MemoryCheck,
+    spelling: Spelling = SDK,
 ) -> int | None:
     """The memory check of a job on ``entry`` with the parsed arguments ``resolved``
     (``check_memory`` on the GPUs a pod holds: ``resources`` merged into the runtime's); returns
@@ -169,11 +173,13 @@ def check_plan(
     if num_proc is None and names_gpus(requested) and gpus:
         num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
     if gpus and memory_check != "off" and not custom.is_placeholder(entry):
-        check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check)
+        check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check, spelling)
     return num_proc
 
 
-def check_spec_plan(spec: TrainJobSpec, gpu: str, memory_check: planner.MemoryCheck) -> None:
+def check_spec_plan(
+    spec: TrainJobSpec, gpu: str, memory_check: planner.MemoryCheck, spelling: Spelling = SDK
+) -> None:
     """The memory check ``build`` applies, for a ``TrainJobSpec`` built otherwise (``tunepack
     render trainjob``). Raises ``BadInputError`` when it does not fit and ``memory_check`` is
     ``refuse``."""
@@ -186,11 +192,19 @@ def check_spec_plan(spec: TrainJobSpec, gpu: str, memory_check: planner.MemoryCh
         resources=spec.resources_per_node,
         gpu=gpu,
         memory_check=memory_check,
+        spelling=spelling,
     )
 
 
 def local_trainjob(
-    backend, runtime, initializer, trainer, options=None, *, name: str | None = None
+    backend,
+    runtime,
+    initializer,
+    trainer,
+    options=None,
+    *,
+    name: str | None = None,
+    spelling: Spelling = SDK,
 ) -> dict:
     """The TrainJob the local backend runs for ``train(runtime, initializer, trainer,
     options)``: everything ``LocalBackend.train`` and ``tunepack train --local`` check before a
@@ -214,6 +228,7 @@ def local_trainjob(
         gpu=backend.cfg.gpu,
         memory_check=backend.cfg.memory_check,
         local=True,  # plain paths are read on this machine; nproc as the launcher decides
+        spelling=spelling,
     )
     if to_finetune(trainer).export_secret is not None:
         raise UnsupportedError(
@@ -281,8 +296,17 @@ def check_settings(gpu: object, memory_check: object) -> str:
     return planner.gpu_type(gpu)
 
 
-def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: planner.MemoryCheck):
-    """Refuse (or warn about) a shape the planner says cannot fit, with the numbers."""
+def check_memory(
+    entry,
+    args,
+    nodes: int,
+    gpus_per_node: int,
+    gpu: str,
+    mode: planner.MemoryCheck,
+    spelling: Spelling = SDK,
+):
+    """Refuse (or warn about) a shape the planner says cannot fit, with the numbers and the ways
+    out in ``spelling``'s words."""
     estimate = planner.plan(
         entry,
         args.method,
@@ -305,10 +329,9 @@ def check_memory(entry, args, nodes: int, gpus_per_node: int, gpu: str, mode: pl
         return estimate
     message = (
         f"this fine-tune is estimated not to fit in GPU memory:\n{estimate.summary()}\n"
-        "Lower max_seq_len or batch_size, add GPUs (resources_per_node / num_nodes), choose "
-        "method='qlora' where available, or pass memory_check='warn' to TrainingClient "
-        "(--memory-check warn to tunepack train or render trainjob) to submit anyway "
-        "(see docs/planner.md)."
+        f"Lower max_seq_len or batch_size, {spelling.more_gpus}, choose "
+        f"{spelling.method.format('qlora')} where available, or {spelling.memory_check} to "
+        "submit anyway (see docs/planner.md)."
     )
     if mode == "refuse":
         raise DoesNotFitError(message)

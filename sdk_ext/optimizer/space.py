@@ -19,6 +19,7 @@ from kubeflow.optimizer.types.optimization_types import Direction, Objective
 
 from tunepack.core.errors import BadValueError, ConflictError, UnknownKeyError, UnsupportedError
 from tunepack.runtimes import methods
+from tunepack.spelling import CLI, SDK, Spelling
 from tunepack.trainers.args import VOCABULARY, foreign_name, invalid_value_message
 
 # The argument kinds a search can draw values of: numbers from a range, any of them from a list.
@@ -161,25 +162,6 @@ class MedianStop:
                 raise BadValueError(
                     f"MedianStop.{name}={value!r} is not valid: expected an integer >= 0"
                 )
-
-
-@dataclass(frozen=True)
-class Spelling:
-    """How the caller names things in messages: the SDK's arguments or the CLI's flags."""
-
-    space: str = "search_space[{!r}]"
-    objective: str = "Objective(metric={!r})"
-    algorithm: str = "algorithm"
-    trials: str = "TrialConfig.num_trials"
-
-    def key(self, name: str) -> str:
-        return self.space.format(name)
-
-
-SDK = Spelling()
-CLI = Spelling(
-    space="--search {}", objective="--objective {}", algorithm="--algorithm", trials="--trials"
-)
 
 
 # --- the search space -------------------------------------------------------------------------

@@ -105,8 +105,9 @@ TRAIN_ARGS = [
     ("keep-0", ["keep_checkpoints=0"], ["keep_checkpoints='0' is not valid"]),
     ("qlora-on-tiny", ["method=qlora"], ["method=qlora cannot quantize tiny-llama3"]),
     ("full-with-lora-rank", ["method=full", "lora_rank=8"], ["lora_rank=8 sets LoRA adapters", "method=full trains every weight"]),
-    ("full-with-lora-keys", ["method=full", "lora_alpha=16", "lora_mlp=false"], ["lora_alpha=16.0, lora_mlp=False set LoRA", "leave them out"]),
-    ("full-with-merge", ["method=full", "merge=true"], ["merge=True merges a LoRA adapter into the base, but method=full trains every weight", "or use method=lora"]),
+    # The CLI's words: the arguments as given (not FineTune's repr of them), no "FineTune:" before.
+    ("full-with-lora-keys", ["method=full", "lora_alpha=16", "lora_mlp=false"], ["error: lora_alpha=16, lora_mlp=false set LoRA", "leave them out"]),
+    ("full-with-merge", ["method=full", "merge=true"], ["error: merge=true merges a LoRA adapter into the base, but method=full trains every weight", "or use method=lora"]),
 ]  # fmt: skip
 
 
@@ -119,9 +120,11 @@ def test_train_arguments(capsys, jobs, args, fragments):
 
 
 TRAIN_FLAGS = [
-    ("nodes-0", ["--num-nodes", "0"], ["FineTune.num_nodes=0 is not valid", "an integer >= 1"]),
-    ("nodes-negative", ["--num-nodes", "-2"], ["FineTune.num_nodes=-2 is not valid"]),
-    ("nproc-0", ["--num-proc-per-node", "0"], ["FineTune.num_proc_per_node=0 is not valid"]),
+    # The flags' names, not FineTune's fields (issue 49, item 4).
+    ("nodes-0", ["--num-nodes", "0"], ["error: --num-nodes 0 is not valid: expected an integer >= 1\n"]),
+    ("nodes-negative", ["--num-nodes", "-2"], ["error: --num-nodes -2 is not valid"]),
+    ("nproc-0", ["--num-proc-per-node", "0"], ["error: --num-proc-per-node 0 is not valid"]),
+    ("export-secret-alone", ["--export-secret", "creds"], ["error: --export-secret names the exporter's credentials, but --export is not set; give --export s3://bucket/prefix (or hf://org/name) too\n"]),
     ("name-uppercase", ["--name", "My_Job"], ["TrainJob name 'My_Job' is not a valid DNS-1123 label"]),
     ("name-digit-first", ["--name", "1job"], ["TrainJob name '1job' must start with a letter"]),
     ("name-too-long", ["--name", "j" * 40], ["is 40 characters; at most 33 are allowed"]),
@@ -285,7 +288,11 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
     argv = ["train", "--local", "--runtime", BIG, "--dataset", data, "--model", model, *args]
     err = assert_error(capsys, argv, "this fine-tune is estimated not to fit in GPU memory:")
     assert "does NOT fit in 77.2 GiB usable per device" in err
-    assert "(--memory-check warn to tunepack train or render trainjob)" in err
+    # Each caller's words for the ways out: the command's flags here, the SDK's in Python.
+    assert err.splitlines()[-1] == (
+        "Lower max_seq_len or batch_size, add nodes (--num-nodes), choose method=qlora where "
+        "available, or pass --memory-check warn to submit anyway (see docs/planner.md)."
+    )
 
     client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))
     with pytest.raises(BadInputError) as refused:
@@ -294,7 +301,13 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
             initializer=Initializer(dataset=data, model=model),
             trainer=FineTune(method="full", batch_size=64, max_seq_len=8192),
         )
-    assert err == f"tunepack: error: {refused.value}\n"  # the very same message
+    assert str(refused.value).splitlines()[-1] == (
+        "Lower max_seq_len or batch_size, add GPUs (resources_per_node / num_nodes), choose "
+        "method='qlora' where available, or pass memory_check='warn' to TrainingClient to submit "
+        "anyway (see docs/planner.md)."
+    )
+    # The plan itself is the very same.
+    assert err.splitlines()[:-1] == f"tunepack: error: {refused.value}".splitlines()[:-1]
     assert not jobs.exists()
 
     # On a smaller GPU type both refuse too, and say which (spelled as users do: l4, L4-24gb).

@@ -193,7 +193,10 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
         "time\n"
     )
     assert "peak          261.69 GiB" in refused.stderr
-    assert "(--memory-check warn to tunepack train or render trainjob)" in refused.stderr
+    assert refused.stderr.endswith(  # the command's flags, not TrainingClient's arguments
+        "\nLower max_seq_len or batch_size, add nodes (--num-nodes), choose method=qlora where "
+        "available, or pass --memory-check warn to submit anyway (see docs/planner.md).\n"
+    )
     # The very message `train` gives for the same run.
     train = tunepack(
         "train", "--local", "--workspace", str(tmp_path / "ws"), "--jobs-dir",
