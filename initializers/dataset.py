@@ -61,6 +61,11 @@ def initialize() -> None:
         "requested_schema": (schemas.requested() or _Auto).name,
         "column_map": schemas.column_map(),
     }
+    # The trainer's method against the schema, as soon as it is known: here when it is named,
+    # else at the first row (_write_dataset), before any row is written or the model fetched.
+    method = trainer_args.method_from_env()
+    if (named := schemas.requested()) is not None:
+        schemas.check_method(method, named.output)
     workspace.claim_workspace(workspace.workspace_root(), PROGRAM)
     dest = workspace.dataset_dir()
     for stale in atomic.remove_stale_partials(dest):
@@ -79,7 +84,10 @@ def initialize() -> None:
     hashed = frozenset({OUTPUT_FILE, VALIDATION_FILE})
     reason = atomic.why_incomplete(dest, expect, hashed=hashed)
     if reason is None:
-        rows = atomic.read_manifest(dest).get("rows", "?")
+        manifest = atomic.read_manifest(dest)
+        if "schema" in manifest:  # rows another run's method took: maybe not this one's
+            schemas.check_method(method, manifest["schema"])
+        rows = manifest.get("rows", "?")
         _log(f"{dest} already complete ({rows} rows from {source_uri.display})")
         return
     _log(f"building {dest}: {reason}")
@@ -295,6 +303,7 @@ def _write_dataset(
                     if schema is None and isinstance(row, dict):
                         schema = _detect(row, source_row, mapping, source_uri)
                         _log(f"rows look like the {schema.name} schema")
+                        schemas.check_method(trainer_args.method_from_env(), schema.output)
                     if schema is None:
                         problem = f"expected a JSON object, got {formats.json_type(row)}"
                     else:

@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 
 from tunepack.core import workspace
 from tunepack.core.durable import size_text
-from tunepack.core.errors import BadDatasetError, BadValueError
+from tunepack.core.errors import BadDatasetError, BadValueError, ConflictError
 from tunepack.initializers.formats import json_type
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 
 SCHEMA_ENV = "DATASET_SCHEMA"
 COLUMN_MAP_ENV = "COLUMN_MAP"
@@ -490,6 +490,18 @@ def detect(row: object, source: str) -> Schema:
         f"(unpaired), or 'prompt' (prompt); "
         f"rename columns with {_example(spelling())} or set {spelling().schema}"
     )
+
+
+def check_method(method: str | None, schema: str) -> None:
+    """``ConflictError`` (exit 65) naming the method, the schema and what the method needs,
+    unless ``method`` learns from rows of ``schema`` (a ``Schema.output``, the schema the trainer
+    reads; None: the method is not known): the trainer's refusal, said where the schema is first
+    known (at submission, in the dataset initializer) rather than after both initializers ran."""
+    if method is None:
+        return
+    record = methods.get(method)
+    if schema not in record.data.schemas:
+        raise ConflictError(methods.wrong_data_message(record, schema))
 
 
 def _example(names: Spelling) -> str:

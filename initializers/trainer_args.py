@@ -40,3 +40,16 @@ def check_from_env() -> int | None:
     if entry is not None:  # else no catalog entry to hold them against: keys and values alone
         vocabulary.resolve_args(parsed, entry)
     return len(args)
+
+
+def method_from_env() -> str | None:
+    """The method the trainer will run, from ``TUNEPACK_TRAINER_ARGS`` (its ``method=``, else the
+    default); None where the variable is not set (a TrainJob tunepack did not write: its
+    arguments are not known here). Call after ``check_from_env``."""
+    raw = os.environ.get(workspace.TRAINER_ARGS_ENV)
+    if raw is None:
+        return None
+    from tunepack.runtimes import methods
+    from tunepack.trainers import args as vocabulary
+
+    return vocabulary.parse_args(json.loads(raw)).values.get("method", methods.DEFAULT)

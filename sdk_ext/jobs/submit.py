@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 
 from kubeflow.trainer.types import types as kf
 
@@ -108,6 +109,10 @@ def build(
     # availability, seq_len limit, ...): no words written and read back; the TrainJob's
     # spec.trainer.args are written from what this returns (TrainArgs.argv).
     resolved = resolve_args(finetune.parsed_args(), entry)
+    init_env = initializer_env(init, trainer)
+    check_method_fits_dataset(
+        resolved.method, storage_uri(init.dataset, "dataset"), init_env or {}, local=local
+    )
     resources = finetune.resources_per_node
     num_proc = check_plan(
         entry,
@@ -130,7 +135,7 @@ def build(
         num_proc_per_node=num_proc,
         resources_per_node=resources,
         trainer_env=finetune.env,
-        initializer_env=initializer_env(init, trainer),
+        initializer_env=init_env,
         dataset_secret=init.dataset_secret,
         model_secret=init.model_secret,
         dataset_split=dataset_split(trainer),
@@ -144,6 +149,50 @@ def build(
         local=local,
     )
     return build_trainjob(spec)
+
+
+def check_method_fits_dataset(method: str, dataset_uri: str, env: dict, *, local: bool) -> None:
+    """Refuse a method that cannot learn from the dataset's rows (dpo on instructions) where the
+    schema is known before anything runs: named by the initializers' ``DATASET_SCHEMA``, or, on
+    the local backend, shown by the first row of a local file (after ``COLUMN_MAP``). Elsewhere
+    the dataset initializer says it, at the first row, before the model is fetched."""
+    from tunepack.initializers import schemas
+
+    if local:  # the local steps inherit this process's environment (the TrainJob's wins)
+        names = (schemas.SCHEMA_ENV, schemas.COLUMN_MAP_ENV)
+        env = {**{k: os.environ[k] for k in names if k in os.environ}, **env}
+    schema = schemas.parse_schema(env.get(schemas.SCHEMA_ENV, ""))
+    if schema is None and local:
+        schema = _first_row_schema(dataset_uri, env.get(schemas.COLUMN_MAP_ENV, ""))
+    if schema is not None:
+        schemas.check_method(method, schema.output)
+
+
+def _first_row_schema(dataset_uri: str, column_map: str):
+    """The schema the first row of a local data file shows (renamed by ``column_map``), or None
+    where there is none to read here (a directory, a remote source, a row the initializer will
+    refuse with its own message)."""
+    from pathlib import Path
+
+    from tunepack.core.errors import BadInputError
+    from tunepack.initializers import formats, schemas
+    from tunepack.initializers import uri as storage
+
+    try:
+        parsed = storage.parse(dataset_uri)
+        path = Path(parsed.location)
+        if not parsed.is_local or not path.is_file() or formats.format_of(path.name) is None:
+            return None
+        rows = formats.read_rows(path.name, path)
+        try:
+            _, row, problem = next(rows, (None, None, "no rows"))
+        finally:
+            rows.close()
+        if problem is not None:
+            return None
+        return schemas.detect(schemas.rename(row, schemas.parse_column_map(column_map)), "")
+    except (BadInputError, OSError):
+        return None
 
 
 def check_plan(

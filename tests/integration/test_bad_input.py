@@ -366,6 +366,50 @@ def test_a_local_source_that_does_not_exist_is_refused_at_submission(
     assert not jobs.exists()  # nothing recorded, nothing ran
 
 
+@pytest.mark.parametrize(
+    ("rows", "method", "schema_flag", "needs"),
+    [
+        (
+            "instructions",
+            "dpo",
+            None,
+            "a preference dataset (rows with 'prompt', 'chosen' and 'rejected')",
+        ),
+        (
+            "chats",
+            "grpo",
+            None,
+            "a prompt dataset (rows with a 'prompt' (a string or chat turns) and, for rewards that check it, an 'answer')",
+        ),
+        (
+            "instructions",
+            "kto",
+            "preference",
+            "an unpaired dataset (rows with 'prompt', 'completion' and a boolean 'label' (whether the answer is desirable))",
+        ),
+    ],
+    ids=["dpo-on-instructions", "grpo-on-chats", "kto-on-a-named-schema"],
+)
+def test_a_method_the_dataset_does_not_fit_is_refused_at_submission(
+    capsys, jobs, tmp_path, tiny_dataset_file, tiny_model_dir, rows, method, schema_flag, needs
+):
+    """Issue 49, item 6: the trainer found it, after both initializers ran. A local file's first
+    row (or --dataset-schema) shows the schema: refused before any step, in one line."""
+    data = tiny_dataset_file
+    if rows == "chats":
+        turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+        data = _write(tmp_path / "chats.jsonl", [json.dumps({"messages": turns})])
+    schema = schema_flag or {"instructions": "instruction", "chats": "chat"}[rows]
+    flags = ["--dataset-schema", schema_flag] if schema_flag else []
+    argv = _train(data, tiny_model_dir, *flags, f"method={method}", "max_steps=1")
+    code, out, err = run_cli(capsys, argv)
+    assert code == EXIT_BAD_INPUT, err
+    assert err == (
+        f"tunepack: error: method={method} needs {needs}, but the dataset's schema is {schema!r}\n"
+    )
+    assert "==> " not in out and not jobs.exists()  # no step ran, nothing recorded
+
+
 # --- dataset files and model directories: the step's error, with its rows, on the console -------
 
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.fakehub import FakeHub
+from tests.helpers import DATASET_SETTINGS, run_dataset_initializer
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.core.workspace import TRAINER_ARGS_ENV
 from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob
@@ -30,17 +31,21 @@ def hub():
     hub.stop()
 
 
-def _run(program: str, tmp_path, hub, args: list[str] | str | None, model: str | None):
+def _run(
+    program: str, tmp_path, hub, args: list[str] | str | None, model: str | None, **extra: str
+):
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in {"STORAGE_URI", "TUNEPACK_MODEL", TRAINER_ARGS_ENV, "HF_TOKEN"}
+        and k not in DATASET_SETTINGS
     }
     env.update(
         TUNEPACK_WORKSPACE=str(tmp_path / "ws"),
         HF_ENDPOINT=hub.url,
         HF_HUB_OFFLINE="0",
         STORAGE_URI="hf://datasets/org/data" if program == "dataset" else "hf://org/model",
+        **extra,
     )
     if model is not None:
         env["TUNEPACK_MODEL"] = model
@@ -127,3 +132,53 @@ def test_tunepacks_trainjobs_give_both_initializers_the_arguments():
                 initializer_env={TRAINER_ARGS_ENV: "[]"},
             )
         )
+
+
+# --- the method against the dataset's schema (issue 49, item 6) ---------------------------------
+
+DPO_NEEDS = (
+    "method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and 'rejected'), "
+    "but the dataset's schema is"
+)
+
+
+def test_a_named_schema_the_method_cannot_learn_from_fails_before_any_request(tmp_path, hub):
+    """The trainer found it after both initializers ran; DATASET_SCHEMA says it at once."""
+    done = _run("dataset", tmp_path, hub, ["method=dpo"], "tiny-llama3", DATASET_SCHEMA="chat")
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr
+    assert done.stderr == f"dataset-initializer: error: {DPO_NEEDS} 'chat'\n"
+    assert hub.requests == []
+
+
+@pytest.mark.parametrize(
+    ("row", "method", "message"),
+    [
+        ({"instruction": "q", "output": "a"}, "dpo", f"{DPO_NEEDS} 'instruction'"),
+        (
+            {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+            "grpo",
+            "method=grpo needs a prompt dataset (rows with a 'prompt' (a string or chat turns) "
+            "and, for rewards that check it, an 'answer'), but the dataset's schema is 'chat'",
+        ),
+    ],
+    ids=["dpo-on-instructions", "grpo-on-chats"],
+)
+def test_rows_the_method_cannot_learn_from_are_refused_at_the_first_row(
+    tmp_path, row, method, message
+):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    args = json.dumps([f"method={method}"])
+    env = {TRAINER_ARGS_ENV: args, "TUNEPACK_MODEL": "tiny-llama3"}
+    done = run_dataset_initializer(tmp_path / "ws", str(data), **env)
+    assert done.returncode == EXIT_BAD_INPUT, done.stderr
+    assert done.stderr == f"dataset-initializer: error: {message}\n"
+    assert not (tmp_path / "ws" / "dataset").exists()
+    # The same rows for a method that learns from them: delivered.
+    fits = {"dpo": "lora", "grpo": "lora"}[method]
+    env[TRAINER_ARGS_ENV] = json.dumps([f"method={fits}"])
+    assert run_dataset_initializer(tmp_path / "ws", str(data), **env).returncode == 0
+    # ... and once delivered, a run of the wrong method is refused by the complete workspace too.
+    env[TRAINER_ARGS_ENV] = args
+    again = run_dataset_initializer(tmp_path / "ws", str(data), **env)
+    assert (again.returncode, again.stderr) == (EXIT_BAD_INPUT, done.stderr)

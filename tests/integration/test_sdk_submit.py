@@ -418,3 +418,20 @@ def test_a_request_naming_no_gpu_is_checked_on_the_gpu_the_pod_keeps(caplog):
     trainer = _build(FineTune(**big, resources_per_node={"cpu": 8, "gpu": 0}))["spec"]["trainer"]
     assert trainer["resourcesPerNode"]["limits"] == {"cpu": 8, "nvidia.com/gpu": 0}
     assert trainer["numProcPerNode"] == 1
+
+
+def test_a_method_the_named_dataset_schema_does_not_fit_is_refused_at_submission():
+    """Issue 49, item 6: dpo with DATASET_SCHEMA=chat was found by the trainer, after both
+    initializers ran (on a cluster: after a GPU pod was placed)."""
+    init = Initializer(dataset="hf://org/chats", model="hf://org/m", env={"DATASET_SCHEMA": "chat"})
+    with pytest.raises(BadInputError) as refused:
+        submit.build("tunepack-tiny-llama3", init, FineTune(method="dpo"), name="j")
+    assert refused.value.exit_code == 65
+    assert str(refused.value) == (
+        "method=dpo needs a preference dataset (rows with 'prompt', 'chosen' and 'rejected'), "
+        "but the dataset's schema is 'chat'"
+    )
+    fits = Initializer(
+        dataset="hf://org/p", model="hf://org/m", env={"DATASET_SCHEMA": "preference"}
+    )
+    assert submit.build("tunepack-tiny-llama3", fits, FineTune(method="dpo"), name="j")
