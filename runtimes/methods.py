@@ -6,6 +6,7 @@ the vocabulary."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -132,6 +133,47 @@ _GRPO = dict(
 GRPO_REWARD_METRIC = "reward_{}"
 # What DPO, ORPO and KTO report of the implicit rewards of chosen and rejected answers.
 PREFERENCE_METRICS = ("reward_chosen", "reward_rejected", "reward_margin", "reward_accuracy")
+# The metrics every run reports (result.json's figures; the validation loss where rows are held
+# out), under the names tunepack's searches, its TrainJob status and metrics.jsonl use.
+LOSS_METRIC = "loss"
+VAL_LOSS_METRIC = "val_loss"
+# Katib's StdOut metrics collector reads ``name=value`` pairs from the trainer's output; the
+# validation figures go there under the Hugging Face names a Katib objective is written with.
+STDOUT_NAMES = {"val_loss": "eval_loss", "val_perplexity": "eval_perplexity"}
+
+
+def stdout_metrics(values: dict) -> str:
+    """One line of ``name=value`` pairs (Katib's StdOut collector format) for the finite numbers
+    in ``values``, each exact (``repr``: a search compares the figures result.json holds)."""
+    pairs = [
+        f"{STDOUT_NAMES.get(name, name)}={value!r}"
+        for name, value in values.items()
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ]
+    return " ".join(pairs)
+
+
+def result_metrics(result: dict) -> dict[str, float]:
+    """A finished run's metrics from its ``result.json``: the final loss, the validation loss of
+    the published weights (the best step's with keep_best) and the method's last-step metrics."""
+    val_loss = result.get("best_val_loss" if result.get("keep_best") else "val_loss")
+    values = {LOSS_METRIC: result.get("final_loss"), VAL_LOSS_METRIC: val_loss}
+    method = METHODS.get(result.get("method") or "")
+    if method is not None:
+        own = result.get(method.loss.value) or {}  # its settings beside its metrics
+        values |= {
+            name: value
+            for name, value in own.items()
+            if name in method.metrics
+            or (method.loss is Loss.GRPO and name.startswith(GRPO_REWARD_METRIC.format("")))
+        }
+    return {
+        k: float(v)
+        for k, v in values.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    }
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (

@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 from tunepack.core import durable, lifetime, program, workspace
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadValueError, DoesNotFitError
-from tunepack.runtimes import catalog, custom
+from tunepack.runtimes import catalog, custom, methods
 from tunepack.trainers.process import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 
 # isort: split
@@ -216,6 +216,9 @@ def _print_done(result: dict) -> None:
         f"{result['final_loss']:.4f}; result at {result['artifact']}",
         flush=True,
     )
+    # Last, so that a Katib trial's latest value of each metric is result.json's own figure (the
+    # console of a local run leaves "metrics:" lines in the step's log: steps.progress_line).
+    print(f"metrics: {methods.stdout_metrics(methods.result_metrics(result))}", flush=True)
 
 
 def run_torchrun(

@@ -824,6 +824,8 @@ class FineTuneRecipe:
         line = json.dumps(record)
         metrics_file.append_line(attempt.metrics, self.output_dir / METRICS_FILE, line + "\n")
         print(line, flush=True)
+        # The same figures as name=value pairs, for a Katib Experiment's StdOut collector.
+        print(f"metrics: {methods.stdout_metrics(record)}", flush=True)
 
     # ---------------------------------------------------------------- evaluate
     def evaluate(self) -> float:

@@ -293,6 +293,15 @@ def test_dataset_validation_split_is_written_and_evaluated(split_workspace):
     assert [r["step"] for r in evals] == [2, 4]
     assert evals[1]["val_loss"] < evals[0]["val_loss"]
     assert "200 examples" in done.stderr
+    # Each record again as Katib's StdOut collector reads it (name=value), exactly; and last,
+    # result.json's own figures, so that a Katib trial's latest values are its result's.
+    katib = [line for line in done.stdout.splitlines() if line.startswith("metrics: ")]
+    assert f"eval_loss={evals[1]['val_loss']!r}" in katib[-2]
+    assert (
+        done.stdout.splitlines()[-1]
+        == katib[-1]
+        == (f"metrics: loss={result['final_loss']!r} eval_loss={result['val_loss']!r}")
+    )
 
 
 def test_val_fraction_with_the_datasets_own_split_exits_65(split_workspace):
