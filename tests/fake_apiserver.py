@@ -1,8 +1,9 @@
 """An HTTP server on loopback that answers the Kubernetes API requests tunepack's SDK sends.
 
 NOT a cluster: it stores objects in memory, records every request, and answers create/get/list/
-delete/apply of TrainJobs and (Cluster)TrainingRuntimes plus pod list/log reads the way the API
-server does (status codes, Status bodies on errors). Tests play the controller by adding pods and
+delete/apply of TrainJobs, (Cluster)TrainingRuntimes and Katib's Experiments and Trials, plus
+namespace reads and pod list/log reads, the way the API server does (status codes, Status bodies
+on errors). Tests play the controller by adding pods and
 status to the store.
 
 Like the API server it also keeps ``resourceVersion`` (bumped only when an object changes), holds
@@ -23,6 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
 GROUP_PATH = "/apis/trainer.kubeflow.org/v1alpha1"
+KATIB_PATH = "/apis/kubeflow.org/v1beta1"
 RUNTIME_PLURALS = ("clustertrainingruntimes", "trainingruntimes")
 # Runtime fields the CRDs declare immutable (a few of them: the JobSet spec's).
 IMMUTABLE = (
@@ -40,6 +42,9 @@ ROUTES = [
     ),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/(pods)(?:/([^/]+))?(/log)?$"), "core"),
     (re.compile(r"^/api/v1/namespaces/([^/]+)/(configmaps)/([^/]+)$"), "core"),
+    (re.compile(r"^/api/v1/(namespaces)/([^/]+)$"), None),
+    # Katib's kinds (tunepack.OptimizerClient on a cluster)
+    (re.compile(rf"^{KATIB_PATH}/namespaces/([^/]+)/(experiments|trials)(?:/([^/]+))?$"), "ns"),
 ]
 
 

@@ -1,6 +1,7 @@
 """``tunepack optimize``: a hyperparameter search through ``tunepack.OptimizerClient``, as a
-notebook runs one; ``--local`` runs it in the foreground on this machine. ``tunepack optimize
-jobs|status|best|logs|delete`` look at searches (docs/optimize.md)."""
+notebook runs one: a Katib Experiment on the cluster, followed until it ends (Ctrl-C leaves it
+running there), or with ``--local`` a study run in the foreground on this machine. ``tunepack
+optimize jobs|status|best|logs|delete`` look at searches (docs/optimize.md)."""
 
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ def cmd_optimize(ns: argparse.Namespace) -> int:
         early_stopping=stopping,
         spelling=spaces.CLI,
     )
+    searched = " ".join(p.describe() for p in space.parameters)
+    if not ns.local:
+        return _on_cluster(backend, template, space, searched)
     record = backend.create(template, space)
     name = record.name
-    searched = " ".join(p.describe() for p in space.parameters)
     print(
         f"tunepack: optimization {name}: {space.num_trials} trials of {template.runtime}, "
         f"{space.goal.metric} ({space.goal.arrow}) by {space.algorithm.name} search over "
@@ -101,6 +104,45 @@ def cmd_optimize(ns: argparse.Namespace) -> int:
     return _print_best(backend, name)
 
 
+def _on_cluster(backend, template, space, searched: str) -> int:
+    """The Experiment made, then its trials followed as they end (Ctrl-C stops following only)."""
+    name = backend.submit(template, space)
+    print(
+        f"tunepack: optimization {name} (Katib Experiment in namespace {backend.namespace}): "
+        f"{space.num_trials} trials of {template.runtime}, {space.parallel_trials} at once, "
+        f"{space.goal.metric} ({space.goal.arrow}) by {space.algorithm.name} search over "
+        f"{searched}",
+        flush=True,
+    )
+    said: set[str] = set()
+
+    def on_change(job) -> None:
+        for trial in job.trials:
+            if trial.state in ("Complete", "Failed", "EarlyStopped") and trial.name not in said:
+                said.add(trial.name)
+                values = " ".join(f"{k}={v}" for k, v in trial.parameters.items())
+                figure = "" if trial.objective is None else f": {trial.objective:.4f}"
+                why = f" ({trial.message})" if trial.message and trial.state == "Failed" else ""
+                print(f"tunepack: trial {trial.name} {trial.state}{figure}: {values}{why}")
+
+    try:
+        job = backend.wait_for_job_status(
+            name, {"Complete", "Failed"}, timeout=7 * 24 * 3600, callbacks=[on_change]
+        )
+    except KeyboardInterrupt:
+        print(
+            f"tunepack: stopped following {name}; it runs on in the cluster (`tunepack optimize "
+            f"status {name}`, `tunepack optimize delete {name}` stops it)",
+            file=sys.stderr,
+        )
+        return 130
+    print(job.table())
+    if job.status != "Complete":
+        print(f"tunepack: optimization {name} failed: {job.message}", file=sys.stderr)
+        return 1
+    return _print_best(backend, name)
+
+
 def _median_stop(raw: str):
     from tunepack.core.errors import BadValueError
     from tunepack.optimizer.space import MedianStop
@@ -126,22 +168,31 @@ def _print_best(backend, name: str) -> int:
         return 0
     trial = next(t for t in job.trials if t.name == best.trial)
     values = " ".join(f"{k}={v}" for k, v in best.parameters.items())
+    where = "--local" if getattr(backend, "is_local", False) else f"--namespace {backend.namespace}"
     print(
         f"tunepack: best trial {best.trial}: {values}: {job.objectives[0].metric} "
-        f"{trial.objective:.4f}; its result: tunepack result {best.trial} --local"
+        f"{trial.objective:.4f}; its result: tunepack result {best.trial} {where}"
     )
     return 0
 
 
 def _backend(ns: argparse.Namespace):
-    from tunepack.cli.clients import local_client
-    from tunepack.core.errors import NotAvailableError
-    from tunepack.optimizer.client import CLUSTER_NOT_YET
-    from tunepack.optimizer.local import LocalOptimizerBackend
+    """The search's backend: this machine's (``--local``) or the cluster's (Katib)."""
+    if ns.local:
+        from tunepack.cli.clients import local_client
+        from tunepack.optimizer.local import LocalOptimizerBackend
 
-    if not ns.local:
-        raise NotAvailableError(CLUSTER_NOT_YET.replace("pass LocalBackendConfig()", "add --local"))
-    return LocalOptimizerBackend(local_client(ns).backend.cfg)
+        return LocalOptimizerBackend(local_client(ns).backend.cfg)
+    from tunepack.cli.cluster import backend_config, check_cluster
+    from tunepack.optimizer.kubernetes import KubernetesOptimizerBackend
+    from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK
+
+    check_cluster(ns.context)
+    return KubernetesOptimizerBackend(
+        backend_config(ns),
+        getattr(ns, "gpu", DEFAULT_GPU),
+        getattr(ns, "memory_check", DEFAULT_MEMORY_CHECK),
+    )
 
 
 # --- jobs, status, best, logs, delete --------------------------------------------------------
@@ -206,10 +257,16 @@ def add_parsers(sub, parser_class, add_job_arguments, add_memory_arguments, jobs
         "optimize",
         help="hyperparameter search: trials of a TrainJob over searched trainer arguments",
         description="Run a hyperparameter search (tunepack.OptimizerClient). Also: `tunepack "
-        "optimize jobs|status NAME|best NAME|logs NAME [--trial T]|delete NAME --local`.",
+        "optimize jobs|status NAME|best NAME|logs NAME [--trial T]|delete NAME [--local]`.",
     )
     add_job_arguments(p)
-    p.add_argument("--local", action="store_true", help="run the trials on this machine")
+    p.add_argument(
+        "--local",
+        action="store_true",
+        help="run the trials on this machine (default: a Katib Experiment on the cluster)",
+    )
+    p.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+    p.add_argument("--context", help="kubeconfig context")
     p.add_argument(
         "--search",
         action="append",
@@ -275,6 +332,8 @@ def action_parser(parser_class, jobs_dir_help) -> argparse.ArgumentParser:
             a.add_argument("--trial", help="a trial's TrainJob name")
             a.add_argument("--follow", "-f", action="store_true", help="follow a running trial")
         a.add_argument("--local", action="store_true", help="searches of the local backend")
+        a.add_argument("--namespace", help="cluster namespace (default: the kubeconfig's)")
+        a.add_argument("--context", help="kubeconfig context")
         a.add_argument("--jobs-dir", help=jobs_dir_help)
         a.set_defaults(func=func)
     return p

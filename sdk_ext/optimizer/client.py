@@ -32,15 +32,11 @@ from kubeflow.optimizer.types.optimization_types import Objective, TrialConfig
 from kubeflow.trainer.types.types import Event, TrainJobTemplate
 
 from tunepack.backends.local import LocalBackendConfig
-from tunepack.core.errors import BadValueError, NotAvailableError
+from tunepack.core.errors import BadValueError
 from tunepack.optimizer.local.record import COMPLETE
 from tunepack.optimizer.space import MedianStop
 from tunepack.optimizer.types import OptimizationJob, Result
-
-CLUSTER_NOT_YET = (
-    "tunepack.OptimizerClient on a cluster (Katib v0.19 Experiments of tunepack TrainJobs) is "
-    "not in this version of tunepack yet; pass LocalBackendConfig() to search on this machine"
-)
+from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, MemoryCheck
 
 
 class OptimizerClient(_SdkOptimizerClient):
@@ -48,24 +44,35 @@ class OptimizerClient(_SdkOptimizerClient):
 
     Args:
         backend_config: tunepack's ``LocalBackendConfig`` (trials run on this machine, on an
-            Optuna study). ``KubernetesBackendConfig`` (a Katib Experiment whose trials are
-            TrainJobs) is not in this version yet.
+            Optuna study) or ``KubernetesBackendConfig`` (the default, as the SDK's: a Katib
+            v1beta1 Experiment whose trials are TrainJobs).
+        gpu, memory_check: the GPU the cluster's trials are planned for, as
+            ``TrainingClient``'s (the local backend's config has its own).
 
     Raises:
-        NotAvailableError: a cluster backend (not in this version yet).
         BadValueError: a backend config of another kind.
     """
 
-    def __init__(self, backend_config: LocalBackendConfig | KubernetesBackendConfig | None = None):
+    def __init__(
+        self,
+        backend_config: LocalBackendConfig | KubernetesBackendConfig | None = None,
+        gpu: str = DEFAULT_GPU,
+        memory_check: MemoryCheck = DEFAULT_MEMORY_CHECK,
+    ):
         if isinstance(backend_config, LocalBackendConfig):
             from tunepack.optimizer.local import LocalOptimizerBackend
 
             self.backend = LocalOptimizerBackend(backend_config)
         elif backend_config is None or isinstance(backend_config, KubernetesBackendConfig):
-            raise NotAvailableError(CLUSTER_NOT_YET)
+            from tunepack.optimizer.kubernetes import KubernetesOptimizerBackend
+
+            self.backend = KubernetesOptimizerBackend(
+                backend_config or KubernetesBackendConfig(), gpu, memory_check
+            )
         else:
             raise BadValueError(
-                f"backend_config must be LocalBackendConfig(), got {type(backend_config).__name__}"
+                "backend_config must be LocalBackendConfig() or KubernetesBackendConfig(), got "
+                f"{type(backend_config).__name__}"
             )
 
     def optimize(

@@ -56,10 +56,11 @@ SEARCHABLE = tuple(
     arg.name for arg in VOCABULARY if arg.name not in NOT_SEARCHED and arg.rule.kind in CHOICE_KINDS
 )
 
-LOSS = "loss"
-VAL_LOSS = "val_loss"
-# Names other tools give the validation loss (Hugging Face's Trainer, the issue's Katib examples).
-VAL_LOSS_NAMES = ("eval_loss", "validation_loss")
+LOSS = methods.LOSS_METRIC
+VAL_LOSS = methods.VAL_LOSS_METRIC
+# Names other tools give the validation loss (Hugging Face's Trainer; Katib's, as the trainer
+# prints it for its StdOut collector: methods.STDOUT_NAMES).
+VAL_LOSS_NAMES = (methods.STDOUT_NAMES[VAL_LOSS], "validation_loss")
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,11 @@ def parse_search_flag(flag: str) -> tuple[str, object]:
         raise BadValueError(f"--search {flag!r} is not valid: expected {expected}")
     build = Search.loguniform if kind == "loguniform" else Search.uniform
     return name, build(low.strip(), high.strip())
+
+
+def typed(name: str, raw: str) -> object:
+    """A trainer argument's value as ``FineTune`` takes it (its parser's)."""
+    return _BY_NAME[name].parse(name, raw)
 
 
 # --- objectives -------------------------------------------------------------------------------

@@ -216,21 +216,6 @@ def test_the_sdks_optimizer_given_a_finetune_is_pointed_at_tunepacks():
     )
 
 
-def test_a_cluster_optimizer_is_refused_in_one_line_until_it_exists():
-    from kubeflow.common.types import KubernetesBackendConfig
-
-    from tunepack import OptimizerClient
-    from tunepack.core.errors import NotAvailableError
-
-    with pytest.raises(NotAvailableError) as caught:
-        OptimizerClient(KubernetesBackendConfig())
-    assert str(caught.value) == (
-        "tunepack.OptimizerClient on a cluster (Katib v0.19 Experiments of tunepack TrainJobs) "
-        "is not in this version of tunepack yet; pass LocalBackendConfig() to search on this "
-        "machine"
-    )
-
-
 def test_docs_list_the_searchable_arguments_and_each_methods_metrics():
     """docs/optimize.md says what is searched and what each method reports: as the code does."""
     from tests import REPO

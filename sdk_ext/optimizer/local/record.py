@@ -9,15 +9,15 @@ the same jobs root, named ``<name>-<trial number>``."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
 from tunepack.backends.local.job import process_alive
 from tunepack.core import durable
 from tunepack.optimizer.space import Algorithm, Goal, MedianStop, Parameter, Space
+from tunepack.optimizer.template import Template
 
 OPTIMIZATIONS_DIR = ".optimizations"
 EXPERIMENT_FILE = "experiment.json"
@@ -34,30 +34,6 @@ TERMINAL = (COMPLETE, FAILED, STOPPED)
 
 def now() -> str:
     return datetime.now(UTC).isoformat()
-
-
-@dataclass
-class Template:
-    """The trial template as plain data: the runtime, the FineTune's arguments and placement,
-    the initializer's sources."""
-
-    runtime: str
-    args: list[str]
-    placement: dict
-    dataset: str
-    model: str
-    initializer_env: dict
-
-    def finetune(self, **values):
-        from tunepack.finetune import FineTune
-
-        base = FineTune.from_args(self.args, **self.placement)
-        return dataclasses.replace(base, **values) if values else base
-
-    def initializer(self):
-        from tunepack.jobs.translate import Initializer
-
-        return Initializer(dataset=self.dataset, model=self.model, env=dict(self.initializer_env))
 
 
 class OptimizationRecord:

@@ -29,6 +29,7 @@ from tunepack.backends.local.job import TERMINAL, JobRecord
 from tunepack.backends.local.steps import INITIALIZER_SOURCES, resolve_steps, run_step
 from tunepack.core.errors import TunepackError
 from tunepack.core.workspace import DATASET_DIR, LOGS_DIR, MODEL_DIR, lock_workspace
+from tunepack.optimizer import space as spaces
 from tunepack.optimizer.local.record import (
     COMPLETE,
     FAILED,
@@ -36,13 +37,11 @@ from tunepack.optimizer.local.record import (
     STOPPED,
     OptimizationRecord,
 )
-from tunepack.optimizer.space import LOSS, VAL_LOSS, Goal, Parameter, Space
+from tunepack.optimizer.space import VAL_LOSS, Goal, Parameter, Space
 from tunepack.runtimes import methods
 from tunepack.runtimes.store import load_runtime
-from tunepack.trainers.args import VOCABULARY
 
 POLL_S = 0.5  # how often running trials are looked at
-_BY_NAME = {arg.name: arg for arg in VOCABULARY}
 
 # Optuna's user attributes of a trial: its TrainJob, and why it ended.
 JOB_ATTR, STOPPED_ATTR, MESSAGE_ATTR, EXIT_ATTR = "job", "stopped", "message", "exit_code"
@@ -127,11 +126,6 @@ def spelled(param: Parameter, value: object) -> str:
     return str(int(value)) if param.integer else repr(float(value))
 
 
-def typed(name: str, raw: str) -> object:
-    """A trainer argument's value as ``FineTune`` takes it (its parser's)."""
-    return _BY_NAME[name].parse(name, raw)
-
-
 def shown_number(job: str) -> int | str:
     """A trial as the console numbers it: by its TrainJob (``<search>-<n>``), which a stopped
     trial keeps when it runs again under a new Optuna number."""
@@ -155,16 +149,10 @@ def failed(trial) -> bool:
     return trial.state is optuna.trial.TrialState.FAIL and not trial.user_attrs.get(STOPPED_ATTR)
 
 
-def objective_value(result: dict, goal: Goal, method: str) -> float | None:
-    """The trial's objective from its own ``result.json``: the final loss, the validation loss
-    (of the published step, with keep_best) or the method's metric of its last step."""
-    if goal.metric == LOSS:
-        value = result.get("final_loss")
-    elif goal.metric == VAL_LOSS:
-        value = result.get("best_val_loss" if result.get("keep_best") else "val_loss")
-    else:
-        value = (result.get(methods.get(method).loss.value) or {}).get(goal.metric)
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+def objective_value(result: dict, goal: Goal) -> float | None:
+    """The trial's objective from its own ``result.json`` (``methods.result_metrics``: what the
+    trainer also prints last for Katib), None where the run did not report it."""
+    return methods.result_metrics(result).get(goal.metric)
 
 
 def slots_for(space: Space, echo: Callable[[str], None]) -> int:
@@ -339,7 +327,7 @@ def _launch(record, backend, study, space, template, shared: Path, gpus, echo) -
     trial.set_user_attr(JOB_ATTR, job_name)
     values = {p.name: spelled(p, trial.params[p.name]) for p in space.parameters}
     env = {"CUDA_VISIBLE_DEVICES": str(gpus[0])} if gpus else None
-    finetune = template.finetune(**{k: typed(k, v) for k, v in values.items()})
+    finetune = template.finetune(**{k: spaces.typed(k, v) for k, v in values.items()})
     if env:
         import dataclasses
 
@@ -420,7 +408,7 @@ def _follow(active: _Active, study, space: Space, template, echo) -> bool:
         return True
     if status == kc.TRAINJOB_COMPLETE:
         result = active.job.result()
-        value = objective_value(result, space.goal, result.get("method") or "lora")
+        value = objective_value(result, space.goal)
         if value is not None:
             study.tell(active.trial, value)
             best = study.best_trial.number == active.trial.number
