@@ -93,6 +93,11 @@ endif
 node-runtime:
 	@command -v containerd >/dev/null || { echo "==> installing containerd (apt-get)"; \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd >/dev/null; }
+	@ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || { \
+		echo "==> installing PostgreSQL (apt-get): the database of the tier's Katib"; \
+		mkdir -p /etc/postgresql-common/createcluster.d; \
+		echo 'create_main_cluster = false' > /etc/postgresql-common/createcluster.d/tunepack.conf; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }
 
 lint: dev
 	$(BIN)/ruff check .

@@ -200,6 +200,22 @@ build_coredns() {
   rm -rf "$dir"
 }
 
+# Katib, built inside its own module (its go.mod, k8s.io 0.34): mixing it into the tier's 1.36
+# module would build it against a Kubernetes it was not made for. Each main gets its own -o (the
+# three .../v1beta1 mains would overwrite each other in one directory).
+build_katib() {
+  local dir
+  dir=$(cd / && go mod download -json "github.com/kubeflow/katib@$KATIB_VERSION" \
+    | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')
+  cd "$dir"
+  local m
+  for m in katib-controller:cmd/katib-controller/v1beta1 katib-db-manager:cmd/db-manager/v1beta1 \
+    suggestion-goptuna:cmd/suggestion/goptuna/v1beta1 \
+    file-metricscollector:cmd/metricscollector/v1beta1/file-metricscollector; do
+    GOFLAGS=-mod=readonly go build -o "$out/${m%%:*}" -ldflags "$ldflags_base" "./${m#*:}"
+  done
+}
+
 # The node's sandbox process (pause/main.go, standard library only), cached by its content.
 build_pause() {
   local dir; dir=$(scratch)
@@ -226,7 +242,7 @@ budget=${TUNEPACK_CONTROLPLANE_BUILD_SECONDS:-2100}
 deadline=$((SECONDS + budget))
 export ldflags_base cache here
 export -f keep_files scratch build_module build_cni build_coredns build_pause build_trainer build_jobset build_kwok build_etcd build_kubernetes \
-  build_scheduler_plugins
+  build_scheduler_plugins build_katib
 total=$SECONDS
 kept=()
 # shellcheck disable=SC2086
@@ -239,6 +255,8 @@ done_or_build kwok "$KWOK_VERSION" build_kwok kwok
 done_or_build scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" build_scheduler_plugins kube-scheduler controller
 done_or_build cni-plugins "$CNI_PLUGINS_VERSION" build_cni bridge loopback host-local
 done_or_build coredns "$COREDNS_VERSION" build_coredns coredns
+# shellcheck disable=SC2086
+done_or_build katib "$KATIB_VERSION" build_katib $KATIB_BINARIES
 done_or_build pause "$(sha256sum "$here/pause/main.go" | cut -c1-12)" build_pause pause
 files() { # NAME MODULE VERSION PATH...: the module's PATHs in NAME-files@VERSION
   local name=$1 module=$2 version=$3
@@ -250,6 +268,8 @@ files jobset sigs.k8s.io/jobset "$JOBSET_VERSION" config/components
 files kwok sigs.k8s.io/kwok "$KWOK_VERSION" kustomize/stage
 files scheduler-plugins sigs.k8s.io/scheduler-plugins "$SCHEDULER_PLUGINS_VERSION" config/crd
 files kueue sigs.k8s.io/kueue "$KUEUE_VERSION" config/components/crd config/components/webhook
+files katib github.com/kubeflow/katib "$KATIB_VERSION" manifests/v1beta1/components/crd \
+  manifests/v1beta1/components/webhook manifests/v1beta1/components/controller
 # Bounded: what an earlier version of this script built and this one no longer names goes.
 for entry in "$cache"/*@*; do
   [ -d "$entry" ] || continue

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.controlplane import kueue, netns
+from tests.controlplane import katib, kueue, netns
 from tests.controlplane.node import Node
 from tests.controlplane.pki import LOOPBACK_SANS, Authority
 
@@ -54,7 +54,7 @@ BUILD_SCRIPT = HERE / "build.sh"
 VERSIONS_FILE = HERE / "versions.env"
 TRAINER_NAMESPACE = "kubeflow-system"  # where the SDK looks for the public ConfigMap
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
-SERVICE_CIDR = "10.96.0.0/24"  # never routed: no Service traffic leaves the apiserver
+SERVICE_CIDR = netns.SERVICE_CIDR
 KWOK_POD_CIDR = "127.0.100.0/24"  # loopback, so a pod IP never names another host
 # Fake nodes for the control-plane-only tests: CPU nodes and GPU nodes (KWOK runs their pods).
 KWOK_NODES = {
@@ -78,6 +78,9 @@ CONTROLLERS = (
     # The real node's cluster DNS: pod names of the JobSet's headless Service (CoreDNS reads
     # EndpointSlices).
     "endpointslice-controller",
+    # Katib runs each Experiment's suggestion service as a Deployment.
+    "deployment-controller",
+    "replicaset-controller",
 )
 READY_TIMEOUT = 90.0
 # The gang scheduler: scheduler-plugins' kube-scheduler with only the Coscheduling profile, as a
@@ -163,6 +166,7 @@ class ControlPlane:
     bin_dir: Path | None = None  # the build cache; found (and built if needed) when None
     feature_gates: dict[str, bool] = field(default_factory=dict)
     processes: list[Process] = field(default_factory=list)
+    cleanups: list = field(default_factory=list)  # run by stop(), after the processes ended
     ports: dict[str, int] = field(default_factory=dict)
     free_ports: Iterator[int] = field(default_factory=server_ports, repr=False)
 
@@ -205,6 +209,7 @@ class ControlPlane:
             "kueue": v["KUEUE_VERSION"],
             "cni-plugins": v["CNI_PLUGINS_VERSION"],
             "coredns": v["COREDNS_VERSION"],
+            "katib": v["KATIB_VERSION"],
             "pause": hashlib.sha256((HERE / "pause/main.go").read_bytes()).hexdigest()[:12],
         }[component]
 
@@ -249,8 +254,10 @@ class ControlPlane:
             kueue.start(self)
             self._kwok()
             if node and netns.inside():
-                self._node = Node(self, tunepack_images())
+                katib_images = katib.images(versions()["KATIB_VERSION"]).values()
+                self._node = Node(self, [*tunepack_images(), *katib_images])
                 self._node.start()
+                katib.start(self)  # its suggestion services and metrics collectors are pods
             self._provisioner = Provisioner(self)
             self._provisioner.start()
         except BaseException:
@@ -288,6 +295,8 @@ class ControlPlane:
                 proc.popen.kill()
                 proc.popen.wait()
         self.processes.clear()
+        while self.cleanups:
+            self.cleanups.pop()()
 
     # --- components -------------------------------------------------------------------------
 
@@ -340,7 +349,7 @@ class ControlPlane:
             client=True,
         )
         self.sa = ca.service_account_keys()
-        for name in ("jobset-webhook", "kueue-webhook"):
+        for name in ("jobset-webhook", "kueue-webhook", "katib-webhook"):
             ca.issue(name, common_name=name, sans=LOOPBACK_SANS, server=True)
         # The Trainer's webhooks and status server share one certificate (its Secret's, in a
         # cluster): the pods reach the status server by its Service's name (trainer_service_names).
@@ -365,6 +374,7 @@ class ControlPlane:
             "kubelet",
             "kube-proxy",
             "coredns",
+            "katib",
         ):
             self.identities[name] = ca.issue(
                 f"{name}-client",
@@ -933,7 +943,11 @@ def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
 
 
 def _tcp_open(port: int) -> bool:
-    with socket.create_connection(("127.0.0.1", port), timeout=1):
+    return _tcp_open_at("127.0.0.1", port)
+
+
+def _tcp_open_at(host: str, port: int) -> bool:
+    with socket.create_connection((host, port), timeout=1):
         return True
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `make images-local`: tunepack's three images built on this machine, from a Debian base made here
+# `make images-local`: tunepack's three images (and the tier's Katib images) built on this machine, from a Debian base made here
 # with debootstrap (no image registry is reachable), into the local container storage where the
 # cluster tier's real node (imported into its containerd) and `podman run` find them under the
 # names the runtimes use.
@@ -94,7 +94,25 @@ build initializers/Dockerfile dataset-initializer dataset-initializer
 build initializers/Dockerfile model-initializer model-initializer
 build trainers/Dockerfile "" trainer
 
-# 3. Bounded: images superseded by this build (untagged) and other bases go.
+# 3. Katib's programs that run in pods (tests/controlplane/katib.py), from the binaries build.sh
+# cached (run first: make test-cluster's order), tagged as katib.images() names them.
+KATIB_VERSION=$(sed -n 's/^KATIB_VERSION=//p' tests/controlplane/versions.env)
+katib_bin=${TUNEPACK_CONTROLPLANE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tunepack/controlplane}/katib@$KATIB_VERSION
+if [ -f "$katib_bin/.complete" ]; then
+    for target in suggestion-goptuna file-metrics-collector; do
+        start=$(date +%s)
+        log "localhost/tunepack/katib-$target:$KATIB_VERSION"
+        bounded buildah bud --quiet --isolation chroot --layers --force-rm \
+            --ulimit nofile=4096:4096 --ulimit nproc=4096:4096 --build-arg BASE="$BASE" \
+            -f tests/controlplane/katib.Dockerfile --target "$target" \
+            -t "localhost/tunepack/katib-$target:$KATIB_VERSION" "$katib_bin" >/dev/null
+        took "katib-$target" "$start"
+    done
+else
+    log "Katib's images not built: $katib_bin is missing (make controlplane first)"
+fi
+
+# 4. Bounded: images superseded by this build (untagged) and other bases go.
 podman images --format '{{.Repository}}:{{.Tag}}' | grep '^localhost/tunepack/base:' \
     | grep -vx "$BASE" | xargs -r podman rmi >/dev/null || true
 podman image prune -f >/dev/null

@@ -34,7 +34,10 @@ NODE_IP = "10.88.0.1"
 NODE_PREFIX = 16
 POD_SUBNET = "10.88.0.0/16"
 POD_RANGE = ("10.88.1.1", "10.88.255.254")  # 10.88.0.x is the node's
-CLUSTER_DNS_IP = "10.96.0.10"  # in SERVICE_CIDR (cluster.py)
+# Services' ClusterIPs: routed to the bridge, where kube-proxy's rules send each to its pods, so
+# that the tier's processes (Katib's controller dials each suggestion Service) reach them too.
+SERVICE_CIDR = "10.96.0.0/24"
+CLUSTER_DNS_IP = "10.96.0.10"  # in SERVICE_CIDR
 ENV = "TUNEPACK_TIER_NETNS"  # set inside: the tier may start its real node
 PRIVATE_DIRS = ("/run/netns", "/var/lib/cni", "/var/log/containers", "/run/containerd")
 MS_NOSUID, MS_NODEV = 2, 4
@@ -66,6 +69,7 @@ def _setup() -> None:
     _run("ip", "link", "add", BRIDGE, "type", "bridge")
     _run("ip", "addr", "add", f"{NODE_IP}/{NODE_PREFIX}", "dev", BRIDGE)
     _run("ip", "link", "set", BRIDGE, "up")
+    _run("ip", "route", "add", SERVICE_CIDR, "dev", BRIDGE, "src", NODE_IP)
     with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
         f.write("1")
 

@@ -122,9 +122,11 @@ def test_every_kustomization_and_component_is_tested():
     assert names == {
         "base", "serving", "overlays/gang-coscheduling", "overlays/gpu-nodes", "overlays/gpu-rwx",
         "overlays/namespaced", "overlays/registry-mirror", "overlays/storage-rwx", "kueue",
+        "katib",
     }  # fmt: skip
     # admission: in the base itself, not an overlay's concern (tests/integration/test_admission.py)
-    assert {d.name for d in COMPONENTS} == {*CONCERNS, "admission"}
+    # katib-trainjob-trials: over Katib's install (manifests/katib), not over tunepack's runtimes
+    assert {d.name for d in COMPONENTS} == {*CONCERNS, "admission", KATIB_COMPONENT}
     assert all(d.parent == MANIFESTS / "components" for d in COMPONENTS)
 
 
@@ -141,10 +143,17 @@ def test_only_the_gang_component_asks_for_a_gang():
 # Kueue's kinds have no model here: the real Kueue's CRDs and webhooks check manifests/kueue in
 # tests/cluster/test_queues.py; test_kueue_queues_cover_every_resource_a_runtime_requests below.
 KUEUE = MANIFESTS / "kueue"
+# Katib's own install from GitHub with tunepack's component: the tier renders the component over
+# Katib's webhooks and runs the real Katib with it (tests/controlplane/katib.py,
+# tests/cluster/test_optimize.py); here, no network.
+KATIB = MANIFESTS / "katib"
+KATIB_COMPONENT = "katib-trainjob-trials"
 
 
 @pytest.mark.parametrize(
-    "directory", [d for d in DIRS if d != KUEUE], ids=lambda d: str(d.relative_to(MANIFESTS))
+    "directory",
+    [d for d in DIRS if d not in (KUEUE, KATIB)],
+    ids=lambda d: str(d.relative_to(MANIFESTS)),
 )
 def test_renders_and_validates_strictly(directory):
     objects = render(directory)
@@ -427,3 +436,14 @@ def test_kueue_queues_cover_every_resource_a_runtime_requests():
     assert requested <= quota, requested - quota
     priorities = {p["metadata"]["name"]: p["value"] for p in by_kind["WorkloadPriorityClass"]}
     assert priorities["tunepack-high"] > priorities["tunepack-low"]
+
+
+def test_the_katib_install_is_the_katib_the_tier_runs_with_tunepacks_component():
+    versions = (Path(__file__).parents[1] / "controlplane" / "versions.env").read_text()
+    version = re.search(r"^KATIB_VERSION=(\S+)$", versions, re.M).group(1)
+    kustomization = _kustomization(KATIB)
+    assert kustomization["resources"] == [
+        "https://github.com/kubeflow/katib/manifests/v1beta1/installs/katib-standalone-postgres"
+        f"?ref={version}"
+    ]
+    assert kustomization["components"] == [f"../components/{KATIB_COMPONENT}"]
