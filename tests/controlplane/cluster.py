@@ -7,6 +7,7 @@
          -> Trainer controller + webhooks -> Kueue + webhooks (TrainJob integration)
          -> KWOK (fake nodes) -> the real node (``node.py``: containerd, kubelet, CNI,
             kube-proxy, CoreDNS), in the tier's own network namespace (``netns.py``)
+         -> Katib (``katib.py``: PostgreSQL, db-manager, controller + webhooks), with the node
 
 Every server listens on 127.0.0.1 on a port picked here (but the Trainer's status server, which
 listens on every interface, having no address setting in v2.3.0, and what the node's pods must
