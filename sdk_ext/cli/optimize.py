@@ -106,12 +106,14 @@ def cmd_optimize(ns: argparse.Namespace) -> int:
 
 def _on_cluster(backend, template, space, searched: str) -> int:
     """The Experiment made, then its trials followed as they end (Ctrl-C stops following only)."""
+    from tunepack.optimizer.kubernetes.backend import katib_metric
+
     name = backend.submit(template, space)
     print(
         f"tunepack: optimization {name} (Katib Experiment in namespace {backend.namespace}): "
         f"{space.num_trials} trials of {template.runtime}, {space.parallel_trials} at once, "
-        f"{space.goal.metric} ({space.goal.arrow}) by {space.algorithm.name} search over "
-        f"{searched}",
+        f"{katib_metric(space.goal.metric)} ({space.goal.arrow}) by {space.algorithm.name} "
+        f"search over {searched}",
         flush=True,
     )
     said: set[str] = set()

@@ -12,6 +12,7 @@ import pytest
 from kubernetes import client
 
 from tests.fake_apiserver import KATIB_PATH, FakeApiServer
+from tests.helpers import run_program, write_kubeconfig
 from tunepack import (
     FineTune,
     Initializer,
@@ -302,3 +303,42 @@ def test_a_space_whose_largest_point_does_not_fit_the_gpu_is_refused(server):
     )
     assert "does NOT fit" in message or "does not fit" in message, message
     assert not [r for r in fake.requests if r.path.startswith(KATIB_PATH)]
+
+
+def test_the_command_line_makes_the_experiment_follows_it_and_names_the_best(server, tmp_path):
+    fake, cfg = server
+
+    def katib(req):  # Katib, as soon as the Experiment exists: its trials end
+        if req.method == "POST" and req.path.startswith(KATIB_PATH):
+            _katib_ran(fake, req.body["metadata"]["name"])
+
+    fake.after.append(katib)
+    env = {"KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig", cfg.host, namespace=NS))}
+    done = run_program(
+        "tunepack.cli", env, "optimize", "--runtime", RUNTIME,
+        "--dataset", "s3://sources/data.jsonl", "--model", "s3://sources/tiny",
+        "--search", "lr=loguniform:1e-5:1e-3", "--search", "lora_rank=choice:8,16",
+        "--trials", "2", "--parallel", "2", "method=lora", "epochs=1", "val_fraction=0.25",
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    name = _experiment(fake)["metadata"]["name"]
+    lines = done.stdout.splitlines()
+    assert lines[0] == (
+        f"tunepack: optimization {name} (Katib Experiment in namespace {NS}): 2 trials of "
+        f"{RUNTIME}, 2 at once, eval_loss (min) by random search over "
+        "lr=loguniform:1e-05:0.001 lora_rank=choice:8,16"
+    )
+    assert f"tunepack: trial {name}-a Complete: 4.5100: lr=0.0002 lora_rank=16" in lines
+    assert (
+        f"tunepack: trial {name}-b Failed: lr=0.0002 lora_rank=8 (Trial has failed. Job "
+        "message: exit code 65)" in lines
+    )
+    assert lines[-1] == (
+        f"tunepack: best trial {name}-a: lr=0.0002 lora_rank=16: eval_loss 4.5100; its result: "
+        f"tunepack result {name}-a --namespace {NS}"
+    )
+
+    status = run_program("tunepack.cli", env, "optimize", "status", name, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert status.stdout.splitlines()[0] == f"{name}  Complete  (2 of 2 trials)"
