@@ -29,6 +29,10 @@ class Spelling:
     finetune: str = "FineTune: "
     # A trainer argument with its value, as the caller wrote it (lora_rank=8, merge=True).
     arg: str = "{name}={value!r}"
+    # GPUs per node: to ask for {} of them; as the caller gave them ({value}: the
+    # resources_per_node dict, {gpus}: the GPUs it gives a node).
+    gpus: str = "resources_per_node={{'gpu': {}}}"
+    gpus_given: str = "resources_per_node={value!r}"
     # The memory check's ways out: more GPUs, another method, submitting anyway.
     more_gpus: str = "add GPUs (resources_per_node / num_nodes)"
     method: str = "method={!r}"
@@ -75,6 +79,8 @@ CLI = Spelling(
     other_field="--{flag} {value}",
     finetune="",
     arg="{name}={raw}",
+    gpus="--gpus-per-node {}",
+    gpus_given="--gpus-per-node {gpus}",
     more_gpus="add nodes (--num-nodes)",
     method="method={}",
     memory_check="pass --memory-check warn",

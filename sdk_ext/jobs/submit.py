@@ -22,6 +22,7 @@ from tunepack.jobs.trainjob import (
     gpus_per_node,
     model_entry_for,
     names_gpus,
+    processes_per_node,
     requested_resources,
     trainer_args_of,
 )
@@ -122,6 +123,7 @@ def build(
         resources=resources,
         gpu=gpu,
         memory_check=memory_check,
+        local=local,
         spelling=spelling,
     )
     spec = TrainJobSpec(
@@ -148,7 +150,7 @@ def build(
         export_secret=finetune.export_secret,
         local=local,
     )
-    return build_trainjob(spec)
+    return build_trainjob(spec, spelling)
 
 
 def check_method_fits_dataset(method: str, dataset_uri: str, env: dict, *, local: bool) -> None:
@@ -204,11 +206,13 @@ def check_plan(
     resources: dict | None,
     gpu: str,
     memory_check: planner.MemoryCheck,
+    local: bool = False,
     spelling: Spelling = SDK,
 ) -> int | None:
     """The memory check of a job on ``entry`` with the parsed arguments ``resolved``
-    (``check_memory`` on the GPUs a pod holds: ``resources`` merged into the runtime's); returns
-    the processes per node: ``num_proc``, else one per GPU that ``resources`` request."""
+    (``check_memory`` on the GPUs the job gets: those a pod holds, ``resources`` merged into the
+    runtime's); returns the processes per node, one per GPU (``processes_per_node``: a
+    ``num_proc`` that does not match the GPUs is refused)."""
     requested = requested_resources(resources, entry)
     gpus = gpus_per_node(requested, entry)
     if requested and not names_gpus(requested) and gpus:
@@ -219,8 +223,7 @@ def check_plan(
             resources,
             gpus,
         )
-    if num_proc is None and names_gpus(requested) and gpus:
-        num_proc = gpus  # one process per requested GPU (cluster TrainJobs default to it anyway)
+    num_proc = processes_per_node(entry, num_proc, resources, local=local, spelling=spelling)
     if gpus and memory_check != "off" and not custom.is_placeholder(entry):
         check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check, spelling)
     return num_proc
@@ -241,6 +244,7 @@ def check_spec_plan(
         resources=spec.resources_per_node,
         gpu=gpu,
         memory_check=memory_check,
+        local=spec.local,
         spelling=spelling,
     )
 

@@ -21,6 +21,7 @@ from tunepack.initializers import uri as storage
 from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
 from tunepack.runtimes import builder, catalog, contract, custom, host
 from tunepack.runtimes.validate import validate_trainjob
+from tunepack.spelling import SDK, Spelling
 
 if TYPE_CHECKING:
     from tunepack.trainers.args import TrainArgs
@@ -82,10 +83,11 @@ class TrainJobSpec:
     local: bool = False
 
 
-def build_trainjob(job: TrainJobSpec) -> dict:
+def build_trainjob(job: TrainJobSpec, spelling: Spelling = SDK) -> dict:
     """The validated TrainJob (a dict) that ``job`` describes.
 
-    Raises ``BadInputError`` with a hint on bad input.
+    Raises ``BadInputError`` with a hint on bad input (the processes per node in ``spelling``'s
+    words: the caller's fields or flags).
     """
     # The checks run in this order, so that a job with several mistakes is told of the same one
     # first every time.
@@ -99,7 +101,7 @@ def build_trainjob(job: TrainJobSpec) -> dict:
     _check_secret_names(job)
     metadata = _metadata(job)
     words = args.argv()  # the words, written once: the trainer's args, the initializers' env
-    trainer = _trainer(job, entry, words)
+    trainer = _trainer(job, entry, words, spelling)
     initializer = _initializer(job, uris, dataset_env, words)
     spec: dict = {
         "runtimeRef": {
@@ -208,13 +210,14 @@ def _metadata(job: TrainJobSpec) -> dict:
     return metadata
 
 
-def _trainer(job: TrainJobSpec, entry: catalog.ModelEntry, words: list[str]) -> dict:
+def _trainer(
+    job: TrainJobSpec, entry: catalog.ModelEntry, words: list[str], spelling: Spelling
+) -> dict:
     """``spec.trainer``: arguments, nodes, processes and resources per node, env."""
     resources = requested_resources(job.resources_per_node, entry)
-    num_proc_per_node = job.num_proc_per_node
-    if num_proc_per_node is None and not job.local:
-        # Never the platform's "auto": on nodes without a GPU it means the CPU request.
-        num_proc_per_node = gpus_per_node(resources, entry) or 1
+    num_proc_per_node = processes_per_node(
+        entry, job.num_proc_per_node, job.resources_per_node, local=job.local, spelling=spelling
+    )
     trainer: dict = {"args": words}
     if job.num_nodes is not None:
         trainer["numNodes"] = job.num_nodes
@@ -405,6 +408,53 @@ def gpus_per_node(resources: dict | None, entry: catalog.ModelEntry) -> int:
                     return count
                 break
     return 0
+
+
+def processes_per_node(
+    entry: catalog.ModelEntry,
+    num_proc: int | None,
+    resources_per_node: dict | None,
+    *,
+    local: bool = False,
+    spelling: Spelling = SDK,
+) -> int | None:
+    """The one rule for a job's trainer processes per node (``numProcPerNode``), for the SDK,
+    ``tunepack train`` (cluster and ``--local``) and ``render trainjob`` alike.
+
+    On a pod that holds GPUs (``resources_per_node`` merged into the runtime's: ``gpus_per_node``)
+    there is one process per GPU: ``num_proc`` defaults to the GPUs, and another number is
+    refused (the launcher would refuse more processes than GPUs on the node, after the
+    downloads, and fewer leave GPUs idle). On a pod without GPUs the processes are free (default
+    1; never the platform's "auto", which means the CPU request there). ``local=True``: the
+    job runs on this machine, whose GPUs are its own: the runtime's count does not bind
+    ``num_proc``, and when neither says, the launcher chooses (None: one process per visible
+    GPU, else one); GPUs ``resources_per_node`` names still set the processes.
+    """
+    requested = requested_resources(resources_per_node, entry)
+    gpus = gpus_per_node(requested, entry)
+    named = names_gpus(requested)
+    if not gpus or (local and not named):
+        return num_proc if num_proc is not None or local else 1
+    if num_proc is None:
+        return gpus
+    if num_proc != gpus:
+        source = (
+            spelling.gpus_given.format(value=resources_per_node, gpus=gpus)
+            if named
+            else f"runtime {entry.runtime_name}'s"
+        )
+        processes = f"{num_proc} process{'' if num_proc == 1 else 'es'}"
+        raise ConflictError(
+            f"{spelling.given('num_proc_per_node', num_proc)} asks for {processes} a node, but a "
+            f"trainer node holds {_gpus(gpus)} ({source}) and runs one process per GPU: give "
+            f"{spelling.gpus.format(num_proc)} for {_gpus(num_proc)} a node, or leave "
+            f"{spelling.named('num_proc_per_node')} out"
+        )
+    return num_proc
+
+
+def _gpus(count: int) -> str:
+    return f"{count} GPU" if count == 1 else f"{count} GPUs"
 
 
 def _labels(labels: dict[str, str] | None, queue: str | None) -> dict[str, str]:

@@ -24,6 +24,7 @@ from kubeflow.trainer import Initializer as KfInitializer
 from tunepack.core.errors import (
     BadInputError,
     BadValueError,
+    ConflictError,
     DoesNotFitError,
     UnknownRuntimeError,
     UnsupportedError,
@@ -328,7 +329,28 @@ def test_processes_per_node_default_to_the_gpus_per_node():
     job = _build(FineTune(resources_per_node={"gpu": 2}), runtime="tunepack-llama3.1-70b",
                  memory_check="off")  # fmt: skip
     assert job["spec"]["trainer"]["numProcPerNode"] == 2
-    assert _build(FineTune(num_proc_per_node=3))["spec"]["trainer"]["numProcPerNode"] == 3
+    job = _build(FineTune(num_proc_per_node=2, resources_per_node={"gpu": 2}), memory_check="off")
+    assert job["spec"]["trainer"]["numProcPerNode"] == 2
+    job = _build(FineTune(num_proc_per_node=3, resources_per_node={"gpu": 0}))
+    assert job["spec"]["trainer"]["numProcPerNode"] == 3  # no GPU: the processes are free
+
+
+def test_processes_other_than_the_gpus_are_refused_before_the_memory_plan():
+    """Issue 49, 2: 4 processes on a one-GPU runtime were planned as 4 GPUs (an 8B full
+    fine-tune approved on an L4) and refused by the launcher on the node, after the downloads."""
+    with pytest.raises(ConflictError) as err:
+        _build(FineTune(method="full", num_proc_per_node=4), gpu="l4")
+    assert str(err.value) == (
+        "FineTune.num_proc_per_node=4 asks for 4 processes a node, but a trainer node holds 1 GPU "
+        "(runtime tunepack-llama3.1-8b's) and runs one process per GPU: give "
+        "resources_per_node={'gpu': 4} for 4 GPUs a node, or leave FineTune.num_proc_per_node out"
+    )
+    # The GPUs the job gets are what the memory check plans with: 4 L4s hold it, 1 does not.
+    job = _build(FineTune(method="full", resources_per_node={"gpu": 4}), gpu="l4")
+    assert job["spec"]["trainer"]["numProcPerNode"] == 4
+    assert job["spec"]["trainer"]["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 4}
+    with pytest.raises(DoesNotFitError, match=r"1 node\(s\) x 1 L4-24GB"):
+        _build(FineTune(method="full", num_proc_per_node=1), gpu="l4")
 
 
 def test_the_local_backend_names_the_options_it_refuses(tmp_path):

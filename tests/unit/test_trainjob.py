@@ -7,7 +7,7 @@ import re
 import pytest
 import yaml
 
-from tunepack.core.errors import BadInputError, UnknownKeyError
+from tunepack.core.errors import BadInputError, ConflictError, UnknownKeyError
 from tunepack.jobs.naming import max_name_length
 from tunepack.jobs.trainjob import (
     TrainJobSpec,
@@ -169,13 +169,63 @@ def test_relative_paths_are_refused_for_the_cluster_and_kept_locally(path):
         # resourcesPerNode is merged into the runtime's: no GPU named, the runtime's 8 stay.
         ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"cpu": 16}}, 8),
         ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"cpu": 16, "gpu": 0}}, 1),
-        ({"runtime": "tunepack-llama3.1-70b", "num_proc_per_node": 3}, 3),
+        ({"runtime": "tunepack-llama3.1-70b", "num_proc_per_node": 8}, 8),
         ({"resources_per_node": {"cpu": 8}}, 1),  # CPU-only: never the CPU count
+        ({"num_proc_per_node": 3}, 3),  # CPU-only: the processes are free
+        ({"runtime": "tunepack-llama3.1-70b", "resources_per_node": {"gpu": 0},
+          "num_proc_per_node": 3}, 3),
     ],
-)
+)  # fmt: skip
 def test_num_proc_per_node_is_always_set(overrides, procs):
     job = _build(**overrides)
     assert job["spec"]["trainer"]["numProcPerNode"] == procs
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"runtime": "tunepack-llama3.1-70b", "num_proc_per_node": 3},
+            "FineTune.num_proc_per_node=3 asks for 3 processes a node, but a trainer node holds "
+            "8 GPUs (runtime tunepack-llama3.1-70b's) and runs one process per GPU: give "
+            "resources_per_node={'gpu': 3} for 3 GPUs a node, or leave "
+            "FineTune.num_proc_per_node out",
+        ),
+        (
+            {"runtime": "tunepack-llama3.2-1b", "num_proc_per_node": 1,
+             "resources_per_node": {"nvidia.com/gpu": 2}},
+            "FineTune.num_proc_per_node=1 asks for 1 process a node, but a trainer node holds "
+            "2 GPUs (resources_per_node={'nvidia.com/gpu': 2}) and runs one process per GPU: "
+            "give resources_per_node={'gpu': 1} for 1 GPU a node, or leave "
+            "FineTune.num_proc_per_node out",
+        ),
+        # Locally, GPUs the job names bind its processes as on a cluster.
+        (
+            {"runtime": "tunepack-llama3.2-1b", "num_proc_per_node": 4, "local": True,
+             "resources_per_node": {"gpu": 2}},
+            "FineTune.num_proc_per_node=4 asks for 4 processes a node, but a trainer node holds "
+            "2 GPUs (resources_per_node={'gpu': 2}) and runs one process per GPU: give "
+            "resources_per_node={'gpu': 4} for 4 GPUs a node, or leave "
+            "FineTune.num_proc_per_node out",
+        ),
+    ],
+)  # fmt: skip
+def test_processes_other_than_the_gpus_are_refused(overrides, message):
+    """Issue 49, 2: one process per GPU on a pod with GPUs; another number is refused here, not
+    by the launcher on the node after the downloads."""
+    with pytest.raises(ConflictError) as err:
+        _build(**overrides)
+    assert str(err.value) == message
+    assert err.value.exit_code == 65
+
+
+def test_local_processes_on_a_gpu_runtime_are_the_machines_to_decide():
+    # This machine's GPUs, not the runtime's, are the run's: with no GPUs named, 2 stay 2 (on a
+    # CPU, two processes; on GPUs, the launcher refuses more than there are).
+    job = _build(runtime="tunepack-llama3.2-1b", num_proc_per_node=2, local=True)
+    assert job["spec"]["trainer"]["numProcPerNode"] == 2
+    job = _build(runtime="tunepack-llama3.2-1b", resources_per_node={"gpu": 2}, local=True)
+    assert job["spec"]["trainer"]["numProcPerNode"] == 2
 
 
 @pytest.mark.parametrize(
