@@ -81,7 +81,7 @@ CLI = Spelling(
     arg="{name}={raw}",
     gpus="--gpus-per-node {}",
     gpus_given="--gpus-per-node {gpus}",
-    more_gpus="add nodes (--num-nodes)",
+    more_gpus="add GPUs (--gpus-per-node / --num-nodes)",
     method="method={}",
     memory_check="pass --memory-check warn",
 )

@@ -46,9 +46,19 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num-nodes", type=int, help="number of trainer nodes")
     parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        metavar="N",
+        help="GPUs each trainer node holds (the pods' nvidia.com/gpu; default: the runtime's; 0: "
+        "none), one trainer process per GPU; the memory check plans with them (--local: the "
+        "first N GPUs of this machine)",
+    )
+    parser.add_argument(
         "--num-proc-per-node",
         type=int,
-        help="trainer processes per node (default: the runtime's GPUs per node, or 1)",
+        help="trainer processes per node: one per GPU on nodes with GPUs (the default; another "
+        "number is refused: set --gpus-per-node), any number on nodes without (default 1); "
+        "--local without --gpus-per-node: as this machine's GPUs allow",
     )
     parser.add_argument(
         "--queue", help="Kueue LocalQueue for the TrainJob (label kueue.x-k8s.io/queue-name)"

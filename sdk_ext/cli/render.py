@@ -15,6 +15,7 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
 
 
 def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
+    from tunepack.cli.train import resources_per_node
     from tunepack.jobs.naming import timestamped_job_name
     from tunepack.jobs.trainjob import (
         CLUSTER_RUNTIME_KIND,
@@ -23,6 +24,7 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         build_trainjob,
         parse_trainer_args_for,
     )
+    from tunepack.spelling import CLI
 
     namespaced = getattr(ns, "namespaced", False)
     spec = TrainJobSpec(
@@ -35,6 +37,7 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         num_nodes=ns.num_nodes,
         namespace=getattr(ns, "namespace", None),
         num_proc_per_node=ns.num_proc_per_node,
+        resources_per_node=resources_per_node(ns),
         queue=ns.queue,
         runtime_kind=NAMESPACED_RUNTIME_KIND if namespaced else CLUSTER_RUNTIME_KIND,
         export_uri=ns.export,
@@ -43,10 +46,9 @@ def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
         model_secret=ns.model_secret,
         local=local,
     )
-    trainjob = build_trainjob(spec)
+    trainjob = build_trainjob(spec, CLI)
     if not local:
         from tunepack.jobs.submit import check_spec_plan
-        from tunepack.spelling import CLI
 
         # The memory check of `train` (TrainingClient), with the same --gpu and --memory-check.
         check_spec_plan(spec, ns.gpu, ns.memory_check, CLI)

@@ -300,10 +300,25 @@ def _finetune(ns: argparse.Namespace):
         spelling=CLI,
         num_nodes=ns.num_nodes,
         num_proc_per_node=ns.num_proc_per_node,
+        resources_per_node=resources_per_node(ns),
         env=_verbose_env(ns),
         export=ns.export,
         export_secret=ns.export_secret,
     )
+
+
+def resources_per_node(ns: argparse.Namespace) -> dict | None:
+    """``--gpus-per-node N`` as the SDK's ``resources_per_node`` (``{"gpu": N}``: the pods'
+    ``nvidia.com/gpu``), None without it (the runtime's GPUs)."""
+    from tunepack.core.errors import BadValueError
+
+    if ns.gpus_per_node is None:
+        return None
+    if ns.gpus_per_node < 0:
+        raise BadValueError(
+            f"--gpus-per-node {ns.gpus_per_node} is not valid: expected an integer >= 0"
+        )
+    return {"gpu": ns.gpus_per_node}
 
 
 def _verbose_env(ns: argparse.Namespace) -> dict[str, str] | None:

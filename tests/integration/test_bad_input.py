@@ -290,8 +290,9 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
     assert "does NOT fit in 77.2 GiB usable per device" in err
     # Each caller's words for the ways out: the command's flags here, the SDK's in Python.
     assert err.splitlines()[-1] == (
-        "Lower max_seq_len or batch_size, add nodes (--num-nodes), choose method=qlora where "
-        "available, or pass --memory-check warn to submit anyway (see docs/planner.md)."
+        "Lower max_seq_len or batch_size, add GPUs (--gpus-per-node / --num-nodes), choose "
+        "method=qlora where available, or pass --memory-check warn to submit anyway (see "
+        "docs/planner.md)."
     )
 
     client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))

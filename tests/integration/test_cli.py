@@ -194,8 +194,9 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
     )
     assert "peak          261.69 GiB" in refused.stderr
     assert refused.stderr.endswith(  # the command's flags, not TrainingClient's arguments
-        "\nLower max_seq_len or batch_size, add nodes (--num-nodes), choose method=qlora where "
-        "available, or pass --memory-check warn to submit anyway (see docs/planner.md).\n"
+        "\nLower max_seq_len or batch_size, add GPUs (--gpus-per-node / --num-nodes), choose "
+        "method=qlora where available, or pass --memory-check warn to submit anyway (see "
+        "docs/planner.md).\n"
     )
     # The very message `train` gives for the same run.
     train = tunepack(
@@ -223,6 +224,63 @@ def test_render_trainjob_gets_the_memory_check_of_train(tmp_path):
     bad = tunepack("render", "trainjob", *job, "--memory-check", "never")
     assert bad.returncode == 65
     assert "argument --memory-check: invalid choice: 'never'" in bad.stderr
+
+
+# Issue 49, 2: the exact case of the issue (an 8B full fine-tune on L4s).
+EIGHT_B = ["--runtime", "tunepack-llama3.1-8b", "--dataset", "s3://bucket/d.jsonl"]
+EIGHT_B += ["--model", "s3://bucket/m", "--name", "big"]
+
+
+def test_processes_per_node_are_the_gpus_per_node(tmp_path):
+    """Issue 49, 2: `--num-proc-per-node 4` on a one-GPU runtime rendered `numProcPerNode: 4`
+    with no GPU limit, and the memory check planned for 4 GPUs (rc 0); the launcher refused it
+    on the node, after the model download. Now it is refused here, and --gpus-per-node gives the
+    GPUs (the pods' limit, the processes, the memory plan)."""
+    refused = tunepack("render", "trainjob", *EIGHT_B, "--num-proc-per-node", "4", "method=full",
+                       "--gpu", "l4")  # fmt: skip
+    assert (refused.returncode, refused.stdout) == (65, "")
+    assert refused.stderr == (
+        "tunepack: error: --num-proc-per-node 4 asks for 4 processes a node, but a trainer node "
+        "holds 1 GPU (runtime tunepack-llama3.1-8b's) and runs one process per GPU: give "
+        "--gpus-per-node 4 for 4 GPUs a node, or leave --num-proc-per-node out\n"
+    )
+    # train on a cluster and --local: the same rule, the same line, nothing recorded.
+    jobs = tmp_path / "jobs"
+    train = tunepack("train", "--local", "--jobs-dir", str(jobs), *EIGHT_B,
+                     "--num-proc-per-node", "4", "--gpus-per-node", "1", "method=full",
+                     "--gpu", "l4", cwd=tmp_path)  # fmt: skip
+    assert (train.returncode, train.stderr) == (65, refused.stderr.replace(
+        "(runtime tunepack-llama3.1-8b's)", "(--gpus-per-node 1)"))  # fmt: skip
+    assert not jobs.exists()
+
+    fits = tunepack("render", "trainjob", *EIGHT_B, "--gpus-per-node", "4", "method=full",
+                    "--gpu", "l4")  # fmt: skip
+    assert (fits.returncode, fits.stderr) == (0, "")
+    trainer = yaml.safe_load(fits.stdout)["spec"]["trainer"]
+    assert trainer["numProcPerNode"] == 4
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 4}
+    same = tunepack("render", "trainjob", *EIGHT_B, "--gpus-per-node", "4",
+                    "--num-proc-per-node", "4", "method=full", "--gpu", "l4")  # fmt: skip
+    assert (same.returncode, same.stdout) == (0, fits.stdout)
+
+    # The memory check plans with the GPUs the job gets: 2 L4s do not hold it.
+    two = tunepack("render", "trainjob", *EIGHT_B, "--gpus-per-node", "2", "method=full",
+                   "--gpu", "l4")  # fmt: skip
+    assert two.returncode == 65
+    assert "\nllama3.1-8b full, seq_len 2048, batch 2/device, 1 node(s) x 2 L4-24GB\n" in two.stderr
+
+    # No GPU: the processes are free.
+    cpu = tunepack("render", "trainjob", *EIGHT_B, "--gpus-per-node", "0",
+                   "--num-proc-per-node", "3")  # fmt: skip
+    assert cpu.returncode == 0, cpu.stderr
+    trainer = yaml.safe_load(cpu.stdout)["spec"]["trainer"]
+    assert trainer["numProcPerNode"] == 3
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 0}
+    negative = tunepack("render", "trainjob", *EIGHT_B, "--gpus-per-node", "-1")
+    assert negative.returncode == 65
+    assert negative.stderr == (
+        "tunepack: error: --gpus-per-node -1 is not valid: expected an integer >= 0\n"
+    )
 
 
 def test_the_memory_check_plans_the_activation_checkpointing_the_trainer_does():

@@ -1187,6 +1187,31 @@ def test_cli_train_uses_the_sdk_path_namespaced_runtime_and_planner(server, cli)
     assert len([r for r in fake.requests if r.method == "POST"]) == posts
 
 
+def test_cli_train_gpus_per_node_set_the_pods_gpus_and_processes(server, cli):
+    """Issue 49, 2: `train --num-proc-per-node 4` on a one-GPU runtime was submitted (an 8B
+    full fine-tune planned on 4 L4s) and refused by the launcher on the node; now it is refused
+    before anything is sent, and --gpus-per-node asks for the GPUs."""
+    fake, _ = server
+    runtime = "tunepack-llama3.1-8b"
+    assert cli("install", "--no-image-check", "--runtime", runtime).returncode == 0
+    job = ["--runtime", runtime, "--dataset", "s3://bucket/d.jsonl", "--model", "s3://bucket/m"]
+    job += ["method=full", "--gpu", "l4"]
+    done = cli("train", *job, "--name", "four", "--num-proc-per-node", "4")
+    assert (done.returncode, done.stdout) == (65, "")
+    assert done.stderr == (
+        "tunepack: error: --num-proc-per-node 4 asks for 4 processes a node, but a trainer node "
+        "holds 1 GPU (runtime tunepack-llama3.1-8b's) and runs one process per GPU: give "
+        "--gpus-per-node 4 for 4 GPUs a node, or leave --num-proc-per-node out\n"
+    )
+    assert not [r for r in fake.requests if r.method == "POST"]
+    done = cli("train", *job, "--name", "four", "--gpus-per-node", "4")
+    assert done.returncode == 0, done.stderr
+    (post,) = [r for r in fake.requests if r.method == "POST"]
+    trainer = post.body["spec"]["trainer"]
+    assert trainer["numProcPerNode"] == 4
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 4}
+
+
 def test_render_serving_reads_a_finished_trainjobs_runtime_and_arguments(
     server, capsys, tmp_path, monkeypatch
 ):
