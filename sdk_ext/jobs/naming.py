@@ -65,6 +65,8 @@ def stable_job_name(
         "num_nodes": trainer.num_nodes or 1,
         "num_proc_per_node": trainer.num_proc_per_node,
     }
+    if trainer.resources_per_node:  # its GPUs set the processes; absent, names stay as before
+        identity["resources_per_node"] = trainer.resources_per_node
     if workspace is not None:  # two workspaces are two jobs (each with its own lock)
         identity["workspace"] = str(workspace)
     digest = json_digest(identity)[:10]

@@ -216,10 +216,11 @@ def test_the_default_name_follows_what_the_command_trains(tiny_model_dir, tiny_d
         name(["max_steps=2"]),
         name(["max_steps=2", "lr=1e-4"], dataset=f"{data}.other"),
         name(["max_steps=2", "lr=1e-4"], num_proc_per_node=2),
+        name(["max_steps=2", "lr=1e-4"], resources_per_node={"gpu": 2}),  # 2 processes too
         name(["max_steps=2", "lr=1e-4"], runtime="tunepack-qwen2.5-0.5b"),
         name(["max_steps=2", "lr=1e-4"], dataset=f"file://{data}?split=test"),
     }
-    assert same not in others and len(others) == 7
+    assert same not in others and len(others) == 8
     assert all(len(n) <= 33 for n in others)  # a valid TrainJob name (tunepack.jobs.trainjob)
 
 
