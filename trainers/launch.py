@@ -226,12 +226,15 @@ def run_torchrun(
 ) -> int:
     """Run torchrun over the recipe on this node; forward stop signals; leave no worker behind.
 
-    torchrun runs in its own session (so a signal to this process group is not delivered to it
-    twice: this process forwards every stop request, and torchrun stops its workers, checkpoint
-    first) and through ``tunepack.core.lifetime``'s shim with SIGKILL: this process dies only when
-    killed outright (with its process group: ``kill -9 -- -PGID``, ``timeout -s KILL``), and then
-    torchrun and its workers die at once too, writing nothing more. It inherits the workspace
-    lock, so the workspace stays locked until torchrun has ended too.
+    torchrun and its workers stay in this process's group (``tunepack.trainers.process.
+    torchrun``), so a SIGKILL to the group (``kill -9 -- -PGID``, ``timeout -s KILL``) reaches
+    each of them in the same ``kill``, and none writes anything after it. This process forwards
+    every stop request (the kubelet signals only a container's first process) and torchrun relays
+    it to its workers, checkpoint first; a stop signal sent to the whole group also reaches each
+    of them directly, and each takes that burst as one request (``lifetime.StopRequests``).
+    torchrun runs through ``tunepack.core.lifetime``'s shim with SIGKILL: this process dies only
+    when killed outright, and when it is killed alone, torchrun and its workers die at once too.
+    torchrun inherits the workspace lock, so the workspace stays locked until it has ended too.
     """
     scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))
     try:
@@ -246,7 +249,6 @@ def run_torchrun(
         proc = subprocess.Popen(
             lifetime.shim(torchrun_command(layout, config_path, digest), sig=signal.SIGKILL),
             env=env,
-            start_new_session=True,
             pass_fds=(lock.fd,) if lock else (),
         )
         requests = lifetime.StopRequests()
@@ -267,7 +269,7 @@ def run_torchrun(
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        _kill_leftovers(proc.pid, exit_dir)
+        _kill_leftovers(exit_dir)
         return _exit_code(returncode, _worker_codes(exit_dir), requests.count > 0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -294,8 +296,9 @@ def _exit_code(torchrun_code: int, worker_codes: list[int], signalled: bool) -> 
     return torchrun_code
 
 
-def _kill_leftovers(agent_pid: int, exit_dir: Path) -> None:
-    """SIGKILL whatever is left of torchrun's process group and of its workers' sessions."""
+def _kill_leftovers(exit_dir: Path) -> None:
+    """SIGKILL every worker still running once torchrun has ended. (Not by process group:
+    torchrun and its workers are in this process's.)"""
     pids = []
     for path in exit_dir.glob("pid-*"):
         try:
@@ -305,7 +308,6 @@ def _kill_leftovers(agent_pid: int, exit_dir: Path) -> None:
     for pid in pids:
         if _is_worker(pid):
             _kill(lambda p=pid: os.kill(p, signal.SIGKILL))
-    _kill(lambda: os.killpg(agent_pid, signal.SIGKILL))
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and any(_is_worker(pid) for pid in pids):
         time.sleep(0.05)

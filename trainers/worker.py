@@ -9,6 +9,7 @@ In this order: it dies with torchrun, third-party noise is silenced, then torch 
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -19,6 +20,9 @@ if __name__ == "__main__":
     # Before the seconds of importing torch: a worker whose torchrun is killed (with the
     # launcher's process group) dies with it, at once, and writes nothing more.
     lifetime.die_with_shimmed_parent()
+    # In the launcher's process group, a worker gets a terminal's Ctrl-C too: until the recipe
+    # handles stop signals it ends as on torchrun's SIGTERM, without a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 from tunepack.trainers.process import noise  # noqa: E402
 

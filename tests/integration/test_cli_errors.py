@@ -246,13 +246,13 @@ def test_read_only_workspace(inside):
 # Ctrl-C during a local run ------------------------------------------------------------------
 
 
-def _start_training(tmp_path, tiny_model_dir, tiny_dataset_file, **popen):
+def _start_training(tmp_path, tiny_model_dir, tiny_dataset_file, *extra: str, **popen):
     workspace = tmp_path / "ws"
     proc = subprocess.Popen(
         [
             *CLI, "train", "--local", "--runtime", "tiny-llama3",
             "--workspace", str(workspace), "--dataset", f"file://{tiny_dataset_file}",
-            "--model", f"file://{tiny_model_dir}", "epochs=50",
+            "--model", f"file://{tiny_model_dir}", *extra, "epochs=50",
         ],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )  # fmt: skip
@@ -326,17 +326,20 @@ def _controlling_terminal(slave: int):
     return become_session_leader
 
 
+@pytest.mark.parametrize("layout", [(), ("--num-proc-per-node", "2")], ids=["one", "two"])
 def test_ctrl_c_at_a_terminal_stops_the_run_after_a_checkpoint(
-    tmp_path, tiny_model_dir, tiny_dataset_file
+    tmp_path, tiny_model_dir, tiny_dataset_file, layout
 ):
-    """Ctrl-C typed at a terminal: the terminal signals the CLI and its steps together; the
-    trainer is not signalled twice (which would make it die without its checkpoint)."""
+    """Ctrl-C typed at a terminal: the terminal signals the CLI and its steps together (with two
+    processes, torchrun and its workers too: they are in the CLI's process group); the trainer is
+    not signalled twice (which would make it die without its checkpoint)."""
     master, slave = os.openpty()
     try:
         proc, workspace = _start_training(
             tmp_path,
             tiny_model_dir,
             tiny_dataset_file,
+            *layout,
             stdin=slave,
             preexec_fn=_controlling_terminal(slave),
         )

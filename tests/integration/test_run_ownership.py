@@ -308,7 +308,7 @@ def test_signals_to_the_cli_process_group_leave_nothing_running_and_the_run_resu
     timeout, systemd): every process gets the signal directly and from its parent, taken as one
     request; the trainer checkpoints. SIGKILL (``timeout -s KILL``, a CI runner): no process of
     the run outlives it, and no checkpoint or result is written after it (torchrun and its
-    workers, in sessions of their own, die with the launcher). Each way nothing is left running, the
+    workers are in the CLI's process group). Each way nothing is left running, the
     workspace is free, and the same command resumes (from the checkpoint, where one was
     written)."""
     workspace = tmp_path / "ws"
@@ -392,3 +392,69 @@ def test_the_kill_and_resume_soak_ends_bit_identical(tmp_path):
     assert report["kills"] == 2 and report["attempts"] == 3
     assert report["adapter_identical"] and report["each_step_once_in_metrics"]
     assert report["steps"] == 6
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h: the process is in do_exit
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def _reached_by_a_kill(pid: int) -> bool:
+    """Whether ``pid`` can run no more code of its own: gone, a zombie, exiting, or with SIGKILL
+    pending (what ``kill(2)`` leaves in every process it reached, before the kernel tears it down,
+    however loaded the machine). Pending signals are read before the flags: a process that has
+    taken SIGKILL off its queue is marked exiting by then."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return True  # gone (and reaped)
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split(":", 1)[1], 16)
+    return fields[0] in "ZX" or bool(int(fields[6]) & _PF_EXITING) or bool(pending & _SIGKILL_BIT)
+
+
+def _run_processes(proc: subprocess.Popen) -> dict[int, str]:
+    """Every process below the CLI now, with its command line."""
+    found = {}
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            found[child.pid] = " ".join(child.cmdline()[:6])
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_sigkill_to_the_cli_process_group_reaches_every_process_of_the_run_at_once(
+    tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """``kill -9 -- -PGID`` (``timeout -s KILL``, a CI runner) of a two-process run: torchrun and
+    its workers are in the CLI's process group, so the one kill reaches each of them; none lives
+    on to die later of its parent's death. Checked once the CLI itself is reaped, with no wait."""
+    workspace = tmp_path / "ws"
+    command = _train_command(
+        workspace, tiny_model_dir, tiny_dataset_file, "--name", "job", *TWO_PROCESSES,
+        "epochs=5", "max_steps=30",
+    )  # fmt: skip
+    proc = _start(command, tmp_path, "job")
+    seen: dict[int, psutil.Process] = {}
+    try:
+        _wait_for_steps(proc, workspace, seen)
+        run = _run_processes(proc)
+        groups = {pid: os.getpgid(pid) for pid in run}
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()  # waitpid: the CLI is gone; nothing else was waited for
+        left = {pid: run[pid] for pid in run if not _reached_by_a_kill(pid)}
+        proc.communicate()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        gone = _wait_all_gone(seen)  # the orphans' teardown, before the workspace goes
+    assert sum("tunepack.trainers.worker" in c for c in run.values()) == 2, run
+    assert any("tunepack.trainers.process.torchrun" in c for c in run.values()), run
+    assert left == {}, f"not reached by the group's SIGKILL: {left}"
+    elsewhere = {f"{pid} {run[pid]}": pgid for pid, pgid in groups.items() if pgid != proc.pid}
+    assert elsewhere == {}, f"not in the CLI's process group {proc.pid}: {elsewhere}"
+    assert gone == []

@@ -26,6 +26,7 @@ from tests.helpers import (
     result_of,
     run_program,
     start_and_wait_for_step,
+    still_running,
     straight_and_resumed,
     trainer_config,
     trainer_env,
@@ -202,6 +203,32 @@ def test_sigterm_checkpoints_stops_every_worker_and_resumes(initialized_workspac
     assert done.returncode == 0, done.stdout + done.stderr
     result = result_of(ws)
     assert result["steps"] == 12 and result["resumed_from_step"] == int(stopped[0][5:])
+
+
+def test_kill_9_of_the_launcher_alone_ends_torchrun_and_its_workers(
+    initialized_workspace, tmp_path
+):
+    """The launcher killed outright, not its group (torchrun and its workers are in the
+    launcher's process group): torchrun dies with it and each worker with torchrun (parent-death
+    signals, ``tunepack.core.lifetime``), and nothing is written after the kill."""
+    import psutil
+
+    ws = copy_workspace(initialized_workspace, tmp_path)
+    args = ["max_steps=30", "warmup_steps=0", "checkpoint_every_minutes=0"]
+    proc = start_and_wait_for_step(two_processes_env(ws), args, step=1)
+    run = [psutil.Process(pid) for pid in _descendants(proc.pid)]
+    assert len(run) >= 3, run  # torchrun's agent and two workers
+    proc.kill()
+    proc.wait()
+    # A guard against a hang, not a speed: each dies as soon as the kernel has ended its parent.
+    deadline = time.monotonic() + 90
+    while any(still_running(p) for p in run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = [p for p in run if still_running(p)]
+    for still in left:
+        still.kill()  # psutil: only the process it saw, were the pid reused
+    assert left == [], "processes outlived the killed launcher"
+    assert not (ws / "checkpoints").exists() and not (ws / "output" / "result.json").exists()
 
 
 def test_two_nodes_of_one_process_train_lora_from_pet_variables(initialized_workspace, tmp_path):

@@ -1,15 +1,72 @@
-"""torchrun (``torch.distributed.run``) as the launcher starts it: the same agent, less noise.
+"""torchrun (``torch.distributed.run``) as the launcher starts it: the same agent, less noise, and
+its workers in the launcher's process group.
 
 torchrun ends every stop with a traceback of its own ``SignalException`` and every failed worker
 with a ``ChildFailedError`` one, after warning lines of its own; the launcher already reports
 both in one line (the workers' exit codes decide the node's). Unless ``TUNEPACK_VERBOSE`` is set
 those are kept out of the log; the exit status says the same: 128 + N for a signal, 1 for a
 failed worker.
+
+torchrun starts each worker in a session of its own and stops it by signalling that session's
+group. Here the workers stay in torchrun's process group, which is the launcher's (and the CLI's,
+locally): a SIGKILL to that group reaches every process of the run in the one ``kill``, instead of
+a chain of parent-death signals, each a scheduling round later. A stop signal sent to the whole
+group then reaches torchrun and each worker directly as well as forwarded (by the launcher, then
+by torchrun): like the launcher and the recipe, torchrun takes such a burst as one request
+(``tunepack.core.lifetime.StopRequests``). docs/architecture.md, "Process lifetime".
 """
 
+import signal
 import sys
 
-from tunepack.trainers.process import noise
+# Until the handlers below are in place (the seconds of importing torch), Ctrl-C at a terminal
+# ends this process as SIGTERM would, without a KeyboardInterrupt traceback: the launcher's
+# forwarded SIGTERM arrives too.
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+from tunepack.core import lifetime  # noqa: E402
+from tunepack.trainers.process import noise  # noqa: E402
+
+
+def _keep_workers_in_the_group() -> None:
+    """torchrun's worker processes started in torchrun's own process group (no session of
+    their own), and each stopped by signalling it alone."""
+    import os
+    import subprocess
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    def popen(self, args, env):
+        return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr)
+
+    def close(self, death_sig=None):
+        try:
+            os.kill(self.proc.pid, death_sig or signal.SIGTERM)  # the worker, not the group
+        except ProcessLookupError:
+            pass
+        for out in (self._stdout, self._stderr):
+            if out:
+                out.close()
+
+    handler.SubprocessHandler._popen = popen
+    handler.SubprocessHandler.close = close
+
+
+def _one_request_per_burst() -> None:
+    """torchrun's stop signal handler, taking a burst of stop signals as one request."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    raising = api._terminate_process_handler
+    requests = lifetime.StopRequests()
+
+    def handle(signum, frame):
+        if signum in lifetime.STOP_SIGNALS and not requests.add(signum):
+            return  # the group's signal and its forwarded copy: one request
+        raising(signum, frame)
+
+    api._terminate_process_handler = handle  # looked up when the agent starts its workers
 
 
 def main(argv: list[str]) -> int:
@@ -19,6 +76,8 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     noise.quiet()  # the handlers torch attached while being imported
+    _keep_workers_in_the_group()
+    _one_request_per_burst()
 
     try:
         run.main(argv)
