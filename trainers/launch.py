@@ -235,6 +235,7 @@ def run_torchrun(
     torchrun runs through ``tunepack.core.lifetime``'s shim with SIGKILL: this process dies only
     when killed outright, and when it is killed alone, torchrun and its workers die at once too.
     torchrun inherits the workspace lock, so the workspace stays locked until it has ended too.
+    A worker that died of a signal is named, and the node exits 128 + N (``_exit_code``).
     """
     scratch = Path(tempfile.mkdtemp(prefix="tunepack-launch-"))
     try:
@@ -270,7 +271,17 @@ def run_torchrun(
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
         _kill_leftovers(exit_dir)
-        return _exit_code(returncode, _worker_codes(exit_dir), requests.count > 0)
+        killed = _killed_workers(exit_dir)
+        for rank, pid, signum in killed:
+            print(
+                program.error_line(
+                    PROGRAM, f"rank {rank} (pid {pid}) was killed by {lifetime.signal_name(signum)}"
+                ),
+                file=sys.stderr,
+                flush=True,
+            )
+        signals = [signum for _, _, signum in killed]
+        return _exit_code(returncode, _worker_codes(exit_dir), requests.count > 0, signals)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -285,13 +296,34 @@ def _worker_codes(exit_dir: Path) -> list[int]:
     return codes
 
 
-def _exit_code(torchrun_code: int, worker_codes: list[int], signalled: bool) -> int:
-    """One exit code for the node from torchrun's (which only says "failed") and the workers'."""
+def _killed_workers(exit_dir: Path) -> list[tuple[int, int, int]]:
+    """(rank, pid, signal) of each worker that died of a signal torchrun did not send it, by
+    rank (``killed-<rank>``, written by ``tunepack.trainers.process.torchrun``)."""
+    killed = []
+    for path in exit_dir.glob("killed-*"):
+        try:
+            pid, signum = (int(word) for word in path.read_text().split())
+            killed.append((int(path.name.removeprefix("killed-")), pid, signum))
+        except ValueError:
+            continue
+    return sorted(killed)
+
+
+def _exit_code(
+    torchrun_code: int, worker_codes: list[int], signalled: bool, killed: list[int] | None = None
+) -> int:
+    """One exit code for the node from torchrun's (which only says "failed") and the workers';
+    ``killed``: the signals that killed workers (the first decides: 128 + N, as for a one-process
+    run killed so, whatever the others did once torchrun stopped them)."""
     if EXIT_BAD_INPUT in worker_codes:
         return EXIT_BAD_INPUT
     if torchrun_code == 0:
         return 0
-    if EXIT_TRANSIENT in worker_codes or signalled:
+    if signalled:
+        return EXIT_TRANSIENT
+    if killed:
+        return 128 + killed[0]
+    if EXIT_TRANSIENT in worker_codes:
         return EXIT_TRANSIENT
     return torchrun_code
 

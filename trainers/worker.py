@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
         if not distributed.peer_failed(err):
             raise
-        # The process that failed says why; this one only says that it followed. Its code (1)
-        # does not hide the other's: the launcher prefers 65 and 75 over it.
+        # The process that failed says why (one killed by a signal: the launcher says which);
+        # this one only says that it followed. Its code (1) does not hide the other's: the
+        # launcher prefers 65, 75 and a worker's signal over it.
         say(
             program.error_line(
                 "trainer",
-                f"process {rank} stopped because another process of the run failed first (its "
-                "error is above)",
+                f"process {rank} stopped because another process of the run failed first (that "
+                "process's error is on a line of its own)",
             )
         )
     finally:

@@ -20,7 +20,8 @@ EXIT_BUG = 1  # an unexpected failure: a bug, with its traceback in the log
 ERROR_MARK = ": error: "
 DETAIL_INDENT = "  "  # lines detailing an error line start with it
 # Where the trainer's launcher asks each torchrun worker to leave its exit code and pid (torchrun
-# itself reports only "failed"); the worker writes ``rank-<rank>`` and ``pid-<rank>`` there.
+# itself reports only "failed"); the worker writes ``rank-<rank>`` and ``pid-<rank>`` there, and
+# tunepack's torchrun ``killed-<rank>`` for a worker that died of a signal.
 EXIT_DIR_ENV = "TUNEPACK_EXIT_DIR"
 
 

@@ -458,3 +458,59 @@ def test_a_sigkill_to_the_cli_process_group_reaches_every_process_of_the_run_at_
     elsewhere = {f"{pid} {run[pid]}": pgid for pid, pgid in groups.items() if pgid != proc.pid}
     assert elsewhere == {}, f"not in the CLI's process group {proc.pid}: {elsewhere}"
     assert gone == []
+
+
+def _worker_of_rank(proc: subprocess.Popen, rank: int) -> int:
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if "tunepack.trainers.worker" in child.cmdline() and (
+                child.environ().get("RANK") == str(rank)
+            ):
+                return child.pid
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker of rank {rank} below the CLI")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_by_a_signal_is_named_and_the_run_resumes(
+    tmp_path, tiny_model_dir, tiny_dataset_file
+):
+    """One worker of a two-process run killed (``kill -9``, the OOM killer): the CLI says which
+    process died of which signal and exits 128 + N, as when the one process of a run is killed:
+    running the same command again resumes."""
+    workspace = tmp_path / "ws"
+    command = _train_command(
+        workspace, tiny_model_dir, tiny_dataset_file, "--name", "job", *TWO_PROCESSES,
+        "epochs=5", "max_steps=30",
+    )  # fmt: skip
+    proc = _start(command, tmp_path, "job")
+    seen: dict[int, psutil.Process] = {}
+    try:
+        _wait_for_steps(proc, workspace, seen)
+        victim = _worker_of_rank(proc, 1)
+        os.kill(victim, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+        left = _wait_all_gone(seen)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert left == []
+    assert proc.returncode == 128 + signal.SIGKILL, out + err
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    log = workspace / "logs" / "node.log"
+    assert lines[-2:] == [
+        "tunepack: step 'node' failed with exit code 137 (killed by SIGKILL: running it again "
+        f"resumes from the newest checkpoint); log: {log}",
+        f"  trainer: error: rank 1 (pid {victim}) was killed by SIGKILL",
+    ], err
+    assert "its error is above" not in out + err  # the line that followed it says no such thing
+
+    again = subprocess.run(
+        command, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "TUNEPACK_HOME": str(tmp_path / "home")},
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "ran before (" in again.stdout and "): resuming it" in again.stdout
+    assert json.loads((workspace / "output" / "result.json").read_text())["steps"] == 30

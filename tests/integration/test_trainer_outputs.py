@@ -208,7 +208,7 @@ def test_full_disk_while_publishing_is_one_line_exit_75_nothing_partial(
     if nproc == 2:
         assert errors[1] == (
             "trainer: error: process 1 stopped because another process of the run failed first "
-            "(its error is above)"
+            "(that process's error is on a line of its own)"
         )
     left = set(left)
     assert {"config.yaml", "metrics.jsonl"} <= left, done.stdout

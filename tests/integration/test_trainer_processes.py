@@ -118,6 +118,16 @@ def test_exit_code_prefers_bad_input_then_transient():
     assert _exit_code(0, [0, 0], signalled=False) == 0
 
 
+def test_exit_code_of_a_worker_killed_by_a_signal_is_128_plus_n():
+    """As a one-process run killed so: whatever the other workers did once torchrun stopped
+    them (a follower's 1, a checkpointing worker's 75); bad input and a stop request still win."""
+    kill = int(signal.SIGKILL)
+    assert _exit_code(1, [1], signalled=False, killed=[kill]) == 128 + kill
+    assert _exit_code(1, [EXIT_TRANSIENT], signalled=False, killed=[kill]) == 128 + kill
+    assert _exit_code(1, [EXIT_BAD_INPUT], signalled=False, killed=[kill]) == EXIT_BAD_INPUT
+    assert _exit_code(1, [], signalled=True, killed=[kill]) == EXIT_TRANSIENT
+
+
 def test_layout_from_pet_variables(monkeypatch):
     for key, value in {"NNODES": "2", "NPROC_PER_NODE": "auto", "NODE_RANK": "1"}.items():
         monkeypatch.setenv(f"PET_{key}", value)

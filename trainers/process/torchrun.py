@@ -5,7 +5,9 @@ torchrun ends every stop with a traceback of its own ``SignalException`` and eve
 with a ``ChildFailedError`` one, after warning lines of its own; the launcher already reports
 both in one line (the workers' exit codes decide the node's). Unless ``TUNEPACK_VERBOSE`` is set
 those are kept out of the log; the exit status says the same: 128 + N for a signal, 1 for a
-failed worker.
+failed worker. A worker that died of a signal torchrun did not send it (``kill -9``, the OOM
+killer) is recorded in the launcher's exit directory as ``killed-<rank>`` ("<pid> <signal>"): the
+launcher names it, and the node exits 128 + N as a one-process run killed so does.
 
 torchrun starts each worker in a session of its own and stops it by signalling that session's
 group. Here the workers stay in torchrun's process group, which is the launcher's (and the CLI's,
@@ -24,8 +26,12 @@ import sys
 # forwarded SIGTERM arrives too.
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from tunepack.core import lifetime  # noqa: E402
+from tunepack.core import lifetime, program  # noqa: E402
 from tunepack.trainers.process import noise  # noqa: E402
+
+# The workers torchrun itself signalled (stopping them after a failure or a stop request): their
+# deaths are its doing, not the cause of the failure.
+_closed: set[int] = set()
 
 
 def _keep_workers_in_the_group() -> None:
@@ -42,6 +48,7 @@ def _keep_workers_in_the_group() -> None:
         return subprocess.Popen(args=args, env=env, stdout=self._stdout, stderr=self._stderr)
 
     def close(self, death_sig=None):
+        _closed.add(self.proc.pid)
         try:
             os.kill(self.proc.pid, death_sig or signal.SIGTERM)  # the worker, not the group
         except ProcessLookupError:
@@ -69,6 +76,20 @@ def _one_request_per_burst() -> None:
     api._terminate_process_handler = handle  # looked up when the agent starts its workers
 
 
+def _record_killed(failures: dict) -> None:
+    """``killed-<rank>`` in the launcher's exit directory for each worker that died of a signal
+    torchrun did not send it."""
+    import os
+    from pathlib import Path
+
+    exit_dir = os.environ.get(program.EXIT_DIR_ENV)
+    if not exit_dir:
+        return
+    for rank, failure in failures.items():
+        if failure.exitcode < 0 and failure.pid not in _closed:
+            Path(exit_dir, f"killed-{rank}").write_text(f"{failure.pid} {-failure.exitcode}")
+
+
 def main(argv: list[str]) -> int:
     noise.quiet()
     from torch.distributed import run
@@ -85,7 +106,8 @@ def main(argv: list[str]) -> int:
         if noise.verbose():
             raise
         return 128 + int(stopped.sigval)
-    except ChildFailedError:
+    except ChildFailedError as failed:
+        _record_killed(failed.failures)
         if noise.verbose():
             raise
         return 1
