@@ -14,45 +14,30 @@ def cmd_render_trainjob(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _trainjob(ns: argparse.Namespace, *, local: bool = False) -> dict:
-    from tunepack.cli.train import resources_per_node
-    from tunepack.jobs.naming import timestamped_job_name
-    from tunepack.jobs.trainjob import (
-        CLUSTER_RUNTIME_KIND,
-        NAMESPACED_RUNTIME_KIND,
-        TrainJobSpec,
-        build_trainjob,
-        parse_trainer_args_for,
-    )
+def _trainjob(ns: argparse.Namespace) -> dict:
+    """The TrainJob ``tunepack train`` submits for the same flags (``train.cluster_job``, built
+    by ``submit.build`` as the cluster backend builds it): every job flag, the checks of
+    submission (the memory check with ``--gpu`` and ``--memory-check``, the method against a
+    ``--dataset-schema``) in the same words. Only the runtime's kind is the flags' here
+    (``--namespaced``), where ``train`` finds the installed one."""
+    from tunepack.cli.train import cluster_job
+    from tunepack.jobs import submit
+    from tunepack.jobs.trainjob import CLUSTER_RUNTIME_KIND, NAMESPACED_RUNTIME_KIND
     from tunepack.spelling import CLI
 
-    namespaced = getattr(ns, "namespaced", False)
-    spec = TrainJobSpec(
-        name=ns.name if ns.name is not None else timestamped_job_name(ns.runtime),
-        runtime=ns.runtime,
-        dataset_uri=ns.dataset,
-        model_uri=ns.model,
-        # The CLI's words, parsed once here: the TrainJob and the memory check read the result.
-        trainer_args=parse_trainer_args_for(ns.trainer_args, ns.runtime, ns.model),
-        num_nodes=ns.num_nodes,
-        namespace=getattr(ns, "namespace", None),
-        num_proc_per_node=ns.num_proc_per_node,
-        resources_per_node=resources_per_node(ns),
-        queue=ns.queue,
-        runtime_kind=NAMESPACED_RUNTIME_KIND if namespaced else CLUSTER_RUNTIME_KIND,
-        export_uri=ns.export,
-        export_secret=ns.export_secret,
-        dataset_secret=ns.dataset_secret,
-        model_secret=ns.model_secret,
-        local=local,
+    job = cluster_job(ns)
+    return submit.build(
+        ns.runtime,
+        job.initializer,
+        job.trainer,
+        name=job.name,
+        namespace=ns.namespace,
+        gpu=ns.gpu,
+        memory_check=ns.memory_check,
+        runtime_kind=NAMESPACED_RUNTIME_KIND if ns.namespaced else CLUSTER_RUNTIME_KIND,
+        labels=job.labels,
+        spelling=CLI,
     )
-    trainjob = build_trainjob(spec, CLI)
-    if not local:
-        from tunepack.jobs.submit import check_spec_plan
-
-        # The memory check of `train` (TrainingClient), with the same --gpu and --memory-check.
-        check_spec_plan(spec, ns.gpu, ns.memory_check, CLI)
-    return trainjob
 
 
 def cmd_render_serving(ns: argparse.Namespace) -> int:

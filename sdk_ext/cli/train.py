@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 from tunepack.cli import clients, output
@@ -242,28 +243,56 @@ def _local_trainjob(ns: argparse.Namespace, backend, workspace: Path | None) -> 
 def _train_on_cluster(ns: argparse.Namespace) -> int:
     """Submit through ``TrainingClient.train``, as a notebook does: the same runtime lookup
     (a TrainingRuntime in the namespace first), validation and memory check."""
-    from kubeflow.trainer.options import Labels, Name
-
     from tunepack.client import TrainingClient
-    from tunepack.jobs.naming import timestamped_job_name
-    from tunepack.jobs.trainjob import QUEUE_LABEL
     from tunepack.spelling import CLI
 
-    trainer = _finetune(ns)
-    options = [Name(ns.name if ns.name is not None else timestamped_job_name(ns.runtime))]
-    if ns.queue is not None:
-        options.append(Labels({QUEUE_LABEL: ns.queue}))
+    job = cluster_job(ns)  # the flags checked before the cluster is asked anything
     check_cluster(ns.context)
     client = TrainingClient(backend_config(ns), gpu=ns.gpu, memory_check=ns.memory_check)
     client.backend.spelling = CLI  # its refusals in this command's words
     name = client.train(
         runtime=ns.runtime,
-        initializer=_initializer(ns),
-        trainer=trainer,
-        options=options,
+        initializer=job.initializer,
+        trainer=job.trainer,
+        options=job.options(),
     )
     print(f"tunepack: submitted TrainJob {client.backend.namespace}/{name}")
     return 0
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    """What the job flags (``_add_job_arguments``) say of a TrainJob on a cluster, made once by
+    ``cluster_job``: ``train`` submits it (``TrainingClient.train``, whose backend hands it to
+    ``submit.build``) and ``render trainjob`` prints it (``submit.build`` with the same
+    arguments), so the two write the same TrainJob for the same flags."""
+
+    name: str
+    initializer: object  # jobs.translate.Initializer
+    trainer: object  # finetune.FineTune
+    labels: dict[str, str] | None
+
+    def options(self) -> list:
+        """The SDK's options that say the name and labels (``KubernetesBackend`` reads them
+        back into ``submit.build``'s ``name`` and ``labels``)."""
+        from kubeflow.trainer.options import Labels, Name
+
+        return [Name(self.name)] + ([Labels(self.labels)] if self.labels else [])
+
+
+def cluster_job(ns: argparse.Namespace) -> ClusterJob:
+    """The TrainJob's inputs from ``train``'s and ``render trainjob``'s job flags: the trainer
+    (``key=value``, placement, ``--export``), the initializers (URIs, Secrets, ``--column-map``,
+    ``--dataset-schema``), the name (``--name``, else ``<model>-<timestamp>``) and the labels
+    (``--queue``)."""
+    from tunepack.jobs.naming import timestamped_job_name
+    from tunepack.jobs.trainjob import QUEUE_LABEL
+
+    trainer = _finetune(ns)
+    initializer = _initializer(ns)
+    name = ns.name if ns.name is not None else timestamped_job_name(ns.runtime)
+    labels = {QUEUE_LABEL: ns.queue} if ns.queue is not None else None
+    return ClusterJob(name, initializer, trainer, labels)
 
 
 def _initializer(ns: argparse.Namespace):

@@ -24,7 +24,6 @@ from tunepack.jobs.trainjob import (
     names_gpus,
     processes_per_node,
     requested_resources,
-    trainer_args_of,
 )
 from tunepack.jobs.translate import (
     dataset_split,
@@ -227,26 +226,6 @@ def check_plan(
     if gpus and memory_check != "off" and not custom.is_placeholder(entry):
         check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check, spelling)
     return num_proc
-
-
-def check_spec_plan(
-    spec: TrainJobSpec, gpu: str, memory_check: planner.MemoryCheck, spelling: Spelling = SDK
-) -> None:
-    """The memory check ``build`` applies, for a ``TrainJobSpec`` built otherwise (``tunepack
-    render trainjob``). Raises ``BadInputError`` when it does not fit and ``memory_check`` is
-    ``refuse``."""
-    gpu = check_settings(gpu, memory_check)
-    check_plan(
-        model_entry_for(spec.runtime, spec.model_uri),
-        trainer_args_of(spec),
-        num_nodes=spec.num_nodes,
-        num_proc=spec.num_proc_per_node,
-        resources=spec.resources_per_node,
-        gpu=gpu,
-        memory_check=memory_check,
-        local=spec.local,
-        spelling=spelling,
-    )
 
 
 def local_trainjob(

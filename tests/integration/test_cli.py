@@ -139,7 +139,8 @@ def test_render_trainjob_is_valid_and_carries_the_run():
     spec = trainjob["spec"]
     assert spec["runtimeRef"]["name"] == "tunepack-llama3.2-1b"
     assert spec["initializer"]["dataset"]["storageUri"] == "file:///data/train.jsonl"
-    assert spec["trainer"]["args"] == ["lora_rank=16", "epochs=3"]
+    # As `train` submits them: in the vocabulary's order.
+    assert spec["trainer"]["args"] == ["epochs=3", "lora_rank=16"]
 
 
 def test_render_trainjob_for_the_platform_namespaced_runtime_queue_and_processes():
@@ -314,7 +315,7 @@ def test_the_memory_check_plans_the_activation_checkpointing_the_trainer_does():
         ),
         (
             ["--dataset", "/d", "--model", "/m", "--num-proc-per-node", "0"],
-            "tunepack: error: num_proc_per_node must be a positive integer, got 0\n",
+            "tunepack: error: --num-proc-per-node 0 is not valid: expected an integer >= 1\n",
         ),
     ],
 )

@@ -1212,6 +1212,54 @@ def test_cli_train_gpus_per_node_set_the_pods_gpus_and_processes(server, cli):
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": 4}
 
 
+# Every flag `train` and `render trainjob` share, each given (issue 49, 4: nothing dropped).
+SHARED_FLAGS = [
+    "--runtime", "tiny-llama3", "--dataset", "hf://org/questions", "--model", "hf://org/m",
+    "--name", "same-job", "--num-nodes", "2", "--gpus-per-node", "0", "--num-proc-per-node", "2",
+    "--queue", "team-a-queue", "--dataset-secret", "hf-data", "--model-secret", "hf-model",
+    "--column-map", "question:instruction", "--dataset-schema", "instruction",
+    "--export", "s3://bucket/out", "--export-secret", "s3-creds", "epochs=1",
+]  # fmt: skip
+
+
+def test_render_trainjob_prints_the_trainjob_train_submits(server, cli):
+    """`render trainjob --column-map question:instruction --dataset-schema instruction` printed a
+    TrainJob without them, so a user who applied it got a job that ignored both, silently: the
+    TrainJob it prints is now the one `train` submits for the same flags, every one of them."""
+    fake, _ = server
+    assert cli("install", "--no-image-check", "--runtime", "tiny-llama3").returncode == 0
+    rendered = cli("render", "trainjob", *SHARED_FLAGS, "--namespace", NS)
+    assert (rendered.returncode, rendered.stderr) == (0, "")
+    trainjob = yaml.safe_load(rendered.stdout)
+    dataset = trainjob["spec"]["initializer"]["dataset"]
+    env = {var["name"]: var["value"] for var in dataset["env"]}
+    assert env["COLUMN_MAP"] == "question:instruction"
+    assert env["DATASET_SCHEMA"] == "instruction"
+    done = cli("train", *SHARED_FLAGS)
+    assert done.returncode == 0, done.stderr
+    (post,) = [r for r in fake.requests if r.method == "POST"]
+    assert trainjob == post.body
+
+
+def test_render_trainjob_refuses_a_method_the_named_schema_does_not_fit_as_train_does(server, cli):
+    """`render trainjob method=dpo --dataset-schema instruction` printed the TrainJob (rc 0),
+    which failed on the cluster; `train` refused it at submission (issue 49, 6). Now render
+    refuses it too: the same one line, exit 65, nothing printed."""
+    fake, _ = server
+    assert cli("install", "--no-image-check", "--runtime", "tiny-llama3").returncode == 0
+    job = ["--runtime", "tiny-llama3", "--dataset", "hf://org/questions", "--model", "hf://org/m"]
+    job += ["--name", "dpo-job", "--dataset-schema", "instruction", "method=dpo"]
+    rendered = cli("render", "trainjob", *job)
+    assert (rendered.returncode, rendered.stdout) == (65, "")
+    assert rendered.stderr == (
+        "tunepack: error: method=dpo needs a preference dataset (rows with 'prompt', 'chosen' "
+        "and 'rejected'), but the dataset's schema is 'instruction'\n"
+    )
+    train = cli("train", *job)
+    assert (train.returncode, train.stdout, train.stderr) == (65, "", rendered.stderr)
+    assert not [r for r in fake.requests if r.method == "POST"]
+
+
 def test_render_serving_reads_a_finished_trainjobs_runtime_and_arguments(
     server, capsys, tmp_path, monkeypatch
 ):

@@ -214,7 +214,13 @@ def test_render_trainjob_parses_its_words_once(calls, capsys):
     assert code == 0, capsys.readouterr().err
     assert calls == {"parse": 1, "words read": 1, "resolve": 1}
     job = yaml.safe_load(capsys.readouterr().out)
-    assert job["spec"]["trainer"]["args"] == WORDS  # as given, in the order given
+    # As `train` submits them (FineTune.from_args, as above): in the vocabulary's order.
+    assert job["spec"]["trainer"]["args"] == [
+        "method=lora",
+        "epochs=2",
+        "max_steps=3",
+        "lora_rank=4",
+    ]
 
 
 def test_a_trainjobs_arguments_are_parsed_once_by_each_program_that_reads_them(calls, monkeypatch):
