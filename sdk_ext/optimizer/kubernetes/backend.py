@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime
@@ -35,6 +34,7 @@ from kubeflow.trainer.types import types as kf
 from tunepack.backends.api_errors import api_message
 from tunepack.core.errors import ConflictError, NotAvailableError, NotFoundError
 from tunepack.optimizer import space as spaces
+from tunepack.optimizer.base import COMPLETE, CREATED, FAILED, RUNNING, OptimizerBackend
 from tunepack.optimizer.space import TPESearch
 from tunepack.optimizer.template import Template, prepare, template_with
 from tunepack.optimizer.types import (
@@ -58,7 +58,6 @@ INJECTION_LABEL = "katib.kubeflow.org/metrics-collector-injection"
 # The sidecar that runs the trainer's output through Katib's StdOut collector, and prints it.
 COLLECTOR_CONTAINER = "metrics-logger-and-collector"
 NAME_PREFIX = "hpo-"
-CREATED, RUNNING, COMPLETE, FAILED = "Created", "Running", "Complete", "Failed"
 PLACEHOLDER = "${{trialParameters.{}}}"
 # The head klog puts on each line the collector prints (the trainer's lines among them).
 _KLOG_HEAD = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+\d+ [\w.-]+:\d+\] ")
@@ -69,8 +68,10 @@ def katib_metric(metric: str) -> str:
     return methods.STDOUT_NAMES.get(metric, metric)
 
 
-class KubernetesOptimizerBackend:
+class KubernetesOptimizerBackend(OptimizerBackend):
     """Katib Experiments of tunepack TrainJobs in the config's namespace."""
+
+    ENDED = frozenset({COMPLETE, FAILED})
 
     def __init__(
         self,
@@ -179,26 +180,6 @@ class KubernetesOptimizerBackend:
         if space.max_failed_trials is not None:
             body["spec"]["maxFailedTrialCount"] = space.max_failed_trials
         return body
-
-    def optimize(
-        self,
-        trial_template,
-        *,
-        search_space,
-        trial_config=None,
-        objectives=None,
-        algorithm=None,
-        early_stopping=None,
-    ) -> str:
-        template, space = self.prepare(
-            trial_template,
-            search_space=search_space,
-            trial_config=trial_config,
-            objectives=objectives,
-            algorithm=algorithm,
-            early_stopping=early_stopping,
-        )
-        return self.submit(template, space)
 
     def submit(self, template: Template, space: spaces.Space) -> str:
         """Create the Experiment of a prepared search; returns its name."""
@@ -359,33 +340,9 @@ class KubernetesOptimizerBackend:
             trial=best["bestTrialName"],
         )
 
-    def best_trial(self, name: str) -> str:
-        job = self.get_job(name)
-        if job.best_trial is None:
-            raise NotFoundError(
-                f"optimization {name!r} has no finished trial yet ({job.status}"
-                + (f": {job.message}" if job.message else "")
-                + ")"
-            )
-        return job.best_trial
-
-    def get_job_logs(
-        self, name: str, trial_name: str | None = None, follow: bool = False
-    ) -> Iterator[str]:
-        """The trainer's output of a trial (default: the best one, else the first), which
-        Katib's collector takes from the trainer and prints (its klog heads taken off)."""
-        job = self.get_job(name)
-        names = [t.name for t in job.trials]
-        if trial_name is None:
-            trial_name = job.best_trial or (names[0] if names else None)
-        if trial_name is None:
-            return iter(())
-        if trial_name not in names:
-            raise NotFoundError(
-                f"optimization {name!r} has no trial {trial_name!r}; its trials are "
-                f"{', '.join(names) or 'none yet'}"
-            )
-        pod = self._trainer_pod(trial_name)
+    def trial_logs(self, trial: str, follow: bool) -> Iterator[str]:
+        """What Katib's collector took from the trainer and printed (its klog heads off)."""
+        pod = self._trainer_pod(trial)
         if pod is None:
             return iter(())
         lines = self.trainer._read_pod_logs(
@@ -401,33 +358,6 @@ class KubernetesOptimizerBackend:
         pods = self.core_api.list_namespaced_pod(self.namespace, label_selector=selector).items
         pods.sort(key=lambda p: p.metadata.creation_timestamp)
         return pods[-1].metadata.name if pods else None
-
-    def wait_for_job_status(
-        self,
-        name: str,
-        status: set[str] = {COMPLETE},  # noqa: B006 (the SDK's signature)
-        timeout: int = 3600,
-        polling_interval: int = 2,
-        callbacks=None,
-    ) -> OptimizationJob:
-        allowed = {CREATED, RUNNING, COMPLETE, FAILED}
-        if not set(status) <= allowed:
-            raise ValueError(f"Expected status {status} must be a subset of {allowed}")
-        deadline = time.monotonic() + timeout
-        while True:
-            job = self.get_job(name)
-            for callback in callbacks or []:
-                callback(job)
-            if job.status in status:
-                return job
-            if job.status == FAILED:
-                raise RuntimeError(
-                    f"OptimizationJob {name} is Failed"
-                    + (f": {job.message}" if job.message else "")
-                )
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"Timeout waiting for OptimizationJob {name} to reach {status}")
-            time.sleep(polling_interval)
 
     def get_job_events(self, name: str) -> list[kf.Event]:
         job = self.get_job(name)
@@ -462,9 +392,6 @@ class KubernetesOptimizerBackend:
             )
         except Exception as e:
             raise RuntimeError(f"Failed to delete OptimizationJob: {self.namespace}/{name}") from e
-
-    def result(self, name: str, trial_name: str | None = None):
-        return self.trainer.result(trial_name or self.best_trial(name))
 
 
 def with_placeholders(args: list[str], names: list[str]) -> list[str]:

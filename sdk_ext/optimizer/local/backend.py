@@ -29,6 +29,7 @@ from tunepack.core.errors import (
     WorkspaceBusyError,
 )
 from tunepack.optimizer import space as spaces
+from tunepack.optimizer.base import OptimizerBackend
 from tunepack.optimizer.local import study as studies
 from tunepack.optimizer.local.record import (
     COMPLETE,
@@ -58,10 +59,12 @@ from tunepack.optimizer.types import (
 NAME_PREFIX = "hpo-"
 
 
-class LocalOptimizerBackend:
+class LocalOptimizerBackend(OptimizerBackend):
     """Optimization jobs on this machine, under ``<jobs root>/.optimizations/``."""
 
     is_local = True
+    STATUSES = frozenset({CREATED, RUNNING, COMPLETE, FAILED, STOPPED})
+    ENDED = frozenset(TERMINAL)
 
     def __init__(self, cfg: LocalBackendConfig):
         try:
@@ -120,24 +123,9 @@ class LocalOptimizerBackend:
         record.create(template, space)
         return record
 
-    def optimize(
-        self,
-        trial_template,
-        *,
-        search_space,
-        trial_config=None,
-        objectives=None,
-        algorithm=None,
-        early_stopping=None,
-    ) -> str:
-        template, space = self.prepare(
-            trial_template,
-            search_space=search_space,
-            trial_config=trial_config,
-            objectives=objectives,
-            algorithm=algorithm,
-            early_stopping=early_stopping,
-        )
+    def submit(self, template: Template, space: spaces.Space) -> str:
+        """The search's record (a new one, or the one the same search made), and its detached
+        runner unless it is complete."""
         record = self.create(template, space)
         if record.status()[0] != COMPLETE:
             self._start(record)
@@ -265,59 +253,8 @@ class LocalOptimizerBackend:
             return None
         return Result(parameters=dict(best.parameters), metrics=best.metrics, trial=best.name)
 
-    def best_trial(self, name: str) -> str:
-        """The best finished trial's TrainJob (``NotFoundError`` while there is none)."""
-        job = self.get_job(name)
-        if job.best_trial is None:
-            raise NotFoundError(
-                f"optimization {name!r} has no finished trial yet ({job.status}"
-                + (f": {job.message}" if job.message else "")
-                + ")"
-            )
-        return job.best_trial
-
-    def get_job_logs(
-        self, name: str, trial_name: str | None = None, follow: bool = False
-    ) -> Iterator[str]:
-        job = self.get_job(name)
-        names = [t.name for t in job.trials]
-        if trial_name is None:
-            trial_name = job.best_trial or (names[0] if names else None)
-        if trial_name is None:
-            return iter(())
-        if trial_name not in names:
-            raise NotFoundError(
-                f"optimization {name!r} has no trial {trial_name!r}; its trials are "
-                f"{', '.join(names) or 'none yet'}"
-            )
-        return self.trainer.get_job_logs(trial_name, follow=follow)
-
-    def wait_for_job_status(
-        self,
-        name: str,
-        status: set[str] = {COMPLETE},  # noqa: B006 (the SDK's signature)
-        timeout: int = 3600,
-        polling_interval: int = 2,
-        callbacks=None,
-    ) -> OptimizationJob:
-        allowed = {CREATED, RUNNING, COMPLETE, FAILED, STOPPED}
-        if not set(status) <= allowed:
-            raise ValueError(f"Expected status {status} must be a subset of {allowed}")
-        deadline = time.monotonic() + timeout
-        while True:
-            job = self.get_job(name)
-            for callback in callbacks or []:
-                callback(job)
-            if job.status in status:
-                return job
-            if job.status in TERMINAL:
-                raise RuntimeError(
-                    f"OptimizationJob {name} is {job.status}"
-                    + (f": {job.message}" if job.message else "")
-                )
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"Timeout waiting for OptimizationJob {name} to reach {status}")
-            time.sleep(polling_interval)
+    def trial_logs(self, trial: str, follow: bool) -> Iterator[str]:
+        return self.trainer.get_job_logs(trial, follow=follow)
 
     def get_job_events(self, name: str) -> list[kf.Event]:
         events = []
@@ -350,10 +287,6 @@ class LocalOptimizerBackend:
             except NotFoundError:
                 pass
         shutil.rmtree(record.path)
-
-    def result(self, name: str, trial_name: str | None = None):
-        """The best trial's (or ``trial_name``'s) result, as ``TrainingClient.result`` gives it."""
-        return self.trainer.result(trial_name or self.best_trial(name))
 
 
 def _best(trials: list[Trial], space: spaces.Space) -> Trial | None:
