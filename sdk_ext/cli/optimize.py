@@ -21,6 +21,17 @@ def cmd_optimize(ns: argparse.Namespace) -> int:
     from tunepack.optimizer import space as spaces
     from tunepack.optimizer.local.record import COMPLETE, STOPPED
 
+    # Job flags a search cannot honour, said rather than dropped.
+    if ns.name:
+        raise BadValueError(
+            f"--name {ns.name}: a search names its trials itself (<search>-<n> on this machine, "
+            "by Katib on a cluster); leave --name out"
+        )
+    if ns.queue:
+        raise BadValueError(
+            f"--queue {ns.queue}: a search's trials are not put in a Kueue queue in this version "
+            "of tunepack; leave --queue out"
+        )
     backend = _backend(ns)
     if not ns.search:
         raise BadValueError(

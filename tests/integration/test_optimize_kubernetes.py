@@ -342,3 +342,34 @@ def test_the_command_line_makes_the_experiment_follows_it_and_names_the_best(ser
     status = run_program("tunepack.cli", env, "optimize", "status", name, timeout=120)
     assert status.returncode == 0, status.stderr
     assert status.stdout.splitlines()[0] == f"{name}  Complete  (2 of 2 trials)"
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        (
+            ["--name", "mine"],
+            "tunepack: error: --name mine: a search names its trials itself (<search>-<n> on this "
+            "machine, by Katib on a cluster); leave --name out",
+        ),
+        (
+            ["--queue", "team"],
+            "tunepack: error: --queue team: a search's trials are not put in a Kueue queue in "
+            "this version of tunepack; leave --queue out",
+        ),
+    ],
+    ids=["name", "queue"],
+)
+def test_job_flags_a_search_cannot_honour_are_refused_not_dropped(server, tmp_path, flag, message):
+    fake, cfg = server
+    env = {"KUBECONFIG": str(write_kubeconfig(tmp_path / "kubeconfig", cfg.host, namespace=NS))}
+    for where in ([], ["--local", "--jobs-dir", str(tmp_path / "jobs")]):
+        done = run_program(
+            "tunepack.cli", env, "optimize", *where, *flag, "--runtime", RUNTIME,
+            "--dataset", "s3://sources/data.jsonl", "--model", "s3://sources/tiny",
+            "--search", "lr=loguniform:1e-5:1e-3", timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 65, done.stderr
+        assert done.stderr.strip().splitlines()[-1] == message
+    assert not [r for r in fake.requests if r.path.startswith(KATIB_PATH)]
+    assert not (tmp_path / "jobs").exists()
