@@ -11,6 +11,7 @@ their images; its result.json is read from the volume behind its workspace PVC.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,11 +34,13 @@ def katib_namespace(api, namespace):
 
 
 def _client(namespace: str):
+    """As a notebook makes it; the kubeconfig named (kube.training_client says why)."""
     from kubeflow.common.types import KubernetesBackendConfig
 
     from tunepack import OptimizerClient
 
-    return OptimizerClient(KubernetesBackendConfig(namespace=namespace))
+    cfg = KubernetesBackendConfig(namespace=namespace, config_file=os.environ["KUBECONFIG"])
+    return OptimizerClient(cfg)
 
 
 def _template(sources):
