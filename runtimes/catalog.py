@@ -969,7 +969,7 @@ TINY: dict[str, ModelEntry] = {
 # Models that read images: their builders take the checkpoint's config.json, which
 # tunepack.tiny writes with transformers' own config class (a vision tower of one tile size).
 TINY_VISION: dict[str, ModelEntry] = {
-    "mllama": _tiny("mllama", "tiny-llama3.2-vision", _tiny_shape()),
+    "mllama": _tiny("mllama", "tiny-mllama", _tiny_shape()),
 }
 assert set(TINY) | set(TINY_VISION) == set(FAMILIES), "every family needs a tiny variant"
 assert not set(TINY) & set(TINY_VISION)
@@ -1029,6 +1029,41 @@ CUSTOM: dict[str, ModelEntry] = {
 # runtime per architecture.
 CATALOG: dict[str, ModelEntry] = {
     entry.name: entry for entry in (TINY_LLAMA3, *_PUBLISHED, *CUSTOM.values())
+}
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny model ``tunepack tiny-model --model NAME`` writes, and the runtime it is for."""
+
+    entry: ModelEntry
+    runtime: str
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The methods the runtime trains with that this tiny model's shape takes too."""
+        return tuple(m for m in get(self.runtime).methods if self.entry.why_not(m) is None)
+
+
+# A Llama 3.2 Vision whose text projections NF4 can quantize (each a multiple of its 16384-value
+# block, where tiny-mllama's are not), its checkpoint indexed as the published ones are: the
+# published runtime builds any size from config.json, so on this model it trains on a CPU with
+# every method it has, qlora included, on images and on text-only chats.
+TINY_VISION_NF4 = replace(
+    _tiny("mllama", "tiny-llama3.2-vision",
+          Shape(384, num_layers=4, num_heads=4, num_kv_heads=2, embed_dim=256,
+                intermediate_dim=512, max_seq_len=512, head_dim=64),
+          "Tiny random Llama 3.2 Vision model (text projections NF4 can quantize) for trying "
+          "the Llama 3.2 Vision runtimes on a CPU (no download)"),
+    checkpoint_files=_INDEXED,
+)  # fmt: skip
+# The one place that says which runtime each model `tunepack tiny-model` writes is for.
+TINY_MODELS: dict[str, TinyModel] = {
+    tiny.entry.name: tiny
+    for tiny in (
+        TinyModel(TINY_LLAMA3, TINY_LLAMA3.runtime_name),
+        TinyModel(TINY_VISION_NF4, CATALOG["llama3.2-vision-11b"].runtime_name),
+    )
 }
 
 

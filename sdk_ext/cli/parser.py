@@ -9,9 +9,15 @@ from tunepack.cli import optimize
 from tunepack.cli.jobs import cmd_delete, cmd_download, cmd_jobs, cmd_logs, cmd_result, cmd_status
 from tunepack.cli.render import cmd_render_serving, cmd_render_trainjob
 from tunepack.cli.runtimes import cmd_args, cmd_install, cmd_runtimes
-from tunepack.cli.tools import DEFAULT_PLAN_SEQ_LEN, cmd_plan, cmd_tiny_dataset, cmd_tiny_model
+from tunepack.cli.tools import (
+    DEFAULT_IMAGE_ROWS,
+    DEFAULT_PLAN_SEQ_LEN,
+    cmd_plan,
+    cmd_tiny_dataset,
+    cmd_tiny_model,
+)
 from tunepack.cli.train import cmd_train
-from tunepack.runtimes import methods
+from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.planner import DEFAULT_GPU, DEFAULT_MEMORY_CHECK, GPUS, MEMORY_CHECKS
 from tunepack.tools.serving_memory import DEFAULT_CONCURRENCY
 
@@ -183,8 +189,19 @@ _Commands = argparse._SubParsersAction
 
 
 def _add_tiny_model(sub: _Commands) -> None:
-    p = sub.add_parser("tiny-model", help="write a tiny random Llama-3 model (offline)")
+    p = sub.add_parser("tiny-model", help="write a tiny random model to try a runtime (offline)")
     p.add_argument("directory", help="directory to write the model to (config, weights, tokenizer)")
+    p.add_argument(
+        "--model",
+        choices=list(catalog.TINY_MODELS),
+        default=catalog.TINY_LLAMA3.name,
+        help="; ".join(
+            f"{name}: for --runtime {tiny.runtime}, method={', '.join(tiny.methods)}"
+            for name, tiny in catalog.TINY_MODELS.items()
+        )
+        + f" (default {catalog.TINY_LLAMA3.name}; {catalog.TINY_VISION_NF4.name} is written with "
+        "transformers, which make dev installs)",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the random weights (default 0: the same model)"
     )
@@ -193,7 +210,11 @@ def _add_tiny_model(sub: _Commands) -> None:
 
 def _add_tiny_dataset(sub: _Commands) -> None:
     p = sub.add_parser("tiny-dataset", help="write a small instruction dataset (offline)")
-    p.add_argument("file", help="the JSON Lines file to write (e.g. data/instructions.jsonl)")
+    p.add_argument(
+        "file",
+        help="the JSON Lines file to write (e.g. data/instructions.jsonl); with --images, the "
+        "directory to write the pictures and their train.jsonl to",
+    )
     kind = p.add_mutually_exclusive_group()
     kind.add_argument(
         "--preference",
@@ -210,7 +231,17 @@ def _add_tiny_dataset(sub: _Commands) -> None:
         action="store_true",
         help="prompts with verifiable answers (sums) for method=grpo instead",
     )
-    p.add_argument("--rows", type=int, default=256, help="number of rows (default 256)")
+    kind.add_argument(
+        "--images",
+        action="store_true",
+        help="pictures of coloured squares and circles with questions (image_chat rows) for "
+        f"{catalog.TINY_VISION_NF4.name} instead; FILE is a directory (needs Pillow: make dev)",
+    )
+    p.add_argument(
+        "--rows",
+        type=int,
+        help=f"number of rows (default 256; {DEFAULT_IMAGE_ROWS} pictures with --images)",
+    )
     p.add_argument(
         "--seed", type=int, default=0, help="seed of the rows' choice (default 0: the same rows)"
     )

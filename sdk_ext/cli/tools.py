@@ -8,16 +8,22 @@ import os
 from pathlib import Path
 
 from tunepack.runtimes import methods
+from tunepack.tiny.pictures import DEFAULT_ROWS as DEFAULT_IMAGE_ROWS
 
 DEFAULT_PLAN_SEQ_LEN = 2048  # plan --seq-len when not given (the model's context if shorter)
 
 
 def cmd_tiny_model(ns: argparse.Namespace) -> int:
+    from tunepack.runtimes.catalog import TINY_MODELS
     from tunepack.tiny import write_tiny_model
 
+    tiny = TINY_MODELS[ns.model]
     with _writing(ns.directory, "a directory for the tiny model"):
-        path = write_tiny_model(Path(ns.directory), seed=ns.seed)
-    print(f"tiny model ready at {path}")
+        path = write_tiny_model(Path(ns.directory), tiny.entry, seed=ns.seed)
+    print(
+        f"tiny model ready at {path} (for --runtime {tiny.runtime}; "
+        f"method={', '.join(tiny.methods)})"
+    )
     return 0
 
 
@@ -30,6 +36,8 @@ def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
         write_tiny_unpaired_dataset,
     )
 
+    if ns.images:
+        return _tiny_image_dataset(ns)
     if os.path.isdir(ns.file):
         raise BadValueError(
             f"{ns.file} is a directory; give the path of the dataset file to write "
@@ -44,8 +52,23 @@ def cmd_tiny_dataset(ns: argparse.Namespace) -> int:
             write, kind = write_tiny_prompt_dataset, "prompt dataset (for method=grpo)"
         else:
             write, kind = write_tiny_dataset, "dataset"
-        path = write(Path(ns.file), rows=ns.rows, seed=ns.seed)
+        path = write(Path(ns.file), rows=256 if ns.rows is None else ns.rows, seed=ns.seed)
     print(f"tiny {kind} ready at {path}")
+    return 0
+
+
+def _tiny_image_dataset(ns: argparse.Namespace) -> int:
+    from tunepack.runtimes.catalog import TINY_MODELS, TINY_VISION_NF4
+    from tunepack.tiny.pictures import write_tiny_image_dataset
+
+    rows = DEFAULT_IMAGE_ROWS if ns.rows is None else ns.rows
+    with _writing(ns.file, "a directory for the image dataset"):
+        path = write_tiny_image_dataset(Path(ns.file), rows=rows, seed=ns.seed)
+    tiny = TINY_MODELS[TINY_VISION_NF4.name]
+    print(
+        f"tiny image dataset ready at {path} ({rows} pictures; for {tiny.entry.name} with "
+        f"--runtime {tiny.runtime}, method={', '.join(tiny.methods)})"
+    )
     return 0
 
 

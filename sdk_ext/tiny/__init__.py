@@ -2,7 +2,8 @@
 
 The quickstart and the tests need a model and data without a GPU or the internet:
 ``write_tiny_dataset`` and ``write_tiny_model`` (any catalog family; ``tiny-llama3`` by default)
-write them from nothing, seeded, so the same arguments give the same bytes."""
+write them from nothing, seeded, so the same arguments give the same bytes;
+``write_tiny_image_dataset`` draws pictures with questions for Llama 3.2 Vision."""
 
 from tunepack.tiny.bpe import (
     SPECIAL_TOKENS,
@@ -21,6 +22,7 @@ from tunepack.tiny.model import (
     model_files,
     write_tiny_model,
 )
+from tunepack.tiny.pictures import write_tiny_image_dataset
 
 __all__ = [
     "FORMATS",
@@ -37,5 +39,6 @@ __all__ = [
     "tiny_tokenizer_ranks",
     "train_bpe",
     "write_tiny_dataset",
+    "write_tiny_image_dataset",
     "write_tiny_model",
 ]

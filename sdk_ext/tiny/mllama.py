@@ -58,6 +58,7 @@ def write_files(target: Path, entry: ModelEntry, tokenizer: TokenizerFiles, seed
     import torch
     from transformers import MllamaConfig, MllamaForConditionalGeneration
     from transformers.models.mllama.image_processing_mllama import MllamaImageProcessor
+    from transformers.utils import logging
 
     s = entry.shape
     text = {
@@ -85,7 +86,13 @@ def write_files(target: Path, entry: ModelEntry, tokenizer: TokenizerFiles, seed
             if "gate" in name:
                 sign = torch.where(torch.rand(param.shape, generator=generator) < 0.5, -1.0, 1.0)
                 param.copy_(sign * (0.5 + torch.rand(param.shape, generator=generator)))
-    model.save_pretrained(target, safe_serialization=True)
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # one tiny file: no "Writing model shards" bar on the console
+    try:
+        model.save_pretrained(target, safe_serialization=True)
+    finally:
+        if shown:
+            logging.enable_progress_bar()
     processor = MllamaImageProcessor(
         size={"height": TILE_SIZE, "width": TILE_SIZE}, max_image_tiles=MAX_TILES
     )

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tunepack.core import durable
-from tunepack.core.errors import ConflictError, UnsupportedError
-from tunepack.runtimes.catalog import TINY_LLAMA3, ModelEntry
+from tunepack.core.errors import ConflictError, NotAvailableError, UnsupportedError
+from tunepack.runtimes.catalog import SAFETENSORS_INDEX, TINY_LLAMA3, ModelEntry
 from tunepack.tiny import hf, mllama
 from tunepack.tiny.bpe import GptBpeFormat, TiktokenFormat, TokenizerFiles, dump_json
 from tunepack.tiny.dataset import check_int
@@ -102,11 +102,13 @@ FORMATS: dict[str, FamilyFormat] = {
 def model_files(entry: ModelEntry) -> tuple[str, ...]:
     """Every file write_tiny_model writes for ``entry``; a directory holding all is complete."""
     tokenizer = tuple(entry.tokenizer.files.values())
+    index = (SAFETENSORS_INDEX,) if entry.checkpoint_files == (SAFETENSORS_INDEX,) else ()
     if entry.family.reads_images:  # transformers' own files (tunepack.tiny.mllama)
         return (
             "config.json",
             "generation_config.json",
             WEIGHTS_FILE,
+            *index,
             *tokenizer,
             "tokenizer_config.json",
             mllama.PREPROCESSOR_FILE,
@@ -116,10 +118,25 @@ def model_files(entry: ModelEntry) -> tuple[str, ...]:
         "config.json",
         "generation_config.json",
         WEIGHTS_FILE,
+        *index,
         *tokenizer,
         "tokenizer_config.json",
         "README.md",
     )
+
+
+# One weights file, alone or with an index naming it for every tensor (as a sharded checkpoint's
+# index does: the published runtimes of sharded sizes read their checkpoint through it).
+_LAYOUTS = ((WEIGHTS_FILE,), (SAFETENSORS_INDEX,))
+
+
+def _layout_problem(entry: ModelEntry) -> list[str]:
+    if entry.checkpoint_files in _LAYOUTS:
+        return []
+    return [
+        f"checkpoint files {entry.checkpoint_files} are not one {WEIGHTS_FILE} (or its "
+        f"{SAFETENSORS_INDEX})"
+    ]
 
 
 def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
@@ -129,8 +146,7 @@ def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
     if family.reads_images:
         if family.name != "mllama":
             problems.append(f"family {family.name!r} has no tiny format")
-        if entry.checkpoint_files != (WEIGHTS_FILE,):
-            problems.append(f"checkpoint files {entry.checkpoint_files} are not one {WEIGHTS_FILE}")
+        problems += _layout_problem(entry)
         if problems:
             raise UnsupportedError(
                 f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems)
@@ -138,8 +154,7 @@ def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
         return None
     if family.name not in FORMATS:
         problems.append(f"family {family.name!r} has no tiny format")
-    if entry.checkpoint_files != (WEIGHTS_FILE,):
-        problems.append(f"checkpoint files {entry.checkpoint_files} are not one {WEIGHTS_FILE}")
+    problems += _layout_problem(entry)
     if s.vocab_size > MAX_TINY_VOCAB:
         problems.append(
             f"vocab_size {s.vocab_size} is too large for the tiny tokenizer (at most "
@@ -190,6 +205,7 @@ def _write_model_files(
         for name, data in files.items():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             (target / name).write_bytes(data)
+        _write_index(target, entry)
         for path in (target, *target.rglob("*")):
             os.chmod(path, 0o755 if path.is_dir() else 0o644)
         return
@@ -209,9 +225,35 @@ def _write_model_files(
         (target / name).write_bytes(data)
     # "format: pt" is the metadata transformers expects of a PyTorch safetensors file.
     save_file(fmt.model.weights(entry, seed), target / WEIGHTS_FILE, {"format": "pt"})
+    _write_index(target, entry)
     # Temp files and dirs are private by default; the trainer may run as another user.
     for path in (target, *target.rglob("*")):
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
+
+
+def _write_index(target: Path, entry: ModelEntry) -> None:
+    """For an indexed entry: the index of the one weights file, every tensor in it."""
+    if entry.checkpoint_files != (SAFETENSORS_INDEX,):
+        return
+    from safetensors import safe_open
+
+    with safe_open(target / WEIGHTS_FILE, "pt") as weights:
+        weight_map = dict.fromkeys(sorted(weights.keys()), WEIGHTS_FILE)
+    (target / SAFETENSORS_INDEX).write_bytes(dump_json({"metadata": {}, "weight_map": weight_map}))
+
+
+def _needs(entry: ModelEntry) -> None:
+    """A model transformers writes (tunepack.tiny.mllama) needs it installed: one line if not."""
+    if not entry.family.reads_images:
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise NotAvailableError(
+            f"writing {entry.name} needs transformers (its {entry.family.title} model is "
+            "transformers' own class), which is not installed: pip install transformers "
+            "'tunepack[vision]' (make dev has both)"
+        ) from None
 
 
 def is_complete_model_dir(path: Path, entry: ModelEntry | None = None) -> bool:
@@ -231,6 +273,7 @@ def write_tiny_model(out_dir: Path, entry: ModelEntry | None = None, seed: int =
     fmt = _check_entry(entry)
     if is_complete_model_dir(out_dir, entry):
         return out_dir
+    _needs(entry)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ConflictError(
             f"{out_dir} exists but is not a complete tiny model; remove it or pick another path"

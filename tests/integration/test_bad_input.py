@@ -662,6 +662,8 @@ OTHER_COMMANDS = [
     ("delete-unknown", ["delete", "nope", "--local"], ["no local TrainJob 'nope'"]),
     ("delete-workspace-too-cluster", ["delete", "j", "--workspace-too"], ["--workspace-too is for local jobs", "kubectl delete pvc"]),
     ("tiny-dataset-rows", ["tiny-dataset", "out.jsonl", "--rows", "0"], ["rows must be at least 1, got 0"]),
+    ("tiny-model-name", ["tiny-model", "m", "--model", "nope"], ["argument --model: invalid choice: 'nope' (choose from 'tiny-llama3', 'tiny-llama3.2-vision')"]),
+    ("tiny-dataset-images-rows", ["tiny-dataset", "--images", "pics", "--rows", "0"], ["rows must be at least 1, got 0"]),
 ]  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """Llama 3.2 Vision end to end on a CPU: a tiny random ``MllamaForConditionalGeneration`` written
 by transformers (``catalog.TINY_VISION``), a dataset of generated pictures (coloured squares and
-circles with questions about them) through the real dataset initializer, and the trainer.
+circles with questions about them, ``tunepack.tiny.pictures``) through the real dataset
+initializer, and the trainer.
 
 - what the trainer feeds the model (tokens, tiles, aspect ratios, cross-attention mask) equals
   what transformers' ``MllamaProcessor`` gives for the same conversation and images, converted
@@ -13,12 +14,13 @@ circles with questions about them) through the real dataset initializer, and the
 - the published runtime (tunepack-llama3.2-vision-11b) runs through the launcher on the tiny
   checkpoint (any size builds from config.json), and a run killed with SIGKILL resumes from its
   checkpoint to a bit-identical adapter; two processes (FSDP2) train the same losses;
-- `tunepack train --local` runs both initializers and the trainer with that runtime.
+- what a user does: `tunepack tiny-model --model tiny-llama3.2-vision` and `tunepack tiny-dataset
+  --images`, then `tunepack train --local` with that runtime and method=qlora runs both
+  initializers and the trainer.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import shutil
@@ -26,7 +28,7 @@ import shutil
 import pytest
 import torch
 import torchvision  # noqa: F401  Llama 3.2 Vision needs it (tunepack[vision], a dev extra)
-from PIL import Image, ImageDraw  # noqa: E402
+from PIL import Image  # noqa: E402
 
 from tests.helpers import (  # noqa: E402
     adapter_of,
@@ -40,53 +42,16 @@ from tests.helpers import (  # noqa: E402
 )
 from tunepack.runtimes import catalog  # noqa: E402
 from tunepack.tiny import write_tiny_model  # noqa: E402
+from tunepack.tiny.pictures import write_tiny_image_dataset  # noqa: E402
 
 ENTRY = catalog.TINY_VISION["mllama"]
-COLORS = {"red": (220, 30, 30), "green": (30, 180, 60), "blue": (30, 60, 220)}
-# Sizes that fit 1, 2 or more tiles of 28 pixels, wide and tall, and need resizing.
-SIZES = [(40, 40), (60, 30), (30, 70), (50, 50)]
 FAST = ["warmup_steps=0", "checkpoint_every_minutes=0", "batch_size=4", "seed=0"]
-
-
-def _picture(shape: str, color: str, size: tuple[int, int]) -> Image.Image:
-    image = Image.new("RGB", size, (245, 245, 245))
-    draw = ImageDraw.Draw(image)
-    w, h = size
-    box = (w // 5, h // 5, w - w // 5, h - h // 5)
-    (draw.rectangle if shape == "square" else draw.ellipse)(box, fill=COLORS[color])
-    return image
-
-
-def _rows(data) -> list[dict]:
-    rows = []
-    for n in range(12):
-        color = list(COLORS)[n % 3]
-        shape = "square" if n % 2 == 0 else "circle"
-        name = f"pics/{n}.png"
-        _picture(shape, color, SIZES[n % len(SIZES)]).save(data / name)
-        question = f"What color is the {shape}?"
-        rows.append(
-            {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [{"type": "image"}, {"type": "text", "text": question}],
-                    },
-                    {"role": "assistant", "content": f"The {shape} is {color}."},
-                ],
-                "images": [name],
-            }
-        )
-    return rows
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("vision")
-    data = root / "data"
-    (data / "pics").mkdir(parents=True)
-    rows = _rows(data)
-    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = write_tiny_image_dataset(root / "data", rows=12)
     done = run_dataset_initializer(root / "ws", str(data), cwd=root)
     assert done.returncode == 0, done.stderr
     write_tiny_model(root / "ws" / "model", ENTRY)
@@ -253,14 +218,9 @@ def test_dora_trains_on_images_and_its_peft_adapter_reproduces_it(workspace, tmp
     assert (trained[real] - merged[real]).abs().max() < 1e-4
 
 
-# The tiny model with text projections NF4 can quantize (each a multiple of its 16384-value block).
-NF4_ENTRY = dataclasses.replace(
-    ENTRY,
-    name="tiny-llama3.2-vision-nf4",
-    shape=dataclasses.replace(
-        ENTRY.shape, embed_dim=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_dim=512
-    ),
-)
+# The tiny model with text projections NF4 can quantize (each a multiple of its 16384-value
+# block), as `tunepack tiny-model --model tiny-llama3.2-vision` writes it (indexed).
+NF4_ENTRY = catalog.TINY_VISION_NF4
 
 
 def test_qlora_trains_on_images_over_an_nf4_text_model(workspace, tmp_path):
@@ -420,9 +380,7 @@ def test_methods_not_wired_for_images_are_refused_in_one_line():
     from tunepack.trainers.args import parse_trainer_args
 
     assert catalog.get("llama3.2-vision-11b").methods == ("full", "lora", "qlora", "dora")
-    with pytest.raises(
-        BadInputError, match=r"method=dpo is not available for tiny-llama3.2-vision"
-    ):
+    with pytest.raises(BadInputError, match=r"method=dpo is not available for tiny-mllama"):
         parse_trainer_args(["method=dpo"], ENTRY)
 
 
@@ -506,27 +464,47 @@ def test_the_published_runtime_trains_killed_and_restarted_bit_identical(workspa
         assert (expected[key] - got[key]).norm() <= 0.1 * expected[key].norm(), key
 
 
-def test_tunepack_train_local_runs_both_initializers_and_the_trainer(workspace, tmp_path):
-    """The user's command: `tunepack train --local` with the published runtime, the raw picture
-    dataset (checked and stored by the dataset initializer) and the tiny checkpoint (fetched and
-    checked by the model initializer)."""
+def test_tunepack_train_local_runs_both_initializers_and_the_trainer(tmp_path):
+    """What a user does to try QLoRA on images on a CPU: `tunepack tiny-model --model
+    tiny-llama3.2-vision` and `tunepack tiny-dataset --images`, then `tunepack train --local`
+    with the published runtime: the raw picture dataset checked and stored by the dataset
+    initializer, the tiny checkpoint fetched and checked by the model initializer, its text
+    projections quantized to NF4 by the trainer."""
     from tests.helpers import run_program
 
-    model = _published_workspace(workspace, tmp_path / "copy") / "model"
-    data = workspace.parent / "data"
+    env = {"TUNEPACK_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     (tmp_path / "cwd").mkdir()
+    wrote = run_program(
+        "tunepack.cli", env, "tiny-model", "model", "--model", "tiny-llama3.2-vision",
+        cwd=tmp_path / "cwd",
+    )  # fmt: skip
+    assert wrote.returncode == 0, wrote.stderr
+    assert wrote.stdout.splitlines()[-1] == (
+        "tiny model ready at model (for --runtime tunepack-llama3.2-vision-11b; "
+        "method=full, lora, qlora, dora)"
+    )
+    drew = run_program(
+        "tunepack.cli", env, "tiny-dataset", "--images", "data", cwd=tmp_path / "cwd"
+    )
+    assert drew.returncode == 0, drew.stderr
+    assert drew.stdout.splitlines()[-1] == (
+        "tiny image dataset ready at data (24 pictures; for tiny-llama3.2-vision with --runtime "
+        "tunepack-llama3.2-vision-11b, method=full, lora, qlora, dora)"
+    )
+    model, data = tmp_path / "cwd" / "model", tmp_path / "cwd" / "data"
     done = run_program(
-        "tunepack.cli", {"TUNEPACK_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"},
+        "tunepack.cli", env,
         "train", "--local", "--runtime", "tunepack-llama3.2-vision-11b",
         "--dataset", f"file://{data}", "--model", f"file://{model}",
-        "method=lora", "epochs=2", "batch_size=4", "lr=3e-3", "warmup_steps=0",
+        "method=qlora", "epochs=1", "batch_size=4", "lr=3e-3", "warmup_steps=0",
         timeout=300, cwd=tmp_path / "cwd",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
     assert "tunepack: training finished" in done.stdout
     (run,) = (tmp_path / "cwd" / ".tunepack" / "runs").iterdir()
     result = json.loads((run / "output" / "result.json").read_text())
-    assert (result["model"], result["steps"]) == ("llama3.2-vision-11b", 6)
+    got = (result["model"], result["method"], result["steps"])
+    assert got == ("llama3.2-vision-11b", "qlora", 6)
     assert result["final_loss"] < result["first_loss"], result
     assert (run / "output" / "adapter" / "adapter_model.safetensors").stat().st_size > 0
 

@@ -245,3 +245,120 @@ def test_dataset_bad_arguments(tmp_path, kwargs, message):
     with pytest.raises(BadInputError, match=message):
         tiny.write_tiny_dataset(tmp_path / "d.jsonl", **kwargs)
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the tiny models the CLI writes, and the picture dataset -----------------------------------
+
+
+def test_tiny_model_help_lists_each_model_and_its_runtime(capsys, monkeypatch):
+    from tunepack.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # no line breaks inside a runtime's name
+    with pytest.raises(SystemExit) as done:
+        main(["tiny-model", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--model {tiny-llama3,tiny-llama3.2-vision}" in text
+    assert "tiny-llama3: for --runtime tunepack-tiny-llama3," in text
+    assert (
+        "tiny-llama3.2-vision: for --runtime tunepack-llama3.2-vision-11b, "
+        "method=full, lora, qlora, dora"
+    ) in text
+
+
+def test_tiny_model_says_which_runtime_and_methods_it_is_for(model_dir, capsys):
+    """The quickstart's model (already written: the directory is left as it is)."""
+    from tunepack.cli import main
+
+    assert main(["tiny-model", str(model_dir)]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    prefix = f"tiny model ready at {model_dir} (for --runtime tunepack-tiny-llama3; method="
+    assert line.startswith(prefix) and line.endswith(")"), line
+    listed = line.removeprefix(prefix).removesuffix(")").split(", ")
+    assert {"lora", "dora", "full", "dpo"} <= set(listed) and "qlora" not in listed, listed
+
+
+def test_the_cli_vision_model_is_indexed_and_nf4_can_quantize_it():
+    from tunepack.runtimes import catalog
+    from tunepack.tiny import model_files
+
+    tiny = catalog.TINY_MODELS["tiny-llama3.2-vision"]
+    assert tiny.entry is catalog.TINY_VISION_NF4 and tiny.entry.shape.nf4_obstacle() is None
+    assert catalog.TINY_VISION["mllama"].shape.nf4_obstacle() is not None  # why it exists
+    assert tiny.methods == catalog.get(tiny.runtime).methods == ("full", "lora", "qlora", "dora")
+    files = tiny.entry.required_files()
+    assert "model.safetensors.index.json" in files and set(files) <= set(model_files(tiny.entry))
+
+
+def test_image_dataset_rows_match_their_pictures(tmp_path):
+    from PIL import Image
+
+    from tunepack.tiny.pictures import COLORS, SIZES, write_tiny_image_dataset
+
+    path = write_tiny_image_dataset(tmp_path / "pics-data", rows=13, seed=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pics-data"], "temp dir left"
+    rows = [json.loads(line) for line in (path / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == 13 and len(list((path / "pics").iterdir())) == 13
+    kinds = []
+    for n, row in enumerate(rows):
+        user, answer = row["messages"]
+        shape = user["content"][1]["text"].removeprefix("What color is the ").removesuffix("?")
+        color = answer["content"].removeprefix(f"The {shape} is ").removesuffix(".")
+        image = Image.open(path / row["images"][0])
+        assert user["content"][0] == {"type": "image"} and image.size == SIZES[n % len(SIZES)]
+        w, h = image.size
+        assert image.getpixel((w // 2, h // 2)) == COLORS[color]  # the answer is the picture's
+        corner = image.getpixel((w // 5 + 1, h // 5 + 1))  # inside a square, outside a circle
+        assert (corner == COLORS[color]) == (shape == "square"), (n, shape, corner)
+        kinds.append((shape, color))
+    assert len(set(kinds[:6])) == len(set(kinds[6:12])) == 6, "each six rows hold every kind"
+
+
+def test_image_dataset_is_deterministic_and_refuses_another_directory(tmp_path):
+    from tunepack.tiny.pictures import write_tiny_image_dataset
+
+    def files(path):
+        return {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+    first = files(write_tiny_image_dataset(tmp_path / "a", rows=12))
+    assert files(write_tiny_image_dataset(tmp_path / "b", rows=12)) == first
+    assert files(write_tiny_image_dataset(tmp_path / "c", rows=12, seed=1)) != first
+    write_tiny_image_dataset(tmp_path / "a", rows=12)  # the same dataset again: left as it is
+    with pytest.raises(BadInputError, match="a is not empty .*; give a new or empty directory"):
+        write_tiny_image_dataset(tmp_path / "a", rows=6)
+    assert files(tmp_path / "a") == first
+    with pytest.raises(BadInputError, match="rows must be at least 1, got 0"):
+        write_tiny_image_dataset(tmp_path / "d", rows=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
+
+
+def test_image_dataset_without_pillow_is_one_line(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from tunepack.cli import main
+
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL raises ImportError
+    assert main(["tiny-dataset", "--images", str(tmp_path / "d")]) == 65
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "tunepack: error: the tiny image dataset is drawn with Pillow, which is not installed: "
+        "pip install 'tunepack[vision]' (make dev has it)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_vision_model_without_transformers_is_one_line(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from tunepack.cli import main
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    argv = ["tiny-model", str(tmp_path / "m"), "--model", "tiny-llama3.2-vision"]
+    assert main(argv) == 65
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "tunepack: error: writing tiny-llama3.2-vision needs transformers (its Llama 3.2 Vision "
+        "model is transformers' own class), which is not installed: pip install transformers "
+        "'tunepack[vision]' (make dev has both)"
+    )
+    assert list(tmp_path.iterdir()) == []
