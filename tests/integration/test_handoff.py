@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,14 +44,59 @@ def _run(step: str, env: dict, timeout: float = 60) -> subprocess.CompletedProce
     )
 
 
+# The same step, its wait driven by the test: where handoff.wait_for_steps would sleep between
+# two looks at the markers it says "polled" on stderr and waits for a line on stdin instead. A
+# "polled" line is the signal that the step has looked and found a step still pending; the line
+# the test sends makes it look again, once the test has written the marker it wanted first.
+POLLED = "handoff: polled"
+GATED_STEP = f"""
+import sys, time, types
+from tunepack.core import handoff, program
+def _poll(_seconds):
+    print("{POLLED}", file=sys.stderr, flush=True)
+    if not sys.stdin.readline():
+        sys.exit("the test closed stdin")
+handoff.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=_poll)
+sys.exit(program.run(sys.argv[1], lambda: print(sys.argv[1] + ": body ran", flush=True)))
+"""
+
+
 def _start(step: str, env: dict) -> subprocess.Popen:
+    """``step`` waiting as GATED_STEP does: released by ``_look_again``."""
     return subprocess.Popen(
-        [sys.executable, "-c", STEP, step],
+        [sys.executable, "-c", GATED_STEP, step],
         env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _polled(step: subprocess.Popen, timeout: float = 60) -> list[str]:
+    """The step's stderr up to its next "polled" line: it has looked at the markers and waits.
+    Fails if the step ends first (it did not wait) or says nothing within ``timeout``."""
+    lines: list[str] = []
+    timer = threading.Timer(timeout, step.kill)  # a step that hangs ends the read with EOF
+    timer.start()
+    try:
+        for line in step.stderr:
+            if line.rstrip("\n") == POLLED:
+                return lines
+            lines.append(line)
+    finally:
+        timer.cancel()
+    step.wait()
+    raise AssertionError(
+        f"the step ended (exit {step.returncode}) without waiting, or said nothing within "
+        f"{timeout:.0f} s (does handoff.wait_for_steps still sleep through handoff.time.sleep?); "
+        f"its stderr:\n{''.join(lines)}"
+    )
+
+
+def _look_again(step: subprocess.Popen) -> None:
+    step.stdin.write("\n")
+    step.stdin.flush()
 
 
 def test_the_trainer_waits_for_both_initializers_of_this_run(tmp_path):
@@ -59,13 +104,14 @@ def test_the_trainer_waits_for_both_initializers_of_this_run(tmp_path):
     trainer = _start(
         "trainer", {**env, handoff.WAIT_FOR_ENV: "dataset-initializer,model-initializer"}
     )
-    time.sleep(2)
-    assert trainer.poll() is None  # nothing marked yet: it waits
+    said = _polled(trainer)  # nothing marked yet: it looked, and waits
     assert _run("dataset-initializer", env).returncode == 0
-    time.sleep(2)
-    assert trainer.poll() is None  # one of two
+    _look_again(trainer)
+    said += _polled(trainer)  # it looked with one of two marked, and waits on
     assert _run("model-initializer", env).returncode == 0
+    _look_again(trainer)
     out, err = trainer.communicate(timeout=30)
+    err = "".join(said) + err
     assert trainer.returncode == 0, err
     assert "trainer: body ran" in out
     assert "trainer: waiting for dataset-initializer, model-initializer to finish" in err
@@ -83,11 +129,12 @@ def test_a_marker_of_another_run_does_not_count(tmp_path):
         assert _run("dataset-initializer", _env(tmp_path, uid, attempt)).returncode == 0
     restarted = _env(tmp_path, "uid-1", "1", **{handoff.WAIT_FOR_ENV: "dataset-initializer"})
     waiting = _start("trainer", restarted)
-    time.sleep(2)
-    assert waiting.poll() is None
+    _polled(waiting)  # it looked, attempt 0's marker there, and waits
     assert _run("dataset-initializer", _env(tmp_path, "uid-1", "1")).returncode == 0
-    waiting.communicate(timeout=30)
-    assert waiting.returncode == 0
+    _look_again(waiting)
+    out, err = waiting.communicate(timeout=30)
+    assert waiting.returncode == 0, err
+    assert "trainer: body ran" in out
 
 
 def test_a_failed_step_marks_nothing_and_only_node_0_speaks_for_the_trainer(tmp_path):
