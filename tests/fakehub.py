@@ -27,7 +27,8 @@ Access rules follow the real hub: a gated repository lists publicly but its file
 (401 ``GatedRepo`` without one), an unknown or private repository is 401 ``RepoNotFound`` without
 a token and 404 with one, an unknown revision is 404 ``RevisionNotFound``, and a malformed token
 is 401 "Invalid credentials in Authorization header". Tests can corrupt a file's bytes, hold it
-part-way, or make its next requests fail with 503, and read the request log.
+part-way, or make its next requests fail with 503 (with a Retry-After if set), and read the
+request log.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class Repo:
     # download that is mid-file for certain, however fast or slow the machine.
     hold_at: dict[str, int] = field(default_factory=dict)
     fail: dict[str, int] = field(default_factory=dict)  # path -> number of 503s still to answer
+    retry_after: str | None = None  # the Retry-After header of those 503s, when set
 
     @property
     def commit(self) -> str:
@@ -363,7 +365,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "EntryNotFound", f"{path} does not exist")
         if repo.fail.get(path, 0) > 0 and not head:
             repo.fail[path] -= 1
-            return self._error(503, None, "Service Unavailable")
+            extra = {"Retry-After": repo.retry_after} if repo.retry_after is not None else {}
+            return self._error(503, None, "Service Unavailable", extra)
         data = repo.corrupt.get(path, repo.files[path])
         meta = repo.entry(path)
         etag = meta["lfs"]["oid"] if "lfs" in meta else meta["oid"]
@@ -409,9 +412,13 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _error(self, status: int, code: str | None, message: str) -> None:
+    def _error(
+        self, status: int, code: str | None, message: str, headers: dict[str, str] | None = None
+    ) -> None:
         body = json.dumps({"error": message}).encode()
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if code:
             self.send_header("X-Error-Code", code)
         self.send_header("X-Error-Message", message)

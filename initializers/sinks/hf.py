@@ -30,7 +30,6 @@ from tunepack.core.errors import (
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import uri
 from tunepack.initializers.export import PRIVATE_ENV, LocalFile, manifest_bytes, same_export
-from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sinks import Log, RemoteCalls
 from tunepack.initializers.sources import _http
 from tunepack.initializers.sources import hf as hub_source
@@ -233,7 +232,7 @@ class Sink(RemoteCalls):
                 f"check the name in {self.display!r} and the token's permissions"
             )
         if status in _http.RETRYABLE_STATUS:
-            return Retryable(f"the hub answered HTTP {status}")
+            return _http.status_problem(f"the hub answered HTTP {status}", error.response)
         return BadInputError(
             f"the hub answered HTTP {status} for {self.what}; check {self.display!r}"
         )

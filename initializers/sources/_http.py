@@ -36,6 +36,13 @@ def transport_problem(error: httpx2.TransportError) -> Retryable:
     return Retryable(f"{type(error).__name__}: {detail}")
 
 
+def status_problem(message: str, response: httpx2.Response | None) -> Retryable:
+    """A retried status (``RETRYABLE_STATUS``) as a ``Retryable`` that keeps the answer's
+    ``Retry-After``, which ``retrying`` waits for instead of its backoff."""
+    headers = response.headers if response is not None else {}
+    return Retryable(message, retry_after=headers.get("Retry-After"))
+
+
 def range_headers(offset: int) -> dict[str, str]:
     # identity: a compressed body would make Content-Length and byte ranges meaningless.
     headers = {"Accept-Encoding": "identity"}

@@ -38,7 +38,6 @@ from tunepack.core.errors import (
     NotFoundError,
     UnknownKeyError,
 )
-from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
 from tunepack.initializers.uri import StorageUri, redact
 
@@ -256,7 +255,7 @@ class Source(RemoteSource):
                 f"permission on it and {TOKEN_HINT}"
             )
         if status in _http.RETRYABLE_STATUS:
-            return Retryable(f"the hub answered HTTP {status}")
+            return _http.status_problem(f"the hub answered HTTP {status}", error.response)
         return BadInputError(
             f"the hub answered HTTP {status} for {self.what}; check {self.uri.display!r}"
         )

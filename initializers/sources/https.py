@@ -29,7 +29,6 @@ from tunepack.core.errors import (
     NotFoundError,
     UnknownKeyError,
 )
-from tunepack.initializers.retry import Retryable
 from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
 from tunepack.initializers.uri import (
     HTTPS_PASSWORD_ENV,
@@ -171,5 +170,5 @@ class Source(RemoteSource):
         if status in (404, 410):
             raise NotFoundError(f"{shown!r} answered {status}: no such file; check the URL")
         if status in _http.RETRYABLE_STATUS:
-            raise Retryable(f"the server answered HTTP {status}")
+            raise _http.status_problem(f"the server answered HTTP {status}", response)
         raise BadInputError(f"{shown!r} answered HTTP {status}; check the URL")

@@ -245,6 +245,19 @@ def test_hf_transient_errors_are_retried_then_exit_75(tmp_path, hub):
     )
 
 
+def test_hf_503_with_retry_after_waits_what_the_hub_asks(tmp_path, hub):
+    repo = hub.repos[("model", "tunepack/tiny-llama3")]
+    repo.fail["model.safetensors"] = 1
+    repo.retry_after = "0"  # the subprocess waits for real: no time, but said and followed
+    result = run_init("model", tmp_path, "hf://tunepack/tiny-llama3", {"HF_ENDPOINT": hub.url})
+    assert result.returncode == 0, result.stderr
+    assert (
+        "model-initializer: downloading model.safetensors from 'hf://tunepack/tiny-llama3' "
+        "failed (the hub answered HTTP 503); the server asked to retry after 0 s; retry 1 of 4 "
+        "in 0.0 s"
+    ) in result.stdout.splitlines()
+
+
 def test_hf_unreachable_endpoint_is_transient(tmp_path):
     env = {"HF_ENDPOINT": "http://127.0.0.1:9", "TUNEPACK_RETRIES": "2"}
     result = run_init("model", tmp_path, "hf://tunepack/tiny-llama3", env)
@@ -645,6 +658,92 @@ def test_a_full_disk_while_downloading_says_the_downloads_size(tmp_path, files_s
         f"no space left on the device (or quota) writing {cache} (4.9 KiB needed, "
     )
     assert str(err.value).endswith(" free): free space or enlarge the volume, then run again")
+
+
+class _Throttled(_QuietFiles):
+    """Answers a whole-file GET with ``status`` and ``Retry-After: <value>`` while ``answers``
+    holds any; the listing's ranged GET (bytes=0-0) is served."""
+
+    answers: list[tuple[int, str]] = []
+
+    def do_GET(self):
+        if self.headers.get("Range") is None and self.answers:
+            status, value = self.answers.pop(0)
+            self.send_response(status)
+            self.send_header("Retry-After", value)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
+
+class _FakeClock:
+    """retry.CLOCK for a test: a fixed time, and waits recorded instead of slept."""
+
+    def __init__(self, now: float):
+        self.time, self.waits = now, []
+
+    def now(self) -> float:
+        return self.time
+
+    def sleep(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.time += seconds
+
+
+_NOW = 1_772_452_800.0  # 2026-03-02 12:00:00 GMT, the date in the Retry-After below
+
+
+@pytest.mark.parametrize(
+    ("status", "value", "wait", "said"),
+    [
+        (429, "2", 2.0, "; the server asked to retry after 2 s"),
+        (503, "Mon, 02 Mar 2026 12:00:09 GMT", 9.0, "; the server asked to retry after 9 s"),
+        (
+            429,
+            "86400",
+            300.0,
+            "; the server asked to retry after 86400 s, more than the 300 s waited at most",
+        ),
+        (
+            429,
+            "after lunch",
+            0.01,  # TUNEPACK_RETRY_BACKOFF_SECONDS, unjittered
+            "; its Retry-After is neither a number of seconds nor an HTTP date, so backing off "
+            "as usual",
+        ),
+    ],
+)
+def test_https_download_waits_as_retry_after_says(
+    tmp_path, http_server, monkeypatch, status, value, wait, said
+):
+    from tunepack.initializers import download, retry, uri
+
+    root = tmp_path / "served"
+    root.mkdir()
+    body = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    (root / "d.jsonl").write_bytes(body)
+    handler = type("Throttled", (_Throttled,), {"answers": [(status, value)]})
+    url = http_server(partial(handler, directory=str(root)))
+    clock = _FakeClock(_NOW)
+    monkeypatch.setattr(retry, "CLOCK", clock)
+    monkeypatch.setattr(retry.random, "random", lambda: 1.0)
+    monkeypatch.setenv(retry.BACKOFF_ENV, "0.01")
+    lines: list[str] = []
+    cache = tmp_path / "cache"
+    source, listing = download.open_listing(
+        uri.parse(f"{url}/d.jsonl"), "dataset", cache, lines.append
+    )
+    done = download.fetch(source, listing.files, cache, lines.append)
+
+    assert clock.waits == [wait]
+    assert lines[0] == (
+        f"downloading d.jsonl from '{url}/d.jsonl' failed (the server answered HTTP {status})"
+        f"{said}; retry 1 of 4 in {wait:.1f} s"
+    )
+    assert handler.answers == []
+    assert (cache / "d.jsonl").read_bytes() == body
+    assert done["d.jsonl"].size == len(body)
 
 
 def test_https_not_found_and_single_file_model(tmp_path, files_server):
