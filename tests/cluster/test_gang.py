@@ -152,6 +152,12 @@ def _job_pods(api, namespace: str, job: str) -> list:
     return api.pods(namespace, f"jobset.sigs.k8s.io/jobset-name={job}")
 
 
+def _refused_by_scheduler(pod) -> bool:
+    """The scheduler looked at ``pod`` and could not place it (its last word, kept on the pod)."""
+    cond = next((c for c in pod.status.conditions or [] if c.type == "PodScheduled"), None)
+    return cond is not None and cond.status == "False" and cond.reason == "Unschedulable"
+
+
 def test_upstreams_ordered_steps_never_form_a_gang(api, controlplane, namespace, on_kwok):
     """dependsOn + coscheduling (with the gang scheduler named, as it must be): the PodGroup
     asks for 5 members, only the 2 initializer pods can exist, and the scheduler refuses them
@@ -179,12 +185,33 @@ def test_upstreams_ordered_steps_never_form_a_gang(api, controlplane, namespace,
 
     events = kube.wait_for(refused, 60, "the gang scheduler's refusal")
     assert "minMember of group: 5" in events[0], events
-    time.sleep(10)  # and it stays so: nothing is placed, the trainer pods never exist
-    pods = _job_pods(api, namespace, "ordered")
-    assert {p.metadata.labels[STEP_LABEL] for p in pods} == {
-        "dataset-initializer",
-        "model-initializer",
-    }
+
+    # And it stays so, by rule rather than for a while: once the scheduler has looked at every
+    # pod there is and refused each, the gang can grow only by the trainer pods, which JobSet
+    # creates only once both initializers completed, which they cannot unplaced.
+    initializers = {"dataset-initializer", "model-initializer"}
+
+    def initializers_refused():
+        pods = _job_pods(api, namespace, "ordered")
+        waiting = [p for p in pods if p.metadata.labels[STEP_LABEL] in initializers]
+        return pods if len(waiting) == 2 and all(map(_refused_by_scheduler, waiting)) else None
+
+    pods = kube.wait_for(
+        initializers_refused,
+        60,
+        "the scheduler to have refused both initializer pods",
+        diagnose=lambda: api.diagnose(namespace, "ordered"),
+    )
+    # JobSet makes the Jobs of every step whose dependencies are met in one pass: had dependsOn
+    # not held the trainer's back, its Job would be here beside the initializers'.
+    jobs = api.batch.list_namespaced_job(
+        namespace, label_selector="jobset.sigs.k8s.io/jobset-name=ordered"
+    ).items
+    assert {j.metadata.labels[STEP_LABEL] for j in jobs} == initializers, [
+        j.metadata.name for j in jobs
+    ]
+    assert not any((j.status.succeeded or 0) for j in jobs)
+    assert {p.metadata.labels[STEP_LABEL] for p in pods} == initializers
     assert all(p.spec.scheduler_name == GANG_SCHEDULER for p in pods)
     assert not _bound(pods), [(p.metadata.name, p.spec.node_name) for p in pods]
 
