@@ -1,6 +1,7 @@
 """The Kubernetes backend end to end against a recording HTTP server on loopback (not a cluster).
 
-The same flow runs against a real cluster in test_cluster.py (opt-in, ``-m cluster``).
+The same flow runs against a real cluster in tests/cluster/test_own_cluster.py (opt-in,
+``-m cluster``).
 """
 
 from __future__ import annotations

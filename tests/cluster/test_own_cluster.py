@@ -1,4 +1,6 @@
-"""Opt-in: the SDK flow against a real cluster with Kubeflow Trainer (``pytest -m cluster``).
+"""Opt-in: the SDK flow against a cluster of your own with Kubeflow Trainer (``pytest -m cluster
+tests/cluster/test_own_cluster.py``), not the tier's control plane (``make test-cluster`` selects
+``-m controlplane``, the default run deselects both).
 
 Skipped unless KUBECONFIG points at a cluster; see docs/cluster.md for a kind recipe.
 """
