@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?=
 QUICKSTART_DIR ?= .tunepack/quickstart
 BIN := $(VENV)/bin
 
-.PHONY: FORCE venv install dev quickstart test test-unit test-cluster controlplane node-runtime lint runtimes images images-local push-images clean
+.PHONY: FORCE venv install dev quickstart test test-unit test-cluster controlplane node-runtime lint runtimes generate images images-local push-images clean
 
 venv: $(BIN)/python
 $(BIN)/python:
@@ -106,6 +106,18 @@ lint: dev
 # Regenerate runtimes/generated/*.yaml from the catalog (a test fails when they are stale).
 runtimes: install
 	$(BIN)/python -m tunepack.runtimes.generate
+
+# Every generated file, after a change to the catalog, the methods or the trainer's vocabulary:
+# each generator below has a --check mode, and a test fails while any file is stale or a module
+# with --check is missing here (tests/unit/test_generate.py). Code first: the typed fields of
+# TrainArgs and FineTune (and the docs' tables), then what is rendered from the catalog.
+generate: install
+	$(BIN)/python -m tunepack.trainers.args_docs --write
+	$(BIN)/python -m tunepack.finetune --write
+	$(BIN)/python -m tunepack.runtimes.generate
+	$(BIN)/python -m tunepack.runtimes.models_doc
+	$(BIN)/python -m tunepack.tools.admission
+	$(BIN)/python -m tunepack.tools.serving
 
 # The three images the runtimes run (docker or podman; build from the repository root). Push them
 # to your registry, then install the runtimes naming it (README, "Images"):

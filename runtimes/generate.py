@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         problems = check()
         if problems:
-            print("runtimes/generated/ is out of date; run `make runtimes`:", file=sys.stderr)
+            print("runtimes/generated/ is out of date; run `make generate`:", file=sys.stderr)
             for problem in problems:
                 print(f"  {problem}", file=sys.stderr)
             return 1

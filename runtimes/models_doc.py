@@ -1,6 +1,7 @@
 """The model table of docs/models.md, rendered from the catalog.
 
-``python -m tunepack.runtimes.models_doc`` rewrites docs/models.md; tests/unit/test_catalog.py fails
+``python -m tunepack.runtimes.models_doc`` rewrites docs/models.md (``--check``: exit 1 while it is
+stale; ``make generate`` runs it with the other generators); tests/unit/test_catalog.py fails
 when the file differs from what the catalog renders, so the table cannot go stale.
 """
 
@@ -122,7 +123,22 @@ def render() -> str:
     return header + "\n".join(rows) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--check"]):
+        print("usage: python -m tunepack.runtimes.models_doc [--check]", file=sys.stderr)
+        return 64  # EX_USAGE
+    if not DOC.parent.is_dir():
+        print(
+            f"tunepack.runtimes.models_doc: error: {DOC.parent} is not here (run it in a checkout)"
+        )
+        return 65
+    if argv == ["--check"]:
+        if not DOC.is_file() or DOC.read_text(encoding="utf-8") != render():
+            print(f"{DOC} is stale: run `make generate`", file=sys.stderr)
+            return 1
+        print(f"{DOC} is up to date")
+        return 0
     DOC.write_text(render(), encoding="utf-8")
     print(f"wrote {DOC}", file=sys.stderr)
     return 0

@@ -37,6 +37,7 @@ import sys
 import textwrap
 import types
 import typing
+from pathlib import Path
 
 from tunepack.core.errors import BadInputError, BadValueError, ConflictError, UnknownKeyError
 from tunepack.runtimes import methods
@@ -51,7 +52,7 @@ from tunepack.trainers.args import (
     merge_with_full_message,
     parse_args,
 )
-from tunepack.trainers.args_docs import write_block
+from tunepack.trainers.args_docs import replace_block, write_block
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields), then where
 # the result goes after training (the exporter step; docs/export.md). (name, type, meaning)
@@ -476,9 +477,27 @@ def generated_lines() -> list[str]:
     return lines
 
 
+def main(argv: list[str], path: str = __file__) -> int:
+    """``--write``: rewrite FineTune's generated block in ``path`` (this file); ``--check``: exit 1
+    while it is stale. ``make generate`` runs ``--write`` with the repository's other generators."""
+    if argv not in (["--write"], ["--check"]):
+        print(
+            f"usage: python -m {COMMAND} --write|--check  (rewrites FineTune's fields, or exits 1 "
+            "while they are stale)",
+            file=sys.stderr,
+        )
+        return 64  # EX_USAGE
+    if argv == ["--check"]:
+        source = Path(path).read_text(encoding="utf-8")
+        if replace_block(source, COMMAND, generated_lines()) != source:
+            print(f"{path}: FineTune's fields are stale: run `make generate`", file=sys.stderr)
+            return 1
+        print(f"{path}: up to date")
+        return 0
+    changed = write_block(path, COMMAND, generated_lines())
+    print(f"{path}: {'rewritten' if changed else 'up to date'}")
+    return 0
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--write"]:
-        print(f"usage: python -m {COMMAND} --write  (rewrites FineTune's fields)", file=sys.stderr)
-        sys.exit(64)  # EX_USAGE
-    changed = write_block(__file__, COMMAND, generated_lines())
-    print(f"{__file__}: {'rewritten' if changed else 'up to date'}")
+    sys.exit(main(sys.argv[1:]))

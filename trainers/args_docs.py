@@ -4,11 +4,16 @@ typed classes (``TrainArgs``, the SDK's ``FineTune``).
 
     python -m tunepack.trainers.args_docs            # the vocabulary table (docs/trainer.md)
     python -m tunepack.trainers.args_docs methods    # the methods table (README.md)
-    python -m tunepack.trainers.args_docs --write    # rewrite TrainArgs' fields in args.py
+    python -m tunepack.trainers.args_docs --write    # rewrite TrainArgs' fields in args.py and
+                                                     # both tables in docs/trainer.md, README.md
+    python -m tunepack.trainers.args_docs --check    # exit 1 if any of the three is stale
+
+``make generate`` runs ``--write`` with the repository's other generators.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from tunepack.runtimes import methods
@@ -80,19 +85,59 @@ def train_args_fields() -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------- generated docs
+REPO = Path(__file__).resolve().parents[1]  # a checkout: the docs are not in the wheel
+COMMAND = "tunepack.trainers.args_docs"
+
+
+def replace_doc_block(text: str, name: str, body: str) -> str:
+    """``text`` with what lies between ``<!-- name:begin -->`` and ``<!-- name:end -->``
+    replaced by ``body``."""
+    begin, end = f"<!-- {name}:begin -->\n", f"<!-- {name}:end -->"
+    head, found, rest = text.partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not found or not found_end:
+        raise ValueError(f"no block between {begin.strip()!r} and {end!r}")
+    return f"{head}{begin}{body}{end}{tail}"
+
+
+def generated() -> dict[Path, str]:
+    """Each file this module writes -> its content as the vocabulary makes it."""
+    source = Path(args.__file__)
+    trainer_md, readme = REPO / "docs" / "trainer.md", REPO / "README.md"
+    return {
+        source: replace_block(source.read_text(encoding="utf-8"), COMMAND, train_args_fields()),
+        trainer_md: replace_doc_block(
+            trainer_md.read_text(encoding="utf-8"), "vocabulary", markdown_table()
+        ),
+        readme: replace_doc_block(readme.read_text(encoding="utf-8"), "methods", methods_table()),
+    }
+
+
 def main(argv: list[str]) -> int:
     """Print the vocabulary table (docs/trainer.md) or, with ``methods``, the methods table
-    (README.md); with ``--write``, rewrite TrainArgs' generated fields in trainers/args.py."""
-    if argv == ["--write"]:
-        target = args.__file__
-        changed = write_block(target, "tunepack.trainers.args_docs", train_args_fields())
-        print(f"{target}: {'rewritten' if changed else 'up to date'}")
+    (README.md); with ``--write``, rewrite TrainArgs' generated fields in trainers/args.py and
+    both tables in place; with ``--check``, exit 1 if any of them is stale."""
+    if argv in (["--write"], ["--check"]):
+        if not (REPO / "docs").is_dir():
+            print(f"{COMMAND}: error: {REPO / 'docs'} is not here (run it in a checkout)")
+            return 65
+        files = generated()
+        stale = [p for p, text in files.items() if p.read_text(encoding="utf-8") != text]
+        if argv == ["--check"]:
+            for path in stale:
+                print(f"{path} is stale: run `make generate`", file=sys.stderr)
+            if not stale:
+                print(f"{', '.join(p.name for p in files)}: up to date")
+            return 1 if stale else 0
+        for path, text in files.items():
+            if path in stale:
+                path.write_text(text, encoding="utf-8")
+            print(f"{path}: {'rewritten' if path in stale else 'up to date'}")
         return 0
     print(methods_table() if argv == ["methods"] else markdown_table(), end="")
     return 0
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

@@ -321,7 +321,13 @@ def manifest_text() -> str:
     return HEADER + render(manifests(EXAMPLE_TRAINJOB, served))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Write manifests/serving/vllm.yaml; ``--check``: exit 1 while it is stale (``make
+    generate`` runs it with the repository's other generators)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["--check"]):
+        print("usage: python -m tunepack.tools.serving [--check]", file=sys.stderr)
+        return 64  # EX_USAGE
     if not MANIFEST.parent.is_dir():
         print(
             program.error_line(
@@ -329,6 +335,12 @@ def main() -> int:
             )
         )
         return 65
+    if argv == ["--check"]:
+        if not MANIFEST.is_file() or MANIFEST.read_text() != manifest_text():
+            print(f"{MANIFEST} is stale: run `make generate`", file=sys.stderr)
+            return 1
+        print(f"{MANIFEST} is up to date")
+        return 0
     MANIFEST.write_text(manifest_text())
     print(f"wrote {MANIFEST}")
     return 0

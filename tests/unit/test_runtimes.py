@@ -49,7 +49,7 @@ def test_committed_runtime_is_what_the_catalog_builds(entry):
 def test_committed_files_are_not_stale():
     problems = generate.check()
     assert not problems, (
-        "runtimes/generated/ does not match runtimes/catalog.py; run `make runtimes` "
+        "runtimes/generated/ does not match runtimes/catalog.py; run `make generate` "
         f"and commit the result: {problems}"
     )
 
@@ -64,7 +64,7 @@ def test_check_reports_stale_missing_and_extra_files(tmp_path, monkeypatch, caps
     (tmp_path / "tunepack-removed.yaml").write_text("kind: ClusterTrainingRuntime\n")
     assert generate.main(["--check"]) == 1
     err = capsys.readouterr().err
-    assert "make runtimes" in err
+    assert "make generate" in err
     assert f"stale: {TINY.runtime_name}.yaml" in err
     assert f"missing: {GPU.runtime_name}.yaml" in err
     assert "extra: tunepack-removed.yaml" in err
