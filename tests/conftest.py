@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# Before torch is imported (libgomp reads both when it loads): each test process, and every
+# process it starts, computes on one thread that waits passively. pytest-xdist runs a worker per
+# core; a worker training in-process on two spinning threads while the other core is busy
+# spends most of its CPU spinning (test_trainer.py beside another suite: 134 s, 79 CPU-s with
+# torch's defaults; 58 s, 33 CPU-s so). A test of the trainer's own thread choice unsets them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from tests.helpers import run_program
