@@ -663,16 +663,20 @@ def test_options_tunepack_cannot_honour_are_refused_by_name(server, options, mes
 
 
 def test_get_job_uses_the_sdk_timeout(server, monkeypatch):
-    import time
+    import threading
 
     from kubeflow.common import constants
 
     fake, url = server
     path = f"{GROUP_PATH}/namespaces/{NS}/trainjobs/slow"
-    fake.after.append(lambda req: time.sleep(1.0) if req.path == path else None)
+    gave_up = threading.Event()  # the server answers only once the client has given up
+    fake.after.append(lambda req: gave_up.wait(60) if req.path == path else None)
     monkeypatch.setattr(constants, "DEFAULT_TIMEOUT", 0.2)
-    with pytest.raises(TimeoutError, match=f"Timeout to get TrainJob: {NS}/slow"):
-        _client(url).get_job("slow")
+    try:
+        with pytest.raises(TimeoutError, match=f"Timeout to get TrainJob: {NS}/slow"):
+            _client(url).get_job("slow")
+    finally:
+        gave_up.set()
 
 
 def test_list_jobs_survives_a_job_deleted_while_listing(server):
