@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import http.server
 import json
+import math
 import shutil
 import ssl
 import subprocess
 import threading
+import types
 
 import pytest
 import torch
@@ -368,7 +370,38 @@ def test_compile_auto_compiles_where_the_saving_pays_for_the_compilation():
         assert not compiled and why.endswith("not compiling")
     assert compiling.choose(True, device=cpu, estimate_s=None) == (True, "compile=true")
     assert compiling.choose(False, device=cpu, estimate_s=1e9) == (False, "compile=false")
-    assert compiling.matmul_rate(cpu, torch.float32) > 1e8  # any CPU does 0.1 GFLOP/s
+
+
+# Binary fractions of a second, which the fake clock adds up exactly; ``timed``: the first count
+# of matmuls that makes both 3 and 0.05 s.
+@pytest.mark.parametrize(("seconds_per_matmul", "timed"), [(2**-6, 4), (2**-10, 52), (4.0, 3)])
+def test_the_matmul_rate_is_the_operations_over_the_time_they_took(
+    monkeypatch, seconds_per_matmul, timed
+):
+    """A device on a fake clock that each 512 x 512 matmul advances by ``seconds_per_matmul``:
+    the rate is 2 * 512^3 operations per matmul over that time, whatever the speed. The warm-up
+    matmul is not counted; the timing stops at the first matmul that makes both 3 matmuls and
+    0.05 s."""
+    clock = {"now": 1000.0, "matmuls": 0}
+    matmul = torch.Tensor.__matmul__
+
+    def one_matmul(a, b):
+        clock["now"] += seconds_per_matmul
+        clock["matmuls"] += 1
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", one_matmul)
+    monkeypatch.setattr(compiling, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+    rate = compiling.matmul_rate(torch.device("cpu"), torch.float32)
+    assert rate == pytest.approx(2 * 512**3 / seconds_per_matmul)
+    assert clock["matmuls"] == 1 + timed  # the warm-up, then the timed ones
+
+
+def test_the_matmul_rate_measured_for_real_is_a_rate():
+    """On the real clock the figure is a positive, finite number of operations per second (no
+    speed asserted: the machine's is its own)."""
+    rate = compiling.matmul_rate(torch.device("cpu"), torch.float32)
+    assert 0 < rate < math.inf, rate
 
 
 def test_bf16_trains_in_bf16(initialized_workspace, tmp_path):
