@@ -28,7 +28,7 @@ from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
 from tunepack.runtimes.catalog import ModelEntry
 from tunepack.trainers.args import TrainArgs, builder_for
-from tunepack.trainers.objectives import rewards
+from tunepack.trainers.objectives.table import OBJECTIVES
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
 DATASET_BUILDERS = {
@@ -355,28 +355,11 @@ def build_config(
         **_bookkeeping(args, output_dir),
         "step": _step(entry, args, model_dir, tokenizer["max_seq_len"]),
     }
-    if methods.get(args.method).loss is methods.Loss.DPO:
-        # only here: other methods' run identities stay as they were
-        cfg["dpo"] = {"beta": args.beta, "loss": args.dpo_loss}
-    if methods.get(args.method).loss is methods.Loss.ORPO:
-        cfg["orpo"] = {"beta": args.beta}
-    if methods.get(args.method).loss is methods.Loss.KTO:
-        cfg["kto"] = {
-            "beta": args.beta,
-            "desirable_weight": args.desirable_weight,
-            "undesirable_weight": args.undesirable_weight,
-        }
-    if methods.get(args.method).loss is methods.Loss.GRPO:
-        cfg["grpo"] = {
-            "num_generations": args.num_generations,
-            "max_new_tokens": args.max_new_tokens,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "beta": args.beta,
-            "epsilon": args.epsilon,
-            "rewards": rewards.spelled(args.rewards),
-            "reward_pattern": args.reward_pattern,
-        }
+    method = methods.get(args.method)
+    if declared := OBJECTIVES.get(method.loss):
+        # only for a loss of the method's own: other methods' run identities stay as they were
+        cfg[method.loss.value] = declared.settings(args)
+    if method.data is methods.PROMPTS:  # the prompt builder leaves room for the answers
         cfg["dataset"]["max_new_tokens"] = args.max_new_tokens
     # Part of the run's identity: it changes which rows are trained on (the dataset's own split's
     # content is in dataset_sha256 already).

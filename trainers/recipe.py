@@ -54,7 +54,6 @@ from tunepack.core.errors import (
 )
 from tunepack.core.workspace import METRICS_FILE, RESULT_FILE
 from tunepack.runtimes import methods, planner
-from tunepack.runtimes.methods import Loss
 from tunepack.trainers.config import (
     DATASET_BUILDERS,
     IMAGE_DATASET_BUILDER,
@@ -64,7 +63,9 @@ from tunepack.trainers.config import (
 from tunepack.trainers.data import batching, vision_data
 from tunepack.trainers.data.batching import real_positions
 from tunepack.trainers.models import adapter_init, lora_product, mllama, moe
-from tunepack.trainers.objectives import dpo, grpo, kto, orpo, vocab_loss
+from tunepack.trainers.objectives import grpo, vocab_loss
+from tunepack.trainers.objectives.base import Objective
+from tunepack.trainers.objectives.table import OBJECTIVES
 from tunepack.trainers.outputs import artifacts, checkpoint, metrics_file
 from tunepack.trainers.outputs.progress import RunProgress
 from tunepack.trainers.outputs.tracking import Tracker
@@ -73,12 +74,6 @@ from tunepack.trainers.process import allocator, compiling, distributed
 
 log = logging.getLogger("tunepack.trainer")
 TEXT_BUILDER = DATASET_BUILDERS["text"]  # torchtune keeps max_seq_len - 1 tokens of a text row
-
-
-# A method's loss of its own, over the LoRA model (and, but for ORPO, its adapter-less
-# reference): ``forward`` gives a micro-batch's summed loss and its count (pairs, answers) and
-# leaves the sums its ``metrics`` are made of in ``batch_stats``.
-Objective = dpo.DPO | orpo.ORPO | kto.KTO | grpo.GRPO
 
 
 @dataclass(frozen=True)
@@ -239,18 +234,14 @@ class FineTuneRecipe:
             )
 
     def _objective(self) -> Objective | None:
-        cfg = self.cfg
-        if self.method.loss is Loss.DPO:
-            return dpo.DPO(cfg.dpo.beta, cfg.dpo.loss)
-        if self.method.loss is Loss.ORPO:
-            return orpo.ORPO(cfg.orpo.beta)
-        if self.method.loss is Loss.KTO:
-            node = cfg.kto
-            return kto.KTO(node.beta, node.desirable_weight, node.undesirable_weight)
-        if self.method.loss is Loss.GRPO:
-            settings = grpo.Settings.from_config(cfg.grpo, cfg.seed)
-            return grpo.GRPO(settings, self.tokenizer, distributed=self.topo.distributed)
-        return None
+        """The method's own loss (trainers/objectives/table.py), or None: next-token
+        cross-entropy."""
+        declared = OBJECTIVES.get(self.method.loss)
+        if declared is None:
+            return None
+        return declared.load().from_config(
+            self.cfg, self.tokenizer, distributed=self.topo.distributed
+        )
 
     def _load_base_weights(self) -> dict[str, torch.Tensor]:
         """The base model's full state dict, on the ranks that need it.
@@ -417,15 +408,9 @@ class FineTuneRecipe:
         )
 
     def _collate(self, dataset):
-        """How the method's rows make a batch (GRPO: first, every row has what its rewards read)."""
-        if self.method.data is methods.PREFERENCE:
-            return partial(dpo.collate, padding_idx=self.tokenizer.pad_id)
-        if self.method.data is methods.UNPAIRED:
-            return partial(kto.collate, padding_idx=self.tokenizer.pad_id)
-        if self.method.data is methods.PROMPTS:
-            if problem := grpo.missing_answer(dataset, self.objective.settings.rewards):
-                raise BadDatasetError(problem)
-            return grpo.collate
+        """How the method's rows make a batch (a method's own loss: its objective's batches)."""
+        if self.objective is not None:
+            return self.objective.collate(dataset, self.tokenizer.pad_id)
         if self.cfg.dataset._component_ == IMAGE_DATASET_BUILDER:  # (held-out rows: a Subset)
             return partial(vision_data.collate, padding_idx=self.tokenizer.pad_id)
         return partial(

@@ -9,13 +9,19 @@ every answer's log-probability under the reference and the policy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.modules.peft import disable_adapter
+
+from tunepack.trainers.objectives.base import (
+    LabelledAnswers,
+    pair_stats,
+    real_tokens,
+    reward_metrics,
+    tokens_and_labels,
+)
 
 LOSSES = ("sigmoid", "ipo", "hinge")
 # What one micro-batch adds to the step's sums (all-reduced over ranks with the loss).
@@ -46,19 +52,20 @@ def answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return per_token.sum(-1), counted
 
 
-@dataclass
-class DPO:
-    beta: float
-    loss: str
+class DPO(LabelledAnswers):
+    STAT_NAMES = STAT_NAMES
+    ROWS = staticmethod(collate)
 
-    def __post_init__(self) -> None:
-        if self.loss not in LOSSES:  # the argument parser allows only these
-            raise ValueError(f"unknown DPO loss {self.loss!r}")
-        self.batch_stats: list[float] = [0.0] * len(STAT_NAMES)
-        self.stat_names = STAT_NAMES
+    def __init__(self, beta: float, loss: str) -> None:
+        if loss not in LOSSES:  # the argument parser allows only these
+            raise ValueError(f"unknown DPO loss {loss!r}")
+        super().__init__()
+        self.beta = beta
+        self.loss = loss
 
-    def start_step(self, step: int) -> None:
-        """Nothing depends on the step here (GRPO's sampling does)."""
+    @classmethod
+    def from_config(cls, cfg, tokenizer, *, distributed: bool) -> DPO:
+        return cls(cfg.dpo.beta, cfg.dpo.loss)
 
     def _logps(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor):
         summed, counted = answer_logps(model(tokens), labels)
@@ -71,9 +78,7 @@ class DPO:
     ) -> tuple[torch.Tensor, int]:
         """The summed loss over the batch's pairs and their number; leaves the micro-batch's
         token count and reward sums in ``batch_stats``."""
-        tokens = batch["tokens"].to(device)
-        labels = batch["labels"].to(device)
-        pairs = tokens.size(0) // 2
+        tokens, labels, pairs = tokens_and_labels(batch, device)
         # The reference first: its logits are gone before the policy's activations pile up.
         with torch.no_grad(), disable_adapter(model):
             reference = self._logps(model, tokens, labels)
@@ -86,23 +91,11 @@ class DPO:
         else:
             losses = (h - 1 / (2 * self.beta)) ** 2
         rewards = self.beta * (policy - reference).detach()
-        chosen, rejected = rewards[:pairs], rewards[pairs:]
-        self.batch_stats = [
-            float((labels != CROSS_ENTROPY_IGNORE_IDX).sum()),
-            chosen.sum().item(),
-            rejected.sum().item(),
-            (chosen > rejected).sum().item(),
-        ]
+        self.batch_stats = [real_tokens(labels), *pair_stats(rewards, pairs)]
         return losses.sum(), pairs
 
     @staticmethod
     def metrics(stats: list[float], pairs: float) -> dict[str, float]:
         """A step's reward metrics from its summed stats (every rank's) and pair count."""
         _, chosen, rejected, correct = stats
-        n = max(pairs, 1.0)
-        return {
-            "reward_chosen": round(chosen / n, 6),
-            "reward_rejected": round(rejected / n, 6),
-            "reward_margin": round((chosen - rejected) / n, 6),
-            "reward_accuracy": round(correct / n, 6),
-        }
+        return reward_metrics(chosen, rejected, correct, max(pairs, 1.0))

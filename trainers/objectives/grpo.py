@@ -26,7 +26,7 @@ from torchtune.data import Message
 from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.peft import disable_adapter
 
-from tunepack.core.errors import ConflictError
+from tunepack.core.errors import BadDatasetError, ConflictError
 from tunepack.trainers.objectives import rewards, vocab_loss
 from tunepack.trainers.objectives.rewards import Sample, Weighted
 
@@ -372,6 +372,17 @@ class GRPO:
         self.stop_ids = set(getattr(tokenizer, "stop_tokens", None) or ()) | {tokenizer.eos_id}
         if hasattr(tokenizer, "turn_end_ids"):
             self.stop_ids |= tokenizer.turn_end_ids()
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, *, distributed: bool) -> GRPO:
+        return cls(Settings.from_config(cfg.grpo, cfg.seed), tokenizer, distributed=distributed)
+
+    def collate(self, dataset: PromptDataset, padding_idx: int):
+        """The prompts as they are (each is generated from on its own); first, every row has what
+        its rewards read."""
+        if problem := missing_answer(dataset, self.settings.rewards):
+            raise BadDatasetError(problem)
+        return collate
 
     def start_step(self, step: int) -> None:
         self.step = step

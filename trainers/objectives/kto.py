@@ -19,6 +19,12 @@ from torch.utils.data import Dataset
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, Message
 from torchtune.modules.peft import disable_adapter
 
+from tunepack.trainers.objectives.base import (
+    LabelledAnswers,
+    real_tokens,
+    reward_metrics,
+    tokens_and_labels,
+)
 from tunepack.trainers.objectives.dpo import answer_logps
 from tunepack.trainers.process import distributed
 
@@ -113,25 +119,27 @@ def losses(
     return torch.where(desirable, good, bad)
 
 
-class KTO:
+class KTO(LabelledAnswers):
+    STAT_NAMES = STAT_NAMES
+    ROWS = staticmethod(collate)
+
     def __init__(self, beta: float, desirable_weight: float, undesirable_weight: float) -> None:
+        super().__init__()
         self.beta = beta
         self.desirable_weight = desirable_weight
         self.undesirable_weight = undesirable_weight
-        self.stat_names = STAT_NAMES
-        self.batch_stats: list[float] = [0.0] * len(STAT_NAMES)
 
-    def start_step(self, step: int) -> None:
-        """Nothing depends on the step here."""
+    @classmethod
+    def from_config(cls, cfg, tokenizer, *, distributed: bool) -> KTO:
+        node = cfg.kto
+        return cls(node.beta, node.desirable_weight, node.undesirable_weight)
 
     def forward(
         self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
     ) -> tuple[torch.Tensor, int]:
         """The summed loss over the batch's answers and their number."""
-        tokens = batch["tokens"].to(device)
-        labels = batch["labels"].to(device)
+        tokens, labels, n = tokens_and_labels(batch, device)
         desirable = batch["label"].to(device)
-        n = tokens.size(0) // 2
         with torch.no_grad():
             with disable_adapter(model):
                 reference, _ = answer_logps(model(tokens), labels)
@@ -155,7 +163,7 @@ class KTO:
         r = rewards.detach()
         right = torch.where(desirable, r > kl, r < kl)
         self.batch_stats = [
-            float((labels[:n] != CROSS_ENTROPY_IGNORE_IDX).sum()),
+            real_tokens(labels[:n]),
             float(desirable.sum()),
             float(r[desirable].sum()),
             float(r[~desirable].sum()),
@@ -170,10 +178,5 @@ class KTO:
         undesirable = answers - desirable
         chosen = good / desirable if desirable else 0.0
         rejected = bad / undesirable if undesirable else 0.0
-        return {
-            "reward_chosen": round(chosen, 6),
-            "reward_rejected": round(rejected, 6),
-            "reward_margin": round(chosen - rejected, 6),
-            "reward_accuracy": round(right / n, 6),
-            "kl": round(kl / n, 6),
-        }
+        # The rewards are means over each label's answers already: over 1.
+        return {**reward_metrics(chosen, rejected, right / n, 1.0), "kl": round(kl / n, 6)}

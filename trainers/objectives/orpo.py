@@ -12,9 +12,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchtune.data import CROSS_ENTROPY_IGNORE_IDX
 
-from tunepack.trainers.objectives.dpo import answer_logps
+from tunepack.trainers.objectives.base import (
+    LabelledAnswers,
+    pair_stats,
+    real_tokens,
+    reward_metrics,
+    tokens_and_labels,
+)
+from tunepack.trainers.objectives.dpo import answer_logps, collate
 
 STAT_NAMES = ("tokens", "reward_chosen", "reward_rejected", "correct", "log_odds_ratio", "nll")
 
@@ -34,32 +40,30 @@ def pair_losses(
     return nll - beta * F.logsigmoid(ratio), ratio, nll
 
 
-class ORPO:
-    def __init__(self, beta: float) -> None:
-        self.beta = beta
-        self.stat_names = STAT_NAMES
-        self.batch_stats: list[float] = [0.0] * len(STAT_NAMES)
+class ORPO(LabelledAnswers):
+    STAT_NAMES = STAT_NAMES
+    ROWS = staticmethod(collate)  # DPO's batches: the chosen rows, then the rejected ones
 
-    def start_step(self, step: int) -> None:
-        """Nothing depends on the step here."""
+    def __init__(self, beta: float) -> None:
+        super().__init__()
+        self.beta = beta
+
+    @classmethod
+    def from_config(cls, cfg, tokenizer, *, distributed: bool) -> ORPO:
+        return cls(cfg.orpo.beta)
 
     def forward(
         self, model: nn.Module, batch: dict[str, torch.Tensor], device: torch.device
     ) -> tuple[torch.Tensor, int]:
         """The summed loss over the batch's pairs and their number."""
-        tokens = batch["tokens"].to(device)
-        labels = batch["labels"].to(device)
-        pairs = tokens.size(0) // 2
+        tokens, labels, pairs = tokens_and_labels(batch, device)
         summed, counted = answer_logps(model(tokens), labels)
         mean = summed / counted.clamp(min=1)
         losses, ratio, nll = pair_losses(mean[:pairs], mean[pairs:], self.beta)
         rewards = self.beta * mean.detach()
-        chosen, rejected = rewards[:pairs], rewards[pairs:]
         self.batch_stats = [
-            float((labels != CROSS_ENTROPY_IGNORE_IDX).sum()),
-            chosen.sum().item(),
-            rejected.sum().item(),
-            (chosen > rejected).sum().item(),
+            real_tokens(labels),
+            *pair_stats(rewards, pairs),
             ratio.detach().sum().item(),
             nll.detach().sum().item(),
         ]
@@ -69,10 +73,7 @@ class ORPO:
         _, chosen, rejected, correct, ratio, nll = stats
         n = max(pairs, 1.0)
         return {
-            "reward_chosen": round(chosen / n, 6),
-            "reward_rejected": round(rejected / n, 6),
-            "reward_margin": round((chosen - rejected) / n, 6),
-            "reward_accuracy": round(correct / n, 6),
+            **reward_metrics(chosen, rejected, correct, n),
             "log_odds_ratio": round(ratio / n, 6),
             "nll": round(nll / n, 6),
         }
