@@ -25,6 +25,7 @@ from kubeflow.trainer.constants import constants as kc
 
 from tunepack import notebook_progress
 from tunepack.backends.base import TunepackBackend
+from tunepack.backends.kubeconfig import configuration_problem
 from tunepack.backends.local import LocalBackend, LocalBackendConfig
 from tunepack.core.errors import BadValueError, NotAvailableError
 from tunepack.runtimes import planner
@@ -60,8 +61,6 @@ class TrainingClient(TrainerClient):
             try:
                 self.backend = KubernetesBackend(backend_config, gpu=gpu, memory_check=memory_check)
             except ConfigException as err:  # the kubernetes library's wording: tunepack's line
-                from tunepack.cli.cluster import configuration_problem
-
                 local = ", or pass LocalBackendConfig() to use the local backend"
                 raise BadValueError(configuration_problem(err, local)) from None
         else:

@@ -1,6 +1,8 @@
 """The CLI's cluster: which configuration a command uses (the kubeconfig, as kubectl chooses it,
-else the in-cluster config), and the check that it is there and its API server answers, before any
-cluster command talks to it: one line that says what is wrong and what to do, never a traceback.
+else the in-cluster config: found by ``tunepack.backends.kubeconfig``, which the SDK's
+``TrainingClient()`` shares), and the check that it is there and its API server answers, before
+any cluster command talks to it: one line that says what is wrong and what to do, never a
+traceback.
 
 Exit codes (``tunepack.core.errors``): no or broken Kubernetes configuration is a configuration
 error, 65 (fix it, retrying cannot help); an API server that cannot be reached is transient, 75.
@@ -11,58 +13,17 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
 
+from tunepack.backends.kubeconfig import in_cluster, kubeconfig_paths, no_configuration_message
 from tunepack.core.errors import BadValueError, TransientError
 
-DEFAULT_KUBECONFIG = "~/.kube/config"
 PROBE_TIMEOUT_S = 5.0
 
 # The API server the last check found: named when a later request cannot reach it.
 last_server: str | None = None
-
-
-def kubeconfig_paths() -> tuple[str, list[str]]:
-    """Which kubeconfig files exist of those kubectl would read, and, for a message when none
-    does, what was looked for."""
-    env = os.environ.get("KUBECONFIG")
-    if env:
-        paths = [p for p in env.split(os.pathsep) if p]
-        missing = (
-            f"$KUBECONFIG={env} does not exist"
-            if len(paths) == 1
-            else f"none of the files in $KUBECONFIG={env} exists"
-        )
-    else:
-        paths = [str(Path(DEFAULT_KUBECONFIG).expanduser())]
-        missing = f"{DEFAULT_KUBECONFIG} ({paths[0]}) does not exist, KUBECONFIG is not set"
-    return missing, [p for p in paths if Path(p).expanduser().is_file()]
-
-
-def no_configuration_message(alternative: str, missing: str | None = None) -> str:
-    """The one line for no Kubernetes configuration at all; ``alternative`` ends it (how to
-    use the local backend instead)."""
-    missing = missing or kubeconfig_paths()[0]
-    return (
-        f"no Kubernetes configuration: {missing}, and this is not a Pod in a cluster; set "
-        f"KUBECONFIG to your cluster's kubeconfig{alternative}"
-    )
-
-
-def configuration_problem(err: Exception, alternative: str) -> str:
-    """The one line for the Kubernetes client's own configuration error ``err``."""
-    missing, existing = kubeconfig_paths()
-    if not existing and not _in_cluster():
-        return no_configuration_message(alternative, missing)
-    where = os.pathsep.join(existing) if existing else "the Pod's service account"
-    reason = str(err).rstrip(".")
-    return (
-        f"invalid Kubernetes configuration in {where}: {reason}; fix it, or choose a context "
-        f"that exists{alternative}"
-    )
 
 
 def backend_config(ns: argparse.Namespace):
@@ -100,12 +61,6 @@ def load_config(context: str | None = None) -> None:
         config.load_incluster_config()
 
 
-def _in_cluster() -> bool:
-    from kubernetes.config.incluster_config import SERVICE_HOST_ENV_NAME, SERVICE_TOKEN_FILENAME
-
-    return bool(os.environ.get(SERVICE_HOST_ENV_NAME)) and Path(SERVICE_TOKEN_FILENAME).is_file()
-
-
 def check_cluster(context: str | None = None, *, local_option: bool = True) -> str:
     """Raise a one-line error unless a cluster is configured and its API server accepts a
     connection; return the server's URL."""
@@ -134,7 +89,7 @@ def check_cluster(context: str | None = None, *, local_option: bool = True) -> s
                 f"cannot read the Kubernetes configuration {source}: {_yaml_reason(err)}; fix the "
                 f"file or point KUBECONFIG at a valid kubeconfig{alternative}"
             ) from None
-    elif _in_cluster():
+    elif in_cluster():
         try:
             config.load_incluster_config(client_configuration=configuration)
         except ConfigException as err:
