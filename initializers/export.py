@@ -9,33 +9,20 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
 from tunepack.core import durable, workspace
 from tunepack.core.errors import BadInputError, BadModelError, NotFoundError
-from tunepack.initializers import atomic
+from tunepack.initializers import atomic, sinks
 from tunepack.initializers._entry import log, run
+from tunepack.initializers.sinks import MANIFEST_KIND, LocalFile
 from tunepack.initializers.uri import redact
 
 PROGRAM = "exporter"
 EXPORT_URI_ENV = "EXPORT_URI"
-PRIVATE_ENV = "EXPORT_PRIVATE"
-MANIFEST_KIND = "export"
 # The run's records that travel with the artifact (when present).
 RECORDS = (workspace.RESULT_FILE, workspace.CONFIG_FILE, workspace.METRICS_FILE)
-SCHEMES = "s3://bucket/prefix, hf://org/name, file:///absolute/path or a path"
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    """One file to export: its path in the export, on disk, and what it must be remotely."""
-
-    rel: str
-    path: Path
-    size: int
-    sha256: str
 
 
 def _log(message: str) -> None:
@@ -51,8 +38,6 @@ def export() -> None:
     if not raw:
         _log(f"{EXPORT_URI_ENV} is not set: nothing to export")
         return
-    from tunepack.initializers import sinks
-
     sink = sinks.open_sink(raw, _log)  # the URI is checked before anything is read
     files, result = collect(workspace.output_dir())
     manifest = build_manifest(files, result, sink.display)
@@ -120,22 +105,9 @@ def build_manifest(files: list[LocalFile], result: dict, destination: str) -> di
     }
 
 
-def same_export(existing: dict | None, manifest: dict) -> bool:
-    """Whether a destination's manifest records this very export (``created`` aside)."""
-    if not isinstance(existing, dict):
-        return False
-    return {k: v for k, v in existing.items() if k != "created"} == manifest
-
-
-def manifest_bytes(manifest: dict) -> bytes:
-    return (json.dumps({**manifest, "created": atomic.now_iso()}, indent=2) + "\n").encode()
-
-
 def export_uri_problem(raw: str) -> str | None:
     """Why ``raw`` cannot be an export destination (checked by the SDK and CLI before a run),
     or None."""
-    from tunepack.initializers import sinks
-
     try:
         sinks.parse(raw)
     except BadInputError as error:

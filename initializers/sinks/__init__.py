@@ -1,9 +1,11 @@
 """Export destinations (``EXPORT_URI``) and fetching an export back.
 
 Each sink uploads a run's files, reads each one back (size and checksum), and writes the export
-manifest last; see ``tunepack.initializers.export`` for the contract. ``fetch_export`` does the
-reverse for ``tunepack download`` and ``Result.download()``: it reads the manifest first, so only
-a complete export is ever fetched, and verifies every file against it.
+manifest last; see ``tunepack.initializers.export`` for the contract, whose shared pieces (the
+files to send, the manifest's kind and bytes) are here, below the exporter that imports them.
+``fetch_export`` does the reverse for ``tunepack download`` and ``Result.download()``: it reads
+the manifest first, so only a complete export is ever fetched, and verifies every file against
+it.
 
 One module per scheme (``files``: a directory; ``s3``; ``hf``), imported on first use by
 ``open_sink``: checking a URI (``parse``) never pays for boto3 or huggingface_hub.
@@ -13,21 +15,47 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tunepack.core import durable
 from tunepack.core.errors import BadModelError, BadValueError, NoObjectsError, NotFoundError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import atomic, uri
-from tunepack.initializers.export import MANIFEST_KIND, SCHEMES
 from tunepack.initializers.retry import retrying
 from tunepack.initializers.transfer_progress import human_bytes
 
 Log = Callable[[str], None]
 # scheme -> the module of this package that writes it
 _SINKS = {"file": "files", "s3": "s3", "hf": "hf"}
+SCHEMES = "s3://bucket/prefix, hf://org/name, file:///absolute/path or a path"
+# The export contract the exporter and every sink share: what is sent, and the manifest
+# written last.
+MANIFEST_KIND = "export"
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """One file to export: its path in the export, on disk, and what it must be remotely."""
+
+    rel: str
+    path: Path
+    size: int
+    sha256: str
+
+
+def same_export(existing: dict | None, manifest: dict) -> bool:
+    """Whether a destination's manifest records this very export (``created`` aside)."""
+    if not isinstance(existing, dict):
+        return False
+    return {k: v for k, v in existing.items() if k != "created"} == manifest
+
+
+def manifest_bytes(manifest: dict) -> bytes:
+    return (json.dumps({**manifest, "created": atomic.now_iso()}, indent=2) + "\n").encode()
 
 
 def parse(raw: str) -> uri.StorageUri:

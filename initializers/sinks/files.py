@@ -14,8 +14,14 @@ from tunepack.core import durable
 from tunepack.core.errors import TransientError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import atomic, uri
-from tunepack.initializers.export import MANIFEST_KIND, LocalFile, manifest_bytes, same_export
-from tunepack.initializers.sinks import Log, summary
+from tunepack.initializers.sinks import (
+    MANIFEST_KIND,
+    LocalFile,
+    Log,
+    manifest_bytes,
+    same_export,
+    summary,
+)
 
 
 class Sink:

@@ -16,8 +16,14 @@ import os
 from tunepack.core.errors import BadValueError, TransientError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers import s3, uri
-from tunepack.initializers.export import LocalFile, manifest_bytes, same_export
-from tunepack.initializers.sinks import Log, RemoteCalls, summary
+from tunepack.initializers.sinks import (
+    LocalFile,
+    Log,
+    RemoteCalls,
+    manifest_bytes,
+    same_export,
+    summary,
+)
 
 PART_SIZE_ENV = "TUNEPACK_EXPORT_PART_SIZE_MB"
 DEFAULT_PART_MB = 64
