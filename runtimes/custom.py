@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tunepack.core.errors import BadModelError
+from tunepack.runtimes.shape import Shape
 
 CUSTOM_SUFFIX = "-custom"
 TOKENIZER_JSON = "tokenizer.json"
@@ -133,7 +134,7 @@ def runtime_model_name(arch: str) -> str:
 class Built:
     """What config.json says, as the builders take it."""
 
-    shape: object  # catalog.Shape
+    shape: Shape
     options: dict[str, object]  # the family's builder options (rope_base, norm_eps, ...)
     softcapping: tuple[float, float] | None = None
 
@@ -188,8 +189,6 @@ def read_config(arch_name: str, config: object, where: str) -> Built:
     """The model ``config`` (a parsed config.json) describes, as ``arch_name``'s builders take
     it; ``BadInputError`` naming the field and value of anything they cannot reproduce.
     ``where`` names the checkpoint in messages."""
-    from tunepack.runtimes.catalog import Shape
-
     arch = ARCHITECTURES[arch_name]
     if not isinstance(config, dict):
         raise BadModelError(f"{where}: config.json is not a JSON object")
@@ -355,8 +354,6 @@ def read_gemma3(where: str, config: dict, dims: dict, kv_heads: int, head_dim: i
     layout: transformers 5's ``rope_parameters`` by layer type, or ``rope_theta``,
     ``rope_local_base_freq`` and ``rope_scaling``), which layers are global (``layer_types``, or
     ``sliding_window_pattern``), the window and the query scale; soft-capping is refused."""
-    from tunepack.runtimes.catalog import Shape
-
     for field in ("attn_logit_softcapping", "final_logit_softcapping"):
         if config.get(field) is not None:
             raise _fail(where, field, config[field], "null (Gemma 3 has no soft-capping)")
@@ -515,13 +512,6 @@ def _hub_repository(model_dir: Path) -> str | None:
         return None
     repo = source.removeprefix("hf://").partition("?")[0].partition("@")[0].strip("/")
     return repo if re.fullmatch(r"[\w.-]+/[\w.-]+", repo) else None
-
-
-def is_placeholder(entry) -> bool:
-    """Whether ``entry`` is a custom runtime not yet resolved against a checkpoint."""
-    from tunepack.runtimes.catalog import CUSTOM
-
-    return bool(entry.custom) and entry.shape is CUSTOM[entry.name].shape
 
 
 def with_config(entry, config: dict, where: str):

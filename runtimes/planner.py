@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
-from tunepack.runtimes import catalog, methods
-from tunepack.runtimes.catalog import Shape
+from tunepack.runtimes import catalog, custom, methods
+from tunepack.runtimes.shape import Shape
 
 GIB = 1024**3
 # GPU name -> memory in GiB (what the device reports). The one list of GPU names: ``gpu_type``
@@ -786,12 +786,10 @@ def plan(
 def model_entry(model: str | catalog.ModelEntry, model_dir: str | Path | None = None):
     """The catalog entry to size; a bring-your-own runtime's from its checkpoint's config.json
     (``model_dir``), or ``BadInputError`` saying the planner needs it."""
-    from tunepack.runtimes import custom
-
     entry = model if isinstance(model, catalog.ModelEntry) else catalog.get(model)
     if model_dir is not None and entry.custom:
         return custom.resolve(entry, Path(model_dir))
-    if custom.is_placeholder(entry):
+    if catalog.is_placeholder(entry):
         raise BadValueError(
             f"{entry.runtime_name} is sized from its checkpoint's config.json: give the "
             "checkpoint's local directory (tunepack plan --model-dir DIR; "

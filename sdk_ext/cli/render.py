@@ -43,7 +43,7 @@ def _trainjob(ns: argparse.Namespace) -> dict:
 def cmd_render_serving(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import BadValueError
     from tunepack.jobs.naming import check_dns_label
-    from tunepack.runtimes import custom
+    from tunepack.runtimes import catalog
     from tunepack.runtimes.planner import gpu_type
     from tunepack.tools import serving, serving_memory
 
@@ -72,7 +72,7 @@ def cmd_render_serving(ns: argparse.Namespace) -> int:
     entry, trained = serving.trained_run(runtime, args)
     served = serving.served(entry, trained)
     context = ns.max_model_len or trained.max_seq_len
-    if custom.is_placeholder(entry):
+    if catalog.is_placeholder(entry):
         # A bring-your-own runtime's shape is its checkpoint's, on the PVC: not planned here.
         gpus = ns.gpus or 1
     else:

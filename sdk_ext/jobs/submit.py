@@ -33,7 +33,7 @@ from tunepack.jobs.translate import (
     to_finetune,
     to_initializer,
 )
-from tunepack.runtimes import catalog, custom, planner
+from tunepack.runtimes import catalog, planner
 from tunepack.spelling import SDK, Spelling
 from tunepack.trainers.args import resolve_args
 
@@ -223,7 +223,7 @@ def check_plan(
             gpus,
         )
     num_proc = processes_per_node(entry, num_proc, resources, local=local, spelling=spelling)
-    if gpus and memory_check != "off" and not custom.is_placeholder(entry):
+    if gpus and memory_check != "off" and not catalog.is_placeholder(entry):
         check_memory(entry, resolved, num_nodes or 1, num_proc or gpus, gpu, memory_check, spelling)
     return num_proc
 
