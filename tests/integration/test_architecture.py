@@ -15,6 +15,12 @@ the Kubeflow SDK or the Kubernetes client (their images do not carry them), and 
 runtimes; there are no cycles between packages (the table has none, and the graph actually found
 is checked too, so a loosened table cannot hide one).
 
+Between modules: no module outside the command line (``tunepack.cli``) imports it, inside a
+function or not (the CLI is built on the SDK facade, never under it); and no module imports
+itself round a circle through what runs when it is imported (module level, class bodies, ``try``
+and ``if`` blocks; not function bodies, nor ``if TYPE_CHECKING:``). A circle held apart by an
+import inside a function is a shared piece in the wrong module: it moves to the lower one.
+
 Inside tunepack.trainers, the same for its parts (``TRAINER_PARTS``): the rooms (models/, data/,
 objectives/, outputs/, process/) and the modules at its top (the program: launch, worker, recipe;
 the run's description: args, config).
@@ -101,24 +107,120 @@ def source_modules(repo: Path = REPO) -> dict[str, Path]:
     return modules
 
 
-def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
-    """(line, imported module) for every import in ``path``, relative ones resolved; for
-    ``from package import name`` the submodule ``package.name`` where there is one."""
-    is_package = path.name == "__init__.py"
+def _imported(node: ast.stmt, module: str, is_package: bool, known: set[str]):
+    """(line, imported module) for each name of an import statement of ``module``, relative
+    ones resolved; for ``from package import name`` the submodule ``package.name`` where there
+    is one."""
+    if isinstance(node, ast.Import):
+        return [(node.lineno, alias.name) for alias in node.names]
+    base = node.module or ""
+    if node.level:
+        anchor = module.split(".")
+        anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
+        base = ".".join([*anchor, *([base] if base else [])])
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = module.split(".")
-                anchor = anchor[: len(anchor) - node.level + (1 if is_package else 0)]
-                base = ".".join([*anchor, *([base] if base else [])])
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.append((node.lineno, sub if sub in known else base))
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        found.append((node.lineno, sub if sub in known else base))
     return found
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, imported module) for every import in ``path`` (``_imported``)."""
+    is_package = path.name == "__init__.py"
+    return [
+        found
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for found in _imported(node, module, is_package, known)
+    ]
+
+
+def _type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` or ``if typing.TYPE_CHECKING:``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _run_at_import(nodes):
+    """The nodes among ``nodes`` and below them that run when the module is imported: into
+    ``if`` (an ``if TYPE_CHECKING:`` only its ``else``), ``try``, ``with``, loops and class
+    bodies; never into a function's body."""
+    for node in nodes:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            yield from _run_at_import(node.orelse)
+            continue
+        yield node
+        yield from _run_at_import(ast.iter_child_nodes(node))
+
+
+def top_level_imports(module: str, path: Path, known: set[str]) -> list[tuple[int, str]]:
+    """(line, imported module) for every import that runs when ``path`` is imported."""
+    is_package = path.name == "__init__.py"
+    return [
+        found
+        for node in _run_at_import(ast.parse(path.read_text(), str(path)).body)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for found in _imported(node, module, is_package, known)
+    ]
+
+
+def module_graph(repo: Path = REPO) -> dict[str, set[str]]:
+    """module -> the source modules importing it runs (``top_level_imports``). Importing
+    ``a.b.c`` runs ``a`` and ``a.b`` first, so it leads to them too, except to the importer's own
+    packages: those are already being imported when it runs."""
+    modules = source_modules(repo)
+    known = set(modules)
+    graph = {module: set() for module in modules}
+    for module, path in modules.items():
+        for _, imported in top_level_imports(module, path, known):
+            parts = imported.split(".")
+            for end in range(1, len(parts) + 1):
+                target = ".".join(parts[:end])
+                if target in known and target != module and not module.startswith(target + "."):
+                    graph[module].add(target)
+    return graph
+
+
+def import_cycles(repo: Path = REPO) -> list[list[str]]:
+    """The strongly connected components of ``module_graph`` with more than one module: each a
+    set of modules every one of which imports, through the others, every other (sorted)."""
+    graph = module_graph(repo)
+    reach = {}
+    for start in graph:  # the modules reachable from ``start`` through one import or more
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module not in seen:
+                seen.add(module)
+                todo += graph[module]
+        reach[start] = seen
+    cycles = {
+        frozenset(other for other in reach[module] if module in reach[other])
+        for module in graph
+        if module in reach[module]
+    }
+    return sorted(sorted(cycle) for cycle in cycles)
+
+
+CLI = "tunepack.cli"
+
+
+def cli_imports(repo: Path = REPO) -> list[str]:
+    """Every import of the command line (``tunepack.cli``) by a module outside it, as
+    ``path:line: what`` (inside functions too)."""
+    modules = source_modules(repo)
+    problems = []
+    for module, path in modules.items():
+        if module == CLI or module.startswith(CLI + "."):
+            continue
+        for line, imported in imports_of(module, path, set(modules)):
+            if imported == CLI or imported.startswith(CLI + "."):
+                problems.append(f"{path.relative_to(repo)}:{line}: {module} imports {imported}")
+    return problems
 
 
 def violations(repo: Path = REPO) -> list[str]:
@@ -208,6 +310,14 @@ def test_the_table_and_the_imports_found_have_no_cycle():
     for graph in (MAY_IMPORT, package_graph()):
         order = list(TopologicalSorter(graph).static_order())
         assert order[0] == CORE and order[-1] == SDK, order
+
+
+def test_only_the_command_line_imports_the_command_line():
+    assert cli_imports() == []
+
+
+def test_no_module_imports_itself_round_a_circle():
+    assert import_cycles() == []
 
 
 def test_every_source_module_is_in_a_package_of_the_table():
@@ -360,3 +470,91 @@ def test_a_cycle_between_packages_is_found(tmp_path):
 )
 def test_a_broken_trainer_rule_is_reported(tmp_path, files, expected):
     assert trainer_violations(_tree(tmp_path, files)) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # inside a function too
+            {
+                "sdk_ext/cli/__init__.py": "from tunepack.cli import cluster\n",
+                "sdk_ext/cli/cluster.py": "from tunepack.backends import kubeconfig\n",
+                "sdk_ext/backends/__init__.py": "",
+                "sdk_ext/backends/kubeconfig.py": "",
+                "sdk_ext/client.py": "def f():\n    from tunepack.cli.cluster import problem\n",
+            },
+            ["sdk_ext/client.py:2: tunepack.client imports tunepack.cli.cluster"],
+        ),
+        (
+            {"sdk_ext/cli/__init__.py": "", "sdk_ext/types.py": "from tunepack import cli\n"},
+            ["sdk_ext/types.py:1: tunepack.types imports tunepack.cli"],
+        ),
+        (
+            {"sdk_ext/cli/__init__.py": "", "runtimes/store.py": "import tunepack.cli\n"},
+            ["runtimes/store.py:1: tunepack.runtimes.store imports tunepack.cli"],
+        ),
+    ],
+)
+def test_an_import_of_the_command_line_is_reported(tmp_path, files, expected):
+    assert cli_imports(_tree(tmp_path, files)) == expected
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # two modules, at their tops (the exporter and its sinks before they were parted)
+            {
+                "initializers/export.py": "from tunepack.initializers import sinks\n",
+                "initializers/sinks/__init__.py": "from tunepack.initializers.export import X\n",
+            },
+            [["tunepack.initializers.export", "tunepack.initializers.sinks"]],
+        ),
+        (  # three, relative imports, in a try and a class body; a fourth outside the circle
+            {
+                "runtimes/a.py": "try:\n    from . import b\nexcept ImportError:\n    b = None\n",
+                "runtimes/b.py": "from .c import f\n",
+                "runtimes/c.py": "class C:\n    from tunepack.runtimes import a\n",
+                "runtimes/d.py": "from tunepack.runtimes import a\n",
+            },
+            [["tunepack.runtimes.a", "tunepack.runtimes.b", "tunepack.runtimes.c"]],
+        ),
+        (  # importing a submodule runs its package first
+            {
+                "runtimes/__init__.py": "from tunepack.trainers import x\n",
+                "runtimes/catalog.py": "",
+                "trainers/x.py": "import tunepack.runtimes.catalog\n",
+            },
+            [["tunepack.runtimes", "tunepack.trainers.x"]],
+        ),
+        (  # inside a function, or only for the type checker: no circle
+            {
+                "runtimes/catalog.py": "def f():\n    from tunepack.runtimes import custom\n",
+                "runtimes/custom.py": (
+                    "from typing import TYPE_CHECKING\n"
+                    "if TYPE_CHECKING:\n    from tunepack.runtimes import catalog\n"
+                ),
+            },
+            [],
+        ),
+        (  # ...but what an `if TYPE_CHECKING:` runs otherwise counts
+            {
+                "runtimes/catalog.py": "from tunepack.runtimes import custom\n",
+                "runtimes/custom.py": (
+                    "import typing\nif typing.TYPE_CHECKING:\n    pass\n"
+                    "else:\n    from tunepack.runtimes import catalog\n"
+                ),
+            },
+            [["tunepack.runtimes.catalog", "tunepack.runtimes.custom"]],
+        ),
+        (  # a package's module importing a sibling: the package is already being imported
+            {
+                "initializers/sinks/__init__.py": "from . import files\n",
+                "initializers/sinks/files.py": "from tunepack.initializers.sinks import s3\n",
+                "initializers/sinks/s3.py": "",
+            },
+            [],
+        ),
+    ],
+)
+def test_a_circle_of_imports_is_found(tmp_path, files, expected):
+    assert import_cycles(_tree(tmp_path, files)) == expected
