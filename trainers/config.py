@@ -26,8 +26,8 @@ from tunepack.core.errors import (
 )
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
+from tunepack.runtimes.args import TrainArgs, builder_for
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.trainers.args import TrainArgs, builder_for
 from tunepack.trainers.objectives.table import OBJECTIVES
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.

@@ -34,8 +34,8 @@ from tunepack.jobs.translate import (
     to_initializer,
 )
 from tunepack.runtimes import catalog, planner
+from tunepack.runtimes.args import resolve_args
 from tunepack.spelling import SDK, Spelling
-from tunepack.trainers.args import resolve_args
 
 logger = logging.getLogger(__name__)
 

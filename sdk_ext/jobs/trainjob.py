@@ -24,7 +24,7 @@ from tunepack.runtimes.validate import validate_trainjob
 from tunepack.spelling import SDK, Spelling
 
 if TYPE_CHECKING:
-    from tunepack.trainers.args import TrainArgs
+    from tunepack.runtimes.args import TrainArgs
 
 logger = logging.getLogger(__name__)
 
@@ -610,7 +610,7 @@ def to_yaml(obj: dict) -> str:
 
 def trainer_args_of(job: TrainJobSpec) -> TrainArgs:
     """``job``'s trainer arguments, parsed: as given when they are, else parsed here once."""
-    from tunepack.trainers.args import TrainArgs
+    from tunepack.runtimes.args import TrainArgs
 
     if isinstance(job.trainer_args, TrainArgs):
         return job.trainer_args
@@ -623,7 +623,7 @@ def parse_trainer_args_for(words: object, runtime: str, model_uri: str | None) -
     if isinstance(words, str) or not all(isinstance(a, str) for a in words):
         raise BadValueError(f"trainer_args must be a list of 'key=value' strings, got {words!r}")
     # Imported here so that importing tunepack.jobs.trainjob does not need the trainer package.
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
 
     return parse_trainer_args(words, model_entry_for(runtime, model_uri))
 

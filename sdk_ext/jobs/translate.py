@@ -189,7 +189,7 @@ def upstream_full(trainer: object) -> bool:
 def refuse_upstream_full(trainer: object, entry) -> None:
     """A full fine-tune that upstream's ``TorchTuneConfig`` without ``peft_config`` means,
     refused with the reason where ``entry``'s runtime does not offer ``method=full``."""
-    from tunepack.trainers.args import unavailable_method_message
+    from tunepack.runtimes.args import unavailable_method_message
 
     if upstream_full(trainer) and "full" not in entry.methods:
         raise UnsupportedError(

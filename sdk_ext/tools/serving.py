@@ -26,10 +26,10 @@ from tunepack.core.workspace import (
     result_file,
 )
 from tunepack.runtimes import catalog, methods
+from tunepack.runtimes.args import TrainArgs, parse_trainer_args, split_pairs
 from tunepack.runtimes.builder import to_yaml
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
 from tunepack.runtimes.contract import workspace_pvc
-from tunepack.trainers.args import TrainArgs, parse_trainer_args, split_pairs
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 # The values vLLM accepts for --max-lora-rank (it refuses others at start-up).

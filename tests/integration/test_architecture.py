@@ -1,10 +1,11 @@
 """The dependency direction between tunepack's packages, written once and checked on the source.
 
     tunepack.core          the contract between the steps: imports only the standard library
-    tunepack.runtimes      the catalog and the runtimes: core
-    tunepack.initializers  the dataset/model initializer programs: core, runtimes (and the one
-                           module tunepack.trainers.args: they check the trainer's arguments
-                           with its vocabulary before they download anything)
+    tunepack.runtimes      the catalog, the methods, the trainer argument vocabulary and the
+                           runtimes: core
+    tunepack.initializers  the dataset/model initializer programs: core, runtimes (they check a
+                           job's trainer arguments with the vocabulary, tunepack.runtimes.args,
+                           before they download anything)
     tunepack.trainers      the trainer program: core, runtimes
     tunepack (the SDK)     everything else: the client, backends, job building, CLI, tools: all
 
@@ -23,7 +24,7 @@ import inside a function is a shared piece in the wrong module: it moves to the 
 
 Inside tunepack.trainers, the same for its parts (``TRAINER_PARTS``): the rooms (models/, data/,
 objectives/, outputs/, process/) and the modules at its top (the program: launch, worker, recipe;
-the run's description: args, config).
+the run's description: config).
 """
 
 from __future__ import annotations
@@ -64,9 +65,6 @@ MAY_IMPORT = {
     TRAINERS: {CORE, RUNTIMES},
     SDK: {CORE, RUNTIMES, INITIALIZERS, TRAINERS},
 }
-# Single modules of another package a package may import besides the table's: the trainer's
-# argument vocabulary (standard library, core and runtimes only; checked at run time below).
-MAY_IMPORT_MODULES = {INITIALIZERS: {"tunepack.trainers.args"}}
 # Third-party top-level modules a package must not import. Core: anything outside the standard
 # library (checked separately).
 HEAVY = {"torch", "torchtune", "torchao", "peft", "transformers"}
@@ -235,10 +233,7 @@ def violations(repo: Path = REPO) -> list[str]:
             target = package_of(imported)
             top = imported.split(".")[0]
             if target is not None:
-                allowed = MAY_IMPORT[package] | (
-                    {target} if imported in MAY_IMPORT_MODULES.get(package, ()) else set()
-                )
-                if target != package and target not in allowed:
+                if target != package and target not in MAY_IMPORT[package]:
                     problems.append(f"{where}:{line}: {package} imports {imported} ({target})")
             elif package == CORE and top not in sys.stdlib_module_names:
                 problems.append(f"{where}:{line}: {CORE} imports {imported} (not the stdlib)")
@@ -262,21 +257,20 @@ def package_graph(repo: Path = REPO) -> dict[str, set[str]]:
 
 # tunepack.trainers' parts: a room (subpackage) or a module at its top -> the parts it may import
 # besides its own modules. The building blocks (models, data, process) import no other part; the
-# losses may ask the process group; the run's description (args, config) reads the chat formats
-# and the rewards' names; outputs read the description and the models' layouts; only the recipe
-# puts them together, and only the program's two entry points (launch, worker) import it.
+# losses may ask the process group; the run's description (config) reads the chat formats and the
+# losses' table; outputs read the description and the models' layouts; only the recipe puts them
+# together, and only the program's two entry points (launch, worker) import it. The argument
+# vocabulary they all read is tunepack.runtimes.args.
 TRAINER_PARTS = {
     "process": set(),  # torchrun, the process group, threads, compilation, log noise
     "models": set(),  # the families tunepack builds, their checkpoints' layouts
     "data": set(),  # tokenization in the chat formats, image rows, batch order
     "objectives": {"process"},  # the losses, GRPO's sampling and rewards
-    "args": {"data", "objectives"},  # the argument vocabulary
-    "args_docs": {"args"},
-    "config": {"args", "data", "objectives"},  # the run's torchtune config and identity
-    "outputs": {"args", "config", "models", "process"},  # checkpoints, result files, reporting
+    "config": {"data", "objectives"},  # the run's torchtune config and identity
+    "outputs": {"config", "models", "process"},  # checkpoints, result files, reporting
     "recipe": {"config", "data", "models", "objectives", "outputs", "process"},
     "worker": {"process", "recipe"},  # torchrun's entry
-    "launch": {"args", "config", "process", "recipe"},  # the image's ENTRYPOINT
+    "launch": {"config", "process", "recipe"},  # the image's ENTRYPOINT
 }
 
 
@@ -339,25 +333,15 @@ def test_every_trainer_module_is_in_a_part_of_the_table_which_has_no_cycle():
 
 def test_initializer_programs_load_without_torch_or_the_sdk():
     # What the static check cannot see: what importing tunepack itself pulls in at run time.
-    # The programs and the one trainer module they may import (MAY_IMPORT_MODULES), with what
-    # it imports of its own package.
-    allowed = [
-        "tunepack.trainers",
-        "tunepack.trainers.args",
-        "tunepack.trainers.data",  # the rooms' __init__: a docstring each
-        "tunepack.trainers.data.prompt_format",
-        "tunepack.trainers.objectives",
-        # GRPO's reward names and weights, standard library only
-        "tunepack.trainers.objectives.rewards",
-    ]
+    # The programs and the vocabulary they check a job's arguments with: nothing of the
+    # trainer's package, nor of the SDK.
     code = (
         "import sys\n"
-        f"for name in {INITIALIZER_PROGRAMS + allowed[1:2]!r}: __import__(name)\n"
+        f"for name in {INITIALIZER_PROGRAMS + ['tunepack.runtimes.args']!r}: __import__(name)\n"
         "heavy = {m.split('.')[0] for m in sys.modules}"
         f" & {set(HEAVY | CLUSTER_CLIENTS)!r}\n"
         "sdk = sorted(m for m in sys.modules if m.startswith('tunepack.') and not"
-        " m.startswith(('tunepack.core', 'tunepack.runtimes', 'tunepack.initializers'))"
-        f" and m not in {allowed!r})\n"
+        " m.startswith(('tunepack.core', 'tunepack.runtimes', 'tunepack.initializers')))\n"
         "print(sorted(heavy), sdk)\n"
     )
     done = subprocess.run(
@@ -403,13 +387,15 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
             "initializers/model.py:1: tunepack.initializers imports tunepack.trainers "
             "(tunepack.trainers)",
         ),
-        (
+        (  # the vocabulary is the runtimes': the trainer's modules stay the trainer's
             {
-                "trainers/args.py": "",
+                "runtimes/args.py": "",
                 "trainers/recipe.py": "",
-                "initializers/model.py": "from tunepack.trainers import args, recipe\n",
+                "initializers/model.py": (
+                    "from tunepack.runtimes import args\nfrom tunepack.trainers import recipe\n"
+                ),
             },
-            "initializers/model.py:1: tunepack.initializers imports tunepack.trainers.recipe "
+            "initializers/model.py:2: tunepack.initializers imports tunepack.trainers.recipe "
             "(tunepack.trainers)",
         ),
         (

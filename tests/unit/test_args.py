@@ -10,16 +10,16 @@ import pytest
 
 from tests import REPO
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, BadValueError
+from tunepack.runtimes import args as args_module
 from tunepack.runtimes import catalog
-from tunepack.trainers import args as args_module
-from tunepack.trainers.args import (
+from tunepack.runtimes.args import (
     VOCABULARY,
     TrainArgs,
     available_methods,
     builder_for,
     parse_trainer_args,
 )
-from tunepack.trainers.args_docs import markdown_table, replace_block, train_args_fields
+from tunepack.runtimes.args_docs import markdown_table, replace_block, train_args_fields
 
 TINY = catalog.get("tiny-llama3")
 LLAMA_8B = catalog.get("tunepack-llama3.1-8b")
@@ -210,7 +210,7 @@ def test_docs_list_every_argument_in_the_generated_table():
     doc = (REPO / "docs" / "trainer.md").read_text()
     block = doc.split("<!-- vocabulary:begin -->\n")[1].split("<!-- vocabulary:end -->")[0]
     assert block == markdown_table(), (
-        "docs/trainer.md is stale: run python -m tunepack.trainers.args_docs"
+        "docs/trainer.md is stale: run python -m tunepack.runtimes.args_docs"
     )
     for arg in VOCABULARY:
         assert f"| `{arg.name}` |" in block
@@ -218,9 +218,9 @@ def test_docs_list_every_argument_in_the_generated_table():
 
 def test_train_args_fields_are_generated_from_the_vocabulary():
     source = Path(args_module.__file__).read_text()
-    assert replace_block(source, "tunepack.trainers.args_docs", train_args_fields()) == source, (
-        "trainers/args.py's TrainArgs fields are stale: "
-        "run python -m tunepack.trainers.args_docs --write"
+    assert replace_block(source, "tunepack.runtimes.args_docs", train_args_fields()) == source, (
+        "runtimes/args.py's TrainArgs fields are stale: "
+        "run python -m tunepack.runtimes.args_docs --write"
     )
     names = [f.name for f in dataclasses.fields(TrainArgs)]
     assert names == [arg.name for arg in VOCABULARY] + ["given"]

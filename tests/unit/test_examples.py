@@ -23,9 +23,9 @@ from tunepack.initializers import uri as storage_uri
 from tunepack.jobs import submit, trainjob
 from tunepack.jobs.naming import max_name_length
 from tunepack.runtimes import catalog, contract, host
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob
-from tunepack.trainers.args import parse_trainer_args
 
 EXAMPLES_DIR = REPO / "examples"
 

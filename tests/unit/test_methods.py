@@ -10,8 +10,8 @@ import pytest
 from tests import REPO
 from tunepack.core.errors import BadInputError
 from tunepack.initializers.schemas import SCHEMAS
+from tunepack.runtimes import args as vocab
 from tunepack.runtimes import catalog, methods
-from tunepack.trainers import args as vocab
 
 SOURCE_DIRS = ("sdk_ext", "trainers", "runtimes", "initializers", "benchmarks")
 REGISTRY = REPO / "runtimes" / "methods.py"

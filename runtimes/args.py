@@ -4,6 +4,11 @@ A TrainJob passes ``spec.trainer.args`` as ``key=value`` strings. This module is
 that says which keys exist, what values they take and what they default to; the launcher, the
 CLI, the TrainJob renderer and the docs all read it. Unknown keys are refused: in particular no
 argument can name a Python object (``_component_``) for torchtune to instantiate.
+
+It lives in ``tunepack.runtimes``, beside the methods it resolves, because every step reads it:
+the SDK and the admission policy, the initializers (which check a job's arguments before they
+download anything) and the trainer. It imports the standard library, ``tunepack.core`` and the
+runtimes only (the chat formats' and the rewards' checks: ``chat_templates``, ``reward_names``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,10 @@ from tunepack.core.errors import (
     UnknownKeyError,
     UnsupportedError,
 )
-from tunepack.runtimes import methods
+from tunepack.runtimes import methods, reward_names
 from tunepack.runtimes.catalog import ModelEntry, expert_lora_obstacle
-from tunepack.trainers.data.prompt_format import check_chat_template, check_system_prompt
-from tunepack.trainers.objectives import rewards
-from tunepack.trainers.objectives.rewards import Weighted
+from tunepack.runtimes.chat_templates import check_chat_template, check_system_prompt
+from tunepack.runtimes.reward_names import Weighted
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
@@ -418,19 +422,19 @@ VOCABULARY: tuple[Arg, ...] = (
     ),
     Arg(
         "rewards",
-        _ruled(rewards.parse, Rule("rewards", rewards.EXPECTED)),
+        _ruled(reward_names.parse, Rule("rewards", reward_names.EXPECTED)),
         "method=grpo: the rewards an answer is scored by, name[:weight] summed: exact, match, "
         "numeric, format (reward_pattern), length, or an installed plugin's (docs/trainer.md)",
-        (rewards.Weighted(rewards.DEFAULT, 1.0),),
+        (reward_names.Weighted(reward_names.DEFAULT, 1.0),),
     ),
     Arg(
         "reward_pattern",
         _ruled(
-            rewards.parse_pattern,
+            reward_names.parse_pattern,
             Rule(
                 "pattern",
-                f"a regular expression of at most {rewards.PATTERN_MAX} characters",
-                hi=rewards.PATTERN_MAX,
+                f"a regular expression of at most {reward_names.PATTERN_MAX} characters",
+                hi=reward_names.PATTERN_MAX,
             ),
         ),
         "method=grpo: the regular expression the format reward searches the answer for",
@@ -510,7 +514,7 @@ VOCABULARY_KEYS = frozenset(_BY_NAME)
 class TrainArgs:
     """The trainer's arguments, every one resolved (the user's, the catalog's or the default)."""
 
-    # generated from VOCABULARY by `python -m tunepack.trainers.args_docs --write`: begin
+    # generated from VOCABULARY by `python -m tunepack.runtimes.args_docs --write`: begin
     method: str
     epochs: int
     max_steps: int | None
@@ -839,7 +843,8 @@ def _check_generation(resolved: dict, entry: ModelEntry) -> None:
     if resolved["reward_pattern"] and "format" not in named:
         raise ConflictError(
             f"reward_pattern is only read by the format reward, but rewards="
-            f"{rewards.spelled(resolved['rewards'])}: add format to rewards or drop reward_pattern"
+            f"{reward_names.spelled(resolved['rewards'])}: add format to rewards or drop "
+            "reward_pattern"
         )
 
 
