@@ -567,6 +567,10 @@ class TrainArgs:
     system_prompt: str
     # generated from VOCABULARY: end
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
+    # The record of ``method`` (runtimes/methods.py), carried so that no reader looks the name up
+    # again. Not an argument: equality, ``argv()`` and everything a run records or hashes (the
+    # config, result.json, the run's identity) have the method's name.
+    method_record: methods.Method = field(kw_only=True, compare=False, repr=False)
 
     def argv(self) -> list[str]:
         """The user's arguments as ``key=value`` strings again (a TrainJob's
@@ -761,7 +765,7 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
     """Typed values to ``TrainArgs`` for a catalog model: defaults by precedence, the method's
     keys, the model's limits; every rule's message names the values as ``parsed`` spells them."""
     values, pairs = parsed.values, parsed.spelled
-    method = methods.get(values.get("method", methods.DEFAULT))
+    method = methods.get(values.get("method", methods.DEFAULT))  # carried by the TrainArgs
     if method.name not in available_methods(entry):
         raise UnsupportedError(unavailable_method_message(entry, method.name))
     if not method.adapters and (lora := [k for k in values if k in LORA_KEYS]):
@@ -812,11 +816,11 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
             raise ConflictError(obstacle)
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
         raise ConflictError(unused_tracker_uri_message(resolved["tracker"]))
-    names = {f.name for f in fields(TrainArgs)} - {"given"}
+    names = {f.name for f in fields(TrainArgs)} - {"given", "method_record"}
     missing = sorted(n for n in names if resolved.get(n) is None and not _BY_NAME[n].optional)
     if missing:  # a catalog entry without a default for a required key is a tunepack bug
         raise RuntimeError(f"catalog entry {entry.name} has no default for {missing}")
-    return TrainArgs(**{n: resolved[n] for n in names}, given=dict(pairs))
+    return TrainArgs(**{n: resolved[n] for n in names}, given=dict(pairs), method_record=method)
 
 
 def _check_generation(resolved: dict, entry: ModelEntry) -> None:
@@ -853,6 +857,6 @@ def available_methods(entry: ModelEntry) -> tuple[str, ...]:
     return tuple(m for m in methods.NAMES if m in entry.methods)
 
 
-def builder_for(entry: ModelEntry, method: str) -> str:
-    """The torchtune builder for a method (the LoRA variants share the LoRA builder)."""
-    return entry.builders[methods.get(method).builder]
+def builder_for(entry: ModelEntry, method: methods.Method) -> str:
+    """The torchtune builder for a method's record (the LoRA variants share the LoRA builder)."""
+    return entry.builders[method.builder]

@@ -30,7 +30,7 @@ from tests.helpers import (
 )
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.args import builder_for, parse_trainer_args
 from tunepack.tiny.dataset import write_tiny_preference_dataset
 from tunepack.trainers.objectives.dpo import DPO, answer_logps
@@ -247,7 +247,7 @@ def test_dpo_arguments_and_their_errors():
     llama = catalog.get("llama3.1-8b")
     args = parse_trainer_args(["method=dpo", "beta=0.3", "dpo_loss=ipo"], llama)
     assert (args.method, args.beta, args.dpo_loss, args.lr) == ("dpo", 0.3, "ipo", 5e-5)
-    assert builder_for(llama, "dpo") == llama.builders["lora"]
+    assert builder_for(llama, methods.get("dpo")) == llama.builders["lora"]
     assert "dpo" in TINY.methods and "dpo" in llama.methods
     defaults = parse_trainer_args(["method=dpo"], llama)
     assert (defaults.beta, defaults.dpo_loss) == (0.1, "sigmoid")

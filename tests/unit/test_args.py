@@ -11,7 +11,7 @@ import pytest
 from tests import REPO
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, BadValueError
 from tunepack.runtimes import args as args_module
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.args import (
     VOCABULARY,
     TrainArgs,
@@ -167,7 +167,8 @@ def test_lora_variants_are_available_where_lora_is():
     for method in ("qlora", "dora"):
         args = parse_trainer_args([f"method={method}"], LLAMA_8B)
         assert args.method == method and args.lr == 3e-4
-        assert builder_for(LLAMA_8B, method) == LLAMA_8B.builders["lora"]
+        assert args.method_record is methods.get(method)
+        assert builder_for(LLAMA_8B, args.method_record) == LLAMA_8B.builders["lora"]
     assert available_methods(LLAMA_8B) == (
         "lora",
         "qlora",
@@ -223,7 +224,7 @@ def test_train_args_fields_are_generated_from_the_vocabulary():
         "run python -m tunepack.runtimes.args_docs --write"
     )
     names = [f.name for f in dataclasses.fields(TrainArgs)]
-    assert names == [arg.name for arg in VOCABULARY] + ["given"]
+    assert names == [arg.name for arg in VOCABULARY] + ["given", "method_record"]
     hints = typing.get_type_hints(TrainArgs)
     assert hints["lora_attn_modules"] == tuple[str, ...]
     assert hints["max_steps"] == int | None and hints["compile"] == str | bool

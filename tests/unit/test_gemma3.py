@@ -17,7 +17,7 @@ from torchtune import config as tt_config
 from torchtune.training import MODEL_KEY
 
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes import catalog, custom
+from tunepack.runtimes import catalog, custom, methods
 from tunepack.trainers.config import model_component
 from tunepack.trainers.models.gemma3 import (
     MODEL_TYPE,
@@ -67,7 +67,9 @@ def hf_model():
 def _built(config: dict) -> torch.nn.Module:
     """The model the trainer builds for a checkpoint with this config.json (custom runtime)."""
     entry = custom.with_config(ENTRY, config, "here")
-    return tt_config.instantiate(OmegaConf.create(model_component(entry, "full"))).eval()
+    return tt_config.instantiate(
+        OmegaConf.create(model_component(entry, methods.get("full")))
+    ).eval()
 
 
 def _diff(model, expected) -> float:
