@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
-from tunepack.initializers import uri as storage
+from tunepack.initializers.transport import uri as storage
 from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
 from tunepack.runtimes import builder, catalog, contract, custom, host
 from tunepack.runtimes.validate import validate_trainjob
@@ -529,7 +529,7 @@ def _dataset_split_env(job: TrainJobSpec) -> list[dict]:
     """The dataset initializer's ``DATASET_SPLIT`` for ``job.dataset_split``; every split the
     job names (that, the URI's ``?split=``, ``initializer_env``) checked now, as the initializer
     would, and refused when two disagree."""
-    from tunepack.initializers import splits
+    from tunepack.initializers.data import splits
 
     named = {}
     if job.dataset_split is not None:

@@ -24,7 +24,9 @@ import inside a function is a shared piece in the wrong module: it moves to the 
 
 Inside tunepack.trainers, the same for its parts (``TRAINER_PARTS``): the rooms (models/, data/,
 objectives/, outputs/, process/) and the modules at its top (the program: launch, worker, recipe;
-the run's description: config).
+the run's description: config). Inside tunepack.initializers too (``INITIALIZER_PARTS``): the rooms
+(transport/, data/, sinks/) and the modules at its top (the programs: dataset, model, export; what
+they share: _entry and its redaction, trainer_args, atomic).
 """
 
 from __future__ import annotations
@@ -282,18 +284,55 @@ def trainer_part(module: str) -> str | None:
 
 def trainer_violations(repo: Path = REPO) -> list[str]:
     """Every import between the trainer's parts that ``TRAINER_PARTS`` does not allow."""
+    return _part_violations(TRAINERS, TRAINER_PARTS, repo)
+
+
+def _part_violations(package: str, parts: dict[str, set[str]], repo: Path) -> list[str]:
+    """Every import between the parts of ``package`` (a room or a module at its top: the first
+    name below it) that ``parts`` does not allow, as ``path:line: what``."""
     modules = source_modules(repo)
+    directory = {p: d for d, p in SOURCES.items()}[package]
     problems = []
     for module, path in modules.items():
-        part = trainer_part(module)
+        part = _part(package, module)
         if part is None:
             continue
         for line, imported in imports_of(module, path, set(modules)):
-            target = trainer_part(imported)
-            if target is not None and target != part and target not in TRAINER_PARTS[part]:
+            target = _part(package, imported)
+            if target is not None and target != part and target not in parts[part]:
                 where = path.relative_to(repo)
-                problems.append(f"{where}:{line}: trainers/{part} imports {imported} ({target})")
+                problems.append(f"{where}:{line}: {directory}/{part} imports {imported} ({target})")
     return problems
+
+
+def _part(package: str, module: str) -> str | None:
+    rest = module.removeprefix(package + ".")
+    return None if rest == module else rest.split(".")[0]
+
+
+# tunepack.initializers' parts, as TRAINER_PARTS: transport/ (a storage URI and the sources it
+# names, retries, downloads, progress, the S3 client, archives) and the module that scrubs what
+# the programs print import no other part; data/ (dataset files, schemas, splits, images) fetches
+# images through transport; sinks/ (export destinations) send and fetch through it into
+# atomic's staged directories; the three programs put them together, and nothing imports a
+# program.
+INITIALIZER_PARTS = {
+    "transport": set(),  # uri, sources/, retry, download, transfer_progress, s3, archives
+    "data": {"transport"},  # formats, schemas, splits, images
+    "atomic": set(),  # workspace directories published whole, their manifests
+    "sinks": {"atomic", "transport"},  # export destinations, fetching an export back
+    "redaction": set(),  # no credential in what is printed
+    "_entry": {"redaction"},  # the programs' entry and exit contract
+    "trainer_args": set(),  # the job's trainer arguments, checked before any download
+    "dataset": {"_entry", "atomic", "data", "trainer_args", "transport"},
+    "model": {"_entry", "atomic", "data", "trainer_args", "transport"},
+    "export": {"_entry", "atomic", "sinks", "transport"},
+}
+
+
+def initializer_violations(repo: Path = REPO) -> list[str]:
+    """Every import between the initializers' parts that ``INITIALIZER_PARTS`` does not allow."""
+    return _part_violations(INITIALIZERS, INITIALIZER_PARTS, repo)
 
 
 def test_every_package_imports_only_what_the_table_allows():
@@ -329,6 +368,18 @@ def test_every_trainer_module_is_in_a_part_of_the_table_which_has_no_cycle():
     assert parts == set(TRAINER_PARTS)
     order = list(TopologicalSorter(TRAINER_PARTS).static_order())
     assert order.index("recipe") > max(order.index(p) for p in ("models", "objectives", "outputs"))
+
+
+def test_the_initializers_parts_import_only_what_their_table_allows():
+    assert initializer_violations() == []
+
+
+def test_every_initializer_module_is_in_a_part_of_the_table_which_has_no_cycle():
+    modules = [m for m in source_modules() if m.startswith(INITIALIZERS + ".")]
+    assert {_part(INITIALIZERS, m) for m in modules} == set(INITIALIZER_PARTS)
+    list(TopologicalSorter(INITIALIZER_PARTS).static_order())  # a CycleError if there is one
+    programs = {p.removeprefix(INITIALIZERS + ".") for p in INITIALIZER_PROGRAMS}
+    assert not any(programs & needs for needs in INITIALIZER_PARTS.values())  # none imports one
 
 
 def test_initializer_programs_load_without_torch_or_the_sdk():
@@ -403,8 +454,8 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
             "runtimes/catalog.py:1: tunepack.runtimes imports tunepack (tunepack)",
         ),
         (
-            {"trainers/x.py": "import tunepack.initializers.uri\n"},
-            "trainers/x.py:1: tunepack.trainers imports tunepack.initializers.uri "
+            {"trainers/x.py": "import tunepack.initializers.transport.uri\n"},
+            "trainers/x.py:1: tunepack.trainers imports tunepack.initializers.transport.uri "
             "(tunepack.initializers)",
         ),
     ],
@@ -456,6 +507,35 @@ def test_a_cycle_between_packages_is_found(tmp_path):
 )
 def test_a_broken_trainer_rule_is_reported(tmp_path, files, expected):
     assert trainer_violations(_tree(tmp_path, files)) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # inside a function too
+            {
+                "initializers/data/__init__.py": "",
+                "initializers/data/schemas.py": "",
+                "initializers/transport/__init__.py": "",
+                "initializers/transport/uri.py": (
+                    "def f():\n    from tunepack.initializers.data import schemas\n"
+                ),
+            },
+            "initializers/transport/uri.py:2: initializers/transport imports "
+            "tunepack.initializers.data.schemas (data)",
+        ),
+        (
+            {
+                "initializers/model.py": "",
+                "initializers/sinks/__init__.py": "from tunepack.initializers import model\n",
+            },
+            "initializers/sinks/__init__.py:1: initializers/sinks imports "
+            "tunepack.initializers.model (model)",
+        ),
+    ],
+)
+def test_a_broken_initializer_rule_is_reported(tmp_path, files, expected):
+    assert initializer_violations(_tree(tmp_path, files)) == [expected]
 
 
 @pytest.mark.parametrize(

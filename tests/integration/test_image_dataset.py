@@ -19,7 +19,7 @@ from PIL import Image
 from tests.helpers import run_dataset_initializer
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import images
+from tunepack.initializers.data import images
 
 
 def _image(fmt: str, size=(24, 16), color=(200, 30, 30)) -> bytes:

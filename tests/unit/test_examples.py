@@ -19,7 +19,7 @@ import yaml
 
 from tests import REPO
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import uri as storage_uri
+from tunepack.initializers.transport import uri as storage_uri
 from tunepack.jobs import submit, trainjob
 from tunepack.jobs.naming import max_name_length
 from tunepack.runtimes import catalog, contract, host

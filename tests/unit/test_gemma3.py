@@ -241,8 +241,8 @@ def test_the_model_initializer_checks_an_image_text_checkpoint_by_its_text_confi
     """Gemma 3 4B/12B/27B on the Hub are Gemma3ForConditionalGeneration: config.json's
     model_type is gemma3, the text model's fields sit in text_config. The catalog entry's check
     reads those (and still refuses a text model of another shape, naming the field)."""
-    from tunepack.initializers import uri
     from tunepack.initializers.model import _check_config
+    from tunepack.initializers.transport import uri
     from tunepack.runtimes import catalog
 
     entry = catalog.get("gemma3-4b")

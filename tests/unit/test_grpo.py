@@ -13,7 +13,7 @@ import torch
 
 from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
-from tunepack.initializers.schemas import SCHEMAS, detect
+from tunepack.initializers.data.schemas import SCHEMAS, detect
 from tunepack.runtimes import reward_names
 from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.reward_names import Weighted

@@ -9,7 +9,7 @@ import pytest
 
 from tests import REPO
 from tunepack.core.errors import BadInputError
-from tunepack.initializers.schemas import SCHEMAS
+from tunepack.initializers.data.schemas import SCHEMAS
 from tunepack.runtimes import args as vocab
 from tunepack.runtimes import catalog, methods
 
