@@ -112,7 +112,7 @@ runtimes: install
 # with --check is missing here (tests/unit/test_generate.py). Code first: the typed fields of
 # TrainArgs and FineTune (and the docs' tables), then what is rendered from the catalog.
 generate: install
-	$(BIN)/python -m tunepack.trainers.args_docs --write
+	$(BIN)/python -m tunepack.runtimes.args_docs --write
 	$(BIN)/python -m tunepack.finetune --write
 	$(BIN)/python -m tunepack.runtimes.generate
 	$(BIN)/python -m tunepack.runtimes.models_doc

@@ -711,7 +711,7 @@ def _fsdp_config(ws: Path, argv: list[str]) -> tuple[Path, str]:
     from omegaconf import OmegaConf
 
     from tunepack.core import workspace
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
     from tunepack.trainers.config import build_config, result_digest
 
     entry = custom.resolve(catalog.get(MODEL), ws / workspace.MODEL_DIR)

@@ -43,8 +43,9 @@ STEPS = 2  # the second step holds the optimizer's states through its forward an
 
 
 def build(entry: catalog.ModelEntry, method: str) -> torch.nn.Module:
-    cfg = model_component(entry, method)
-    if methods.get(method).adapters:
+    how = methods.get(method)
+    cfg = model_component(entry, how)
+    if how.adapters:
         cfg.update(
             lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
             apply_lora_to_mlp=True,

@@ -51,7 +51,7 @@ def _entry(layers: int) -> catalog.ModelEntry:
 
 
 def _config(entry: catalog.ModelEntry, root: Path):
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
     from tunepack.trainers.config import build_config
 
     return build_config(

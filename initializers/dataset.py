@@ -1,10 +1,10 @@
 """The dataset initializer: ``python -m tunepack.initializers.dataset``.
 
 Reads ``STORAGE_URI`` (a local file or directory, ``hf://datasets/...``, ``s3://...`` or
-``https://...``), checks every row against one schema (``tunepack.initializers.schemas``) and
+``https://...``), checks every row against one schema (``tunepack.initializers.data.schemas``) and
 writes ``<workspace>/dataset/train.jsonl`` in the normalized form the trainer reads, with a
 manifest; an image-text dataset's images are checked and stored beside it, in ``images/``
-(``tunepack.initializers.images``). Bad rows are reported here, by file, row and field, before
+(``tunepack.initializers.data.images``). Bad rows are reported here, by file, row and field, before
 any trainer Pod starts.
 """
 
@@ -18,19 +18,12 @@ from pathlib import Path
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadDatasetError, BadValueError
-from tunepack.initializers import (
-    atomic,
-    download,
-    formats,
-    images,
-    schemas,
-    splits,
-    trainer_args,
-    uri,
-)
+from tunepack.initializers import atomic, trainer_args
 from tunepack.initializers._entry import log, run
-from tunepack.initializers.archives import extract, is_archive
-from tunepack.initializers.retry import retrying
+from tunepack.initializers.data import formats, images, schemas, splits
+from tunepack.initializers.transport import download, uri
+from tunepack.initializers.transport.archives import extract, is_archive
+from tunepack.initializers.transport.retry import retrying
 
 PROGRAM = "dataset-initializer"
 OUTPUT_FILE = "train.jsonl"

@@ -17,7 +17,7 @@ from tunepack.core.errors import BadInputError, BadModelError, NotFoundError
 from tunepack.initializers import atomic, sinks
 from tunepack.initializers._entry import log, run
 from tunepack.initializers.sinks import MANIFEST_KIND, LocalFile
-from tunepack.initializers.uri import redact
+from tunepack.initializers.transport.uri import redact
 
 PROGRAM = "exporter"
 EXPORT_URI_ENV = "EXPORT_URI"

@@ -17,11 +17,13 @@ from pathlib import Path
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadModelError, BadValueError
-from tunepack.initializers import atomic, download, schemas, trainer_args, uri
+from tunepack.initializers import atomic, trainer_args
 from tunepack.initializers._entry import log, run
-from tunepack.initializers.archives import extract, is_archive
-from tunepack.initializers.retry import retrying
-from tunepack.initializers.sources import RemoteFile
+from tunepack.initializers.data import schemas
+from tunepack.initializers.transport import download, uri
+from tunepack.initializers.transport.archives import extract, is_archive
+from tunepack.initializers.transport.retry import retrying
+from tunepack.initializers.transport.sources import RemoteFile
 from tunepack.runtimes import catalog, custom
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT
 from tunepack.runtimes.mllama_config import mllama_builder_kwargs

@@ -2,8 +2,9 @@
 
 An initializer Pod cannot see ``spec.trainer.args``, so TrainJobs tunepack writes also give it
 the arguments as ``TUNEPACK_TRAINER_ARGS`` (a JSON list of ``key=value``), checked here with the
-trainer's own vocabulary: exit 65 before the download, not after it (docs/cluster.md, end of
-"Admission: TrainJobs that could not run are refused")."""
+vocabulary the trainer reads them with (``tunepack.runtimes.args``): exit 65 before the
+download, not after it (docs/cluster.md, end of "Admission: TrainJobs that could not run are
+refused")."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import os
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadValueError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import args as vocabulary
+from tunepack.runtimes import catalog, methods
 
 
 def check_from_env() -> int | None:
@@ -31,9 +33,6 @@ def check_from_env() -> int | None:
             f"{workspace.TRAINER_ARGS_ENV} must be a JSON list of key=value strings (the "
             'TrainJob\'s spec.trainer.args), e.g. ["method=lora", "epochs=1"]'
         )
-    # Imported here: the trainer's vocabulary, needed only when there are arguments to check.
-    from tunepack.trainers import args as vocabulary
-
     model = os.environ.get(workspace.MODEL_ENV, "").strip()
     entry = catalog.get(model) if model else None  # an unknown model first, as it always was
     parsed = vocabulary.parse_args(args)
@@ -49,7 +48,4 @@ def method_from_env() -> str | None:
     raw = os.environ.get(workspace.TRAINER_ARGS_ENV)
     if raw is None:
         return None
-    from tunepack.runtimes import methods
-    from tunepack.trainers import args as vocabulary
-
     return vocabulary.parse_args(json.loads(raw)).values.get("method", methods.DEFAULT)

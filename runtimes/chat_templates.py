@@ -3,9 +3,18 @@
 Read by the tiny model generator (so tests can compare transformers' rendering with the
 trainer's, token by token), by serving (vLLM's ``--chat-template``) and by the docs. Written from
 the published files named beside each, without the tool-call branches (docs/trainer.md, "Chat
-format"); never taken from user input."""
+format"); never taken from user input.
+
+Which formats a model may train in, and the checks of the arguments that choose one
+(``check_chat_template``, ``check_system_prompt``), are here too: the argument vocabulary
+(``tunepack.runtimes.args``) calls them wherever it runs, the initializer images included; the
+trainer's layout of each format is ``trainers/data/prompt_format.py``."""
 
 from __future__ import annotations
+
+import re
+
+from tunepack.core.errors import BadValueError, ConflictError
 
 # meta-llama/Llama-2-7b-chat-hf (Code Llama 7B/13B Instruct prompt in the same [INST] layout;
 # the 70B publishes another template, see OWN_TEMPLATE_DIFFERS).
@@ -386,6 +395,57 @@ def formats_for(family: str) -> tuple[str, ...]:
     own = FAMILY_FORMAT[family]
     group = next(g for g in GROUPS if own in g)
     return (own, *(name for name in group if name != own))
+
+
+# Formats that have no system role.
+NO_SYSTEM = ("gemma",)
+
+
+def check_chat_template(family: str, chat_template: str | None) -> str:
+    """The format a model of ``family`` trains in for ``chat_template`` (None or ``model``: the
+    family's own); a format of another group is refused in one line."""
+    allowed = formats_for(family)
+    if chat_template in (None, "", "model"):
+        return FAMILY_FORMAT[family]
+    if chat_template not in allowed:
+        raise BadValueError(
+            f"chat_template={chat_template!r} is not valid for this model: expected model (its "
+            f"own, {allowed[0]}) or one of {', '.join(allowed)}"
+        )
+    return chat_template
+
+
+SYSTEM_PROMPT_MAX = 4000
+# Markup that would let a system prompt open or close turns: every format's special tokens look
+# like one of these.
+_MARKUP = re.compile(
+    r"<\|[^<>|\s]*\|>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>|</?think>"
+)
+
+
+def check_system_prompt(text: str, chat_template: str) -> str:
+    """A default system message for ``chat_template``, refused in one line where unusable."""
+    if not text.strip():
+        raise BadValueError(
+            f"system_prompt={text!r} is not valid: expected the text of a system message"
+        )
+    if len(text) > SYSTEM_PROMPT_MAX:
+        raise BadValueError(
+            f"system_prompt is {len(text)} characters long: expected at most {SYSTEM_PROMPT_MAX}"
+        )
+    if chat_template in NO_SYSTEM:
+        raise ConflictError(
+            f"system_prompt={text[:40]!r}: the {chat_template} chat format has no system role "
+            "(the model's published template refuses one); leave system_prompt out"
+        )
+    if found := _MARKUP.search(text):
+        raise BadValueError(
+            f"system_prompt must not contain the special token {found.group(0)}: it would open "
+            "or close a turn of the chat format; give plain text"
+        )
+    if any(ord(c) < 32 and c not in "\n\t" for c in text):
+        raise BadValueError("system_prompt must not contain control characters: give plain text")
+    return text
 
 
 def serving_template(

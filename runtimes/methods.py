@@ -28,7 +28,7 @@ class Loss(Enum):
 @dataclass(frozen=True)
 class Data:
     """A kind of dataset a method learns from: the dataset schemas of that kind
-    (``tunepack.initializers.schemas.SCHEMAS``) and what its rows hold, for errors."""
+    (``tunepack.initializers.data.schemas.SCHEMAS``) and what its rows hold, for errors."""
 
     name: str
     schemas: tuple[str, ...]

@@ -1,7 +1,7 @@
 """``FineTune``: tunepack's trainer vocabulary as a typed dataclass for notebooks.
 
 The field declarations (and the docstring that lists them) are generated from
-``tunepack.trainers.args.VOCABULARY`` (the one source of truth for trainer arguments) into this
+``tunepack.runtimes.args.VOCABULARY`` (the one source of truth for trainer arguments) into this
 file by ``python -m tunepack.finetune --write``, so IDEs and type checkers see every field; a
 test fails while they are stale.
 
@@ -41,8 +41,7 @@ from pathlib import Path
 
 from tunepack.core.errors import BadInputError, BadValueError, ConflictError, UnknownKeyError
 from tunepack.runtimes import methods
-from tunepack.spelling import SDK, Spelling
-from tunepack.trainers.args import (
+from tunepack.runtimes.args import (
     LORA_KEYS,
     VOCABULARY,
     Arg,
@@ -52,7 +51,8 @@ from tunepack.trainers.args import (
     merge_with_full_message,
     parse_args,
 )
-from tunepack.trainers.args_docs import replace_block, write_block
+from tunepack.runtimes.args_docs import replace_block, write_block
+from tunepack.spelling import SDK, Spelling
 
 # Not trainer arguments: where and how the trainer runs (TrainJob.spec.trainer fields), then where
 # the result goes after training (the exporter step; docs/export.md). (name, type, meaning)
@@ -264,7 +264,7 @@ class FineTune:
         """The trainer arguments as checked when this object was made: each set field's typed
         value and its spelling in ``to_args()`` (what the TrainJob's ``spec.trainer.args`` says),
         in vocabulary order. The job builder resolves these against the model
-        (``tunepack.trainers.args.resolve_args``); no words are written and read back."""
+        (``tunepack.runtimes.args.resolve_args``); no words are written and read back."""
         values: dict[str, object] = {}
         spelled: dict[str, str] = {}
         for name, (raw, value) in self._checked.items():

@@ -4,7 +4,7 @@ arguments: ``FineTune(num_nodes=0)``, ``search_space['lr']``) or at the ``tunepa
 
 The SDK's functions take a ``Spelling`` (``SDK`` by default); the CLI passes ``CLI``. The
 programs the steps run (the initializers) have their own, read from their environment:
-``tunepack.initializers.schemas.spelling``."""
+``tunepack.initializers.data.schemas.spelling``."""
 
 from __future__ import annotations
 

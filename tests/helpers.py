@@ -130,7 +130,7 @@ def trainer_config(
     entry, argv: list[str], *, model_dir: Path, dataset_dir: Path, output: Path, cache_dir: Path
 ):
     """The config the trainer builds for ``entry`` and ``key=value`` arguments."""
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
     from tunepack.trainers.config import build_config
 
     return build_config(

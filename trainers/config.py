@@ -26,8 +26,8 @@ from tunepack.core.errors import (
 )
 from tunepack.core.workspace import CHECKPOINTS_DIR, MANIFEST_FILE
 from tunepack.runtimes import custom, methods
+from tunepack.runtimes.args import TrainArgs, builder_for
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.trainers.args import TrainArgs, builder_for
 from tunepack.trainers.objectives.table import OBJECTIVES
 
 # The dataset schemas the initializer writes, and the torchtune dataset builder for each.
@@ -251,9 +251,9 @@ def identity_changes(old: dict | None, new: dict[str, str], of: str) -> str:
     return "; ".join(changed) or f"the {of} was written by another configuration"
 
 
-def _check_method_fits_data(method: str, schema: str) -> None:
-    if schema not in (record := methods.get(method)).data.schemas:
-        raise ConflictError(methods.wrong_data_message(record, schema))
+def _check_method_fits_data(method: methods.Method, schema: str) -> None:
+    if schema not in method.data.schemas:
+        raise ConflictError(methods.wrong_data_message(method, schema))
 
 
 def _check_model_reads_data(entry: ModelEntry, schema: str) -> None:
@@ -281,9 +281,11 @@ def read_model_config(model_dir: Path) -> dict:
         raise BadModelError(f"{path} is not valid JSON ({error})") from None
 
 
-def model_component(entry: ModelEntry, method: str, model_dir: Path | None = None) -> dict:
-    """The model's config node for ``method``, before any LoRA settings. A model that reads
-    images is built from its checkpoint's config.json (``model_dir``), any size."""
+def model_component(
+    entry: ModelEntry, method: methods.Method, model_dir: Path | None = None
+) -> dict:
+    """The model's config node for ``method`` (its record), before any LoRA settings. A model
+    that reads images is built from its checkpoint's config.json (``model_dir``), any size."""
     if entry.family.reads_images:
         from tunepack.runtimes.mllama_config import mllama_builder_kwargs
 
@@ -295,7 +297,7 @@ def model_component(entry: ModelEntry, method: str, model_dir: Path | None = Non
             "builder": builder_for(entry, method),
             **kwargs,
         }
-        if not methods.get(method).adapters:  # full: every weight, the text model's too
+        if not method.adapters:  # full: every weight, the text model's too
             node |= {"decoder_trainable": True, "encoder_trainable": True, "fusion_trainable": True}
         return node
     node: dict = {
@@ -336,7 +338,7 @@ def build_config(
 
     model = _model(entry, args, model_dir)
     tokenizer = tokenizer_config(entry, model_dir, args.max_seq_len, args)
-    _check_method_fits_data(args.method, manifest["schema"])
+    _check_method_fits_data(args.method_record, manifest["schema"])
     _check_model_reads_data(entry, manifest["schema"])
     has_validation = _check_validation(args, own_validation)
 
@@ -355,7 +357,7 @@ def build_config(
         **_bookkeeping(args, output_dir),
         "step": _step(entry, args, model_dir, tokenizer["max_seq_len"]),
     }
-    method = methods.get(args.method)
+    method = args.method_record
     if declared := OBJECTIVES.get(method.loss):
         # only for a loss of the method's own: other methods' run identities stay as they were
         cfg[method.loss.value] = declared.settings(args)
@@ -372,7 +374,7 @@ def build_config(
 
 def _check_validation(args: TrainArgs, own_validation: dict | None) -> bool:
     """Whether the run evaluates on held-out rows; refuses settings that contradict the data."""
-    method = methods.get(args.method)
+    method = args.method_record
     if not method.validates:
         given = [
             f"{k}={args.given[k]}"
@@ -446,8 +448,8 @@ def _checkpointing(args: TrainArgs, directory: Path) -> dict:
 
 def _model(entry: ModelEntry, args: TrainArgs, model_dir: Path) -> dict:
     """The model's node: the catalog's builder, with the LoRA family's adapter settings."""
-    model = model_component(entry, args.method, model_dir)
-    method = methods.get(args.method)
+    method = args.method_record
+    model = model_component(entry, method, model_dir)
     if method.adapters:
         model.update(
             lora_attn_modules=list(args.lora_attn_modules),
@@ -526,7 +528,7 @@ def _optimizer_and_schedule(args: TrainArgs) -> dict:
 def _step(entry: ModelEntry, args: TrainArgs, model_dir: Path, max_seq_len: int) -> dict:
     """The settings the trainer chooses its step from when it knows its device (recipe.py,
     runtimes/planner.py: choose_step), and the job as the memory planner sees it."""
-    how = methods.get(args.method)
+    how = args.method_record
     job = {
         "model": entry.name,
         "model_dir": str(model_dir) if entry.custom else None,

@@ -32,7 +32,7 @@ from tunepack.trainers.process import noise, threads  # threads: before torch (O
 
 # isort: split
 # (config imports torch: the import above must stay first whatever the modules' names.)
-from tunepack.trainers.args import parse_args, resolve_args
+from tunepack.runtimes.args import parse_args, resolve_args
 from tunepack.trainers.config import (
     build_config,
     identity_changes,

@@ -947,7 +947,7 @@ class FineTuneRecipe:
         state = artifacts.gather_state(
             self.model, trainable_only=self.is_lora, sharded=self.topo.distributed
         )
-        artifact = artifacts.weights_dir(self.output_dir, self.method.name)
+        artifact = artifacts.weights_dir(self.output_dir, self.method)
         step, best_step = self.progress.step, self.progress.best_step
         published_step = step
         keep_best = bool(self.cfg.get("eval", {}).get("keep_best"))
@@ -960,11 +960,16 @@ class FineTuneRecipe:
                 )
             state, published_step = best, best_step
         if self.topo.is_main:
-            artifacts.publish_weights(state, self.cfg, self.output_dir)
+            artifacts.publish_weights(state, self.cfg, self.method, self.output_dir)
             outcome = self._outcome(keep_best=keep_best, published_step=published_step)
             tracked = {"tracker": self.tracker_record} if self.tracker_record else {}
             artifacts.write_result(
-                self.output_dir, self.cfg, outcome, artifact, {**tracked, **(extra or {})}
+                self.output_dir,
+                self.cfg,
+                self.method,
+                outcome,
+                artifact,
+                {**tracked, **(extra or {})},
             )
         distributed.barrier()  # no rank exits before the result is complete
         return artifact

@@ -24,9 +24,10 @@ from pathlib import Path
 from tunepack.core import durable
 from tunepack.core.errors import BadModelError, BadValueError, NoObjectsError, NotFoundError
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import atomic, uri
-from tunepack.initializers.retry import retrying
-from tunepack.initializers.transfer_progress import human_bytes
+from tunepack.initializers import atomic
+from tunepack.initializers.transport import uri
+from tunepack.initializers.transport.retry import retrying
+from tunepack.initializers.transport.transfer_progress import human_bytes
 
 Log = Callable[[str], None]
 # scheme -> the module of this package that writes it
@@ -123,7 +124,7 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
     """Fetch the export at ``raw`` into directory ``dest``, verified against its manifest;
     return the manifest. ``dest`` appears only when complete (staged, then renamed); a fetch
     interrupted midway resumes where it stopped."""
-    from tunepack.initializers import download
+    from tunepack.initializers.transport import download
 
     parsed = parse(raw)
     dest = Path(dest).expanduser().absolute()
@@ -200,7 +201,7 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
 
 
 def _check_manifest(manifest: dict | None, shown: str) -> None:
-    from tunepack.initializers.download import safe_relpath
+    from tunepack.initializers.transport.download import safe_relpath
 
     if manifest is None:
         raise NotFoundError(

@@ -13,7 +13,7 @@ from pathlib import Path
 from tunepack.core import durable
 from tunepack.core.errors import TransientError
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import atomic, uri
+from tunepack.initializers import atomic
 from tunepack.initializers.sinks import (
     MANIFEST_KIND,
     LocalFile,
@@ -22,6 +22,7 @@ from tunepack.initializers.sinks import (
     same_export,
     summary,
 )
+from tunepack.initializers.transport import uri
 
 
 class Sink:

@@ -28,11 +28,11 @@ from tunepack.core.errors import (
     TransientError,
 )
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import uri
 from tunepack.initializers.sinks import LocalFile, Log, RemoteCalls, manifest_bytes, same_export
-from tunepack.initializers.sources import _http
-from tunepack.initializers.sources import hf as hub_source
-from tunepack.initializers.transfer_progress import human_bytes
+from tunepack.initializers.transport import uri
+from tunepack.initializers.transport.sources import _http
+from tunepack.initializers.transport.sources import hf as hub_source
+from tunepack.initializers.transport.transfer_progress import human_bytes
 
 # The exporter's setting for a repository it creates: private unless "false" (docs/export.md).
 PRIVATE_ENV = "EXPORT_PRIVATE"

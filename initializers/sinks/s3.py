@@ -1,9 +1,9 @@
 """``s3://bucket/prefix``: objects under ``prefix/`` in S3 or an S3-compatible store.
 
 The client (endpoint, credentials and addressing from the AWS environment) and the mapping of
-its failures are ``tunepack.initializers.s3``'s, shared with the s3:// source. A file larger
-than a part (``TUNEPACK_EXPORT_PART_SIZE_MB``) goes up as a multipart upload, which a re-run
-resumes at its first missing part.
+its failures are ``tunepack.initializers.transport.s3``'s, shared with the s3:// source. A file
+larger than a part (``TUNEPACK_EXPORT_PART_SIZE_MB``) goes up as a multipart upload, which a
+re-run resumes at its first missing part.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import os
 
 from tunepack.core.errors import BadValueError, TransientError
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import s3, uri
 from tunepack.initializers.sinks import (
     LocalFile,
     Log,
@@ -24,6 +23,7 @@ from tunepack.initializers.sinks import (
     same_export,
     summary,
 )
+from tunepack.initializers.transport import s3, uri
 
 PART_SIZE_ENV = "TUNEPACK_EXPORT_PART_SIZE_MB"
 DEFAULT_PART_MB = 64

@@ -136,7 +136,7 @@ def _flag_for_an_argument(message: str) -> str | None:
     ``key=value`` spelling it takes."""
     if not message.startswith("unrecognized arguments: "):
         return None
-    from tunepack.trainers import args as vocabulary
+    from tunepack.runtimes import args as vocabulary
 
     for token in message.removeprefix("unrecognized arguments: ").split():
         name = token.removeprefix("--").partition("=")[0]

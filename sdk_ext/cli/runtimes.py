@@ -27,7 +27,7 @@ def cmd_runtimes(_: argparse.Namespace) -> int:
 
 
 def cmd_args(_: argparse.Namespace) -> int:
-    from tunepack.trainers.args_docs import vocabulary_table
+    from tunepack.runtimes.args_docs import vocabulary_table
 
     print(output.table([list(r) for r in vocabulary_table()], ["KEY", "DEFAULT", "MEANING"]))
     return 0

@@ -97,8 +97,8 @@ class _writing:
 
 def cmd_plan(ns: argparse.Namespace) -> int:
     from tunepack.core.errors import ConflictError
+    from tunepack.runtimes.args import job_defaults
     from tunepack.runtimes.planner import model_entry, plan
-    from tunepack.trainers.args import job_defaults
 
     if ns.lora_rank is not None and not methods.get(ns.method).adapters:
         raise ConflictError(

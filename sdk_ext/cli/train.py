@@ -298,7 +298,7 @@ def cluster_job(ns: argparse.Namespace) -> ClusterJob:
 def _initializer(ns: argparse.Namespace):
     """The initializers of ``train`` (local or cluster): the storage URIs and Secret references
     of its flags."""
-    from tunepack.initializers import schemas
+    from tunepack.initializers.data import schemas
     from tunepack.jobs.translate import Initializer
 
     env = _verbose_env(ns) or {}

@@ -46,7 +46,7 @@ def stable_job_name(
     ``--workspace`` when one is given). The same command gets the same job, hence its workspace,
     and resumes it; another dataset, model, argument value or workspace gets another job."""
     from tunepack.core.digest import json_digest
-    from tunepack.initializers import uri as storage
+    from tunepack.initializers.transport import uri as storage
 
     def canonical(uri: str) -> str:
         try:

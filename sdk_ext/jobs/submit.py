@@ -34,8 +34,8 @@ from tunepack.jobs.translate import (
     to_initializer,
 )
 from tunepack.runtimes import catalog, planner
+from tunepack.runtimes.args import resolve_args
 from tunepack.spelling import SDK, Spelling
-from tunepack.trainers.args import resolve_args
 
 logger = logging.getLogger(__name__)
 
@@ -157,7 +157,7 @@ def check_method_fits_dataset(method: str, dataset_uri: str, env: dict, *, local
     schema is known before anything runs: named by the initializers' ``DATASET_SCHEMA``, or, on
     the local backend, shown by the first row of a local file (after ``COLUMN_MAP``). Elsewhere
     the dataset initializer says it, at the first row, before the model is fetched."""
-    from tunepack.initializers import schemas
+    from tunepack.initializers.data import schemas
 
     if local:  # the local steps inherit this process's environment (the TrainJob's wins)
         names = (schemas.SCHEMA_ENV, schemas.COLUMN_MAP_ENV)
@@ -176,8 +176,8 @@ def _first_row_schema(dataset_uri: str, column_map: str):
     from pathlib import Path
 
     from tunepack.core.errors import BadInputError
-    from tunepack.initializers import formats, schemas
-    from tunepack.initializers import uri as storage
+    from tunepack.initializers.data import formats, schemas
+    from tunepack.initializers.transport import uri as storage
 
     try:
         parsed = storage.parse(dataset_uri)
@@ -285,7 +285,7 @@ def _check_local_source(what: str, uri: str) -> None:
     machine is the one the local backend's initializers read it on)."""
     from pathlib import Path
 
-    from tunepack.initializers import uri as storage
+    from tunepack.initializers.transport import uri as storage
 
     parsed = storage.parse(uri)
     if parsed.is_local and not Path(parsed.location).exists():
@@ -302,8 +302,8 @@ def _check_local_split(dataset: dict) -> None:
     import os
     from pathlib import Path
 
-    from tunepack.initializers import splits
-    from tunepack.initializers import uri as storage
+    from tunepack.initializers.data import splits
+    from tunepack.initializers.transport import uri as storage
 
     parsed = storage.parse(dataset["storageUri"])
     env = {e["name"]: e.get("value") for e in dataset.get("env", [])}

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 from tunepack.core import workspace
 from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
-from tunepack.initializers import uri as storage
+from tunepack.initializers.transport import uri as storage
 from tunepack.jobs.naming import DNS_LABEL_MAX, check_dns_label, check_name
 from tunepack.runtimes import builder, catalog, contract, custom, host
 from tunepack.runtimes.validate import validate_trainjob
 from tunepack.spelling import SDK, Spelling
 
 if TYPE_CHECKING:
-    from tunepack.trainers.args import TrainArgs
+    from tunepack.runtimes.args import TrainArgs
 
 logger = logging.getLogger(__name__)
 
@@ -529,7 +529,7 @@ def _dataset_split_env(job: TrainJobSpec) -> list[dict]:
     """The dataset initializer's ``DATASET_SPLIT`` for ``job.dataset_split``; every split the
     job names (that, the URI's ``?split=``, ``initializer_env``) checked now, as the initializer
     would, and refused when two disagree."""
-    from tunepack.initializers import splits
+    from tunepack.initializers.data import splits
 
     named = {}
     if job.dataset_split is not None:
@@ -610,7 +610,7 @@ def to_yaml(obj: dict) -> str:
 
 def trainer_args_of(job: TrainJobSpec) -> TrainArgs:
     """``job``'s trainer arguments, parsed: as given when they are, else parsed here once."""
-    from tunepack.trainers.args import TrainArgs
+    from tunepack.runtimes.args import TrainArgs
 
     if isinstance(job.trainer_args, TrainArgs):
         return job.trainer_args
@@ -623,7 +623,7 @@ def parse_trainer_args_for(words: object, runtime: str, model_uri: str | None) -
     if isinstance(words, str) or not all(isinstance(a, str) for a in words):
         raise BadValueError(f"trainer_args must be a list of 'key=value' strings, got {words!r}")
     # Imported here so that importing tunepack.jobs.trainjob does not need the trainer package.
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
 
     return parse_trainer_args(words, model_entry_for(runtime, model_uri))
 

@@ -189,7 +189,7 @@ def upstream_full(trainer: object) -> bool:
 def refuse_upstream_full(trainer: object, entry) -> None:
     """A full fine-tune that upstream's ``TorchTuneConfig`` without ``peft_config`` means,
     refused with the reason where ``entry``'s runtime does not offer ``method=full``."""
-    from tunepack.trainers.args import unavailable_method_message
+    from tunepack.runtimes.args import unavailable_method_message
 
     if upstream_full(trainer) and "full" not in entry.methods:
         raise UnsupportedError(
@@ -246,7 +246,7 @@ def dataset_split(trainer: object) -> str | None:
     """The split upstream's ``TorchTuneInstructDataset.split`` names (``train[:1000]``), for the
     dataset initializer (``TrainJobSpec.dataset_split``); None for the default, ``train``.
     Checked as the initializer checks it: ``BadInputError`` naming the field."""
-    from tunepack.initializers import splits
+    from tunepack.initializers.data import splits
 
     config = getattr(trainer, "config", None) if isinstance(trainer, kf.BuiltinTrainer) else None
     ds = getattr(config, "dataset_preprocess_config", None)
@@ -278,7 +278,7 @@ def _from_dataset_config(ds: kf.TorchTuneInstructDataset) -> dict[str, object]:
 
 
 # torchtune's instruction fields (InputOutputToMessages: "input", the prompt, and "output") as
-# tunepack's instruction schema names them (initializers/schemas.py: 'instruction', 'output').
+# tunepack's instruction schema names them (initializers/data/schemas.py: 'instruction', 'output').
 _INSTRUCT_FIELDS = {"input": "instruction", "output": "output"}
 
 
@@ -324,7 +324,7 @@ def dataset_env(trainer: object) -> dict[str, str]:
     names none."""
     import json
 
-    from tunepack.initializers.schemas import COLUMN_MAP_ENV
+    from tunepack.initializers.data.schemas import COLUMN_MAP_ENV
 
     config = getattr(trainer, "config", None) if isinstance(trainer, kf.BuiltinTrainer) else None
     ds = getattr(config, "dataset_preprocess_config", None)

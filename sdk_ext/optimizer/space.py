@@ -19,8 +19,8 @@ from kubeflow.optimizer.types.optimization_types import Direction, Objective
 
 from tunepack.core.errors import BadValueError, ConflictError, UnknownKeyError, UnsupportedError
 from tunepack.runtimes import methods
+from tunepack.runtimes.args import VOCABULARY, foreign_name, invalid_value_message
 from tunepack.spelling import CLI, SDK, Spelling
-from tunepack.trainers.args import VOCABULARY, foreign_name, invalid_value_message
 
 # The argument kinds a search can draw values of: numbers from a range, any of them from a list.
 RANGE_KINDS = ("int", "float")

@@ -93,7 +93,7 @@ def prepare(
     method_names = drawn or (finetune.method or methods.DEFAULT,)
     rewards = tuple(w.name for w in (finetune.parsed_args().values.get("rewards") or ()))
     if not rewards:
-        from tunepack.trainers.objectives import rewards as reward_names
+        from tunepack.runtimes import reward_names
 
         rewards = (reward_names.DEFAULT,)
     validates = bool(finetune.val_fraction)

@@ -25,11 +25,11 @@ from tunepack.core.workspace import (
     in_pod,
     result_file,
 )
-from tunepack.runtimes import catalog, methods
+from tunepack.runtimes import catalog
+from tunepack.runtimes.args import TrainArgs, parse_trainer_args, split_pairs
 from tunepack.runtimes.builder import to_yaml
 from tunepack.runtimes.chat_templates import TEMPLATES, serving_template
 from tunepack.runtimes.contract import workspace_pvc
-from tunepack.trainers.args import TrainArgs, parse_trainer_args, split_pairs
 
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 # The values vLLM accepts for --max-lora-rank (it refuses others at start-up).
@@ -150,7 +150,7 @@ def served(entry: catalog.ModelEntry, trained: TrainArgs) -> Served:
     if template is None and entry.custom:
         # A checkpoint of one's own may carry any template: serve the format it was trained in.
         template = TEMPLATES[trained.chat_template]
-    method = methods.get(trained.method)
+    method = trained.method_record
     if not method.adapters:
         return Served(in_pod(OUTPUT_DIR, FULL_MODEL_DIR), chat_template=template)
     if trained.merge:

@@ -17,9 +17,9 @@ import pytest
 from tests.cluster import kube
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.tools import admission
 from tunepack.tools.install import describe
-from tunepack.trainers.args import parse_trainer_args
 
 pytestmark = pytest.mark.controlplane
 

@@ -1,10 +1,11 @@
 """The dependency direction between tunepack's packages, written once and checked on the source.
 
     tunepack.core          the contract between the steps: imports only the standard library
-    tunepack.runtimes      the catalog and the runtimes: core
-    tunepack.initializers  the dataset/model initializer programs: core, runtimes (and the one
-                           module tunepack.trainers.args: they check the trainer's arguments
-                           with its vocabulary before they download anything)
+    tunepack.runtimes      the catalog, the methods, the trainer argument vocabulary and the
+                           runtimes: core
+    tunepack.initializers  the dataset/model initializer programs: core, runtimes (they check a
+                           job's trainer arguments with the vocabulary, tunepack.runtimes.args,
+                           before they download anything)
     tunepack.trainers      the trainer program: core, runtimes
     tunepack (the SDK)     everything else: the client, backends, job building, CLI, tools: all
 
@@ -23,7 +24,9 @@ import inside a function is a shared piece in the wrong module: it moves to the 
 
 Inside tunepack.trainers, the same for its parts (``TRAINER_PARTS``): the rooms (models/, data/,
 objectives/, outputs/, process/) and the modules at its top (the program: launch, worker, recipe;
-the run's description: args, config).
+the run's description: config). Inside tunepack.initializers too (``INITIALIZER_PARTS``): the rooms
+(transport/, data/, sinks/) and the modules at its top (the programs: dataset, model, export; what
+they share: _entry and its redaction, trainer_args, atomic).
 """
 
 from __future__ import annotations
@@ -64,9 +67,6 @@ MAY_IMPORT = {
     TRAINERS: {CORE, RUNTIMES},
     SDK: {CORE, RUNTIMES, INITIALIZERS, TRAINERS},
 }
-# Single modules of another package a package may import besides the table's: the trainer's
-# argument vocabulary (standard library, core and runtimes only; checked at run time below).
-MAY_IMPORT_MODULES = {INITIALIZERS: {"tunepack.trainers.args"}}
 # Third-party top-level modules a package must not import. Core: anything outside the standard
 # library (checked separately).
 HEAVY = {"torch", "torchtune", "torchao", "peft", "transformers"}
@@ -235,10 +235,7 @@ def violations(repo: Path = REPO) -> list[str]:
             target = package_of(imported)
             top = imported.split(".")[0]
             if target is not None:
-                allowed = MAY_IMPORT[package] | (
-                    {target} if imported in MAY_IMPORT_MODULES.get(package, ()) else set()
-                )
-                if target != package and target not in allowed:
+                if target != package and target not in MAY_IMPORT[package]:
                     problems.append(f"{where}:{line}: {package} imports {imported} ({target})")
             elif package == CORE and top not in sys.stdlib_module_names:
                 problems.append(f"{where}:{line}: {CORE} imports {imported} (not the stdlib)")
@@ -262,21 +259,20 @@ def package_graph(repo: Path = REPO) -> dict[str, set[str]]:
 
 # tunepack.trainers' parts: a room (subpackage) or a module at its top -> the parts it may import
 # besides its own modules. The building blocks (models, data, process) import no other part; the
-# losses may ask the process group; the run's description (args, config) reads the chat formats
-# and the rewards' names; outputs read the description and the models' layouts; only the recipe
-# puts them together, and only the program's two entry points (launch, worker) import it.
+# losses may ask the process group; the run's description (config) reads the chat formats and the
+# losses' table; outputs read the description and the models' layouts; only the recipe puts them
+# together, and only the program's two entry points (launch, worker) import it. The argument
+# vocabulary they all read is tunepack.runtimes.args.
 TRAINER_PARTS = {
     "process": set(),  # torchrun, the process group, threads, compilation, log noise
     "models": set(),  # the families tunepack builds, their checkpoints' layouts
     "data": set(),  # tokenization in the chat formats, image rows, batch order
     "objectives": {"process"},  # the losses, GRPO's sampling and rewards
-    "args": {"data", "objectives"},  # the argument vocabulary
-    "args_docs": {"args"},
-    "config": {"args", "data", "objectives"},  # the run's torchtune config and identity
-    "outputs": {"args", "config", "models", "process"},  # checkpoints, result files, reporting
+    "config": {"data", "objectives"},  # the run's torchtune config and identity
+    "outputs": {"config", "models", "process"},  # checkpoints, result files, reporting
     "recipe": {"config", "data", "models", "objectives", "outputs", "process"},
     "worker": {"process", "recipe"},  # torchrun's entry
-    "launch": {"args", "config", "process", "recipe"},  # the image's ENTRYPOINT
+    "launch": {"config", "process", "recipe"},  # the image's ENTRYPOINT
 }
 
 
@@ -288,18 +284,55 @@ def trainer_part(module: str) -> str | None:
 
 def trainer_violations(repo: Path = REPO) -> list[str]:
     """Every import between the trainer's parts that ``TRAINER_PARTS`` does not allow."""
+    return _part_violations(TRAINERS, TRAINER_PARTS, repo)
+
+
+def _part_violations(package: str, parts: dict[str, set[str]], repo: Path) -> list[str]:
+    """Every import between the parts of ``package`` (a room or a module at its top: the first
+    name below it) that ``parts`` does not allow, as ``path:line: what``."""
     modules = source_modules(repo)
+    directory = {p: d for d, p in SOURCES.items()}[package]
     problems = []
     for module, path in modules.items():
-        part = trainer_part(module)
+        part = _part(package, module)
         if part is None:
             continue
         for line, imported in imports_of(module, path, set(modules)):
-            target = trainer_part(imported)
-            if target is not None and target != part and target not in TRAINER_PARTS[part]:
+            target = _part(package, imported)
+            if target is not None and target != part and target not in parts[part]:
                 where = path.relative_to(repo)
-                problems.append(f"{where}:{line}: trainers/{part} imports {imported} ({target})")
+                problems.append(f"{where}:{line}: {directory}/{part} imports {imported} ({target})")
     return problems
+
+
+def _part(package: str, module: str) -> str | None:
+    rest = module.removeprefix(package + ".")
+    return None if rest == module else rest.split(".")[0]
+
+
+# tunepack.initializers' parts, as TRAINER_PARTS: transport/ (a storage URI and the sources it
+# names, retries, downloads, progress, the S3 client, archives) and the module that scrubs what
+# the programs print import no other part; data/ (dataset files, schemas, splits, images) fetches
+# images through transport; sinks/ (export destinations) send and fetch through it into
+# atomic's staged directories; the three programs put them together, and nothing imports a
+# program.
+INITIALIZER_PARTS = {
+    "transport": set(),  # uri, sources/, retry, download, transfer_progress, s3, archives
+    "data": {"transport"},  # formats, schemas, splits, images
+    "atomic": set(),  # workspace directories published whole, their manifests
+    "sinks": {"atomic", "transport"},  # export destinations, fetching an export back
+    "redaction": set(),  # no credential in what is printed
+    "_entry": {"redaction"},  # the programs' entry and exit contract
+    "trainer_args": set(),  # the job's trainer arguments, checked before any download
+    "dataset": {"_entry", "atomic", "data", "trainer_args", "transport"},
+    "model": {"_entry", "atomic", "data", "trainer_args", "transport"},
+    "export": {"_entry", "atomic", "sinks", "transport"},
+}
+
+
+def initializer_violations(repo: Path = REPO) -> list[str]:
+    """Every import between the initializers' parts that ``INITIALIZER_PARTS`` does not allow."""
+    return _part_violations(INITIALIZERS, INITIALIZER_PARTS, repo)
 
 
 def test_every_package_imports_only_what_the_table_allows():
@@ -337,27 +370,29 @@ def test_every_trainer_module_is_in_a_part_of_the_table_which_has_no_cycle():
     assert order.index("recipe") > max(order.index(p) for p in ("models", "objectives", "outputs"))
 
 
+def test_the_initializers_parts_import_only_what_their_table_allows():
+    assert initializer_violations() == []
+
+
+def test_every_initializer_module_is_in_a_part_of_the_table_which_has_no_cycle():
+    modules = [m for m in source_modules() if m.startswith(INITIALIZERS + ".")]
+    assert {_part(INITIALIZERS, m) for m in modules} == set(INITIALIZER_PARTS)
+    list(TopologicalSorter(INITIALIZER_PARTS).static_order())  # a CycleError if there is one
+    programs = {p.removeprefix(INITIALIZERS + ".") for p in INITIALIZER_PROGRAMS}
+    assert not any(programs & needs for needs in INITIALIZER_PARTS.values())  # none imports one
+
+
 def test_initializer_programs_load_without_torch_or_the_sdk():
     # What the static check cannot see: what importing tunepack itself pulls in at run time.
-    # The programs and the one trainer module they may import (MAY_IMPORT_MODULES), with what
-    # it imports of its own package.
-    allowed = [
-        "tunepack.trainers",
-        "tunepack.trainers.args",
-        "tunepack.trainers.data",  # the rooms' __init__: a docstring each
-        "tunepack.trainers.data.prompt_format",
-        "tunepack.trainers.objectives",
-        # GRPO's reward names and weights, standard library only
-        "tunepack.trainers.objectives.rewards",
-    ]
+    # The programs and the vocabulary they check a job's arguments with: nothing of the
+    # trainer's package, nor of the SDK.
     code = (
         "import sys\n"
-        f"for name in {INITIALIZER_PROGRAMS + allowed[1:2]!r}: __import__(name)\n"
+        f"for name in {INITIALIZER_PROGRAMS + ['tunepack.runtimes.args']!r}: __import__(name)\n"
         "heavy = {m.split('.')[0] for m in sys.modules}"
         f" & {set(HEAVY | CLUSTER_CLIENTS)!r}\n"
         "sdk = sorted(m for m in sys.modules if m.startswith('tunepack.') and not"
-        " m.startswith(('tunepack.core', 'tunepack.runtimes', 'tunepack.initializers'))"
-        f" and m not in {allowed!r})\n"
+        " m.startswith(('tunepack.core', 'tunepack.runtimes', 'tunepack.initializers')))\n"
         "print(sorted(heavy), sdk)\n"
     )
     done = subprocess.run(
@@ -403,13 +438,15 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
             "initializers/model.py:1: tunepack.initializers imports tunepack.trainers "
             "(tunepack.trainers)",
         ),
-        (
+        (  # the vocabulary is the runtimes': the trainer's modules stay the trainer's
             {
-                "trainers/args.py": "",
+                "runtimes/args.py": "",
                 "trainers/recipe.py": "",
-                "initializers/model.py": "from tunepack.trainers import args, recipe\n",
+                "initializers/model.py": (
+                    "from tunepack.runtimes import args\nfrom tunepack.trainers import recipe\n"
+                ),
             },
-            "initializers/model.py:1: tunepack.initializers imports tunepack.trainers.recipe "
+            "initializers/model.py:2: tunepack.initializers imports tunepack.trainers.recipe "
             "(tunepack.trainers)",
         ),
         (
@@ -417,8 +454,8 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
             "runtimes/catalog.py:1: tunepack.runtimes imports tunepack (tunepack)",
         ),
         (
-            {"trainers/x.py": "import tunepack.initializers.uri\n"},
-            "trainers/x.py:1: tunepack.trainers imports tunepack.initializers.uri "
+            {"trainers/x.py": "import tunepack.initializers.transport.uri\n"},
+            "trainers/x.py:1: tunepack.trainers imports tunepack.initializers.transport.uri "
             "(tunepack.initializers)",
         ),
     ],
@@ -470,6 +507,35 @@ def test_a_cycle_between_packages_is_found(tmp_path):
 )
 def test_a_broken_trainer_rule_is_reported(tmp_path, files, expected):
     assert trainer_violations(_tree(tmp_path, files)) == [expected]
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        (  # inside a function too
+            {
+                "initializers/data/__init__.py": "",
+                "initializers/data/schemas.py": "",
+                "initializers/transport/__init__.py": "",
+                "initializers/transport/uri.py": (
+                    "def f():\n    from tunepack.initializers.data import schemas\n"
+                ),
+            },
+            "initializers/transport/uri.py:2: initializers/transport imports "
+            "tunepack.initializers.data.schemas (data)",
+        ),
+        (
+            {
+                "initializers/model.py": "",
+                "initializers/sinks/__init__.py": "from tunepack.initializers import model\n",
+            },
+            "initializers/sinks/__init__.py:1: initializers/sinks imports "
+            "tunepack.initializers.model (model)",
+        ),
+    ],
+)
+def test_a_broken_initializer_rule_is_reported(tmp_path, files, expected):
+    assert initializer_violations(_tree(tmp_path, files)) == [expected]
 
 
 @pytest.mark.parametrize(

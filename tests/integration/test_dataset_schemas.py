@@ -401,7 +401,7 @@ def test_bad_input_corpus(tmp_path, files, storage_uri, env, message):
 
 
 def test_a_row_larger_than_the_limit_is_refused_with_its_row_number(tmp_path):
-    from tunepack.initializers import schemas
+    from tunepack.initializers.data import schemas
 
     small = {"instruction": "say hi", "output": "hi"}
     huge = {"instruction": "recite", "output": "lorem ipsum " * (1 << 18)}  # 3 MiB
@@ -418,7 +418,7 @@ def test_a_row_larger_than_the_limit_is_refused_with_its_row_number(tmp_path):
 
 
 def test_the_row_limit_grows_with_the_models_context_window(tmp_path, monkeypatch):
-    from tunepack.initializers import schemas
+    from tunepack.initializers.data import schemas
     from tunepack.runtimes import catalog
 
     longest = max(catalog.CATALOG.values(), key=lambda e: e.shape.max_seq_len)

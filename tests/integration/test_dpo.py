@@ -30,9 +30,9 @@ from tests.helpers import (
 )
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
+from tunepack.runtimes.args import builder_for, parse_trainer_args
 from tunepack.tiny.dataset import write_tiny_preference_dataset
-from tunepack.trainers.args import builder_for, parse_trainer_args
 from tunepack.trainers.objectives.dpo import DPO, answer_logps
 
 PAIR = {"prompt": "2+2?", "chosen": "4", "rejected": "5"}
@@ -247,7 +247,7 @@ def test_dpo_arguments_and_their_errors():
     llama = catalog.get("llama3.1-8b")
     args = parse_trainer_args(["method=dpo", "beta=0.3", "dpo_loss=ipo"], llama)
     assert (args.method, args.beta, args.dpo_loss, args.lr) == ("dpo", 0.3, "ipo", 5e-5)
-    assert builder_for(llama, "dpo") == llama.builders["lora"]
+    assert builder_for(llama, methods.get("dpo")) == llama.builders["lora"]
     assert "dpo" in TINY.methods and "dpo" in llama.methods
     defaults = parse_trainer_args(["method=dpo"], llama)
     assert (defaults.beta, defaults.dpo_loss) == (0.1, "sigmoid")
@@ -442,13 +442,13 @@ def test_planner_counts_two_sequences_per_example():
 
 
 def test_readme_method_table_is_generated_from_the_vocabulary():
+    from tunepack.runtimes.args_docs import methods_table
     from tunepack.runtimes.methods import NAMES
-    from tunepack.trainers.args_docs import methods_table
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     block = readme.split("<!-- methods:begin -->\n")[1].split("<!-- methods:end -->")[0]
     assert block == methods_table(), (
-        "README.md is stale: python -m tunepack.trainers.args_docs methods"
+        "README.md is stale: python -m tunepack.runtimes.args_docs methods"
     )
     assert all(f"| `{method}` |" in block for method in NAMES)
 

@@ -22,7 +22,7 @@ from torchtune.training import MODEL_KEY, FullModelHFCheckpointer
 
 from tests.helpers import setup_recipe
 from tunepack import tiny
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.trainers.config import model_component
 
 ENTRIES = list(catalog.TINY.values())
@@ -81,7 +81,7 @@ def test_torchtune_conversion_gives_transformers_logits(family, tmp_path):
         output_dir=str(tmp_path),
     )
     state = checkpointer.load_checkpoint()[MODEL_KEY]
-    model = tt_config.instantiate(OmegaConf.create(model_component(entry, "full")))
+    model = tt_config.instantiate(OmegaConf.create(model_component(entry, methods.get("full"))))
     model.load_state_dict(state, strict=True)
     assert _max_diff(model, tokens, hf_logits) < 1e-4
 

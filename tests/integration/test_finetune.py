@@ -21,8 +21,8 @@ import pytest
 from tunepack import finetune
 from tunepack.core.errors import BadInputError
 from tunepack.finetune import FineTune
-from tunepack.trainers.args import VOCABULARY
-from tunepack.trainers.args_docs import replace_block
+from tunepack.runtimes.args import VOCABULARY
+from tunepack.runtimes.args_docs import replace_block
 
 SOURCE = Path(finetune.__file__)
 

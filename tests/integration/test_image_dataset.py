@@ -19,7 +19,7 @@ from PIL import Image
 from tests.helpers import run_dataset_initializer
 from tunepack.core.errors import EXIT_BAD_INPUT
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import images
+from tunepack.initializers.data import images
 
 
 def _image(fmt: str, size=(24, 16), color=(200, 30, 30)) -> bytes:
@@ -226,7 +226,7 @@ def test_oversized_and_bomb_images_are_refused(tmp_path, monkeypatch):
 def test_a_text_model_refuses_an_image_dataset_in_one_line(tmp_path, tiny_model_dir):
     from tunepack.core.errors import BadInputError
     from tunepack.runtimes import catalog
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
     from tunepack.trainers.config import build_config
 
     data = tmp_path / "data"

@@ -21,7 +21,7 @@ from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.core.workspace import TRAINER_ARGS_ENV
 from tunepack.jobs.trainjob import TrainJobSpec, build_trainjob
 from tunepack.runtimes import catalog
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.runtimes.args import parse_trainer_args
 
 
 @pytest.fixture

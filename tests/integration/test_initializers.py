@@ -14,7 +14,7 @@ import pytest
 
 from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import uri
+from tunepack.initializers.transport import uri
 from tunepack.runtimes import catalog
 
 ROWS = [

@@ -21,8 +21,8 @@ from torchtune.data import Message
 from tunepack import tiny
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, QWEN2_5_SYSTEM, TEMPLATES
-from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.config import tokenizer_config
 from tunepack.trainers.data.prompt_format import FORMATS
 

@@ -33,9 +33,9 @@ from tunepack.core.workspace import TRAINER_ARGS_ENV
 from tunepack.finetune import FineTune
 from tunepack.jobs import submit
 from tunepack.jobs.translate import Initializer, from_torchtune_config, storage_uri
+from tunepack.runtimes.args import VOCABULARY, parse_trainer_args
 from tunepack.runtimes.catalog import CATALOG
 from tunepack.runtimes.validate import validate_trainjob
-from tunepack.trainers.args import VOCABULARY, parse_trainer_args
 
 INIT = Initializer(dataset="file:///data/train.jsonl", model="file:///models/llama")
 

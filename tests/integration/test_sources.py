@@ -640,7 +640,7 @@ def test_https_refused_model_archive_leaves_no_download_cache(tmp_path, files_se
 
 
 def test_a_full_disk_while_downloading_says_the_downloads_size(tmp_path, files_server, monkeypatch):
-    from tunepack.initializers import download, uri
+    from tunepack.initializers.transport import download, uri
 
     root, url = files_server
     (root / "d.jsonl").write_bytes(b"x" * 5000)
@@ -719,7 +719,7 @@ _NOW = 1_772_452_800.0  # 2026-03-02 12:00:00 GMT, the date in the Retry-After b
 def test_https_download_waits_as_retry_after_says(
     tmp_path, http_server, monkeypatch, status, value, wait, said
 ):
-    from tunepack.initializers import download, retry, uri
+    from tunepack.initializers.transport import download, retry, uri
 
     root = tmp_path / "served"
     root.mkdir()

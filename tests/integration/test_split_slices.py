@@ -12,7 +12,7 @@ import pytest
 from tests.helpers import run_dataset_initializer
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.core.workspace import MANIFEST_FILE
-from tunepack.initializers import splits
+from tunepack.initializers.data import splits
 
 ROWS = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(20)]
 

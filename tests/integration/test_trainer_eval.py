@@ -25,7 +25,7 @@ from tests.helpers import (
 from tests.integration.test_sources import dataset_hub, hub, manifest_of, model_files, run_init  # noqa: F401
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
 from tunepack.runtimes import catalog
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.runtimes.args import parse_trainer_args
 
 TINY = catalog.get("tiny-llama3")
 

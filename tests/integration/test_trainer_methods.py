@@ -18,9 +18,9 @@ from torchtune.modules.peft import LoRALinear
 
 from tests.helpers import NF4_TINY, TINY, losses_of, run_program, setup_recipe, trainer_config
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.planner import Step
 from tunepack.tiny import write_tiny_model
-from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.models.lora_product import FusedLoRALinear
 from tunepack.trainers.outputs.trainjob_status import StatusReporter
 from tunepack.trainers.process import compiling

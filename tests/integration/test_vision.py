@@ -364,7 +364,7 @@ def test_the_model_initializer_refuses_a_config_the_build_cannot_reproduce(works
 
 def test_lora_projector_is_refused_for_a_model_without_images():
     from tunepack.core.errors import BadInputError
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
 
     assert parse_trainer_args(["lora_projector=true"], ENTRY).lora_projector is True
     with pytest.raises(BadInputError) as caught:
@@ -377,7 +377,7 @@ def test_lora_projector_is_refused_for_a_model_without_images():
 
 def test_methods_not_wired_for_images_are_refused_in_one_line():
     from tunepack.core.errors import BadInputError
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
 
     assert catalog.get("llama3.2-vision-11b").methods == ("full", "lora", "qlora", "dora")
     with pytest.raises(BadInputError, match=r"method=dpo is not available for tiny-mllama"):

@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from tests import REPO
+from tunepack.runtimes import args as vocab
 from tunepack.runtimes import catalog
 from tunepack.tools import admission, install
-from tunepack.trainers import args as vocab
 
 ROOT = REPO
 

@@ -10,16 +10,16 @@ import pytest
 
 from tests import REPO
 from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, BadValueError
-from tunepack.runtimes import catalog
-from tunepack.trainers import args as args_module
-from tunepack.trainers.args import (
+from tunepack.runtimes import args as args_module
+from tunepack.runtimes import catalog, methods
+from tunepack.runtimes.args import (
     VOCABULARY,
     TrainArgs,
     available_methods,
     builder_for,
     parse_trainer_args,
 )
-from tunepack.trainers.args_docs import markdown_table, replace_block, train_args_fields
+from tunepack.runtimes.args_docs import markdown_table, replace_block, train_args_fields
 
 TINY = catalog.get("tiny-llama3")
 LLAMA_8B = catalog.get("tunepack-llama3.1-8b")
@@ -167,7 +167,8 @@ def test_lora_variants_are_available_where_lora_is():
     for method in ("qlora", "dora"):
         args = parse_trainer_args([f"method={method}"], LLAMA_8B)
         assert args.method == method and args.lr == 3e-4
-        assert builder_for(LLAMA_8B, method) == LLAMA_8B.builders["lora"]
+        assert args.method_record is methods.get(method)
+        assert builder_for(LLAMA_8B, args.method_record) == LLAMA_8B.builders["lora"]
     assert available_methods(LLAMA_8B) == (
         "lora",
         "qlora",
@@ -210,7 +211,7 @@ def test_docs_list_every_argument_in_the_generated_table():
     doc = (REPO / "docs" / "trainer.md").read_text()
     block = doc.split("<!-- vocabulary:begin -->\n")[1].split("<!-- vocabulary:end -->")[0]
     assert block == markdown_table(), (
-        "docs/trainer.md is stale: run python -m tunepack.trainers.args_docs"
+        "docs/trainer.md is stale: run python -m tunepack.runtimes.args_docs"
     )
     for arg in VOCABULARY:
         assert f"| `{arg.name}` |" in block
@@ -218,12 +219,12 @@ def test_docs_list_every_argument_in_the_generated_table():
 
 def test_train_args_fields_are_generated_from_the_vocabulary():
     source = Path(args_module.__file__).read_text()
-    assert replace_block(source, "tunepack.trainers.args_docs", train_args_fields()) == source, (
-        "trainers/args.py's TrainArgs fields are stale: "
-        "run python -m tunepack.trainers.args_docs --write"
+    assert replace_block(source, "tunepack.runtimes.args_docs", train_args_fields()) == source, (
+        "runtimes/args.py's TrainArgs fields are stale: "
+        "run python -m tunepack.runtimes.args_docs --write"
     )
     names = [f.name for f in dataclasses.fields(TrainArgs)]
-    assert names == [arg.name for arg in VOCABULARY] + ["given"]
+    assert names == [arg.name for arg in VOCABULARY] + ["given", "method_record"]
     hints = typing.get_type_hints(TrainArgs)
     assert hints["lora_attn_modules"] == tuple[str, ...]
     assert hints["max_steps"] == int | None and hints["compile"] == str | bool

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torchtune import config
 
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.trainers.config import model_component
 from tunepack.trainers.models.builders import Gemma2Layer, SoftCappedTiedLinear
 
@@ -31,7 +31,9 @@ def _instantiate(entry: catalog.ModelEntry, method: str, **kwargs) -> torch.nn.M
     The meta device allocates nothing, so even 405B builds in a fraction of a second.
     """
     with torch.device("meta"):
-        return config.instantiate(OmegaConf.create({**model_component(entry, method), **kwargs}))
+        return config.instantiate(
+            OmegaConf.create({**model_component(entry, methods.get(method)), **kwargs})
+        )
 
 
 @pytest.mark.parametrize("entry", TEXT, ids=lambda e: e.name)
@@ -199,7 +201,7 @@ def test_vision_sizes_build_from_their_config(entry, tmp_path):
     with the parameter count the catalog plans with (its vision tower estimated within 1%), and
     full fine-tuning trains every weight."""
     (tmp_path / "config.json").write_text(json.dumps(_vision_config(entry)))
-    node = model_component(entry, "full", tmp_path)
+    node = model_component(entry, methods.get("full"), tmp_path)
     assert node["decoder_trainable"] and node["encoder_trainable"]
     with torch.device("meta"):
         model = config.instantiate(OmegaConf.create(node))
@@ -208,4 +210,4 @@ def test_vision_sizes_build_from_their_config(entry, tmp_path):
     assert all(p.requires_grad for p in model.parameters())
     assert entry.methods == ("full", "lora", "qlora", "dora")
     with pytest.raises(ValueError, match="config.json"):
-        model_component(entry, "full")
+        model_component(entry, methods.get("full"))

@@ -28,9 +28,9 @@ from tunepack import cli
 from tunepack.core.errors import BadInputError
 from tunepack.jobs import submit
 from tunepack.runtimes import catalog, host, methods
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.planner import plan
 from tunepack.runtimes.store import load_runtime
-from tunepack.trainers.args import parse_trainer_args
 
 # "11.9 GiB per GPU for the job below", "18.6 GiB per GPU with max_seq_len=2048 batch_size=2"
 PLANNED = re.compile(r"(\d+\.\d) GiB per GPU (?:for the job below|with ((?:\w+=[\w.-]+ ?)+))")

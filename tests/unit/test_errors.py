@@ -202,7 +202,7 @@ def test_a_model_that_does_not_fit_the_gpus(capsys, monkeypatch):
 
 
 def test_a_dataset_file_that_is_not_json(tmp_path):
-    from tunepack.initializers import formats
+    from tunepack.initializers.data import formats
 
     path = tmp_path / "train.json"
     path.write_text("[1, 2")
@@ -225,7 +225,7 @@ def test_a_model_directory_without_its_config(tmp_path):
 def test_s3_answers_become_denied_and_no_objects():
     from botocore.exceptions import ClientError, NoCredentialsError
 
-    from tunepack.initializers import s3
+    from tunepack.initializers.transport import s3
 
     where = {"shown": "s3://bucket/data", "bucket": "bucket"}
     denied = s3.problem(NoCredentialsError(), **where)
@@ -293,7 +293,7 @@ def test_a_stop_signal_is_a_stopped_error_with_the_retriable_code(capsys):
 
 
 def test_an_initializers_narrow_error_ends_it_with_its_line_and_its_kinds_code(capsys):
-    from tunepack.initializers import uri
+    from tunepack.initializers.transport import uri
 
     def body():
         uri.resolve(uri.parse("file:///nonexistent/data"))

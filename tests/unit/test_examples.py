@@ -19,13 +19,13 @@ import yaml
 
 from tests import REPO
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import uri as storage_uri
+from tunepack.initializers.transport import uri as storage_uri
 from tunepack.jobs import submit, trainjob
 from tunepack.jobs.naming import max_name_length
 from tunepack.runtimes import catalog, contract, host
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.store import load_runtime
 from tunepack.runtimes.validate import validate_trainjob
-from tunepack.trainers.args import parse_trainer_args
 
 EXAMPLES_DIR = REPO / "examples"
 

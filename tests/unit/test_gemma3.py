@@ -17,7 +17,7 @@ from torchtune import config as tt_config
 from torchtune.training import MODEL_KEY
 
 from tunepack.core.errors import BadInputError
-from tunepack.runtimes import catalog, custom
+from tunepack.runtimes import catalog, custom, methods
 from tunepack.trainers.config import model_component
 from tunepack.trainers.models.gemma3 import (
     MODEL_TYPE,
@@ -67,7 +67,9 @@ def hf_model():
 def _built(config: dict) -> torch.nn.Module:
     """The model the trainer builds for a checkpoint with this config.json (custom runtime)."""
     entry = custom.with_config(ENTRY, config, "here")
-    return tt_config.instantiate(OmegaConf.create(model_component(entry, "full"))).eval()
+    return tt_config.instantiate(
+        OmegaConf.create(model_component(entry, methods.get("full")))
+    ).eval()
 
 
 def _diff(model, expected) -> float:
@@ -239,8 +241,8 @@ def test_the_model_initializer_checks_an_image_text_checkpoint_by_its_text_confi
     """Gemma 3 4B/12B/27B on the Hub are Gemma3ForConditionalGeneration: config.json's
     model_type is gemma3, the text model's fields sit in text_config. The catalog entry's check
     reads those (and still refuses a text model of another shape, naming the field)."""
-    from tunepack.initializers import uri
     from tunepack.initializers.model import _check_config
+    from tunepack.initializers.transport import uri
     from tunepack.runtimes import catalog
 
     entry = catalog.get("gemma3-4b")

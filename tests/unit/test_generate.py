@@ -87,13 +87,13 @@ def test_the_generate_target_runs_every_generator_once():
 def test_the_code_generators_run_before_what_imports_their_output():
     runs = recipe()
     # TrainArgs' and FineTune's fields are source the other generators import.
-    code = {"tunepack.trainers.args_docs", "tunepack.finetune"}
+    code = {"tunepack.runtimes.args_docs", "tunepack.finetune"}
     assert set(runs[:2]) == code, runs
 
 
 def test_every_file_a_test_checks_has_its_generator_in_make_generate():
     named = told_to_run()
-    assert {"tunepack.trainers.args_docs", "tunepack.tools.admission"} <= named  # the rule works
+    assert {"tunepack.runtimes.args_docs", "tunepack.tools.admission"} <= named  # the rule works
     assert named <= set(recipe()), f"tests tell contributors to run {sorted(named)}"
 
 
@@ -121,7 +121,7 @@ def test_a_stale_file_is_named_with_make_generate(tmp_path, monkeypatch, capsys)
 
 
 def test_args_docs_check_names_a_stale_table_and_write_repairs_it(tmp_path, monkeypatch, capsys):
-    from tunepack.trainers import args_docs
+    from tunepack.runtimes import args_docs
 
     (tmp_path / "docs").mkdir()
     trainer_md = (REPO / "docs" / "trainer.md").read_text(encoding="utf-8")

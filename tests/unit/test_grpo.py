@@ -13,10 +13,12 @@ import torch
 
 from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
-from tunepack.initializers.schemas import SCHEMAS, detect
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.initializers.data.schemas import SCHEMAS, detect
+from tunepack.runtimes import reward_names
+from tunepack.runtimes.args import parse_trainer_args
+from tunepack.runtimes.reward_names import Weighted
 from tunepack.trainers.objectives import grpo, rewards
-from tunepack.trainers.objectives.rewards import Sample, Weighted
+from tunepack.trainers.objectives.rewards import Sample
 
 
 def sample(completion: str, answer: str | None = "42", *, tokens: int = 4, pattern: str = ""):
@@ -46,6 +48,11 @@ def test_built_in_rewards_on_fixed_answers(name, completion, answer, expected):
     assert rewards.BUILT_IN[name](sample(completion, answer)) == expected
 
 
+def test_the_trainer_computes_every_reward_the_vocabulary_names_built_in():
+    assert tuple(rewards.BUILT_IN) == reward_names.BUILT_IN
+    assert set(rewards.NEEDS_ANSWER) <= set(reward_names.BUILT_IN)
+
+
 def test_format_searches_and_length_penalises_the_share_of_the_limit():
     assert rewards.format_(sample("<a>12</a>", pattern=r"^<a>\d+</a>$")) == 1.0
     assert rewards.format_(sample("<a>12</a> more", pattern=r"^<a>\d+</a>$")) == 0.0
@@ -56,7 +63,7 @@ def test_format_searches_and_length_penalises_the_share_of_the_limit():
 
 
 def test_weighted_sum_and_each_value():
-    functions = rewards.resolve(rewards.parse("rewards", "numeric,length:-0.5"))
+    functions = rewards.resolve(reward_names.parse("rewards", "numeric,length:-0.5"))
     total, values = rewards.score(functions, sample("42", tokens=2))
     assert values == [1.0, -0.25] and total == 1.0 + 0.125
 
@@ -67,10 +74,13 @@ NON_ZERO = "the weight of 'match' must be a non-zero number"
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ("", f"rewards='' is not valid: expected {rewards.EXPECTED}"),
-        ("match,,length", f"rewards='match,,length' is not valid: expected {rewards.EXPECTED}"),
-        ("os.system", f"rewards='os.system' is not valid: expected {rewards.EXPECTED}"),
-        ("match:x", f"rewards='match:x' is not valid: expected {rewards.EXPECTED}"),
+        ("", f"rewards='' is not valid: expected {reward_names.EXPECTED}"),
+        (
+            "match,,length",
+            f"rewards='match,,length' is not valid: expected {reward_names.EXPECTED}",
+        ),
+        ("os.system", f"rewards='os.system' is not valid: expected {reward_names.EXPECTED}"),
+        ("match:x", f"rewards='match:x' is not valid: expected {reward_names.EXPECTED}"),
         ("match:0", "rewards='match:0' is not valid: " + NON_ZERO),
         ("match:nan", "rewards='match:nan' is not valid: " + NON_ZERO),
         ("match,match:2", "rewards='match,match:2' is not valid: 'match' is named twice"),
@@ -78,14 +88,14 @@ NON_ZERO = "the weight of 'match' must be a non-zero number"
 )
 def test_reward_arguments_that_are_refused(raw, message):
     with pytest.raises(BadInputError) as err:
-        rewards.parse("rewards", raw)
+        reward_names.parse("rewards", raw)
     assert str(err.value) == message
 
 
 def test_spelling_round_trips():
-    parsed = rewards.parse("rewards", " match , format:0.5,length:-1 ")
+    parsed = reward_names.parse("rewards", " match , format:0.5,length:-1 ")
     assert parsed == (Weighted("match", 1.0), Weighted("format", 0.5), Weighted("length", -1.0))
-    assert rewards.spelled(parsed) == "match,format:0.5,length:-1"
+    assert reward_names.spelled(parsed) == "match,format:0.5,length:-1"
 
 
 def test_an_unknown_reward_names_the_built_ins_and_plugins(monkeypatch):
@@ -107,14 +117,14 @@ def shouting(sample: Sample) -> float:
 def test_a_plugin_is_found_through_its_entry_point(monkeypatch):
     entry = metadata.EntryPoint("shout", f"{__name__}:shouting", rewards.PLUGIN_GROUP)
     monkeypatch.setattr(rewards, "plugins", lambda: {"shout": entry})
-    functions = rewards.resolve(rewards.parse("rewards", "shout:2,length"))
+    functions = rewards.resolve(reward_names.parse("rewards", "shout:2,length"))
     total, values = rewards.score(functions, sample("ABcd", tokens=4))
     assert values == [0.5, -0.5] and total == 0.5
 
 
 def test_a_reward_pattern_must_compile():
     with pytest.raises(BadInputError) as err:
-        rewards.parse_pattern("reward_pattern", "([0-9]")
+        reward_names.parse_pattern("reward_pattern", "([0-9]")
     assert str(err.value).startswith(
         "reward_pattern='([0-9]' is not valid: expected a Python regular expression (missing )"
     )

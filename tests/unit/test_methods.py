@@ -9,9 +9,9 @@ import pytest
 
 from tests import REPO
 from tunepack.core.errors import BadInputError
-from tunepack.initializers.schemas import SCHEMAS
+from tunepack.initializers.data.schemas import SCHEMAS
+from tunepack.runtimes import args as vocab
 from tunepack.runtimes import catalog, methods
-from tunepack.trainers import args as vocab
 
 SOURCE_DIRS = ("sdk_ext", "trainers", "runtimes", "initializers", "benchmarks")
 REGISTRY = REPO / "runtimes" / "methods.py"
@@ -105,7 +105,8 @@ def test_a_catalog_model_offers_each_method_its_builders_build():
     assert entry.methods == (
         "full", "grpo_full", "lora", "qlora", "dora", "dpo", "orpo", "kto", "grpo",
     )  # fmt: skip
-    assert {vocab.builder_for(entry, m) for m in entry.methods} == set(entry.builders.values())
+    built = {vocab.builder_for(entry, methods.get(m)) for m in entry.methods}
+    assert built == set(entry.builders.values())
     # A model NF4 cannot quantize offers every LoRA method but qlora, and says why not.
     tiny = catalog.get("tiny-llama3")
     assert "qlora" not in tiny.methods and "dora" in tiny.methods

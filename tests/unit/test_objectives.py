@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from tests import REPO
 from tests.helpers import TINY
 from tunepack.runtimes import methods
-from tunepack.trainers.args import parse_trainer_args
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.trainers.objectives.base import Objective
 from tunepack.trainers.objectives.table import OBJECTIVES
 

@@ -11,9 +11,9 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX as IGNORE
 
 from tests.helpers import TINY, adapted_lora_model
 from tunepack.core.errors import BadInputError
-from tunepack.initializers.schemas import SCHEMAS, detect
+from tunepack.initializers.data.schemas import SCHEMAS, detect
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.tiny.dataset import tiny_unpaired_rows
-from tunepack.trainers.args import parse_trainer_args
 from tunepack.trainers.objectives import kto, orpo
 
 

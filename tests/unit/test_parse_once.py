@@ -1,7 +1,7 @@
 """Trainer arguments are parsed once at each door where they arrive as words, and resolved
 against the model once; a ``FineTune`` is never written out as words and read back.
 
-Two steps, both in ``tunepack.trainers.args``: the parse (``parse_args``: words to typed values,
+Two steps, both in ``tunepack.runtimes.args``: the parse (``parse_args``: words to typed values,
 which reads the words with ``split_pairs``) and the resolve (``resolve_args``: typed values to
 ``TrainArgs`` for a model). The counts below are of calls to those functions' code, so they hold
 whichever module imported a function under which name; a round trip (``to_args()`` parsed again,
@@ -26,8 +26,8 @@ from tunepack.finetune import FineTune
 from tunepack.initializers import trainer_args as initializer_check
 from tunepack.jobs import submit
 from tunepack.jobs.translate import Initializer
+from tunepack.runtimes import args as vocabulary
 from tunepack.runtimes import catalog
-from tunepack.trainers import args as vocabulary
 from tunepack.trainers import launch
 
 RUNTIME = "tunepack-tiny-llama3"

@@ -12,7 +12,7 @@ from torchtune import config as tt_config
 from torchtune.training import MODEL_KEY
 
 from tunepack import tiny
-from tunepack.runtimes import catalog
+from tunepack.runtimes import catalog, methods
 from tunepack.trainers.config import model_component
 from tunepack.trainers.models.qwen3 import Qwen3HFCheckpointer, qwen3_hf_to_tune, qwen3_tune_to_hf
 
@@ -41,7 +41,9 @@ def _loaded(model_dir, tmp_path):
         output_dir=str(tmp_path),
     )
     state = checkpointer.load_checkpoint()[MODEL_KEY]
-    model = tt_config.instantiate(OmegaConf.create(model_component(ENTRY, "full"))).eval()
+    model = tt_config.instantiate(
+        OmegaConf.create(model_component(ENTRY, methods.get("full")))
+    ).eval()
     model.load_state_dict(state, strict=True)
     return model, state
 

@@ -334,7 +334,7 @@ def test_what_peft_cannot_hold_on_the_experts_is_refused(tmp_path, given, messag
     ],
 )
 def test_the_trainer_arguments_refuse_it_before_anything_runs(argv, message):
-    from tunepack.trainers.args import parse_trainer_args
+    from tunepack.runtimes.args import parse_trainer_args
 
     entry = catalog.TINY["qwen3_moe"]
     assert parse_trainer_args(["lora_mlp=true"], entry).lora_mlp is True

@@ -12,9 +12,9 @@ import httpx2
 import pytest
 
 from tunepack.core.errors import TransientError
-from tunepack.initializers import retry
-from tunepack.initializers.retry import MAX_RETRY_AFTER, Retryable, retry_after, retrying
-from tunepack.initializers.sources import _http
+from tunepack.initializers.transport import retry
+from tunepack.initializers.transport.retry import MAX_RETRY_AFTER, Retryable, retry_after, retrying
+from tunepack.initializers.transport.sources import _http
 
 NOW = datetime(2026, 3, 2, 12, 0, 0, tzinfo=UTC).timestamp()
 

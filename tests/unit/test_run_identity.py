@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 
 from tests import REPO
 from tunepack.runtimes import catalog
+from tunepack.runtimes.args import parse_trainer_args
 from tunepack.trainers import config
-from tunepack.trainers.args import parse_trainer_args
 
 # (model, method, dataset schema): between them every kind of tunepack component the config names
 CASES = [

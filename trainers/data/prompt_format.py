@@ -14,7 +14,6 @@ template's default system prompt) is never trained.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,11 +24,10 @@ from tunepack.core.errors import (
     BadDatasetError,
     BadInputError,
     BadValueError,
-    ConflictError,
     UnknownRuntimeError,
     UnsupportedError,
 )
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT, QWEN2_5_SYSTEM, formats_for
+from tunepack.runtimes.chat_templates import NO_SYSTEM, QWEN2_5_SYSTEM, check_chat_template
 
 # Markers the tokenizer resolves to its own BOS / EOS ids.
 BOS, EOS = "<bos>", "<eos>"
@@ -335,8 +333,6 @@ FORMATS = {
     "qwen2.5": _chatml(QWEN2_5_SYSTEM),
     "qwen3": _qwen3,
 }
-# Formats that have no system role.
-NO_SYSTEM = ("gemma",)
 
 
 def render(fmt: str, turns: Sequence[Turn], *, generation: bool = False) -> list[Piece]:
@@ -567,50 +563,3 @@ def check_conversations(path: Path, chat_template: str, system_prompt: str | Non
                 render(chat_template, turns)
             except BadInputError as error:
                 raise BadDatasetError(f"{path.name} row {number}: {error}") from None
-
-
-def check_chat_template(family: str, chat_template: str | None) -> str:
-    """The format a model of ``family`` trains in for ``chat_template`` (None or ``model``: the
-    family's own); a format of another group is refused in one line."""
-    allowed = formats_for(family)
-    if chat_template in (None, "", "model"):
-        return FAMILY_FORMAT[family]
-    if chat_template not in allowed:
-        raise BadValueError(
-            f"chat_template={chat_template!r} is not valid for this model: expected model (its "
-            f"own, {allowed[0]}) or one of {', '.join(allowed)}"
-        )
-    return chat_template
-
-
-SYSTEM_PROMPT_MAX = 4000
-# Markup that would let a system prompt open or close turns: every format's special tokens look
-# like one of these.
-_MARKUP = re.compile(
-    r"<\|[^<>|\s]*\|>|</?s>|\[/?INST\]|<</?SYS>>|<(?:start|end)_of_turn>|</?think>"
-)
-
-
-def check_system_prompt(text: str, chat_template: str) -> str:
-    """A default system message for ``chat_template``, refused in one line where unusable."""
-    if not text.strip():
-        raise BadValueError(
-            f"system_prompt={text!r} is not valid: expected the text of a system message"
-        )
-    if len(text) > SYSTEM_PROMPT_MAX:
-        raise BadValueError(
-            f"system_prompt is {len(text)} characters long: expected at most {SYSTEM_PROMPT_MAX}"
-        )
-    if chat_template in NO_SYSTEM:
-        raise ConflictError(
-            f"system_prompt={text[:40]!r}: the {chat_template} chat format has no system role "
-            "(the model's published template refuses one); leave system_prompt out"
-        )
-    if found := _MARKUP.search(text):
-        raise BadValueError(
-            f"system_prompt must not contain the special token {found.group(0)}: it would open "
-            "or close a turn of the chat format; give plain text"
-        )
-    if any(ord(c) < 32 and c not in "\n\t" for c in text):
-        raise BadValueError("system_prompt must not contain control characters: give plain text")
-    return text

@@ -27,8 +27,10 @@ from torchtune.modules.common_utils import delete_kv_caches
 from torchtune.modules.peft import disable_adapter
 
 from tunepack.core.errors import BadDatasetError, ConflictError
+from tunepack.runtimes import reward_names
+from tunepack.runtimes.reward_names import Weighted
 from tunepack.trainers.objectives import rewards, vocab_loss
-from tunepack.trainers.objectives.rewards import Sample, Weighted
+from tunepack.trainers.objectives.rewards import Sample
 
 _STD_FLOOR = 1e-4  # added to a group's reward standard deviation (all-equal groups: A = 0)
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, step, row, answer) over the generator's seeds
@@ -55,7 +57,7 @@ class Settings:
             top_p=float(node.top_p),
             beta=float(node.beta),
             epsilon=float(node.epsilon),
-            rewards=rewards.parse("rewards", str(node.rewards)),
+            rewards=reward_names.parse("rewards", str(node.rewards)),
             pattern=str(node.reward_pattern),
             seed=seed,
         )

@@ -1,9 +1,11 @@
 """The rewards ``method=grpo`` scores its sampled answers with: the built-ins and the plugins
 (docs/trainer.md, "Reinforcement learning from verifiable rewards").
 
-Standard library only: the argument vocabulary (``tunepack.trainers.args``) parses the names and
-weights, in the initializer images too. A trainer argument only ever names a built-in or an
-installed plugin (entry point group ``tunepack.rewards``), never a Python object.
+The arguments that name them (``rewards=match,format:0.5``, ``reward_pattern``) are read by the
+vocabulary with ``tunepack.runtimes.reward_names`` (the names, weights and the pattern's checks,
+in the initializer images too); here, what each built-in computes, and each named reward resolved
+to a built-in or an installed plugin (entry point group ``tunepack.rewards``), never a Python
+object a trainer argument names.
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from tunepack.core.errors import BadInputError, BadValueError
+from tunepack.runtimes.reward_names import Weighted
 
 PLUGIN_GROUP = "tunepack.rewards"
-PATTERN_MAX = 500  # characters of reward_pattern
-NAME_PATTERN = r"[a-z][a-z0-9_]{0,63}"
-_NAME = re.compile(NAME_PATTERN)
 # Numbers as answers write them: an optional sign, digits with optional thousands separators,
 # an optional fraction.
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
@@ -79,6 +79,8 @@ def length(sample: Sample) -> float:
     return -min(sample.tokens / max(sample.max_new_tokens, 1), 1.0)
 
 
+# Each built-in's function, by the name the vocabulary accepts (runtimes/reward_names.py's
+# BUILT_IN; a test keeps the two equal).
 BUILT_IN: dict[str, Reward] = {
     "exact": exact,
     "match": match,
@@ -87,66 +89,6 @@ BUILT_IN: dict[str, Reward] = {
     "length": length,
 }
 NEEDS_ANSWER = ("exact", "match", "numeric")
-DEFAULT = "match"
-EXPECTED = (
-    f"comma-separated reward names with optional weights, name[:weight] (built-in: "
-    f"{', '.join(BUILT_IN)}; others: plugins installed in the image)"
-)
-
-
-@dataclass(frozen=True)
-class Weighted:
-    name: str
-    weight: float
-
-    def __str__(self) -> str:  # as the argument spells it
-        return self.name if self.weight == 1 else f"{self.name}:{self.weight:g}"
-
-
-def parse(key: str, raw: str) -> tuple[Weighted, ...]:
-    """``rewards=match,format:0.5`` as (name, weight) pairs; names are checked for shape here and
-    resolved (built-in or installed plugin) when the trainer starts (``resolve``)."""
-    bad = BadValueError(f"{key}={raw!r} is not valid: expected {EXPECTED}")
-    parts = [part.strip() for part in raw.split(",")]
-    if not raw.strip() or any(not part for part in parts):
-        raise bad
-    chosen: list[Weighted] = []
-    for part in parts:
-        name, sep, weight = (piece.strip() for piece in part.partition(":"))
-        if not _NAME.fullmatch(name):
-            raise bad
-        try:
-            value = float(weight) if sep else 1.0
-        except ValueError:
-            raise bad from None
-        if not math.isfinite(value) or value == 0:
-            raise BadValueError(
-                f"{key}={raw!r} is not valid: the weight of {name!r} must be a non-zero number"
-            )
-        if any(w.name == name for w in chosen):
-            raise BadValueError(f"{key}={raw!r} is not valid: {name!r} is named twice")
-        chosen.append(Weighted(name, value))
-    return tuple(chosen)
-
-
-def spelled(rewards: tuple[Weighted, ...]) -> str:
-    """The rewards as the argument spells them (``match,format:0.5``)."""
-    return ",".join(map(str, rewards))
-
-
-def parse_pattern(key: str, raw: str) -> str:
-    if len(raw) > PATTERN_MAX:
-        raise BadValueError(
-            f"{key}={raw!r} is not valid: expected a regular expression of at most "
-            f"{PATTERN_MAX} characters"
-        )
-    try:
-        re.compile(raw)
-    except re.error as err:
-        raise BadValueError(
-            f"{key}={raw!r} is not valid: expected a Python regular expression ({err})"
-        ) from None
-    return raw
 
 
 def plugins() -> dict[str, metadata.EntryPoint]:

@@ -14,8 +14,8 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tunepack.runtimes import reward_names
 from tunepack.runtimes.methods import Loss
-from tunepack.trainers.objectives import rewards
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def _grpo(args) -> dict:
         "top_p": args.top_p,
         "beta": args.beta,
         "epsilon": args.epsilon,
-        "rewards": rewards.spelled(args.rewards),
+        "rewards": reward_names.spelled(args.rewards),
         "reward_pattern": args.reward_pattern,
     }
 

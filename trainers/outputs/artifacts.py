@@ -60,17 +60,21 @@ def gather_state(model: nn.Module, *, trainable_only: bool, sharded: bool) -> St
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def weights_dir(output_dir: Path, method: str) -> Path:
+def weights_dir(output_dir: Path, method: methods.Method) -> Path:
     """Where the published weights go: ``adapter/`` for the LoRA family, ``model/`` for full."""
-    return output_dir / (ADAPTER_DIR if methods.get(method).adapters else FULL_MODEL_DIR)
+    return output_dir / (ADAPTER_DIR if method.adapters else FULL_MODEL_DIR)
 
 
-def publish_weights(state: State, cfg: DictConfig, output_dir: Path) -> Path:
-    """Publish the adapter (and the merged model, ``merge=true``) or the HF model; its path."""
-    artifact = weights_dir(output_dir, cfg.method)
+def publish_weights(
+    state: State, cfg: DictConfig, method: methods.Method, output_dir: Path
+) -> Path:
+    """Publish the adapter (and the merged model, ``merge=true``) or the HF model; its path.
+    ``method``: the record of ``cfg.method``."""
+    artifact = weights_dir(output_dir, method)
     needed = checkpoint.nbytes(state)  # about what the weights take on disk
-    if methods.get(cfg.method).adapters:
-        durable.publish_dir(artifact, partial(write_adapter, state, cfg), needed=needed)
+    if method.adapters:
+        adapter = partial(write_adapter, state, cfg, method)
+        durable.publish_dir(artifact, adapter, needed=needed)
         if cfg.merge:
             merged = partial(write_merged, state, cfg)
             durable.publish_dir(output_dir / MERGED_DIR, merged, needed=base_nbytes(cfg))
@@ -91,7 +95,7 @@ def hf_config(cfg: DictConfig) -> dict:
     return json.loads((Path(cfg.checkpointer.checkpoint_dir) / "config.json").read_text())
 
 
-def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
+def write_adapter(state: State, cfg: DictConfig, method: methods.Method, directory: Path) -> None:
     """``adapter_model.safetensors`` and ``adapter_config.json``: a PEFT adapter of the base."""
     m = cfg.model
     adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
@@ -120,7 +124,7 @@ def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
-        "use_dora": methods.get(cfg.method).dora,
+        "use_dora": method.dora,
         "use_rslora": False,
         "modules_to_save": None,
         **targets,
@@ -216,19 +220,25 @@ class Outcome:
     step_plan: dict  # how the step spent memory (runtimes/planner.py: Step.record) and compiled
 
 
-def _method_section(cfg: DictConfig, run: Outcome) -> dict:
+def _method_section(cfg: DictConfig, method: methods.Method, run: Outcome) -> dict:
     """A method with a loss of its own (DPO, GRPO): its settings and last step's metrics, under
     the loss's name (the config node of the same name holds the settings)."""
-    loss = methods.get(cfg.method).loss
+    loss = method.loss
     if loss is methods.Loss.CROSS_ENTROPY:
         return {}
     return {loss.value: {**OmegaConf.to_container(cfg[loss.value]), **run.method_metrics}}
 
 
 def write_result(
-    output_dir: Path, cfg: DictConfig, run: Outcome, artifact: Path, extra: dict | None = None
+    output_dir: Path,
+    cfg: DictConfig,
+    method: methods.Method,
+    run: Outcome,
+    artifact: Path,
+    extra: dict | None = None,
 ) -> dict:
-    """Write ``result.json`` (``extra`` is added to it) and return the record."""
+    """Write ``result.json`` (``extra`` is added to it) and return the record. ``method``: the
+    record of ``cfg.method``; result.json names it by ``cfg.method``, its name."""
     result = {
         "model": cfg.model_name,
         "base_model": cfg.hub_id,
@@ -262,7 +272,7 @@ def write_result(
         # the vLLM manifest prompt the model the same way.
         "chat_template": cfg.tokenizer.get("chat_template"),
         "system_prompt": cfg.tokenizer.get("system_prompt"),
-        **_method_section(cfg, run),
+        **_method_section(cfg, method, run),
         "config_digest": result_digest(cfg),
         "identity": result_identity(cfg),
         **(extra or {}),

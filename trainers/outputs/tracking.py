@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from tunepack.trainers.args import TRACKERS
+from tunepack.runtimes.args import TRACKERS
 
 log = logging.getLogger("tunepack.trainer")
 

@@ -32,7 +32,7 @@ from tunepack.backends.local.steps import (
 from tunepack.core import program
 from tunepack.core.errors import TunepackError
 from tunepack.core.workspace import WorkspaceLock, export_record_file, lock_workspace
-from tunepack.initializers.schemas import INHERITED_ENV, SPELLED, SPELLING_ENV
+from tunepack.initializers.data.schemas import INHERITED_ENV, SPELLED, SPELLING_ENV
 from tunepack.runtimes.contract import EXPORT_STEP
 from tunepack.runtimes.store import load_runtime
 

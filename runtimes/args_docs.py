@@ -1,12 +1,12 @@
-"""What is written from the trainer's argument vocabulary (``tunepack.trainers.args``): the
+"""What is written from the trainer's argument vocabulary (``tunepack.runtimes.args``): the
 tables of docs/trainer.md, README.md and ``tunepack args``, and the generated field blocks of the
 typed classes (``TrainArgs``, the SDK's ``FineTune``).
 
-    python -m tunepack.trainers.args_docs            # the vocabulary table (docs/trainer.md)
-    python -m tunepack.trainers.args_docs methods    # the methods table (README.md)
-    python -m tunepack.trainers.args_docs --write    # rewrite TrainArgs' fields in args.py and
+    python -m tunepack.runtimes.args_docs            # the vocabulary table (docs/trainer.md)
+    python -m tunepack.runtimes.args_docs methods    # the methods table (README.md)
+    python -m tunepack.runtimes.args_docs --write    # rewrite TrainArgs' fields in args.py and
                                                      # both tables in docs/trainer.md, README.md
-    python -m tunepack.trainers.args_docs --check    # exit 1 if any of the three is stale
+    python -m tunepack.runtimes.args_docs --check    # exit 1 if any of the three is stale
 
 ``make generate`` runs ``--write`` with the repository's other generators.
 """
@@ -16,9 +16,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tunepack.runtimes import methods
-from tunepack.trainers import args
-from tunepack.trainers.args import VOCABULARY
+from tunepack.runtimes import args, methods
+from tunepack.runtimes.args import VOCABULARY
 
 
 def vocabulary_table() -> list[tuple[str, str, str]]:
@@ -87,7 +86,7 @@ def train_args_fields() -> list[str]:
 
 # ---------------------------------------------------------------- generated docs
 REPO = Path(__file__).resolve().parents[1]  # a checkout: the docs are not in the wheel
-COMMAND = "tunepack.trainers.args_docs"
+COMMAND = "tunepack.runtimes.args_docs"
 
 
 def replace_doc_block(text: str, name: str, body: str) -> str:
@@ -116,7 +115,7 @@ def generated() -> dict[Path, str]:
 
 def main(argv: list[str]) -> int:
     """Print the vocabulary table (docs/trainer.md) or, with ``methods``, the methods table
-    (README.md); with ``--write``, rewrite TrainArgs' generated fields in trainers/args.py and
+    (README.md); with ``--write``, rewrite TrainArgs' generated fields in runtimes/args.py and
     both tables in place; with ``--check``, exit 1 if any of them is stale."""
     if argv in (["--write"], ["--check"]):
         if not (REPO / "docs").is_dir():

@@ -29,8 +29,8 @@ from tunepack.core.errors import (
     NotFoundError,
     UnknownKeyError,
 )
-from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
-from tunepack.initializers.uri import (
+from tunepack.initializers.transport.sources import Body, Listing, RemoteFile, RemoteSource, _http
+from tunepack.initializers.transport.uri import (
     HTTPS_PASSWORD_ENV,
     HTTPS_USERNAME_ENV,
     StorageUri,

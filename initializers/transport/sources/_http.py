@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import httpx2
 
 from tunepack.core.errors import BadValueError
-from tunepack.initializers.retry import Retryable
+from tunepack.initializers.transport.retry import Retryable
 
 TIMEOUT_ENV = "TUNEPACK_HTTP_TIMEOUT_SECONDS"
 # A server that stops sending for this long is treated as a broken connection (and retried).

@@ -38,8 +38,8 @@ from tunepack.core.errors import (
     NotFoundError,
     UnknownKeyError,
 )
-from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource, _http
-from tunepack.initializers.uri import StorageUri, redact
+from tunepack.initializers.transport.sources import Body, Listing, RemoteFile, RemoteSource, _http
+from tunepack.initializers.transport.uri import StorageUri, redact
 
 TOKEN_ENVS = ("ACCESS_TOKEN", "HF_TOKEN")  # ACCESS_TOKEN: Kubeflow's per-job secretRef wins
 TOKEN_HINT = "set HF_TOKEN (in a cluster: the Secret tunepack-hub-token, key token)"

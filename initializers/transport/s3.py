@@ -35,7 +35,7 @@ from tunepack.core.errors import (
     NotFoundError,
     TransientError,
 )
-from tunepack.initializers.retry import Retryable
+from tunepack.initializers.transport.retry import Retryable
 
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL", "S3_ENDPOINT")
 CREDENTIALS_HINT = (

@@ -17,8 +17,8 @@ from pathlib import Path, PurePosixPath
 
 from tunepack.core.durable import size_text
 from tunepack.core.errors import BadInputError
-from tunepack.initializers import download, uri
-from tunepack.initializers.retry import retrying
+from tunepack.initializers.transport import download, uri
+from tunepack.initializers.transport.retry import retrying
 
 IMAGES_DIR = "images"
 MAX_IMAGE_BYTES = 20 << 20  # a 4K photo is a few MiB; larger files are scans or mistakes

@@ -1,9 +1,9 @@
 """``s3://bucket/prefix``: objects in Amazon S3 or an S3-compatible store (MinIO, Ceph, R2...).
 
-The client and the mapping of its failures are ``tunepack.initializers.s3``'s, shared with the
-export sink. A prefix names a "directory" (every object under ``prefix/``) or, failing that, one
-object; each transfer is pinned to the listed ETag (``If-Match``), so a resumed file never mixes
-two versions (docs/initializers.md, "Robustness")."""
+The client and the mapping of its failures are ``tunepack.initializers.transport.s3``'s, shared
+with the export sink. A prefix names a "directory" (every object under ``prefix/``) or, failing
+that, one object; each transfer is pinned to the listed ETag (``If-Match``), so a resumed file
+never mixes two versions (docs/initializers.md, "Robustness")."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tunepack.core.errors import BadValueError, NoObjectsError
-from tunepack.initializers import s3
-from tunepack.initializers.sources import Body, Listing, RemoteFile, RemoteSource
-from tunepack.initializers.uri import StorageUri, redact
+from tunepack.initializers.transport import s3
+from tunepack.initializers.transport.sources import Body, Listing, RemoteFile, RemoteSource
+from tunepack.initializers.transport.uri import StorageUri, redact
 
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _MD5_RE = re.compile(r"^[0-9a-f]{32}$")

@@ -1,8 +1,9 @@
 """``STORAGE_URI``: parsing, redaction and the table of sources.
 
-Each scheme maps to a module under ``tunepack.initializers.sources`` that validates the URI's form
-(``parse``) and builds the source that lists and streams its files (``Source``). Modules are
-imported on first use: a re-run on a complete workspace, or a file:// run, never pays for boto3.
+Each scheme maps to a module under ``tunepack.initializers.transport.sources`` that validates the
+URI's form (``parse``) and builds the source that lists and streams its files (``Source``).
+Modules are imported on first use: a re-run on a complete workspace, or a file:// run, never pays
+for boto3.
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def remote_source(uri: StorageUri, kind: str):
 
 
 def _module(scheme: str):
-    return importlib.import_module(f"tunepack.initializers.sources.{_SOURCES[scheme]}")
+    return importlib.import_module(f"tunepack.initializers.transport.sources.{_SOURCES[scheme]}")
 
 
 def _parse_file_uri(raw: str) -> StorageUri:
@@ -239,8 +240,8 @@ def _supported_text() -> str:
     return "file://, hf://, s3://, https://, <path>"
 
 
-# scheme -> module under tunepack.initializers.sources. http:// shares the https module, which
-# accepts it only for loopback hosts (test servers): anything else must be encrypted.
+# scheme -> module under tunepack.initializers.transport.sources. http:// shares the https module,
+# which accepts it only for loopback hosts (test servers): anything else must be encrypted.
 _SOURCES: dict[str, str] = {
     "file": "files",
     "hf": "hf",

@@ -2,8 +2,8 @@
 
 ``files`` reads local paths in place. The remote sources (``hf``, ``s3``, ``https``) implement
 ``RemoteSource``: they list what they hold (with sizes and checksums where the service publishes
-them) and open a byte stream at an offset; ``tunepack.initializers.download`` does the rest
-(parallel, resumable, verified transfers into the workspace's download cache).
+them) and open a byte stream at an offset; ``tunepack.initializers.transport.download`` does the
+rest (parallel, resumable, verified transfers into the workspace's download cache).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
-from tunepack.initializers.uri import StorageUri
+from tunepack.initializers.transport.uri import StorageUri
 
 
 @dataclass(frozen=True)

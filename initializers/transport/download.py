@@ -20,10 +20,10 @@ from pathlib import Path, PurePosixPath
 
 from tunepack.core import durable
 from tunepack.core.errors import BadInputError, BadValueError
-from tunepack.initializers import uri
-from tunepack.initializers.retry import retrying
-from tunepack.initializers.sources import Listing, RemoteFile, RemoteSource
-from tunepack.initializers.transfer_progress import Progress
+from tunepack.initializers.transport import uri
+from tunepack.initializers.transport.retry import retrying
+from tunepack.initializers.transport.sources import Listing, RemoteFile, RemoteSource
+from tunepack.initializers.transport.transfer_progress import Progress
 
 CACHE_ROOT = ".tunepack-downloads"
 VERIFIED_FILE = ".tunepack-verified.json"

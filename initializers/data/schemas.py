@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from tunepack.core import workspace
 from tunepack.core.durable import size_text
 from tunepack.core.errors import BadDatasetError, BadValueError, ConflictError
-from tunepack.initializers.formats import json_type
+from tunepack.initializers.data.formats import json_type
 from tunepack.runtimes import catalog, methods
 
 SCHEMA_ENV = "DATASET_SCHEMA"
@@ -319,7 +319,7 @@ def _holds_prompt(conversation: list, prompt: list, single: bool) -> bool:
 def _image_chat(row: dict, text_cells: bool) -> Normalized:
     """Chat turns whose contents are a string or parts ({"type": "text", "text": ...} or
     {"type": "image"}), and ``images``: one entry per image part, in order (resolved and checked
-    by the dataset initializer, ``tunepack.initializers.images``)."""
+    by the dataset initializer, ``tunepack.initializers.data.images``)."""
     turns, problem = _turns(row, "messages", text_cells)
     if problem:
         return None, problem

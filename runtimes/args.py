@@ -4,6 +4,11 @@ A TrainJob passes ``spec.trainer.args`` as ``key=value`` strings. This module is
 that says which keys exist, what values they take and what they default to; the launcher, the
 CLI, the TrainJob renderer and the docs all read it. Unknown keys are refused: in particular no
 argument can name a Python object (``_component_``) for torchtune to instantiate.
+
+It lives in ``tunepack.runtimes``, beside the methods it resolves, because every step reads it:
+the SDK and the admission policy, the initializers (which check a job's arguments before they
+download anything) and the trainer. It imports the standard library, ``tunepack.core`` and the
+runtimes only (the chat formats' and the rewards' checks: ``chat_templates``, ``reward_names``).
 """
 
 from __future__ import annotations
@@ -19,11 +24,10 @@ from tunepack.core.errors import (
     UnknownKeyError,
     UnsupportedError,
 )
-from tunepack.runtimes import methods
+from tunepack.runtimes import methods, reward_names
 from tunepack.runtimes.catalog import ModelEntry, expert_lora_obstacle
-from tunepack.trainers.data.prompt_format import check_chat_template, check_system_prompt
-from tunepack.trainers.objectives import rewards
-from tunepack.trainers.objectives.rewards import Weighted
+from tunepack.runtimes.chat_templates import check_chat_template, check_system_prompt
+from tunepack.runtimes.reward_names import Weighted
 
 LORA_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "output_proj")
 DTYPES = ("auto", "fp32", "bf16")
@@ -418,19 +422,19 @@ VOCABULARY: tuple[Arg, ...] = (
     ),
     Arg(
         "rewards",
-        _ruled(rewards.parse, Rule("rewards", rewards.EXPECTED)),
+        _ruled(reward_names.parse, Rule("rewards", reward_names.EXPECTED)),
         "method=grpo: the rewards an answer is scored by, name[:weight] summed: exact, match, "
         "numeric, format (reward_pattern), length, or an installed plugin's (docs/trainer.md)",
-        (rewards.Weighted(rewards.DEFAULT, 1.0),),
+        (reward_names.Weighted(reward_names.DEFAULT, 1.0),),
     ),
     Arg(
         "reward_pattern",
         _ruled(
-            rewards.parse_pattern,
+            reward_names.parse_pattern,
             Rule(
                 "pattern",
-                f"a regular expression of at most {rewards.PATTERN_MAX} characters",
-                hi=rewards.PATTERN_MAX,
+                f"a regular expression of at most {reward_names.PATTERN_MAX} characters",
+                hi=reward_names.PATTERN_MAX,
             ),
         ),
         "method=grpo: the regular expression the format reward searches the answer for",
@@ -510,7 +514,7 @@ VOCABULARY_KEYS = frozenset(_BY_NAME)
 class TrainArgs:
     """The trainer's arguments, every one resolved (the user's, the catalog's or the default)."""
 
-    # generated from VOCABULARY by `python -m tunepack.trainers.args_docs --write`: begin
+    # generated from VOCABULARY by `python -m tunepack.runtimes.args_docs --write`: begin
     method: str
     epochs: int
     max_steps: int | None
@@ -563,6 +567,10 @@ class TrainArgs:
     system_prompt: str
     # generated from VOCABULARY: end
     given: dict[str, str] = field(default_factory=dict)  # the raw key=value pairs, for records
+    # The record of ``method`` (runtimes/methods.py), carried so that no reader looks the name up
+    # again. Not an argument: equality, ``argv()`` and everything a run records or hashes (the
+    # config, result.json, the run's identity) have the method's name.
+    method_record: methods.Method = field(kw_only=True, compare=False, repr=False)
 
     def argv(self) -> list[str]:
         """The user's arguments as ``key=value`` strings again (a TrainJob's
@@ -757,7 +765,7 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
     """Typed values to ``TrainArgs`` for a catalog model: defaults by precedence, the method's
     keys, the model's limits; every rule's message names the values as ``parsed`` spells them."""
     values, pairs = parsed.values, parsed.spelled
-    method = methods.get(values.get("method", methods.DEFAULT))
+    method = methods.get(values.get("method", methods.DEFAULT))  # carried by the TrainArgs
     if method.name not in available_methods(entry):
         raise UnsupportedError(unavailable_method_message(entry, method.name))
     if not method.adapters and (lora := [k for k in values if k in LORA_KEYS]):
@@ -808,11 +816,11 @@ def resolve_args(parsed: ParsedArgs, entry: ModelEntry) -> TrainArgs:
             raise ConflictError(obstacle)
     if "tracker_uri" in values and resolved["tracker"] != "mlflow":
         raise ConflictError(unused_tracker_uri_message(resolved["tracker"]))
-    names = {f.name for f in fields(TrainArgs)} - {"given"}
+    names = {f.name for f in fields(TrainArgs)} - {"given", "method_record"}
     missing = sorted(n for n in names if resolved.get(n) is None and not _BY_NAME[n].optional)
     if missing:  # a catalog entry without a default for a required key is a tunepack bug
         raise RuntimeError(f"catalog entry {entry.name} has no default for {missing}")
-    return TrainArgs(**{n: resolved[n] for n in names}, given=dict(pairs))
+    return TrainArgs(**{n: resolved[n] for n in names}, given=dict(pairs), method_record=method)
 
 
 def _check_generation(resolved: dict, entry: ModelEntry) -> None:
@@ -839,7 +847,8 @@ def _check_generation(resolved: dict, entry: ModelEntry) -> None:
     if resolved["reward_pattern"] and "format" not in named:
         raise ConflictError(
             f"reward_pattern is only read by the format reward, but rewards="
-            f"{rewards.spelled(resolved['rewards'])}: add format to rewards or drop reward_pattern"
+            f"{reward_names.spelled(resolved['rewards'])}: add format to rewards or drop "
+            "reward_pattern"
         )
 
 
@@ -848,6 +857,6 @@ def available_methods(entry: ModelEntry) -> tuple[str, ...]:
     return tuple(m for m in methods.NAMES if m in entry.methods)
 
 
-def builder_for(entry: ModelEntry, method: str) -> str:
-    """The torchtune builder for a method (the LoRA variants share the LoRA builder)."""
-    return entry.builders[methods.get(method).builder]
+def builder_for(entry: ModelEntry, method: methods.Method) -> str:
+    """The torchtune builder for a method's record (the LoRA variants share the LoRA builder)."""
+    return entry.builders[method.builder]
