@@ -63,7 +63,7 @@ from tunepack.trainers.config import (
 from tunepack.trainers.data import batching, vision_data
 from tunepack.trainers.data.batching import real_positions
 from tunepack.trainers.models import adapter_init, lora_product, mllama, moe
-from tunepack.trainers.objectives import grpo, vocab_loss
+from tunepack.trainers.objectives import vocab_loss
 from tunepack.trainers.objectives.base import Objective
 from tunepack.trainers.objectives.table import OBJECTIVES
 from tunepack.trainers.outputs import artifacts, checkpoint, metrics_file
@@ -198,8 +198,8 @@ class FineTuneRecipe:
         self.compiled = self._choose_compile(found)
         self.step = self._choose_step(found)
         self.model = self._setup_model(self._load_base_weights())
-        if isinstance(self.objective, grpo.GRPO) and not self.is_lora and cfg.grpo.beta > 0:
-            # GRPO of every weight: its KL reference is a frozen copy of the base, built and
+        if self.objective is not None and self.objective.needs_reference(adapters=self.is_lora):
+            # E.g. GRPO of every weight: its KL reference is a frozen copy of the base, built and
             # sharded as the model is (the adapters' methods switch their adapters off instead).
             self.objective.reference = self._setup_model(self._load_base_weights())
             self.objective.reference.requires_grad_(False)
@@ -552,9 +552,9 @@ class FineTuneRecipe:
         """Summed next-token loss over the batch, on the device, and the number of tokens it
         counts, counted on the host from the collated batch (a method's own loss: the summed loss
         of its pairs or answers, and their number). Nothing here waits for the device."""
-        if isinstance(self.objective, grpo.GRPO):
+        if self.objective is not None and self.objective.fill is not None:
             loss_and_count = self.objective.forward(self.model, batch, self.device)
-            self.batch_fill = self.objective.fill
+            self.batch_fill = self.objective.fill  # of the tokens it made (GRPO's answers)
             return loss_and_count
         self.batch_fill = (real_positions(batch["labels"]), batch["tokens"].numel())
         if self.objective is not None:

@@ -27,8 +27,11 @@ MEMBERS = (
 
 def test_the_protocol_declares_what_the_recipe_calls():
     assert sorted(MEMBERS) == sorted(
-        ["stat_names", "batch_stats", "from_config", "collate", "start_step", "forward", "metrics"]
-    )
+        [
+            "stat_names", "batch_stats", "fill", "reference", "from_config", "collate",
+            "needs_reference", "start_step", "forward", "metrics",
+        ]
+    )  # fmt: skip
 
 
 def test_every_loss_of_a_methods_own_has_one_entry():
@@ -58,6 +61,7 @@ def test_every_objective_is_built_from_its_config_node_and_reports_its_records_m
     tokenizer = types.SimpleNamespace(eos_id=2, pad_id=0)
     objective = declared.load().from_config(cfg, tokenizer, distributed=False)
     assert isinstance(objective, Objective)
+    assert [m for m in Objective.__annotations__ if not hasattr(objective, m)] == []
     assert objective.stat_names[0] == "tokens"
     assert objective.batch_stats == [0.0] * len(objective.stat_names)
     reported = objective.metrics([0.0] * len(objective.stat_names), 0.0)

@@ -26,6 +26,12 @@ class Objective(Protocol):
     # What the last ``forward`` adds to the step's sums: one float per name of ``stat_names``,
     # summed over the step's micro-batches and all-reduced over ranks with the loss.
     batch_stats: list[float]
+    # What the last ``forward`` filled of the positions it trained on (real, all), for an
+    # objective that trains on tokens of its own making (GRPO's generated answers); None: what it
+    # trains on is the batch, whose labels the recipe counts.
+    fill: tuple[int, int] | None
+    # The frozen copy of the base model the recipe builds where ``needs_reference`` asks for one.
+    reference: nn.Module | None
 
     @classmethod
     def from_config(cls, cfg, tokenizer, *, distributed: bool) -> Objective:
@@ -36,6 +42,11 @@ class Objective(Protocol):
     def collate(self, dataset, padding_idx: int) -> Callable[[list[dict]], dict]:
         """How the rows of ``dataset`` make a batch (training and held-out batches); refuses a
         dataset it cannot train on (``BadDatasetError``)."""
+        ...
+
+    def needs_reference(self, *, adapters: bool) -> bool:
+        """Whether the run builds a frozen copy of the base model as ``reference`` (``adapters``:
+        the method trains adapters, whose model gives the base by switching them off)."""
         ...
 
     def start_step(self, step: int) -> None:
@@ -69,6 +80,12 @@ class LabelledAnswers:
     def __init__(self) -> None:
         self.stat_names = self.STAT_NAMES
         self.batch_stats: list[float] = [0.0] * len(self.STAT_NAMES)
+        self.fill = None  # the batch's own answers are what trains
+        self.reference = None
+
+    def needs_reference(self, *, adapters: bool) -> bool:
+        """Their reference log-probabilities come with the data or from the model itself."""
+        return False
 
     def collate(self, dataset, padding_idx: int) -> Callable[[list[dict]], dict]:
         return partial(self.ROWS, padding_idx=padding_idx)

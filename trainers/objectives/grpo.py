@@ -375,6 +375,10 @@ class GRPO:
         if hasattr(tokenizer, "turn_end_ids"):
             self.stop_ids |= tokenizer.turn_end_ids()
 
+    def needs_reference(self, *, adapters: bool) -> bool:
+        """grpo_full's KL term compares with a frozen copy of the base (none without the term)."""
+        return not adapters and self.settings.beta > 0
+
     @classmethod
     def from_config(cls, cfg, tokenizer, *, distributed: bool) -> GRPO:
         return cls(Settings.from_config(cfg.grpo, cfg.seed), tokenizer, distributed=distributed)
