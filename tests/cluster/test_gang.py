@@ -359,7 +359,9 @@ def test_competing_gangs_never_hold_part_of_their_nodes(api, controlplane, names
     # While the winner holds its two GPU nodes, the loser has no pod bound anywhere: its gang
     # waits whole (the third node stays free).
     observed, most = 0, 0
+    deadline = time.monotonic() + 300  # bounds a winner that never finishes, nothing else
     while True:
+        assert time.monotonic() < deadline, f"{winner}'s trainer pods still run after 300 s"
         # The loser's pods first, then whether the winner still holds its nodes: a loser pod
         # bound then was bound while the winner held them (the other order would race the
         # winner's finish).
@@ -374,7 +376,9 @@ def test_competing_gangs_never_hold_part_of_their_nodes(api, controlplane, names
         most = max(most, len(waiting))
         observed += 1
         time.sleep(1)
-    assert observed >= 5  # the winner ran for about 20 s, watched all along
+    # The rule held at each look while the winner ran (how many looks fit in its run depends on
+    # the machine: at least the first, taken while it was running).
+    assert observed >= 1
     assert most == 5  # every pod of the loser existed, and none was bound
     for name in (winner, loser):
         assert api.wait_finished(namespace, name, timeout=180) == "Complete", api.diagnose(

@@ -272,7 +272,9 @@ def test_the_second_job_waits_whole_until_the_first_has_finished(
     # The second's state is read first, the first's completion after: what was read counts only
     # if the first was still running then (read the other way round, the first could finish and
     # Kueue admit the second between the two reads: a fresh-clone tier run failed so).
+    deadline = time.monotonic() + 300  # bounds a first job that never finishes, nothing else
     while True:
+        assert time.monotonic() < deadline, "the first job did not finish in 300 s"
         suspended = _suspended(api, namespace, "second")
         pods = _job_pods(api, namespace, "second")
         admitted = _true(_workload(api, namespace, "second"), "Admitted")

@@ -331,6 +331,9 @@ def test_a_refused_run_touches_no_other_jobs_record_and_workspaces_are_jobs(
         while not (w2 / "logs" / "node.log").exists() and time.monotonic() < deadline:
             assert busy.poll() is None
             time.sleep(0.2)
+        # (the deadline bounds a broken start only: without its trainer the refusal below would
+        # be tested against a run that never held the workspace)
+        assert (w2 / "logs" / "node.log").exists(), "the first run did not reach its trainer"
         refused = _train(
             home, tmp_path, tiny_model_dir, tiny_dataset_file, "--workspace", str(w2), "lr=0.001"
         )
