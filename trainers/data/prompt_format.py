@@ -29,7 +29,8 @@ from tunepack.core.errors import (
     UnknownRuntimeError,
     UnsupportedError,
 )
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT, QWEN2_5_SYSTEM, formats_for
+from tunepack.runtimes.chat_templates import QWEN2_5_SYSTEM, formats_for
+from tunepack.runtimes.families import FAMILIES
 
 # Markers the tokenizer resolves to its own BOS / EOS ids.
 BOS, EOS = "<bos>", "<eos>"
@@ -525,8 +526,6 @@ def build_tokenizer(
     own tokenizer.json (``files["path"]``: a bring-your-own runtime) in that layout."""
     from torchtune.config._utils import _get_component_from_path
 
-    from tunepack.runtimes.catalog import FAMILIES
-
     if family not in FAMILIES:
         raise UnknownRuntimeError(f"unknown model family {family!r}")
     fmt = check_chat_template(family, chat_template)
@@ -574,7 +573,7 @@ def check_chat_template(family: str, chat_template: str | None) -> str:
     family's own); a format of another group is refused in one line."""
     allowed = formats_for(family)
     if chat_template in (None, "", "model"):
-        return FAMILY_FORMAT[family]
+        return FAMILIES[family].chat_format
     if chat_template not in allowed:
         raise BadValueError(
             f"chat_template={chat_template!r} is not valid for this model: expected model (its "

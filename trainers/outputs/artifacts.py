@@ -25,12 +25,11 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 from tunepack.core import durable
 from tunepack.core.workspace import ADAPTER_DIR, FULL_MODEL_DIR, MERGED_DIR, RESULT_FILE
 from tunepack.runtimes import methods
+from tunepack.runtimes.families import peft_layout
 from tunepack.trainers.config import result_digest, result_identity
 from tunepack.trainers.models import moe
 from tunepack.trainers.outputs import checkpoint
 from tunepack.trainers.outputs.peft_export import export_adapter, export_mllama_adapter
-
-MLLAMA = "MLLAMA"  # trainers/models/mllama.py's checkpoint model type
 
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
@@ -97,7 +96,7 @@ def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
     adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
     # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
     # magnitude unpermuted); export_adapter follows each family's HF layout.
-    if cfg.checkpointer.model_type == MLLAMA:  # Llama 3.2 Vision: adapters on its text model
+    if peft_layout(cfg.checkpointer.model_type) == "mllama":  # adapters on its text model
         weights, targets = export_mllama_adapter(adapter, hf_config=hf_config(cfg))
     else:
         weights, targets = export_adapter(
