@@ -80,6 +80,10 @@ class Family:
     reads_images: bool = False
     # The only methods its models train with, where not every method (None: every one).
     only_methods: tuple[str, ...] | None = None
+    # The tokenizer format of its tiny variant (tunepack.tiny.model.TOKENIZERS; its model format
+    # is config.json's model_type's, tunepack.tiny.hf.FORMATS). None: transformers writes the
+    # tiny model (a family that reads images, tunepack.tiny.mllama).
+    tiny_tokenizer: str | None = None
 
 
 _SENTENCEPIECE = {"path": "tokenizer.model"}
@@ -129,44 +133,44 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         _family("llama2", "Llama 2", "llama", "LlamaForCausalLM",
-                chat_format="llama2", peft_layout="permuted_qk",
+                chat_format="llama2", peft_layout="permuted_qk", tiny_tokenizer="llama_spm",
                 tokenizer=_LLAMA2_TOKENIZER, model_type="LLAMA2",
                 builders="torchtune.models.llama2.llama2", options=_LLAMA2_OPTIONS),
         # Code Llama is a Llama 2 with a longer RoPE period; torchtune builds it with llama2().
         _family("code_llama2", "Code Llama 2", "llama", "LlamaForCausalLM",
-                chat_format="llama2", peft_layout="permuted_qk",
+                chat_format="llama2", peft_layout="permuted_qk", tiny_tokenizer="llama_spm",
                 tokenizer=_LLAMA2_TOKENIZER, model_type="LLAMA2",
                 builders="torchtune.models.llama2.llama2",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-5}),
         _family("llama3", "Llama 3", "llama", "LlamaForCausalLM",
-                chat_format="llama3", peft_layout="permuted_qk",
+                chat_format="llama3", peft_layout="permuted_qk", tiny_tokenizer="tiktoken",
                 tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
                 builders="torchtune.models.llama3.llama3", options=_LLAMA3_OPTIONS),
         # 3.1 and 3.3 stretch RoPE by 8 for their 128K context; 3.2 by 32 and ties embeddings.
         _family("llama3_1", "Llama 3.1", "llama", "LlamaForCausalLM",
-                chat_format="llama3.1", peft_layout="permuted_qk",
+                chat_format="llama3.1", peft_layout="permuted_qk", tiny_tokenizer="tiktoken",
                 tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
                 builders="torchtune.models.llama3_1.llama3_1",
                 options=_LLAMA3_OPTIONS | {"scale_factor": 8}),
         _family("llama3_2", "Llama 3.2", "llama", "LlamaForCausalLM",
-                chat_format="llama3.2", peft_layout="permuted_qk",
+                chat_format="llama3.2", peft_layout="permuted_qk", tiny_tokenizer="tiktoken",
                 tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3_2",
                 builders="torchtune.models.llama3_2.llama3_2",
                 options=_LLAMA3_OPTIONS | {"scale_factor": 32},
                 shape_keywords=("tie_word_embeddings",)),
         # torchtune's llama3_3 builders are its llama3_1 builders under another name.
         _family("llama3_3", "Llama 3.3", "llama", "LlamaForCausalLM",
-                chat_format="llama3.1", peft_layout="permuted_qk",
+                chat_format="llama3.1", peft_layout="permuted_qk", tiny_tokenizer="tiktoken",
                 tokenizer=_LLAMA3_TOKENIZER, model_type="LLAMA3",
                 builders="torchtune.models.llama3_1.llama3_1",
                 options=_LLAMA3_OPTIONS | {"scale_factor": 8}),
         _family("mistral", "Mistral", "mistral", "MistralForCausalLM",
-                chat_format="mistral", peft_layout="permuted_qk",
+                chat_format="mistral", peft_layout="permuted_qk", tiny_tokenizer="llama_spm",
                 tokenizer=_tokenizer("mistral", _SENTENCEPIECE), model_type="MISTRAL",
                 builders="torchtune.models.mistral.mistral", options=_LLAMA2_OPTIONS),
         # Gemma: GeGLU MLP, embeddings scaled by sqrt(dim) and tied to the output, (1 + w) norms.
         _family("gemma", "Gemma", "gemma", "GemmaForCausalLM",
-                chat_format="gemma", peft_layout="permuted_qk",
+                chat_format="gemma", peft_layout="permuted_qk", tiny_tokenizer="gemma_spm",
                 tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA",
                 builders="torchtune.models.gemma.gemma",
                 options={"rope_base": 10_000.0, "norm_eps": 1e-6},
@@ -175,7 +179,7 @@ FAMILIES: dict[str, Family] = {
         # on every other layer and post-attention/post-MLP norms. torchtune 0.6.1 gets the norms'
         # order and the capping wrong; the trainer corrects its model (trainers/models/builders.py).
         _family("gemma2", "Gemma 2", "gemma2", "Gemma2ForCausalLM",
-                chat_format="gemma", peft_layout="permuted_qk",
+                chat_format="gemma", peft_layout="permuted_qk", tiny_tokenizer="gemma_spm",
                 tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA2",
                 builders="torchtune.models.gemma2.gemma2",
                 options={"rope_base": 10_000.0, "norm_eps": 1e-6},
@@ -185,7 +189,7 @@ FAMILIES: dict[str, Family] = {
                 "packing uses on a GPU"),
         # Phi-3 fuses q/k/v and gate/up in its HF checkpoint; the checkpointer splits them.
         _family("phi3", "Phi-3", "phi3", "Phi3ForCausalLM",
-                chat_format="phi3", peft_layout="fused",
+                chat_format="phi3", peft_layout="fused", tiny_tokenizer="phi3_spm",
                 tokenizer=_tokenizer("phi3", {**_SENTENCEPIECE, "special_tokens_path":
                                               "tokenizer.json"}, "phi3_mini_tokenizer"),
                 model_type="PHI3_MINI", builders="torchtune.models.phi3.phi3",
@@ -193,7 +197,7 @@ FAMILIES: dict[str, Family] = {
         # Phi-4 is a Phi-3 architecture (torchtune builds it with phi3()) with a tiktoken-derived
         # byte-level BPE vocabulary shipped as vocab.json + merges.txt.
         _family("phi4", "Phi-4", "phi3", "Phi3ForCausalLM",
-                chat_format="phi4", peft_layout="fused",
+                chat_format="phi4", peft_layout="fused", tiny_tokenizer="phi4_bpe",
                 tokenizer=_tokenizer("phi4", {"vocab_path": "vocab.json",
                                               "merges_path": "merges.txt",
                                               "special_tokens_path": "tokenizer.json"}),
@@ -202,14 +206,14 @@ FAMILIES: dict[str, Family] = {
                 # rebuilds RoPE, trainers/models/builders.py).
                 options={"rope_base": 250_000.0, "norm_eps": 1e-5}),
         _family("qwen2", "Qwen 2", "qwen2", "Qwen2ForCausalLM",
-                chat_format="qwen2", peft_layout="hf_order",
+                chat_format="qwen2", peft_layout="hf_order", tiny_tokenizer="qwen2_bpe",
                 tokenizer=_tokenizer("qwen2", _QWEN_BPE), model_type="QWEN2",
                 builders="torchtune.models.qwen2.qwen2",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
                 shape_keywords=("tie_word_embeddings",)),
         # Qwen 2.5 is the Qwen 2 architecture with more special tokens.
         _family("qwen2_5", "Qwen 2.5", "qwen2", "Qwen2ForCausalLM",
-                chat_format="qwen2.5", peft_layout="hf_order",
+                chat_format="qwen2.5", peft_layout="hf_order", tiny_tokenizer="qwen2_5_bpe",
                 tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
                 builders="torchtune.models.qwen2.qwen2",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
@@ -218,7 +222,7 @@ FAMILIES: dict[str, Family] = {
         # (trainers/models/qwen3.py): Qwen 2 without q/k/v biases, with an explicit head_dim and an
         # RMSNorm over each head's query and key. Qwen 2.5's BPE vocabulary and ChatML format.
         _family("qwen3", "Qwen 3", "qwen3", "Qwen3ForCausalLM",
-                chat_format="qwen3", peft_layout="hf_order",
+                chat_format="qwen3", peft_layout="hf_order", tiny_tokenizer="qwen3_bpe",
                 tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
                 builders="tunepack.trainers.models.qwen3.qwen3",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6},
@@ -229,7 +233,7 @@ FAMILIES: dict[str, Family] = {
         # RMSNorm per head, five sliding-window layers to one global layer, separate RoPE bases
         # for the two kinds. Gemma's SentencePiece vocabulary and turn markers.
         _family("gemma3", "Gemma 3", "gemma3_text", "Gemma3ForCausalLM",
-                chat_format="gemma3", peft_layout="hf_order",
+                chat_format="gemma3", peft_layout="hf_order", tiny_tokenizer="gemma_spm",
                 tokenizer=_tokenizer("gemma", _SENTENCEPIECE), model_type="GEMMA3",
                 builders="tunepack.trainers.models.gemma3.gemma3",
                 options=GEMMA3_OPTIONS, shape_keywords=("head_dim", "sliding_window_size"),
@@ -240,7 +244,7 @@ FAMILIES: dict[str, Family] = {
         # options are config.json's norm_topk_prob and router_aux_loss_coef (the load-balancing
         # loss's weight, added to the training loss when above 0).
         _family("qwen3_moe", "Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM",
-                chat_format="qwen3", peft_layout="hf_order",
+                chat_format="qwen3", peft_layout="hf_order", tiny_tokenizer="qwen3_bpe",
                 tokenizer=_tokenizer("qwen2_5", _QWEN_BPE), model_type="QWEN2",
                 builders="tunepack.trainers.models.qwen3_moe.qwen3_moe",
                 options={"rope_base": 1_000_000.0, "norm_eps": 1e-6, "norm_topk_prob": True,

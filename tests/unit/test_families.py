@@ -15,6 +15,7 @@ from tests import REPO
 from tunepack.runtimes import catalog, custom, families
 from tunepack.runtimes.chat_templates import GROUPS, TEMPLATES
 from tunepack.runtimes.families import FAMILIES, PEFT_LAYOUTS, peft_layout
+from tunepack.tiny import hf as tiny_hf
 from tunepack.tiny import model as tiny_model
 from tunepack.trainers.data import prompt_format
 
@@ -87,7 +88,13 @@ def test_every_familys_builders_import_and_a_modules_own_come_from_its_shape_rec
 @pytest.mark.parametrize("name", FAMILY)
 def test_every_family_has_a_tiny_variant_and_a_tiny_format(name):
     assert name in catalog.TINY or name in catalog.TINY_VISION
-    assert name in tiny_model.FORMATS or FAMILIES[name].reads_images
+    family = FAMILIES[name]
+    if family.reads_images:  # transformers writes it (tunepack.tiny.mllama)
+        assert family.tiny_tokenizer is None
+        return
+    assert family.tiny_tokenizer in tiny_model.TOKENIZERS
+    assert family.hf_model_type in tiny_hf.FORMATS
+    assert tiny_model.FORMATS[name] == tiny_model.family_format(family)
 
 
 def test_every_custom_architecture_names_a_family_and_reads_its_model_type_there():
@@ -97,16 +104,12 @@ def test_every_custom_architecture_names_a_family_and_reads_its_model_type_there
         assert "model_type" not in {f.name for f in dataclasses.fields(arch)}
 
 
-# The one table keyed by families that is not the record: the tiny models' formats (the tiny
-# writer's own code, which the runtimes cannot import), named in the checklist.
-FAMILY_TABLES_ALLOWED = {("sdk_ext/tiny/model.py", "FORMATS")}
-
-
 def family_tables(source: str) -> list[str]:
     """Names (or line numbers) of the dict literals in ``source`` keyed by families: three keys
-    or more that are family names, one of them no chat format's name (the formats' own tables,
-    TEMPLATES and the like, share names with the families)."""
-    names, formats = set(FAMILIES), set(TEMPLATES)
+    or more that are family names, one of them neither a chat format's name nor a Hugging Face
+    ``model_type`` (the tables of formats, TEMPLATES and the like, share names with families)."""
+    names = set(FAMILIES)
+    formats = set(TEMPLATES) | {f.hf_model_type for f in FAMILIES.values()}
     found = []
     tree = ast.parse(source)
     for node in ast.walk(tree):
@@ -124,6 +127,7 @@ def test_the_family_table_finder_finds_one():
     before = 'FAMILY_FORMAT: dict = {"llama2": "llama2", "code_llama2": "llama2", "qwen3": "x"}'
     assert family_tables(before) == ["FAMILY_FORMAT"]
     assert family_tables('TEMPLATES = {"llama2": 1, "gemma": 2, "qwen3": 3}') == []
+    assert family_tables('FORMATS = {"gemma2": 1, "qwen3_moe": 2, "qwen2": 3}') == []  # HF's
 
 
 def test_no_other_module_keeps_a_table_keyed_by_families():
@@ -134,7 +138,7 @@ def test_no_other_module_keeps_a_table_keyed_by_families():
             if relative == "runtimes/families.py":
                 continue
             found |= {(relative, n) for n in family_tables(path.read_text(encoding="utf-8"))}
-    assert found == FAMILY_TABLES_ALLOWED
+    assert found == set()
 
 
 def _checklist() -> str:
@@ -156,17 +160,23 @@ def test_the_checklist_names_files_that_exist():
         "trainers/models/decoder_parts.py",
         "runtimes/catalog.py",
         "sdk_ext/tiny/model.py",
+        "sdk_ext/tiny/hf.py",
         "runtimes/custom.py",
         "tests/unit/test_families.py",
     } <= named
     assert [p for p in sorted(named) if not (REPO / p).is_file()] == []
     assert "trainers/models/<family>.py" in paths
-    for _, table in FAMILY_TABLES_ALLOWED:
-        assert f"`{table}`" in checklist
 
 
 def test_the_checklist_names_every_field_of_the_record_a_family_chooses():
     checklist = _checklist()
-    chosen = ("chat_format", "peft_layout", "options", "no_packing", "only_methods")
+    chosen = (
+        "chat_format",
+        "peft_layout",
+        "tiny_tokenizer",
+        "options",
+        "no_packing",
+        "only_methods",
+    )
     assert [f for f in chosen if f"`{f}`" not in checklist] == []
     assert "`PEFT_LAYOUTS`" in checklist
