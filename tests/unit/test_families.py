@@ -15,6 +15,7 @@ from tests import REPO
 from tunepack.runtimes import catalog, custom, families
 from tunepack.runtimes.chat_templates import GROUPS, TEMPLATES
 from tunepack.runtimes.families import FAMILIES, PEFT_LAYOUTS, peft_layout
+from tunepack.runtimes.shape import DecoderDims
 from tunepack.tiny import hf as tiny_hf
 from tunepack.tiny import model as tiny_model
 from tunepack.trainers.data import prompt_format
@@ -74,6 +75,7 @@ def test_every_familys_builders_import_and_a_modules_own_come_from_its_shape_rec
             if dataclasses.is_dataclass(v) and v.__module__ == module_name
         ]  # fmt: skip
         assert len(shapes) == 1, f"{module_name} should declare one shape record"
+        assert issubclass(shapes[0], DecoderDims)
         fields = [f.name for f in dataclasses.fields(shapes[0])]
         keywords = [
             p.name for p in inspect.signature(builder).parameters.values()

@@ -52,6 +52,7 @@ from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import GEMMA3_SIZES
 from tunepack.runtimes.custom import text_config
+from tunepack.runtimes.shape import DecoderDims
 from tunepack.trainers.models import hf_shards
 from tunepack.trainers.models.decoder_parts import (
     attention_projections,
@@ -241,20 +242,13 @@ def _decoder(
 
 
 @dataclass(frozen=True, kw_only=True)
-class Gemma3Shape:
+class Gemma3Shape(DecoderDims):
     """A Gemma 3 text decoder's shape: what ``gemma3`` and ``lora_gemma3`` take as keywords.
 
     ``query_pre_attn_scalar`` None means ``head_dim``; ``global_layers`` (the indices of the
     full-attention layers) overrides ``sliding_window_pattern``.
     """
 
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    embed_dim: int
-    intermediate_dim: int
-    max_seq_len: int
     head_dim: int
     sliding_window_size: int
     rope_base: float = 1_000_000.0

@@ -41,6 +41,7 @@ from torchtune.modules import (
 from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import QWEN3_CONTEXT, QWEN3_HEAD_DIM, QWEN3_SIZES, QWEN3_VOCAB
+from tunepack.runtimes.shape import DecoderDims
 from tunepack.trainers.models.decoder_parts import (
     attention_projections,
     builders,
@@ -157,16 +158,9 @@ def _decoder(
 
 
 @dataclass(frozen=True, kw_only=True)
-class Qwen3Shape:
+class Qwen3Shape(DecoderDims):
     """A Qwen 3 dense decoder's shape: what ``qwen3`` and ``lora_qwen3`` take as keywords."""
 
-    vocab_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    embed_dim: int
-    intermediate_dim: int
-    max_seq_len: int
     head_dim: int | None = None
     rope_base: float = 1_000_000.0
     norm_eps: float = 1e-6
