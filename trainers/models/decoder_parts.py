@@ -40,6 +40,19 @@ def shape_keywords(shape: object) -> dict:
     return {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
 
 
+def shape_parameters(shape: type) -> list[inspect.Parameter]:
+    """A shape record's fields as a builder's keyword-only parameters (defaults as declared)."""
+    return [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            annotation=f.type,
+        )
+        for f in dataclasses.fields(shape)
+    ]
+
+
 def builders(
     shape: type, decoder: Callable[..., nn.Module], name: str, *, lora_output: bool
 ) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
@@ -54,26 +67,17 @@ def builders(
     settings as ``lora_decoder_args`` passes them. ``apply_lora_to_output`` only with
     ``lora_output`` (an output projection of the model's own, not the embeddings)."""
     positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
-    fields = dataclasses.fields(shape)
-    shape_parameters = [
-        inspect.Parameter(
-            f.name,
-            keyword,
-            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
-            annotation=f.type,
-        )
-        for f in fields
-    ]
+    shape_keyword_parameters = shape_parameters(shape)
     lora_parameters = [
         inspect.Parameter("lora_attn_modules", positional),
         inspect.Parameter("apply_lora_to_mlp", positional, default=False),
         *([inspect.Parameter("apply_lora_to_output", positional, default=False)] * lora_output),
-        *shape_parameters,
+        *shape_keyword_parameters,
         *(inspect.Parameter(n, keyword, default=default) for n, default in _LORA_KEYWORDS),
     ]
-    full_signature = inspect.Signature(shape_parameters)
+    full_signature = inspect.Signature(shape_keyword_parameters)
     lora_signature = inspect.Signature(lora_parameters)
-    names = {f.name for f in fields}
+    names = {f.name for f in dataclasses.fields(shape)}
 
     def full(**kwargs) -> nn.Module:
         full_signature.bind(**kwargs)
