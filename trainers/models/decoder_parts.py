@@ -1,4 +1,4 @@
-"""What tunepack's own decoder families (trainers/models/qwen3.py, qwen3_moe.py, gemma3.py) share.
+"""What the decoders of tunepack's own families (trainers/models/, one module each) share.
 
 - ``builders``: a family's full and LoRA builders (``qwen3``, ``lora_qwen3``), both taking the
   fields of the family's one shape record (``Qwen3Shape``) as keywords;

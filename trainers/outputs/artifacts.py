@@ -25,11 +25,10 @@ from torchtune.modules.peft import get_adapter_state_dict, get_merged_lora_ckpt
 from tunepack.core import durable
 from tunepack.core.workspace import ADAPTER_DIR, FULL_MODEL_DIR, MERGED_DIR, RESULT_FILE
 from tunepack.runtimes import methods
-from tunepack.runtimes.families import peft_layout
 from tunepack.trainers.config import result_digest, result_identity
 from tunepack.trainers.models import moe
 from tunepack.trainers.outputs import checkpoint
-from tunepack.trainers.outputs.peft_export import export_adapter, export_mllama_adapter
+from tunepack.trainers.outputs.peft_export import export_peft
 
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
@@ -95,17 +94,14 @@ def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
     m = cfg.model
     adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
     # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
-    # magnitude unpermuted); export_adapter follows each family's HF layout.
-    if peft_layout(cfg.checkpointer.model_type) == "mllama":  # adapters on its text model
-        weights, targets = export_mllama_adapter(adapter, hf_config=hf_config(cfg))
-    else:
-        weights, targets = export_adapter(
-            adapter,
-            model_type=cfg.checkpointer.model_type,
-            hf_config=hf_config(cfg),
-            rank=m.lora_rank,
-            alpha=m.lora_alpha,
-        )
+    # magnitude unpermuted); export_peft follows each family's HF layout.
+    weights, targets = export_peft(
+        adapter,
+        model_type=cfg.checkpointer.model_type,
+        hf_config=hf_config(cfg),
+        rank=m.lora_rank,
+        alpha=m.lora_alpha,
+    )
     weights = {k: v.contiguous() for k, v in weights.items()}
     save_file(weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
     # QLoRA's adapter is an ordinary LoRA adapter: it applies to the unquantized base too.
@@ -131,7 +127,7 @@ def write_merged(adapter_state: State, cfg: DictConfig, directory: Path) -> None
     """Fold the adapter into a fresh copy of the base read from disk, never the live model."""
     merged = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
     merged.update(get_adapter_state_dict(adapter_state))
-    moe.merge_expert_adapters(merged, cfg.model.lora_alpha / cfg.model.lora_rank)  # Qwen3-MoE
+    moe.merge_expert_adapters(merged, cfg.model.lora_alpha / cfg.model.lora_rank)  # experts
     merged = get_merged_lora_ckpt(merged, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
     write_hf_model(merged, cfg, directory)
 

@@ -60,6 +60,23 @@ def _hf_key(layer: str, module: str, tensor: str) -> str:
     return f"base_model.model.model.layers.{layer}.{module}.{_PEFT_TENSOR[tensor]}{suffix}"
 
 
+def export_peft(
+    adapter: dict[str, torch.Tensor],
+    *,
+    model_type: str,
+    hf_config: dict,
+    rank: int,
+    alpha: float,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """PEFT weights and the extra config of ``adapter``, in the layout of ``model_type``'s
+    families (their record's ``peft_layout``): Llama 3.2 Vision's own, or ``export_adapter``'s."""
+    if peft_layout(model_type) == "mllama":  # adapters on its text model and projector
+        return export_mllama_adapter(adapter, hf_config=hf_config)
+    return export_adapter(
+        adapter, model_type=model_type, hf_config=hf_config, rank=rank, alpha=alpha
+    )
+
+
 def export_adapter(
     adapter: dict[str, torch.Tensor],
     *,
