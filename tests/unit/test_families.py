@@ -7,11 +7,11 @@ import ast
 import dataclasses
 import importlib
 import inspect
-import re
 
 import pytest
 
 from tests import REPO
+from tests.helpers import checklist
 from tunepack.runtimes import catalog, custom, families
 from tunepack.runtimes.chat_templates import GROUPS, TEMPLATES
 from tunepack.runtimes.families import FAMILIES, PEFT_LAYOUTS, peft_layout
@@ -143,16 +143,8 @@ def test_no_other_module_keeps_a_table_keyed_by_families():
     assert found == set()
 
 
-def _checklist() -> str:
-    text = (REPO / "docs" / "architecture.md").read_text()
-    match = re.search(r"^### A new family\n(.*?)(?=^#)", text, re.S | re.M)
-    assert match, 'docs/architecture.md has no "### A new family" section'
-    return match.group(1)
-
-
 def test_the_checklist_names_files_that_exist():
-    checklist = _checklist()
-    paths = re.findall(r"`([\w/<>]+\.py)`", checklist)
+    _, paths = checklist("A new family")
     named = {p for p in paths if "<" not in p}
     assert {
         "runtimes/families.py",
@@ -171,7 +163,7 @@ def test_the_checklist_names_files_that_exist():
 
 
 def test_the_checklist_names_every_field_of_the_record_a_family_chooses():
-    checklist = _checklist()
+    text, _ = checklist("A new family")
     chosen = (
         "chat_format",
         "peft_layout",
@@ -180,5 +172,5 @@ def test_the_checklist_names_every_field_of_the_record_a_family_chooses():
         "no_packing",
         "only_methods",
     )
-    assert [f for f in chosen if f"`{f}`" not in checklist] == []
-    assert "`PEFT_LAYOUTS`" in checklist
+    assert [f for f in chosen if f"`{f}`" not in text] == []
+    assert "`PEFT_LAYOUTS`" in text

@@ -28,7 +28,7 @@ from tunepack.runtimes import methods
 from tunepack.trainers.config import result_digest, result_identity
 from tunepack.trainers.models import moe
 from tunepack.trainers.outputs import checkpoint
-from tunepack.trainers.outputs.peft_export import export_peft
+from tunepack.trainers.outputs.peft_export import export_adapter
 
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
@@ -94,8 +94,8 @@ def write_adapter(state: State, cfg: DictConfig, directory: Path) -> None:
     m = cfg.model
     adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
     # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
-    # magnitude unpermuted); export_peft follows each family's HF layout.
-    weights, targets = export_peft(
+    # magnitude unpermuted); export_adapter follows each family's HF layout.
+    weights, targets = export_adapter(
         adapter,
         model_type=cfg.checkpointer.model_type,
         hf_config=hf_config(cfg),

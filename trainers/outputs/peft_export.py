@@ -60,23 +60,6 @@ def _hf_key(layer: str, module: str, tensor: str) -> str:
     return f"base_model.model.model.layers.{layer}.{module}.{_PEFT_TENSOR[tensor]}{suffix}"
 
 
-def export_peft(
-    adapter: dict[str, torch.Tensor],
-    *,
-    model_type: str,
-    hf_config: dict,
-    rank: int,
-    alpha: float,
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """PEFT weights and the extra config of ``adapter``, in the layout of ``model_type``'s
-    families (their record's ``peft_layout``): Llama 3.2 Vision's own, or ``export_adapter``'s."""
-    if peft_layout(model_type) == "mllama":  # adapters on its text model and projector
-        return export_mllama_adapter(adapter, hf_config=hf_config)
-    return export_adapter(
-        adapter, model_type=model_type, hf_config=hf_config, rank=rank, alpha=alpha
-    )
-
-
 def export_adapter(
     adapter: dict[str, torch.Tensor],
     *,
@@ -86,8 +69,11 @@ def export_adapter(
     alpha: float,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Return PEFT weights and the extra config (target modules, rank/alpha patterns), in the
-    layout of ``model_type``'s families (their record's ``peft_layout``)."""
+    layout of ``model_type``'s families (their record's ``peft_layout``; Llama 3.2 Vision's is
+    ``export_mllama_adapter``'s)."""
     layout = peft_layout(model_type)
+    if layout == "mllama":  # adapters on its text model and projector
+        return export_mllama_adapter(adapter, hf_config=hf_config)
     n_heads, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
     adapter = dict(adapter)
