@@ -25,7 +25,6 @@ from tunepack.initializers.transport.archives import extract, is_archive
 from tunepack.initializers.transport.retry import retrying
 from tunepack.initializers.transport.sources import RemoteFile
 from tunepack.runtimes import catalog, custom
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT
 from tunepack.runtimes.mllama_config import mllama_builder_kwargs
 
 PROGRAM = "model-initializer"
@@ -266,7 +265,7 @@ def _custom_shape(entry: catalog.ModelEntry, source_uri: uri.StorageUri, model: 
     checking its tokenizer names BOS/EOS/padding tokens inside the vocabulary."""
     where = f"model at {source_uri.display!r}"
     resolved = custom.resolve(entry, model, where)
-    chat_format = FAMILY_FORMAT[entry.family.name]  # the default; chat_template= picks another
+    chat_format = entry.family.chat_format  # the default; chat_template= picks another
     ids = custom.special_token_ids(model, resolved.shape.vocab_size, where, chat_format)
     shape = dataclasses.asdict(resolved.shape)
     _log(

@@ -3,7 +3,8 @@
 Read by the tiny model generator (so tests can compare transformers' rendering with the
 trainer's, token by token), by serving (vLLM's ``--chat-template``) and by the docs. Written from
 the published files named beside each, without the tool-call branches (docs/trainer.md, "Chat
-format"); never taken from user input.
+format"); never taken from user input. Which format a family's published model uses is its
+record's ``chat_format`` (``runtimes/families.py``).
 
 Which formats a model may train in, and the checks of the arguments that choose one
 (``check_chat_template``, ``check_system_prompt``), are here too: the argument vocabulary
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 
 from tunepack.core.errors import BadValueError, ConflictError
+from tunepack.runtimes.families import FAMILIES
 
 # meta-llama/Llama-2-7b-chat-hf (Code Llama 7B/13B Instruct prompt in the same [INST] layout;
 # the 70B publishes another template, see OWN_TEMPLATE_DIFFERS).
@@ -349,27 +351,6 @@ TEMPLATES: dict[str, str] = {
     "qwen3": QWEN3,
 }
 
-# Catalog family -> its published model's format.
-FAMILY_FORMAT: dict[str, str] = {
-    "llama2": "llama2",
-    "code_llama2": "llama2",
-    "mistral": "mistral",
-    "llama3": "llama3",
-    "llama3_1": "llama3.1",
-    "llama3_2": "llama3.2",
-    "llama3_3": "llama3.1",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3": "gemma3",
-    "phi3": "phi3",
-    "phi4": "phi4",
-    "qwen2": "qwen2",
-    "qwen2_5": "qwen2.5",
-    "qwen3": "qwen3",
-    "qwen3_moe": "qwen3",
-    "mllama": "llama3.2-vision",
-}
-
 # Catalog models whose published template is not their family's format. tunepack trains them in
 # the family's format, so a server must be given that format's template, never the model's own:
 # CodeLlama-70b-Instruct-hf publishes "<s>Source: user\n\n {text} <step> Source: assistant\n
@@ -392,7 +373,7 @@ GROUPS: tuple[tuple[str, ...], ...] = (
 
 def formats_for(family: str) -> tuple[str, ...]:
     """The chat formats a model of ``family`` can train in: its own first, then its group's."""
-    own = FAMILY_FORMAT[family]
+    own = FAMILIES[family].chat_format
     group = next(g for g in GROUPS if own in g)
     return (own, *(name for name in group if name != own))
 
@@ -406,7 +387,7 @@ def check_chat_template(family: str, chat_template: str | None) -> str:
     family's own); a format of another group is refused in one line."""
     allowed = formats_for(family)
     if chat_template in (None, "", "model"):
-        return FAMILY_FORMAT[family]
+        return FAMILIES[family].chat_format
     if chat_template not in allowed:
         raise BadValueError(
             f"chat_template={chat_template!r} is not valid for this model: expected model (its "
@@ -473,6 +454,6 @@ def serving_template(
             "{%- if not messages or messages[0]['role'] != 'system' %}"
             "{%- set messages = [" + message + "] + messages %}{%- endif %}\n"
         )
-    if not prefix and fmt == FAMILY_FORMAT[family] and hub_id not in OWN_TEMPLATE_DIFFERS:
+    if not prefix and fmt == FAMILIES[family].chat_format and hub_id not in OWN_TEMPLATE_DIFFERS:
         return None
     return prefix + TEMPLATES[fmt]

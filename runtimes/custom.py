@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tunepack.core.errors import BadModelError
+from tunepack.runtimes.families import FAMILIES
 from tunepack.runtimes.shape import Shape
 
 CUSTOM_SUFFIX = "-custom"
@@ -32,8 +33,7 @@ class Architecture:
     """What tunepack can build of one Hugging Face architecture, and how."""
 
     name: str  # the runtime is tunepack-<name>-custom
-    family: str  # the catalog family: builders, checkpointer, chat format
-    model_type: str  # config.json "model_type"
+    family: str  # the catalog family (runtimes/families.py): builders, checkpointer, chat format
     activation: str  # the MLP activation the builders hard-code
     # The config.json field transformers reads it from, and legacy values it takes for the same.
     activation_field: str = "hidden_act"
@@ -55,27 +55,32 @@ class Architecture:
     moe: bool = False  # Qwen3-MoE's experts (read_moe)
     gemma3: bool = False  # Gemma 3's local/global layers and their two RoPE tables (read_gemma3)
 
+    @property
+    def model_type(self) -> str:
+        """config.json's ``model_type``: its family's."""
+        return FAMILIES[self.family].hf_model_type
+
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
     for a in (
         # Llama 3.2's builders: the only Llama ones that take tie_word_embeddings; their scaled
         # RoPE with factor 1 is plain RoPE, so a checkpoint without rope_scaling builds too.
-        Architecture("llama", "llama3_2", "llama", "silu", tied="either", llama3_rope=True,
+        Architecture("llama", "llama3_2", "silu", tied="either", llama3_rope=True,
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 2048),
                                ("tie_word_embeddings", False))),
-        Architecture("mistral", "mistral", "mistral", "silu", window="limit",
+        Architecture("mistral", "mistral", "silu", window="limit",
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 131_072),
                                ("tie_word_embeddings", False))),
-        Architecture("qwen2", "qwen2_5", "qwen2", "silu", tied="either", qkv_bias=True,
+        Architecture("qwen2", "qwen2_5", "silu", tied="either", qkv_bias=True,
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 32_768),
                                ("tie_word_embeddings", False))),
-        Architecture("gemma", "gemma", "gemma", "gelu_pytorch_tanh", head_dim="free",
+        Architecture("gemma", "gemma", "gelu_pytorch_tanh", head_dim="free",
                      activation_aliases=("gelu",),  # transformers: "gelu" means the tanh one
                      tied="always",
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 8192),
                                ("tie_word_embeddings", True), ("head_dim", 256))),
-        Architecture("gemma2", "gemma2", "gemma2", "gelu_pytorch_tanh", head_dim="free",
+        Architecture("gemma2", "gemma2", "gelu_pytorch_tanh", head_dim="free",
                      activation_field="hidden_activation",
                      tied="always", window="model", softcapping=True,
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 8192),
@@ -83,11 +88,11 @@ ARCHITECTURES: dict[str, Architecture] = {
                                ("hidden_activation", "gelu_pytorch_tanh"),
                                ("sliding_window", 4096), ("attn_logit_softcapping", 50.0),
                                ("final_logit_softcapping", 30.0))),
-        Architecture("phi3", "phi3", "phi3", "silu", window="limit",
+        Architecture("phi3", "phi3", "silu", window="limit",
                      defaults=(("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096),
                                ("tie_word_embeddings", False))),
         # Qwen3MoeConfig's defaults (transformers 5.24) for what a config.json may leave out.
-        Architecture("qwen3_moe", "qwen3_moe", "qwen3_moe", "silu", head_dim="optional",
+        Architecture("qwen3_moe", "qwen3_moe", "silu", head_dim="optional",
                      tied="either", qk_norm=True, moe=True,
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 32_768),
                                ("tie_word_embeddings", False), ("decoder_sparse_step", 1),
@@ -96,7 +101,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                                ("num_experts_per_tok", 8), ("moe_intermediate_size", 768))),
         # Gemma3TextConfig's defaults (transformers 5.24) for what a config.json may leave out,
         # as the text_config of google/gemma-3-4b-it does (heads, vocabulary, head_dim).
-        Architecture("gemma3", "gemma3", "gemma3_text", "gelu_pytorch_tanh", head_dim="free",
+        Architecture("gemma3", "gemma3", "gelu_pytorch_tanh", head_dim="free",
                      activation_field="hidden_activation", tied="always", window="model",
                      gemma3=True,
                      defaults=(("rms_norm_eps", 1e-6), ("max_position_embeddings", 131_072),

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from tunepack.runtimes import catalog, host
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
@@ -102,7 +101,7 @@ def _custom_rows() -> str:
             refused.append("use_sliding_window=true; no sparse layer (decoder_sparse_step)")
         rows.append(
             f"| `{e.runtime_name}` | {arch.model_type} | {e.family.title}'s builders"
-            f" | {FAMILY_FORMAT[e.family.name]} | {'; '.join(r for r in refused if r)} |"
+            f" | {e.family.chat_format} | {'; '.join(r for r in refused if r)} |"
         )
     return "\n".join(rows)
 
@@ -110,7 +109,7 @@ def _custom_rows() -> str:
 def render() -> str:
     rows = [
         f"| `{e.runtime_name}` | `{e.hub_id}` | {e.family.title} | {_billions(e.parameter_count)}"
-        f" | {', '.join(e.methods)} | {FAMILY_FORMAT[e.family.name]}"
+        f" | {', '.join(e.methods)} | {e.family.chat_format}"
         f" | {host.node_shape(e).describe()} |"
         for e in catalog.CATALOG.values()
         if not e.custom

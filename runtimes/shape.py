@@ -13,8 +13,9 @@ NF4_BLOCK = 64 * 256
 
 
 @dataclass(frozen=True)
-class Shape:
-    """Transformer dimensions, enough to count parameters and plan memory."""
+class DecoderDims:
+    """The dimensions every decoder has, by torchtune's builders' names: what ``Shape`` and the
+    shape records of tunepack's own families' builders (trainers/models/) start with."""
 
     vocab_size: int
     num_layers: int
@@ -23,6 +24,12 @@ class Shape:
     embed_dim: int
     intermediate_dim: int
     max_seq_len: int
+
+
+@dataclass(frozen=True)
+class Shape(DecoderDims):
+    """Transformer dimensions, enough to count parameters and plan memory."""
+
     tied_embeddings: bool = False
     qkv_bias: bool = False
     # 0 means embed_dim // num_heads; Gemma sets it explicitly (256 with a 2048 model dim).

@@ -6,6 +6,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,15 @@ NF4_TINY = dataclasses.replace(
         intermediate_dim=512,
     ),
 )
+
+
+def checklist(title: str) -> tuple[str, list[str]]:
+    """docs/architecture.md's checklist ``### {title}``: its text and the ``.py`` paths it names
+    in backticks (``<name>`` placeholders included)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    match = re.search(rf"^### {re.escape(title)}\n(.*?)(?=^#)", text, re.S | re.M)
+    assert match, f'docs/architecture.md has no "### {title}" section'
+    return match.group(1), re.findall(r"`([\w/<>]+\.py)`", match.group(1))
 
 
 def small_decoder(build, num_layers: int, **kwargs):

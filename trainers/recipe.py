@@ -681,7 +681,7 @@ class FineTuneRecipe:
         # may start part-way through a step.
         for batch in micro_batches:
             loss, n_tokens = self._loss_and_tokens(batch)
-            # Qwen3-MoE: + its routers' load-balancing loss (models/moe.py; 0 for other models).
+            # A mixture of experts: + its routers' load-balancing loss (models/moe.py; else 0).
             loss = loss + moe.router_aux_loss(self.model, batch.get("labels"), n_tokens)
             loss.backward()
             loss_sum += loss.detach().double()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tunepack.core.errors import BadValueError
 from tunepack.runtimes.catalog import ModelEntry
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT, TEMPLATES
+from tunepack.runtimes.chat_templates import TEMPLATES
 from tunepack.tiny.dataset import check_int, tiny_corpus
 
 # The special tokens torchtune's Llama3Tokenizer looks up, and nothing more: the 256 reserved
@@ -43,7 +43,7 @@ SPLIT_PATTERN = (
 
 def chat_template(entry: ModelEntry) -> str:
     """The Jinja chat template of the family's published model, for ``tokenizer_config.json``."""
-    return TEMPLATES[FAMILY_FORMAT[entry.family.name]]
+    return TEMPLATES[entry.family.chat_format]
 
 
 def train_bpe(

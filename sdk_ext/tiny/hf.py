@@ -235,3 +235,16 @@ QWEN3_MOE = HfFormat(
         "output_router_logits": False,
     }
 )
+
+# The tiny models' formats by config.json's ``model_type`` (a family's ``hf_model_type``).
+FORMATS: dict[str, HfFormat] = {
+    "llama": LLAMA,
+    "mistral": MISTRAL,
+    "gemma": GEMMA,
+    "gemma2": GEMMA2,
+    "gemma3_text": GEMMA3,
+    "phi3": PHI3,
+    "qwen2": QWEN2,
+    "qwen3": QWEN3,
+    "qwen3_moe": QWEN3_MOE,
+}

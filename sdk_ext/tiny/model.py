@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tunepack.core import durable
 from tunepack.core.errors import ConflictError, NotAvailableError, UnsupportedError
-from tunepack.runtimes.catalog import SAFETENSORS_INDEX, TINY_LLAMA3, ModelEntry
+from tunepack.runtimes.catalog import FAMILIES, SAFETENSORS_INDEX, TINY_LLAMA3, Family, ModelEntry
 from tunepack.tiny import hf, mllama
 from tunepack.tiny.bpe import GptBpeFormat, TiktokenFormat, TokenizerFiles, dump_json
 from tunepack.tiny.dataset import check_int
@@ -62,41 +62,47 @@ class FamilyFormat:
     tokenizer: TiktokenFormat | GptBpeFormat | SentencePieceFormat
 
 
-FORMATS: dict[str, FamilyFormat] = {
-    "llama2": FamilyFormat(hf.LLAMA, _LLAMA_SPM_FORMAT),
-    "code_llama2": FamilyFormat(hf.LLAMA, _LLAMA_SPM_FORMAT),
-    "llama3": FamilyFormat(hf.LLAMA, TiktokenFormat()),
-    "llama3_1": FamilyFormat(hf.LLAMA, TiktokenFormat()),
-    "llama3_2": FamilyFormat(hf.LLAMA, TiktokenFormat()),
-    "llama3_3": FamilyFormat(hf.LLAMA, TiktokenFormat()),
-    "mistral": FamilyFormat(hf.MISTRAL, _LLAMA_SPM_FORMAT),
-    "gemma": FamilyFormat(hf.GEMMA, _GEMMA_SPM),
-    "gemma2": FamilyFormat(hf.GEMMA2, _GEMMA_SPM),
-    "gemma3": FamilyFormat(hf.GEMMA3, _GEMMA_SPM),
+# The tiny variants' tokenizer formats, by the name a family's record gives
+# (``Family.tiny_tokenizer``, runtimes/families.py).
+TOKENIZERS: dict[str, TiktokenFormat | GptBpeFormat | SentencePieceFormat] = {
+    "llama_spm": _LLAMA_SPM_FORMAT,
+    "tiktoken": TiktokenFormat(),
+    "gemma_spm": _GEMMA_SPM,
     # Like the real Phi-3 (32000 pieces, chat tokens from 32000, 32064 embeddings): 32 ids are
     # left for the special tokens and padding.
-    "phi3": FamilyFormat(hf.PHI3, SentencePieceFormat(
+    "phi3_spm": SentencePieceFormat(
         **_LLAMA_SPM, tokenizer_class="LlamaTokenizer", reserved=32,
         special_tokens="torchtune.models.phi3._tokenizer:PHI3_SPECIAL_TOKENS",
-        eos_token="<|endoftext|>")),
-    "phi4": FamilyFormat(hf.PHI3, GptBpeFormat(
+        eos_token="<|endoftext|>"),
+    "phi4_bpe": GptBpeFormat(
         canonical="torchtune.models.phi4._tokenizer:PHI4_SPECIAL_TOKENS",
         pattern=GPT2_SPLIT_PATTERN, learned_tokens=352, bos="<|endoftext|>", eos="<|im_end|>",
-        pad="<|dummy_85|>")),
-    "qwen2": FamilyFormat(hf.QWEN2, GptBpeFormat(
-        canonical="torchtune.models.qwen2._tokenizer:QWEN2_SPECIAL_TOKENS", **_QWEN)),
-    "qwen2_5": FamilyFormat(hf.QWEN2, GptBpeFormat(
-        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN)),
-    # Qwen 3 keeps Qwen 2.5's vocabulary and special tokens and adds four (Qwen/Qwen3-8B's
-    # tokenizer.json, ids 151665-151668), among them the <think> markers of its chat template.
-    "qwen3": FamilyFormat(hf.QWEN3, GptBpeFormat(
+        pad="<|dummy_85|>"),
+    "qwen2_bpe": GptBpeFormat(
+        canonical="torchtune.models.qwen2._tokenizer:QWEN2_SPECIAL_TOKENS", **_QWEN),
+    "qwen2_5_bpe": GptBpeFormat(
+        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN),
+    # Qwen 3 (and Qwen3-MoE: Qwen/Qwen3-30B-A3B's tokenizer.json is the same) keeps Qwen 2.5's
+    # vocabulary and special tokens and adds four (Qwen/Qwen3-8B's tokenizer.json, ids
+    # 151665-151668), among them the <think> markers of its chat template.
+    "qwen3_bpe": GptBpeFormat(
         canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN,
-        added=("<tool_response>", "</tool_response>", "<think>", "</think>"))),
-    # Qwen3-MoE shares Qwen 3's tokenizer (Qwen/Qwen3-30B-A3B's tokenizer.json).
-    "qwen3_moe": FamilyFormat(hf.QWEN3_MOE, GptBpeFormat(
-        canonical="torchtune.models.qwen2_5._tokenizer:QWEN2_5_SPECIAL_TOKENS", **_QWEN,
-        added=("<tool_response>", "</tool_response>", "<think>", "</think>"))),
+        added=("<tool_response>", "</tool_response>", "<think>", "</think>")),
 }  # fmt: skip
+
+
+def family_format(family: Family) -> FamilyFormat | None:
+    """The tiny variant's model and tokenizer formats of ``family``, as its record names them
+    (None where it names none)."""
+    model = hf.FORMATS.get(family.hf_model_type)
+    tokenizer = TOKENIZERS.get(family.tiny_tokenizer)
+    return None if model is None or tokenizer is None else FamilyFormat(model, tokenizer)
+
+
+# Each family's tiny formats, read from the records (tunepack.tiny's name for them).
+FORMATS: dict[str, FamilyFormat] = {
+    name: fmt for name, family in FAMILIES.items() if (fmt := family_format(family)) is not None
+}
 
 
 def model_files(entry: ModelEntry) -> tuple[str, ...]:
@@ -152,7 +158,7 @@ def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
                 f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems)
             )
         return None
-    if family.name not in FORMATS:
+    if (fmt := family_format(family)) is None:
         problems.append(f"family {family.name!r} has no tiny format")
     problems += _layout_problem(entry)
     if s.vocab_size > MAX_TINY_VOCAB:
@@ -175,7 +181,7 @@ def _check_entry(entry: ModelEntry) -> FamilyFormat | None:
         raise UnsupportedError(
             f"cannot write a tiny model for {entry.name!r}: " + "; ".join(problems)
         )
-    return FORMATS[family.name]
+    return fmt
 
 
 def _model_card(entry: ModelEntry, seed: int, tokenizer: TokenizerFiles) -> str:

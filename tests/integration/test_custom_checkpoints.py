@@ -546,11 +546,11 @@ def test_serving_hands_vllm_the_format_a_custom_checkpoint_was_trained_in():
 def test_the_initializers_format_tokens_are_the_formats():
     """custom.FORMAT_TOKENS (the initializer cannot import the trainer) is what the trainer's
     chat formats write, for each custom runtime's default format."""
-    from tunepack.runtimes.chat_templates import FAMILY_FORMAT, NO_SYSTEM
+    from tunepack.runtimes.chat_templates import NO_SYSTEM
     from tunepack.trainers.data.prompt_format import Turn, render
 
     for entry in catalog.CUSTOM.values():
-        fmt = FAMILY_FORMAT[entry.family.name]
+        fmt = entry.family.chat_format
         conversations = [[Turn("user", "u"), Turn("assistant", "a")]]
         if fmt not in NO_SYSTEM:
             conversations.append([Turn("system", "s"), *conversations[0]])

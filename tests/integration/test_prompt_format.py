@@ -22,7 +22,7 @@ from tunepack import tiny
 from tunepack.core.errors import BadInputError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.args import parse_trainer_args
-from tunepack.runtimes.chat_templates import FAMILY_FORMAT, GROUPS, QWEN2_5_SYSTEM, TEMPLATES
+from tunepack.runtimes.chat_templates import GROUPS, QWEN2_5_SYSTEM, TEMPLATES
 from tunepack.trainers.config import tokenizer_config
 from tunepack.trainers.data.prompt_format import FORMATS
 
@@ -64,7 +64,7 @@ def family(request, tmp_path_factory):
         config["added_tokens_decoder"] = {str(t["id"]): t for t in added}
         (hf_dir / "tokenizer_config.json").write_text(json.dumps(config))
     hf = AutoTokenizer.from_pretrained(hf_dir)
-    assert hf.chat_template == TEMPLATES[FAMILY_FORMAT[entry.family.name]]
+    assert hf.chat_template == TEMPLATES[entry.family.chat_format]
     return entry, model_dir, hf
 
 
@@ -87,7 +87,7 @@ def _hf_ids(hf, conversation: list[dict], **kwargs) -> list[int]:
 
 
 def _conversations(entry) -> list[list[dict]]:
-    if FAMILY_FORMAT[entry.family.name] == "gemma":  # no system role in Gemma's template
+    if entry.family.chat_format == "gemma":  # no system role in Gemma's template
         return [CONVERSATION, CONVERSATION[:2]]
     return [[SYSTEM, *CONVERSATION], CONVERSATION, CONVERSATION[:2]]
 
@@ -140,7 +140,7 @@ def test_a_sampled_answer_ends_where_the_assistants_turn_ends(family):
 
 def test_system_prompt_is_the_first_turn(family):
     entry, model_dir, hf = family
-    if FAMILY_FORMAT[entry.family.name] == "gemma":
+    if entry.family.chat_format == "gemma":
         with pytest.raises(BadInputError, match="system_prompt=.* gemma chat format has no system"):
             parse_trainer_args(["system_prompt=Be terse."], entry)
         return
@@ -154,7 +154,7 @@ def test_system_prompt_is_the_first_turn(family):
 
 
 def test_every_family_has_a_published_template_and_a_format():
-    assert set(FAMILY_FORMAT) == set(catalog.FAMILIES)
+    assert {f.chat_format for f in catalog.FAMILIES.values()} <= set(TEMPLATES)
     assert set(TEMPLATES) == set(FORMATS)
     assert sorted(n for group in GROUPS for n in group) == sorted(FORMATS)
 

@@ -28,6 +28,7 @@ from tunepack.core.errors import (
     UnsupportedError,
 )
 from tunepack.runtimes.chat_templates import NO_SYSTEM, QWEN2_5_SYSTEM, check_chat_template
+from tunepack.runtimes.families import FAMILIES
 
 # Markers the tokenizer resolves to its own BOS / EOS ids.
 BOS, EOS = "<bos>", "<eos>"
@@ -520,8 +521,6 @@ def build_tokenizer(
     (default: the family's published format); with ``checkpoint_tokenizer``, the checkpoint's
     own tokenizer.json (``files["path"]``: a bring-your-own runtime) in that layout."""
     from torchtune.config._utils import _get_component_from_path
-
-    from tunepack.runtimes.catalog import FAMILIES
 
     if family not in FAMILIES:
         raise UnknownRuntimeError(f"unknown model family {family!r}")

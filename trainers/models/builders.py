@@ -73,7 +73,7 @@ def build(
             f"{builder} cannot apply LoRA to the output projection: it is tied to the "
             "embeddings; train without output LoRA"
         )
-    # A builder that passes its keywords on (lora_mllama's **shape) takes the base too.
+    # A builder that passes its keywords on to its shape record (**shape) takes the base too.
     takes_base = "rope_base" in takes or any(p.kind is p.VAR_KEYWORD for p in takes.values())
     model = build_fn(**kwargs, **({"rope_base": rope_base} if takes_base else {}))
     if not takes_base:

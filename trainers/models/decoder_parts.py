@@ -1,5 +1,7 @@
-"""What tunepack's own decoder families (trainers/models/qwen3.py, qwen3_moe.py, gemma3.py) share.
+"""What the decoders of tunepack's own families (trainers/models/, one module each) share.
 
+- ``builders``: a family's full and LoRA builders (``qwen3``, ``lora_qwen3``), both taking the
+  fields of the family's one shape record (``Qwen3Shape``) as keywords;
 - ``sized``: a published size's full and LoRA builders (``qwen3_8b``, ``lora_qwen3_8b``), which
   only pass the catalog's shape of that size to the family's shape-taking builders;
 - ``lora_decoder_args``: a family's LoRA builder's arguments as its ``_decoder`` takes them;
@@ -10,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from functools import partial
@@ -19,6 +22,85 @@ from torchtune.modules import FeedForward, TransformerDecoder
 from torchtune.modules.common_utils import reparametrize_as_dtype_state_dict_post_hook
 from torchtune.modules.low_precision import FrozenNF4Linear
 from torchtune.modules.peft import DoRALinear, LoRALinear
+
+# --- a family's full and LoRA builders, from its shape -----------------------------------------
+
+# The LoRA settings every family's LoRA builder takes after its shape, as torchtune's take them.
+_LORA_KEYWORDS = (
+    ("lora_rank", inspect.Parameter.empty),
+    ("lora_alpha", inspect.Parameter.empty),
+    ("lora_dropout", 0.0),
+    ("use_dora", False),
+    ("quantize_base", False),
+)
+
+
+def shape_keywords(shape: object) -> dict:
+    """A shape record's fields as the keywords a family's ``_decoder`` takes (values as given)."""
+    return {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+
+
+def shape_parameters(shape: type) -> list[inspect.Parameter]:
+    """A shape record's fields as a builder's keyword-only parameters (defaults as declared)."""
+    return [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            annotation=f.type,
+        )
+        for f in dataclasses.fields(shape)
+    ]
+
+
+def builders(
+    shape: type, decoder: Callable[..., nn.Module], name: str, *, lora_output: bool
+) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
+    """A family's full builder ``name`` and LoRA builder ``lora_<name>``, both taking ``shape``'s
+    fields (a frozen dataclass: the family's shape, declared once) as keywords, as torchtune's
+    component builders take theirs; the config names them with those keywords.
+
+    ``name(**shape)`` is ``decoder(**shape)``, every parameter trainable;
+    ``lora_<name>(lora_attn_modules, apply_lora_to_mlp=False[, apply_lora_to_output=False], *,
+    **shape, lora_rank, lora_alpha, lora_dropout=0.0, use_dora=False, quantize_base=False)`` is
+    ``decoder`` with LoRA (DoRA with ``use_dora``, QLoRA with ``quantize_base``) adapters: the
+    settings as ``lora_decoder_args`` passes them. ``apply_lora_to_output`` only with
+    ``lora_output`` (an output projection of the model's own, not the embeddings)."""
+    positional, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+    shape_keyword_parameters = shape_parameters(shape)
+    lora_parameters = [
+        inspect.Parameter("lora_attn_modules", positional),
+        inspect.Parameter("apply_lora_to_mlp", positional, default=False),
+        *([inspect.Parameter("apply_lora_to_output", positional, default=False)] * lora_output),
+        *shape_keyword_parameters,
+        *(inspect.Parameter(n, keyword, default=default) for n, default in _LORA_KEYWORDS),
+    ]
+    full_signature = inspect.Signature(shape_keyword_parameters)
+    lora_signature = inspect.Signature(lora_parameters)
+    names = {f.name for f in dataclasses.fields(shape)}
+
+    def full(**kwargs) -> nn.Module:
+        full_signature.bind(**kwargs)
+        return decoder(**shape_keywords(shape(**kwargs)))
+
+    def lora(*args, **kwargs) -> nn.Module:
+        bound = lora_signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        dims = shape(**{k: given.pop(k) for k in list(given) if k in names})
+        return decoder(**shape_keywords(dims), **lora_decoder_args(given))
+
+    module = decoder.__module__
+    for function, function_name, signature, doc in (
+        (full, name, full_signature, f"A {shape.__name__} decoder (every parameter trainable)."),
+        (lora, f"lora_{name}", lora_signature, f"``{name}`` with LoRA (DoRA, QLoRA) adapters."),
+    ):
+        function.__name__ = function.__qualname__ = function_name
+        function.__module__ = module
+        function.__signature__ = signature
+        function.__doc__ = doc
+    return full, lora
+
 
 # --- builders of the published sizes ----------------------------------------------------------
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -51,12 +52,13 @@ from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import GEMMA3_SIZES
 from tunepack.runtimes.custom import text_config
+from tunepack.runtimes.shape import DecoderDims
 from tunepack.trainers.models import hf_shards
 from tunepack.trainers.models.decoder_parts import (
     attention_projections,
+    builders,
     gated_mlp,
     linear,
-    lora_decoder_args,
     project_qkv,
     save_nf4_in_model_dtype,
     sized,
@@ -239,64 +241,30 @@ def _decoder(
     return model
 
 
-def gemma3(
-    *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int,
-    sliding_window_size: int,
-    rope_base: float = 1_000_000.0,
-    rope_local_base: float = 10_000.0,
-    rope_scaling_factor: float = 1.0,
-    query_pre_attn_scalar: float | None = None,
-    sliding_window_pattern: int = 6,
-    global_layers: list[int] | None = None,
-    norm_eps: float = 1e-6,
-    attn_dropout: float = 0.0,
-) -> TransformerDecoder:
-    """A Gemma 3 text decoder of the given shape (every parameter trainable).
+@dataclass(frozen=True, kw_only=True)
+class Gemma3Shape(DecoderDims):
+    """A Gemma 3 text decoder's shape: what ``gemma3`` and ``lora_gemma3`` take as keywords.
 
     ``query_pre_attn_scalar`` None means ``head_dim``; ``global_layers`` (the indices of the
     full-attention layers) overrides ``sliding_window_pattern``.
     """
-    return _decoder(**dict(locals()))
+
+    head_dim: int
+    sliding_window_size: int
+    rope_base: float = 1_000_000.0
+    rope_local_base: float = 10_000.0
+    rope_scaling_factor: float = 1.0
+    query_pre_attn_scalar: float | None = None
+    sliding_window_pattern: int = 6
+    global_layers: list[int] | None = None
+    norm_eps: float = 1e-6
+    attn_dropout: float = 0.0
 
 
-def lora_gemma3(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int,
-    sliding_window_size: int,
-    rope_base: float = 1_000_000.0,
-    rope_local_base: float = 10_000.0,
-    rope_scaling_factor: float = 1.0,
-    query_pre_attn_scalar: float | None = None,
-    sliding_window_pattern: int = 6,
-    global_layers: list[int] | None = None,
-    norm_eps: float = 1e-6,
-    attn_dropout: float = 0.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    """Gemma 3 with LoRA (DoRA with ``use_dora``, QLoRA with ``quantize_base``) adapters. The
-    output projection is the embedding matrix: LoRA cannot adapt it (no apply_lora_to_output)."""
-    return _decoder(**lora_decoder_args(locals()))
+# A Gemma 3 text decoder of the given shape (every parameter trainable), and with LoRA (DoRA with
+# ``use_dora``, QLoRA with ``quantize_base``) adapters. The output projection is the embedding
+# matrix: LoRA cannot adapt it (no apply_lora_to_output).
+gemma3, lora_gemma3 = builders(Gemma3Shape, _decoder, "gemma3", lora_output=False)
 
 
 # --- published sizes --------------------------------------------------------------------------

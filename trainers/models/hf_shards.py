@@ -1,5 +1,5 @@
 """Reading and writing a Hugging Face checkpoint's safetensors shards, for the checkpointers that
-convert a family torchtune 0.6.1 cannot (trainers/models/gemma3.py, trainers/models/mllama.py):
+convert a family torchtune 0.6.1 cannot (trainers/models/, a module per family):
 their own key conversion between these two steps, torchtune's file names and index around them."""
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ module and the text families never need it.
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -109,12 +111,15 @@ from tunepack.runtimes.mllama_config import (
     fusion_positions,
     mllama_builder_kwargs,
 )
+from tunepack.runtimes.shape import DecoderDims
 from tunepack.trainers.models import hf_shards
 from tunepack.trainers.models.decoder_parts import (
     attention_projections,
     gated_mlp,
     linear,
     save_nf4_in_model_dtype,
+    shape_keywords,
+    shape_parameters,
 )
 
 MODEL_TYPE = "MLLAMA"
@@ -579,51 +584,61 @@ def _model(
     )
 
 
-def mllama(
-    *,
-    vocab_size: int,
-    num_layers: int,
-    cross_attention_layers: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    patch_size: int,
-    tile_size: int,
-    vision_embed_dim: int,
-    vision_num_heads: int,
-    vision_intermediate_dim: int,
-    vision_num_layers: int,
-    vision_num_global_layers: int,
-    intermediate_layers: list[int],
-    max_num_tiles: int,
-    supported_aspect_ratios: list[list[int]],
-    rope_base: float = 500_000.0,
-    rope_scale_factor: float = 8.0,
-    rope_low_freq_factor: float = 1.0,
-    rope_high_freq_factor: float = 4.0,
-    rope_old_context_len: int = 8192,
-    norm_eps: float = 1e-5,
-    vision_norm_eps: float = 1e-5,
-    in_channels: int = 3,
-    attn_dropout: float = 0.0,
-    encoder_max_seq_len: int | None = None,
-    decoder_trainable: bool = False,
-    encoder_trainable: bool = True,
-    fusion_trainable: bool = True,
-) -> DeepFusionModel:
-    """Llama 3.2 Vision of the given shape (``mllama_builder_kwargs`` reads it from config.json).
+@dataclass(frozen=True, kw_only=True)
+class MllamaShape(DecoderDims):
+    """Llama 3.2 Vision's shape (``mllama_builder_kwargs`` reads it from config.json): what
+    ``mllama`` and ``lora_mllama`` take as keywords.
 
     ``num_layers`` and ``cross_attention_layers`` count as transformers does (cross-attention
-    layers included); ``intermediate_layers`` are ``intermediate_layers_indices``. The trainable
-    flags are torchtune's ``DeepFusionModel``'s (its Llama 3.2 Vision builders' defaults: the
-    text model frozen, the tower and the fusion parts trained). ``encoder_max_seq_len`` (the
-    cross-attention KV cache) defaults to one image's tokens.
+    layers included); ``intermediate_layers`` are ``intermediate_layers_indices``.
+    ``encoder_max_seq_len`` (the cross-attention KV cache) defaults to one image's tokens.
     """
-    args = dict(locals())
-    flags = {k: args.pop(k) for k in ("decoder_trainable", "encoder_trainable", "fusion_trainable")}
-    return _model(args, **flags)
+
+    cross_attention_layers: list[int]
+    patch_size: int
+    tile_size: int
+    vision_embed_dim: int
+    vision_num_heads: int
+    vision_intermediate_dim: int
+    vision_num_layers: int
+    vision_num_global_layers: int
+    intermediate_layers: list[int]
+    max_num_tiles: int
+    supported_aspect_ratios: list[list[int]]
+    rope_base: float = 500_000.0
+    rope_scale_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_old_context_len: int = 8192
+    norm_eps: float = 1e-5
+    vision_norm_eps: float = 1e-5
+    in_channels: int = 3
+    attn_dropout: float = 0.0
+    encoder_max_seq_len: int | None = None
+
+
+# torchtune's DeepFusionModel's flags, as its Llama 3.2 Vision builders default them: the text
+# model frozen, the tower and the fusion parts trained.
+_TRAINABLE = {"decoder_trainable": False, "encoder_trainable": True, "fusion_trainable": True}
+
+
+def mllama(**kwargs) -> DeepFusionModel:
+    """Llama 3.2 Vision of the given shape (``MllamaShape``'s fields, as keywords) and the
+    trainable flags of torchtune's ``DeepFusionModel`` (``decoder_trainable``,
+    ``encoder_trainable``, ``fusion_trainable``)."""
+    flags = {k: kwargs.pop(k, default) for k, default in _TRAINABLE.items()}
+    return _model(shape_keywords(MllamaShape(**kwargs)), **flags)
+
+
+mllama.__signature__ = inspect.Signature(
+    [
+        *shape_parameters(MllamaShape),
+        *(
+            inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+            for k, v in _TRAINABLE.items()
+        ),
+    ]
+)
 
 
 # The projector's adapter keys (``apply_lora_to_projection``): transformers' multi_modal_projector.
@@ -646,8 +661,11 @@ def lora_mllama(
     """Llama 3.2 Vision with LoRA (DoRA with ``use_dora``, QLoRA with ``quantize_base``) on the
     text model: ``lora_attn_modules`` of its self- and cross-attention, its MLPs with
     ``apply_lora_to_mlp``, its output with ``apply_lora_to_output``; and on the projector
-    (``multi_modal_projector``) with ``apply_lora_to_projection``. ``shape``: ``mllama``'s
-    arguments. No part is trainable but the adapters (the recipe's ``set_trainable_params``)."""
+    (``multi_modal_projector``) with ``apply_lora_to_projection``. ``shape``: ``MllamaShape``'s
+    fields. No part is trainable but the adapters (the recipe's ``set_trainable_params``)."""
+    for flag in _TRAINABLE:
+        shape.pop(flag, None)
+    shape = shape_keywords(MllamaShape(**shape))
     lora_args = {"rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout}
     decoder_lora = {
         "lora_attn_modules": tuple(lora_attn_modules),
@@ -662,8 +680,6 @@ def lora_mllama(
         width = shape["vision_embed_dim"] * (len(shape["intermediate_layers"]) + 1)
         cls = DoRALinear if use_dora else LoRALinear
         projection = cls(width, shape["embed_dim"], use_bias=True, **lora_args)
-    for flag in ("decoder_trainable", "encoder_trainable", "fusion_trainable"):
-        shape.pop(flag, None)
     return _model(
         shape,
         decoder_trainable=False,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -40,11 +41,12 @@ from torchtune.modules import (
 from torchtune.training import FullModelHFCheckpointer
 
 from tunepack.runtimes.catalog import QWEN3_CONTEXT, QWEN3_HEAD_DIM, QWEN3_SIZES, QWEN3_VOCAB
+from tunepack.runtimes.shape import DecoderDims
 from tunepack.trainers.models.decoder_parts import (
     attention_projections,
+    builders,
     gated_mlp,
     linear,
-    lora_decoder_args,
     project_qkv,
     save_nf4_in_model_dtype,
     sized,
@@ -155,50 +157,20 @@ def _decoder(
     return model
 
 
-def qwen3(
-    *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int | None = None,
-    rope_base: float = 1_000_000.0,
-    norm_eps: float = 1e-6,
-    tie_word_embeddings: bool = False,
-    attn_dropout: float = 0.0,
-) -> TransformerDecoder:
-    """A Qwen 3 dense decoder of the given shape (every parameter trainable)."""
-    return _decoder(**{k: v for k, v in locals().items()})
+@dataclass(frozen=True, kw_only=True)
+class Qwen3Shape(DecoderDims):
+    """A Qwen 3 dense decoder's shape: what ``qwen3`` and ``lora_qwen3`` take as keywords."""
+
+    head_dim: int | None = None
+    rope_base: float = 1_000_000.0
+    norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attn_dropout: float = 0.0
 
 
-def lora_qwen3(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int | None = None,
-    rope_base: float = 1_000_000.0,
-    norm_eps: float = 1e-6,
-    tie_word_embeddings: bool = False,
-    attn_dropout: float = 0.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    """Qwen 3 with LoRA (DoRA with ``use_dora``, QLoRA with ``quantize_base``) adapters."""
-    return _decoder(**lora_decoder_args(locals()))
+# A Qwen 3 dense decoder of the given shape (every parameter trainable), and with LoRA (DoRA with
+# ``use_dora``, QLoRA with ``quantize_base``) adapters.
+qwen3, lora_qwen3 = builders(Qwen3Shape, _decoder, "qwen3", lora_output=True)
 
 
 # --- published sizes --------------------------------------------------------------------------

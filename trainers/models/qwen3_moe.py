@@ -26,6 +26,8 @@ writes every key into the file it came from).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -33,10 +35,11 @@ from torchtune.modules import TransformerDecoder
 
 from tunepack.core.errors import ConflictError, UnsupportedError
 from tunepack.runtimes.catalog import QWEN3_MOE_SIZES, expert_lora_obstacle
-from tunepack.trainers.models.decoder_parts import lora_decoder_args, sized
+from tunepack.trainers.models.decoder_parts import builders, sized
 from tunepack.trainers.models.moe import MoEFeedForward
 from tunepack.trainers.models.qwen3 import (
     Qwen3HFCheckpointer,
+    Qwen3Shape,
     qwen2_conversion,
     qwen3_hf_to_tune,
     qwen3_tune_to_hf,
@@ -91,63 +94,24 @@ def _decoder(
     )
 
 
-def qwen3_moe(
-    *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int,
-    num_experts: int,
-    experts_per_token: int,
-    moe_intermediate_dim: int,
-    dense_layers=(),
-    norm_topk_prob: bool = True,
-    router_aux_loss_coef: float = 0.0,
-    rope_base: float = 1_000_000.0,
-    norm_eps: float = 1e-6,
-    tie_word_embeddings: bool = False,
-    attn_dropout: float = 0.0,
-) -> TransformerDecoder:
-    """A Qwen3-MoE decoder of the given shape (every parameter trainable)."""
-    return _decoder(**dict(locals()))
+@dataclass(frozen=True, kw_only=True)
+class Qwen3MoeShape(Qwen3Shape):
+    """A Qwen3-MoE decoder's shape: Qwen 3's (``head_dim`` given) and its experts'; what
+    ``qwen3_moe`` and ``lora_qwen3_moe`` take as keywords."""
+
+    head_dim: int = field()  # required here (a field() without default: not Qwen 3's None)
+    num_experts: int
+    experts_per_token: int
+    moe_intermediate_dim: int
+    dense_layers: Sequence[int] = ()
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
 
 
-def lora_qwen3_moe(
-    lora_attn_modules,
-    apply_lora_to_mlp: bool = False,
-    apply_lora_to_output: bool = False,
-    *,
-    vocab_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    embed_dim: int,
-    intermediate_dim: int,
-    max_seq_len: int,
-    head_dim: int,
-    num_experts: int,
-    experts_per_token: int,
-    moe_intermediate_dim: int,
-    dense_layers=(),
-    norm_topk_prob: bool = True,
-    router_aux_loss_coef: float = 0.0,
-    rope_base: float = 1_000_000.0,
-    norm_eps: float = 1e-6,
-    tie_word_embeddings: bool = False,
-    attn_dropout: float = 0.0,
-    lora_rank: int,
-    lora_alpha: float,
-    lora_dropout: float = 0.0,
-    use_dora: bool = False,
-    quantize_base: bool = False,
-) -> TransformerDecoder:
-    """Qwen3-MoE with LoRA (DoRA with ``use_dora``) on attention, and with
-    ``apply_lora_to_mlp`` on the dense MLPs and (LoRA only) the experts."""
-    return _decoder(**lora_decoder_args(locals()))
+# A Qwen3-MoE decoder of the given shape (every parameter trainable), and with LoRA (DoRA with
+# ``use_dora``) on attention, and with ``apply_lora_to_mlp`` on the dense MLPs and (LoRA only)
+# the experts.
+qwen3_moe, lora_qwen3_moe = builders(Qwen3MoeShape, _decoder, "qwen3_moe", lora_output=True)
 
 
 # --- published sizes --------------------------------------------------------------------------

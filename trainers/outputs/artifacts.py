@@ -28,9 +28,7 @@ from tunepack.runtimes import methods
 from tunepack.trainers.config import result_digest, result_identity
 from tunepack.trainers.models import moe
 from tunepack.trainers.outputs import checkpoint
-from tunepack.trainers.outputs.peft_export import export_adapter, export_mllama_adapter
-
-MLLAMA = "MLLAMA"  # trainers/models/mllama.py's checkpoint model type
+from tunepack.trainers.outputs.peft_export import export_adapter
 
 BEST_DIR = ".best"  # the weights of the best validation loss so far (keep_best=true)
 BEST_WEIGHTS = "weights.safetensors"
@@ -101,16 +99,13 @@ def write_adapter(state: State, cfg: DictConfig, method: methods.Method, directo
     adapter = {k: v.to(torch.float32) for k, v in get_adapter_state_dict(state).items()}
     # torchtune's own exporter assumes Llama's layout for every family (and leaves DoRA's
     # magnitude unpermuted); export_adapter follows each family's HF layout.
-    if cfg.checkpointer.model_type == MLLAMA:  # Llama 3.2 Vision: adapters on its text model
-        weights, targets = export_mllama_adapter(adapter, hf_config=hf_config(cfg))
-    else:
-        weights, targets = export_adapter(
-            adapter,
-            model_type=cfg.checkpointer.model_type,
-            hf_config=hf_config(cfg),
-            rank=m.lora_rank,
-            alpha=m.lora_alpha,
-        )
+    weights, targets = export_adapter(
+        adapter,
+        model_type=cfg.checkpointer.model_type,
+        hf_config=hf_config(cfg),
+        rank=m.lora_rank,
+        alpha=m.lora_alpha,
+    )
     weights = {k: v.contiguous() for k, v in weights.items()}
     save_file(weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
     # QLoRA's adapter is an ordinary LoRA adapter: it applies to the unquantized base too.
@@ -136,7 +131,7 @@ def write_merged(adapter_state: State, cfg: DictConfig, directory: Path) -> None
     """Fold the adapter into a fresh copy of the base read from disk, never the live model."""
     merged = config.instantiate(cfg.checkpointer).load_checkpoint()[training.MODEL_KEY]
     merged.update(get_adapter_state_dict(adapter_state))
-    moe.merge_expert_adapters(merged, cfg.model.lora_alpha / cfg.model.lora_rank)  # Qwen3-MoE
+    moe.merge_expert_adapters(merged, cfg.model.lora_alpha / cfg.model.lora_rank)  # experts
     merged = get_merged_lora_ckpt(merged, rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
     write_hf_model(merged, cfg, directory)
 

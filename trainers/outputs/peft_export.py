@@ -23,6 +23,7 @@ import re
 
 import torch
 
+from tunepack.runtimes.families import peft_layout
 from tunepack.trainers.models import moe
 
 # torchtune module path (inside a layer) -> HF module path, for unfused families.
@@ -41,9 +42,6 @@ _FUSED = {
     "mlp.gate_up_proj": ("mlp.w1", "mlp.w3"),
 }
 _PEFT_TENSOR = {"lora_a": "lora_A", "lora_b": "lora_B", "magnitude": "lora_magnitude_vector"}
-# torchtune ModelType values by how their HF checkpoints are converted.
-PERMUTED_QK = {"LLAMA2", "LLAMA3", "LLAMA3_2", "MISTRAL", "GEMMA", "GEMMA2", "CODE_LLAMA2"}
-FUSED = {"PHI3_MINI", "PHI4"}
 _KEY = re.compile(r"^layers\.(\d+)\.(.+)\.(lora_a|lora_b|magnitude)(?:\.weight)?$")
 
 
@@ -70,7 +68,12 @@ def export_adapter(
     rank: int,
     alpha: float,
 ) -> tuple[dict[str, torch.Tensor], dict]:
-    """Return PEFT weights and the extra config (target modules, rank/alpha patterns)."""
+    """Return PEFT weights and the extra config (target modules, rank/alpha patterns), in the
+    layout of ``model_type``'s families (their record's ``peft_layout``; Llama 3.2 Vision's is
+    ``export_mllama_adapter``'s)."""
+    layout = peft_layout(model_type)
+    if layout == "mllama":  # adapters on its text model and projector
+        return export_mllama_adapter(adapter, hf_config=hf_config)
     n_heads, n_kv = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // n_heads
     adapter = dict(adapter)
@@ -83,11 +86,11 @@ def export_adapter(
         layer, module, tensor = match.groups()
         # B and the DoRA magnitude are indexed by output row, so they follow the row order.
         qk = module in ("attn.q_proj", "attn.k_proj")
-        if model_type in PERMUTED_QK and qk and tensor != "lora_a":
+        if layout == "permuted_qk" and qk and tensor != "lora_a":
             value = _permute_rows(value, n_heads if module == "attn.q_proj" else n_kv, head_dim)
         parts.setdefault((layer, module), {})[tensor] = value
 
-    if model_type not in FUSED:
+    if layout != "fused":
         weights = {
             _hf_key(layer, _MODULES[module], tensor): value
             for (layer, module), tensors in parts.items()
