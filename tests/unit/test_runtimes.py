@@ -332,8 +332,13 @@ def test_list_runtimes():
 
 
 def test_load_unknown_runtime_lists_the_known_ones():
-    with pytest.raises(UnknownRuntimeError, match="tunepack-tiny-llama3"):
+    with pytest.raises(UnknownRuntimeError) as caught:
         load_runtime("tunepack-gpt-5")
+    known = ", ".join(entry.runtime_name for entry in catalog.CATALOG.values())
+    assert str(caught.value) == (
+        f"unknown runtime or model 'tunepack-gpt-5'; tunepack runtimes are: {known}"
+    )
+    assert caught.value.runtime == "tunepack-gpt-5"
 
 
 # --- strict validation --------------------------------------------------------------------------

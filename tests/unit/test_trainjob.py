@@ -115,8 +115,11 @@ def test_longest_allowed_name_is_accepted():
 def test_unknown_runtime_lists_the_runtimes():
     with pytest.raises(UnknownRuntimeError) as caught:
         _build(runtime="torchtune-llama3.2-1b")
-    assert "unknown runtime or model 'torchtune-llama3.2-1b'" in str(caught.value)
-    assert "tunepack-llama3.2-1b" in str(caught.value)
+    known = ", ".join(entry.runtime_name for entry in catalog.CATALOG.values())
+    assert str(caught.value) == (
+        f"unknown runtime or model 'torchtune-llama3.2-1b'; tunepack runtimes are: {known}"
+    )
+    assert "tunepack-llama3.2-1b" in known
 
 
 @pytest.mark.parametrize(
@@ -419,7 +422,9 @@ def test_bad_labels_and_queues_are_named(overrides, kind, message):
 
 
 def test_trainer_args_are_checked_against_the_vocabulary():
-    with pytest.raises(UnknownKeyError, match="lora_rnk"):
+    with pytest.raises(UnknownKeyError) as caught:
         _build(trainer_args=["method=lora", "lora_rnk=8"])
+    assert str(caught.value) == "unknown trainer argument 'lora_rnk'; did you mean 'lora_rank'?"
+    assert (caught.value.key, caught.value.suggestions) == ("lora_rnk", ("lora_rank",))
     with pytest.raises(UnknownKeyError):
         _build(trainer_args=["model._component_=os.system"])
