@@ -143,10 +143,11 @@ class ConflictError(BadInputError):
 class NotFoundError(BadInputError):
     """What the input names is not there: a file, URI, bucket, repository, job, step, split.
 
-    ``what``: the kind of thing missing (``path``, ``TrainJob``, ``step``, ``split``,
-    ``repository``, ``revision``, ``bucket``, ``objects``, ``file``, ``result``, ...); ``name``:
-    which one, as the message names it (a path, URI, job or step name); ``available``: what is
-    there instead where the message lists it (a job's steps, a dataset's splits), else ``()``.
+    ``what``: the kind of thing missing (``dataset``, ``model``, ``path``, ``TrainJob``,
+    ``step``, ``split``, ``repository``, ``revision``, ``bucket``, ``objects``, ``file``,
+    ``result``, ...); ``name``: which one, as the message names it (a path, URI, job or step
+    name); ``available``: what is there instead where the message lists it (a job's steps, a
+    dataset's splits), else ``()``.
     """
 
     FACTS = ("what", "name", "available")
