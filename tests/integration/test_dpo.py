@@ -29,7 +29,7 @@ from tests.helpers import (
     two_processes_env,
 )
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, ConflictError
 from tunepack.runtimes import catalog
 from tunepack.tiny.dataset import write_tiny_preference_dataset
 from tunepack.trainers.args import builder_for, parse_trainer_args
@@ -334,7 +334,7 @@ def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace
 
 
 def test_method_and_dataset_must_match(preference_workspace, initialized_workspace, tmp_path):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         setup_recipe(
             TINY,
             ["method=dpo"],
