@@ -21,7 +21,6 @@ from kubeflow.trainer import (
 from kubeflow.trainer import Initializer as KfInitializer
 
 from tunepack.core.errors import (
-    BadInputError,
     BadValueError,
     ConflictError,
     DoesNotFitError,
@@ -297,8 +296,17 @@ def test_hub_uris_pass_through_to_the_initializers():
 
 def test_planner_refuses_a_shape_that_cannot_fit_with_the_numbers():
     big = FineTune(method="full", max_seq_len=8192, batch_size=8)
-    with pytest.raises(BadInputError, match=r"not to fit in GPU memory:(.|\n)*peak +91\.89 GiB"):
+    with pytest.raises(DoesNotFitError) as err:
         _build(big)
+    assert str(err.value).splitlines()[:2] == [
+        "this fine-tune is estimated not to fit in GPU memory:",
+        "llama3.1-8b full, seq_len 8192, batch 8/device, 1 node(s) x 1 H100-80GB",
+    ]
+    assert "  peak           91.89 GiB in the backward: weights + gradients + optimizer + " in (
+        str(err.value)
+    )
+    facts = (round(err.value.need_gib, 2), round(err.value.have_gib, 1), err.value.gpu)
+    assert facts == (91.89, 77.2, "H100-80GB")
     job = _build(big, memory_check="warn")  # submitted anyway, with a warning
     assert job["spec"]["trainer"]["args"][:1] == ["method=full"]
 
