@@ -269,22 +269,50 @@ def test_plain_tokens_are_refused_and_secrets_go_by_reference():
         dataset=HuggingFaceDatasetInitializer(storage_uri="org/ds", access_token="hf_abc"),
         model=HuggingFaceModelInitializer(storage_uri="org/m"),
     )
-    with pytest.raises(UnsupportedError, match="access_token.*Create a Secret"):
+    with pytest.raises(UnsupportedError) as err:
         _build(FineTune(), init)
-    with pytest.raises(UnsupportedError, match="HF_TOKEN"):
+    assert str(err.value) == (
+        "HuggingFaceDatasetInitializer.access_token: tunepack does not put tokens into the "
+        "TrainJob, where anyone who can read TrainJobs would see them. Create a Secret (kubectl "
+        "create secret generic hf-token --from-literal=HF_TOKEN=<token>) and pass it by "
+        "reference: tunepack.Initializer(dataset=HuggingFaceDatasetInitializer(storage_uri=...) "
+        "without access_token, dataset_secret='hf-token'); on the local backend, export HF_TOKEN "
+        "instead"
+    )
+    with pytest.raises(UnsupportedError) as err:
         _build(FineTune(env={"HF_TOKEN": "hf_abc"}))
+    assert str(err.value) == (
+        "environment variable HF_TOKEN looks like a credential: tunepack does not put secrets "
+        "into the TrainJob in plain text. Store it in a Secret and pass dataset_secret="
+        "/model_secret= (initializers) instead"
+    )
 
 
 def test_custom_trainer_is_refused_on_tunepack_runtimes():
-    with pytest.raises(UnsupportedError, match="CustomTrainer"):
+    with pytest.raises(UnsupportedError) as err:
         _build(CustomTrainer(func=print))
+    assert str(err.value) == (
+        "CustomTrainer cannot run on a tunepack runtime, whose trainer is tunepack's fine-tuning "
+        "program: pass trainer=FineTune(...) (or BuiltinTrainer(config=TorchTuneConfig(...))), or "
+        "use a torch-distributed runtime for your own training function"
+    )
 
 
 def test_method_must_exist_for_the_model_and_missing_initializer_is_named():
-    with pytest.raises(BadValueError, match=r"Initializer\.model "):
+    with pytest.raises(BadValueError) as err:
         _build(FineTune(), Initializer(dataset="file:///d.jsonl"))
-    with pytest.raises(UnknownRuntimeError, match="'tunepack-nope'"):
+    assert str(err.value) == (
+        "Initializer.model is missing: tunepack runtimes need both a dataset and a model (e.g. "
+        "model='file:///abs/path' or 'hf://org/name')"
+    )
+    with pytest.raises(UnknownRuntimeError) as err:
         _build(FineTune(), runtime="tunepack-nope")
+    known = ", ".join(entry.runtime_name for entry in CATALOG.values())
+    assert (
+        str(err.value)
+        == f"unknown runtime or model 'tunepack-nope'; tunepack runtimes are: {known}"
+    )
+    assert err.value.runtime == "tunepack-nope"
 
 
 def test_hub_uris_pass_through_to_the_initializers():
