@@ -58,7 +58,9 @@ def collect(output: Path) -> tuple[list[LocalFile], dict]:
     except FileNotFoundError:
         raise NotFoundError(
             f"there is no finished result to export: {result_path} does not exist (the trainer "
-            "writes it when training completes); run the training first"
+            "writes it when training completes); run the training first",
+            what="result",
+            name=str(result_path),
         ) from None
     except (OSError, ValueError) as error:
         raise BadModelError(f"cannot read {result_path}: {error}") from None
@@ -73,7 +75,9 @@ def collect(output: Path) -> tuple[list[LocalFile], dict]:
         if not directory.is_dir():
             raise NotFoundError(
                 f"{result_path} names {name}/, but {directory} is not there; the result is "
-                "incomplete: run the training again"
+                "incomplete: run the training again",
+                what="directory",
+                name=str(directory),
             )
         for path in sorted(directory.rglob("*")):
             rel = path.relative_to(output)

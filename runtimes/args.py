@@ -81,6 +81,13 @@ def invalid_value_message(key: str, raw: str, expected: str) -> str:
     return f"{key}={raw!r} is not valid: expected {expected}"
 
 
+def invalid_value(key: str, raw: str, expected: str) -> BadValueError:
+    """The refusal of ``key=raw``, its facts (``name``, ``value``, ``expected``) set."""
+    return BadValueError(
+        invalid_value_message(key, raw, expected), name=key, value=raw, expected=expected
+    )
+
+
 def _int(lo: int, hi: int | None = None) -> Callable[[str, str], int]:
     bound = f"from {lo} to {hi}" if hi is not None else f">= {lo}"
     rule = Rule("int", f"an integer {bound}", lo, hi)
@@ -91,7 +98,7 @@ def _int(lo: int, hi: int | None = None) -> Callable[[str, str], int]:
         except ValueError:
             value = None
         if value is None or value < lo or (hi is not None and value > hi):
-            raise BadValueError(invalid_value_message(key, raw, rule.expected))
+            raise invalid_value(key, raw, rule.expected)
         return value
 
     return _ruled(parse, rule)
@@ -110,7 +117,7 @@ def _float(lo: float, hi: float | None = None, *, lo_open: bool = False) -> Call
         too_low = value is not None and (value <= lo if lo_open else value < lo)
         too_high = value is not None and hi is not None and value >= hi
         if value is None or value != value or too_low or too_high:
-            raise BadValueError(invalid_value_message(key, raw, rule.expected))
+            raise invalid_value(key, raw, rule.expected)
         return value
 
     return _ruled(parse, rule)
@@ -125,7 +132,7 @@ def _bool(key: str, raw: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise BadValueError(invalid_value_message(key, raw, _bool.rule.expected))
+    raise invalid_value(key, raw, _bool.rule.expected)
 
 
 _ruled(_bool, Rule("bool", "true or false", choices=_TRUE + _FALSE))
@@ -138,7 +145,7 @@ def _auto_bool(key: str, raw: str) -> str | bool:
     try:
         return _bool(key, raw)
     except BadInputError:
-        raise BadValueError(invalid_value_message(key, raw, _auto_bool.rule.expected)) from None
+        raise invalid_value(key, raw, _auto_bool.rule.expected) from None
 
 
 _ruled(_auto_bool, Rule("auto_bool", "auto, true or false", choices=("auto", *_TRUE, *_FALSE)))
@@ -155,7 +162,7 @@ def _auto_int(lo: int) -> Callable[[str, str], str | int]:
         try:
             return number(key, raw)
         except BadInputError:
-            raise BadValueError(invalid_value_message(key, raw, rule.expected)) from None
+            raise invalid_value(key, raw, rule.expected) from None
 
     return _ruled(parse, rule)
 
@@ -166,7 +173,7 @@ def _choice(choices: Iterable[str]) -> Callable[[str, str], str]:
 
     def parse(key: str, raw: str) -> str:
         if raw not in allowed:
-            raise BadValueError(invalid_value_message(key, raw, rule.expected))
+            raise invalid_value(key, raw, rule.expected)
         return raw
 
     return _ruled(parse, rule)
@@ -176,7 +183,7 @@ def _modules(key: str, raw: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in raw.split(",") if part.strip())
     bad = [n for n in names if n not in LORA_ATTN_MODULES]
     if not names or bad:
-        raise BadValueError(invalid_value_message(key, raw, _modules.rule.expected))
+        raise invalid_value(key, raw, _modules.rule.expected)
     return names
 
 
@@ -205,7 +212,7 @@ def _tracker_uri(key: str, raw: str) -> str:
         or not rest
         or any(c.isspace() for c in raw)
     ):
-        raise BadValueError(invalid_value_message(key, raw, _tracker_uri.rule.expected))
+        raise invalid_value(key, raw, _tracker_uri.rule.expected)
     if "@" in rest.split("/", 1)[0]:
         raise UnsupportedError(credentials_in_uri_message(key))
     return raw
@@ -232,7 +239,7 @@ NAME_MAX = 128
 
 def _name(key: str, raw: str) -> str:
     if not raw or len(raw) > NAME_MAX or not all(c.isalnum() or c in "-_." for c in raw):
-        raise BadValueError(invalid_value_message(key, raw, _name.rule.expected))
+        raise invalid_value(key, raw, _name.rule.expected)
     return raw
 
 
@@ -585,11 +592,11 @@ def split_pairs(args: Iterable[str]) -> dict[str, str]:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise BadValueError(malformed_message(item))
+            raise BadValueError(malformed_message(item), value=item, expected="key=value")
         if key not in _BY_NAME:
-            raise UnknownKeyError(_unknown_key_message(key))
+            raise _unknown_key(key)
         if key in pairs:
-            raise UnknownKeyError(given_twice_message(key))
+            raise UnknownKeyError(given_twice_message(key), key=key)
         pairs[key] = raw.strip()
     return pairs
 
@@ -647,6 +654,13 @@ def _unknown_key_message(key: str) -> str:
         name, value = meant
         return meant_key_message(key, name if value is None else f"{name}={value}")
     return unknown_key_message(key)
+
+
+def _unknown_key(key: str) -> UnknownKeyError:
+    """The refusal of an unknown key, with the key the message proposes instead (if any)."""
+    meant = None if is_config_override(key) else likely_meant(key)
+    suggestions = () if meant is None else (meant[0] if meant[1] is None else "=".join(meant),)
+    return UnknownKeyError(_unknown_key_message(key), key=key, suggestions=suggestions)
 
 
 def unavailable_method_message(entry: ModelEntry, method: str) -> str:

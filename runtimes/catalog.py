@@ -761,5 +761,5 @@ def get(name: str) -> ModelEntry:
     except KeyError:
         known = ", ".join(entry.runtime_name for entry in CATALOG.values())
         raise UnknownRuntimeError(
-            f"unknown runtime or model {name!r}; tunepack runtimes are: {known}"
+            f"unknown runtime or model {name!r}; tunepack runtimes are: {known}", runtime=name
         ) from None

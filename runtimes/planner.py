@@ -127,11 +127,17 @@ def gpu_type(gpu: object) -> str:
             return (exact or family)[0]
         if family:
             raise BadValueError(
-                f"gpu={gpu!r} is ambiguous: give its memory size, one of {', '.join(family)}"
+                f"gpu={gpu!r} is ambiguous: give its memory size, one of {', '.join(family)}",
+                name="gpu",
+                value=gpu,
+                expected=f"one of {', '.join(family)}",
             )
     raise BadValueError(
         f"gpu={gpu!r} is not known: expected one of {', '.join(GPUS)} (any case; the size may be "
-        "left out where only one exists, e.g. h100)"
+        "left out where only one exists, e.g. h100)",
+        name="gpu",
+        value=gpu,
+        expected=f"one of {', '.join(GPUS)}",
     )
 
 

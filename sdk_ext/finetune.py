@@ -322,13 +322,19 @@ def check_fields(
         bad_type = not isinstance(value, int) or isinstance(value, bool)
         if value is not None and (bad_type or value < 1):
             raise BadValueError(
-                f"{spelling.given(name, value)} is not valid: expected an integer >= 1"
+                f"{spelling.given(name, value)} is not valid: expected an integer >= 1",
+                name=name,
+                value=value,
+                expected="an integer >= 1",
             )
     resources = finetune.resources_per_node
     if resources is not None and not isinstance(resources, dict):
         raise BadValueError(
             f"{spelling.named('resources_per_node')} must be a dict such as {{'gpu': 1, "
-            f"'memory': '64Gi'}}, got {resources!r}"
+            f"'memory': '64Gi'}}, got {resources!r}",
+            name="resources_per_node",
+            value=resources,
+            expected="a dict",
         )
     env = finetune.env
     if env is not None and not (
@@ -365,10 +371,23 @@ def _refuse_unknown_names(init: typing.Callable[..., None]) -> typing.Callable[.
         names = [f.name for f in dataclasses.fields(self)]
         unknown = [key for key in values if key not in names]
         if unknown:
-            raise UnknownKeyError(_no_field_message(unknown[0], names))
+            raise UnknownKeyError(
+                _no_field_message(unknown[0], names),
+                key=unknown[0],
+                suggestions=_meant_fields(unknown[0], names),
+            )
         init(self, *args, **values)
 
     return __init__
+
+
+def _meant_fields(name: str, fields: list[str]) -> tuple[str, ...]:
+    """The fields ``name`` likely means: another tool's name for a trainer argument (with the
+    value it implies: ``method='qlora'``), else up to three close spellings."""
+    if meant := foreign_name(name):
+        key, value = meant
+        return (key if value is None else f"{key}={value!r}",)
+    return tuple(difflib.get_close_matches(name, fields, n=3, cutoff=0.6))
 
 
 def _no_field_message(name: str, fields: list[str]) -> str:
@@ -378,7 +397,7 @@ def _no_field_message(name: str, fields: list[str]) -> str:
         key, value = meant
         spelled = repr(key) if value is None else f"{key}={value!r}"
         return f"FineTune has no field {name!r}; did you mean {spelled}?"
-    close = difflib.get_close_matches(name, fields, n=3, cutoff=0.6)
+    close = _meant_fields(name, fields)
     hint = f"did you mean {', '.join(map(repr, close))}?" if close else "see help(FineTune)"
     return (
         f"FineTune has no field {name!r}: its fields are the trainer arguments of "
@@ -430,13 +449,19 @@ def _check_value(arg: Arg, value: object, raw: str) -> object:
     }.get(expected, lambda v: True)
     try:
         if not ok(value):
+            kind = _KIND.get(expected, expected.__name__)
             raise BadValueError(
-                f"{arg.name}={value!r} is not valid: expected "
-                f"{_KIND.get(expected, expected.__name__)} ({arg.help})"
+                f"{arg.name}={value!r} is not valid: expected {kind} ({arg.help})",
+                name=arg.name,
+                value=value,
+                expected=kind,
             )
         return arg.parse(arg.name, raw)
-    except BadInputError as err:  # the same narrow type, the field named first
-        raise type(err)(f"FineTune.{arg.name}: {err}") from None
+    except BadInputError as err:  # the same narrow type and facts, the field named first
+        facts = err.facts()
+        if facts.get("name") == arg.name:
+            facts["value"] = value  # the caller's value, not the key=value spelling of it
+        raise type(err)(f"FineTune.{arg.name}: {err}", **facts) from None
 
 
 # ---------------------------------------------------------------- the generated block

@@ -183,7 +183,13 @@ class Result:
     def load(self):
         """(model, tokenizer) with transformers + peft (local backend only), loaded once: later
         calls return the same objects. Other packages' progress bars and warnings are hidden
-        unless ``TUNEPACK_VERBOSE=1``."""
+        unless ``TUNEPACK_VERBOSE=1``.
+
+        Raises:
+            NotAvailableError: If the result is on a cluster's volume (copy it out first).
+            ImportError: If transformers (or peft, for adapters) is not installed.
+            OSError: If transformers cannot read the model's files there.
+        """
         if not self.local:
             raise NotAvailableError(
                 f"the result is on the cluster volume {self.path}; copy it out first "
@@ -226,7 +232,15 @@ class Result:
         an instruction dataset's Alpaca template (``input``: the row's input column) or a chat
         turn, in the model's own format (``prompt_ids``); a text-completion run continues
         ``prompt`` as it is. ``image`` (a path or a PIL image; a model that takes images, such
-        as Llama 3.2 Vision): the picture the question is about, placed before it in the turn."""
+        as Llama 3.2 Vision): the picture the question is about, placed before it in the turn.
+
+        Raises:
+            UnsupportedError: If ``image`` is given to a model that reads text only.
+            BadValueError: If ``image`` is a path that cannot be read as a picture.
+            NotAvailableError: If the result is on a cluster's volume (``load``).
+            ImportError: If transformers (or peft) is not installed (``load``).
+            OSError: If transformers cannot read the model's files there (``load``).
+        """
         import torch
 
         if image is not None and not self._takes_images():
@@ -266,7 +280,13 @@ class Result:
         dataset's schema (workspace ``dataset/`` manifest) in the run's chat format
         (``chat_template``, with its ``system_prompt``), up to the opening of the assistant's
         turn, as the model's Hugging Face chat template renders it with
-        ``add_generation_prompt=True``. None for a text-completion run (the prompt is the text)."""
+        ``add_generation_prompt=True``. None for a text-completion run (the prompt is the text).
+
+        Raises:
+            NotAvailableError: If the result is on a cluster's volume (copy it out first).
+            FileNotFoundError: If the workspace has no dataset manifest or ``result.json`` (not
+                a tunepack run's workspace, or one cleaned since).
+        """
         from tunepack.core.workspace import DATASET_DIR, MANIFEST_FILE, MODEL_DIR, result_file
 
         workspace = self._workspace()
@@ -352,7 +372,17 @@ class Result:
     def download(self, directory: str | Path, log=print) -> Path:
         """Fetch the exported result into ``directory`` (created; it appears only when complete
         and every file matches the export's manifest) and return its path: the artifact is
-        ``<directory>/adapter`` (LoRA methods) or ``<directory>/model`` (full)."""
+        ``<directory>/adapter`` (LoRA methods) or ``<directory>/model`` (full).
+
+        Raises:
+            NotAvailableError: If the job was not exported (``FineTune(export=...)``).
+            NotFoundError: If the export is not there whole: no manifest (it did not finish),
+                or a file it lists is missing (``.name``: the file).
+            BadModelError: If a file does not match the export's manifest, or the manifest is
+                not an export's.
+            DeniedError: If the storage refused the credentials (or there are none).
+            TransientError: If the storage could not be reached, after the retries.
+        """
         from tunepack.initializers.sinks import fetch_export
 
         if not self.export:

@@ -90,7 +90,12 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise DoesNotFitError("device=cuda was asked for, but no CUDA GPU is visible to PyTorch")
+        raise DoesNotFitError(
+            "device=cuda was asked for, but no CUDA GPU is visible to PyTorch",
+            gpu="cuda",
+            need_gpus=1,
+            have_gpus=0,
+        )
     return device
 
 
@@ -106,7 +111,9 @@ def read_dataset_manifest(dataset_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise NotFoundError(
-            f"no dataset manifest at {path}: the dataset-initializer step has not completed"
+            f"no dataset manifest at {path}: the dataset-initializer step has not completed",
+            what="dataset manifest",
+            name=str(path),
         ) from None
     schema = manifest.get("schema")
     if schema not in DATASET_BUILDERS and schema not in IMAGE_SCHEMAS:

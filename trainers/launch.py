@@ -85,7 +85,10 @@ def layout_from_env(device: str) -> Layout:
     if device == "cuda" and nproc > _gpu_count():
         raise DoesNotFitError(
             f"PET_NPROC_PER_NODE={raw_nproc} asks for {nproc} processes, one per GPU, but this "
-            f"node has {_gpu_count()} GPUs; set numProcPerNode to at most that (or auto)"
+            f"node has {_gpu_count()} GPUs; set numProcPerNode to at most that (or auto)",
+            gpu="cuda",
+            need_gpus=nproc,
+            have_gpus=_gpu_count(),
         )
     try:
         node_rank = int(env.get("PET_NODE_RANK") or "0")

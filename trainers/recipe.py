@@ -1068,7 +1068,8 @@ def run(cfg: DictConfig, extra: dict | None = None) -> dict:
         raise DoesNotFitError(
             f"out of memory on {recipe.device}{step}: lower batch_size or max_seq_len (raise "
             "grad_accum to keep the effective batch), or set activation_checkpointing=true and "
-            f"loss_chunk={planner.LOSS_EFFICIENT_ROWS} (less memory, slower steps); {err}"
+            f"loss_chunk={planner.LOSS_EFFICIENT_ROWS} (less memory, slower steps); {err}",
+            gpu=str(recipe.device),
         ) from None
     result = {}
     if recipe.topo.is_main:

@@ -155,7 +155,10 @@ def select(paths: list[str], split: str, source: str) -> list[str]:
         present = [DEFAULT_SPLIT]
     raise NotFoundError(
         f"dataset {source!r} has no {split!r} split; it has: {', '.join(present) or 'no data'}. "
-        f"Set {SPLIT_ENV} or ?split= to one of them"
+        f"Set {SPLIT_ENV} or ?split= to one of them",
+        what="split",
+        name=split,
+        available=present,
     )
 
 
@@ -177,5 +180,8 @@ def check_single_file(name: str, split: str, source: str) -> None:
         f"dataset {source!r} is a single file, which has no {split!r} split: a file is the "
         "train split unless its name says otherwise. Give the file of that split, or a "
         "directory with one file per split (train.jsonl, test.jsonl), and no split to train "
-        "on the whole file"
+        "on the whole file",
+        what="split",
+        name=split,
+        available=(DEFAULT_SPLIT,),
     )

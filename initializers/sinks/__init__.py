@@ -138,7 +138,9 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
         files = {rel: source_dir / rel for rel in manifest["files"]}
         for rel, path in files.items():
             if not path.is_file():
-                raise NotFoundError(f"{parsed.display!r} lists {rel}, which is missing there")
+                raise NotFoundError(
+                    f"{parsed.display!r} lists {rel}, which is missing there", what="file", name=rel
+                )
         known = {}
     else:
         cache = dest.with_name(f".{dest.name}.tunepack-download")
@@ -171,7 +173,9 @@ def fetch_export(raw: str, dest: Path, log: Log) -> dict:
             if listed is None:
                 raise NotFoundError(
                     f"{parsed.display!r} lists {rel} in its manifest, but the file is not "
-                    "there; export the result again"
+                    "there; export the result again",
+                    what="file",
+                    name=rel,
                 )
             wanted.append(dataclasses.replace(listed, sha256=record["sha256"]))
         fetched = download.fetch(source, wanted, cache, log)
@@ -206,7 +210,9 @@ def _check_manifest(manifest: dict | None, shown: str) -> None:
     if manifest is None:
         raise NotFoundError(
             f"{shown!r} holds no complete tunepack export (no {MANIFEST_FILE}): the export did "
-            "not finish, or it was never made; run the export again"
+            "not finish, or it was never made; run the export again",
+            what="export",
+            name=shown,
         )
     files = manifest.get("files")
     if manifest.get("kind") != MANIFEST_KIND or not isinstance(files, dict) or not files:

@@ -230,7 +230,9 @@ class Sink(RemoteCalls):
         if isinstance(error, RepositoryNotFoundError) or status == 404:
             return NotFoundError(
                 f"{self.what} was not found and could not be created with the token given; "
-                f"check the name in {self.display!r} and the token's permissions"
+                f"check the name in {self.display!r} and the token's permissions",
+                what="repository",
+                name=self.repo_id,
             )
         if status in _http.RETRYABLE_STATUS:
             return _http.status_problem(f"the hub answered HTTP {status}", error.response)

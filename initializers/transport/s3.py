@@ -151,7 +151,9 @@ def problem(
         create = "create it or " if writing else ""
         return NotFoundError(
             f"bucket {bucket!r} of {shown!r} does not exist; {create}check the bucket name "
-            f"and AWS_ENDPOINT_URL"
+            f"and AWS_ENDPOINT_URL",
+            what="bucket",
+            name=bucket,
         )
     if code in ("AccessDenied", "403", "AllAccessDisabled") or http == 403:
         if writing:
@@ -167,7 +169,9 @@ def problem(
     if code in ("NoSuchKey", "404", "NotFound") or http == 404:
         what = f"object {key!r}" if key else "it"
         return NoObjectsError(
-            f"S3 URI {shown!r} matches no objects ({what} not found); check the bucket and prefix"
+            f"S3 URI {shown!r} matches no objects ({what} not found); check the bucket and prefix",
+            what="objects",
+            name=shown,
         )
     if code in ("PreconditionFailed", "412") or http == 412:
         return TransientError(

@@ -212,7 +212,9 @@ def _parse_file_uri(raw: str) -> StorageUri:
         what = f"unknown option {unknown[0]!r}" if unknown else f"a query {parts.query!r}"
         raise UnknownKeyError(
             f"file URI {redact(raw)!r} has {what}; the only option is ?split=<name> for a "
-            "dataset directory (write a '?' in a file name as %3F)"
+            "dataset directory (write a '?' in a file name as %3F)",
+            key=unknown[0] if unknown else parts.query,
+            suggestions=("split",),
         )
     return StorageUri(raw=raw, scheme="file", location=_absolute(path), options=options)
 
@@ -231,7 +233,9 @@ def _local_path(uri: StorageUri) -> Path:
     if not path.exists():
         raise NotFoundError(
             f"storage URI {uri.display!r} points to {path}, which does not exist "
-            f"(file:// paths are read on the machine that runs the initializer)"
+            f"(file:// paths are read on the machine that runs the initializer)",
+            what="path",
+            name=str(path),
         )
     return path
 

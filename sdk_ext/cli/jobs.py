@@ -81,7 +81,11 @@ def cmd_logs(ns: argparse.Namespace) -> int:
     step = sdk_step(ns.step, steps)  # node: node-0 of a one-node job, as the console says
     if step not in steps:
         raise NotFoundError(
-            f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} (--step)"
+            f"TrainJob {ns.name} has no step {ns.step!r}; its steps are {', '.join(steps)} "
+            "(--step)",
+            what="step",
+            name=ns.step,
+            available=steps,
         )
     for line in client.get_job_logs(ns.name, follow=ns.follow, step=step):
         print(line)

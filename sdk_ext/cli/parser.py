@@ -123,17 +123,27 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         from tunepack.core.errors import BadValueError, UnknownKeyError
 
-        hint = _flag_for_an_argument(message)
+        pair = _pair_for_a_flag(message)
+        hint = (
+            f"trainer arguments are key=value pairs: write {pair}; see `tunepack args`"
+            if pair
+            else None
+        )
         # argparse tells an option it does not know only by its words; any other usage mistake
         # (a missing argument, an invalid choice or value) is a bad value.
         unknown = message.startswith("unrecognized arguments")
-        kind = UnknownKeyError if unknown else BadValueError
-        raise kind(f"{message} ({hint or f'see `{self.prog} --help`'})")
+        line = f"{message} ({hint or f'see `{self.prog} --help`'})"
+        if unknown:
+            given = message.removeprefix("unrecognized arguments:").split()
+            raise UnknownKeyError(
+                line, key=given[0] if given else None, suggestions=(pair,) if pair else ()
+            )
+        raise BadValueError(line)
 
 
-def _flag_for_an_argument(message: str) -> str | None:
+def _pair_for_a_flag(message: str) -> str | None:
     """A trainer argument written as a flag (``--learning-rate 1e-4``, ``--lr 1e-4``): the
-    ``key=value`` spelling it takes."""
+    ``key=value`` spelling it takes (``lr=VALUE``)."""
     if not message.startswith("unrecognized arguments: "):
         return None
     from tunepack.runtimes import args as vocabulary
@@ -148,10 +158,7 @@ def _flag_for_an_argument(message: str) -> str | None:
             key, value = meant
         else:
             continue
-        return (
-            f"trainer arguments are key=value pairs: write {key}={value or 'VALUE'}; "
-            "see `tunepack args`"
-        )
+        return f"{key}={value or 'VALUE'}"
     return None
 
 

@@ -7,6 +7,13 @@ This module holds the whole vocabulary, so a caller tells errors apart by type, 
 words: the kinds (``BadInputError``, ``TransientError``, ``NotAvailableError``) carry the exit
 code, and the narrow types under them say what went wrong. A narrow type is still its kind, so
 ``except BadInputError`` (or ``ValueError``) and the exit codes work as before.
+
+Where a caller would act on what went wrong, a narrow type carries the facts as attributes (as
+huggingface_hub's errors carry ``repo_id``): ``UnknownKeyError.key`` and ``.suggestions``,
+``NotFoundError.what`` and ``.name``, ``DoesNotFitError.need_gib`` and ``.have_gib``, ... A
+type's ``FACTS`` names them, ``facts()`` returns them; they are keyword-only, default ``None``
+(or ``()``) where the refusal has no such fact, and never change the message. An error pickles
+with them (``BaseException`` pickles the message and restores the attributes).
 """
 
 from __future__ import annotations
@@ -26,10 +33,15 @@ class TunepackError(Exception):
 
     exit_code = EXIT_BAD_INPUT
     cli_message: str | None = None
+    FACTS: tuple[str, ...] = ()  # the names of the attributes that carry the error's facts
 
     def __init__(self, *args, cli_message: str | None = None):
         super().__init__(*args)
         self.cli_message = cli_message
+
+    def facts(self) -> dict[str, object]:
+        """The error's facts by name (``FACTS``): what a copy with other words passes on."""
+        return {name: getattr(self, name) for name in self.FACTS}
 
 
 # The kinds, one per exit code and meaning.
@@ -61,15 +73,67 @@ class TransientError(TunepackError):
 
 
 class UnknownRuntimeError(BadInputError):
-    """A runtime, model or model family that tunepack does not know."""
+    """A runtime, model or model family that tunepack does not know.
+
+    ``runtime``: the name as given (a runtime, a model or a model family); ``suggestions``: the
+    known names the message proposes instead (``did you mean ...?``), the closest first; ``()``
+    where it proposes none.
+    """
+
+    FACTS = ("runtime", "suggestions")
+
+    def __init__(
+        self,
+        *args,
+        runtime: str | None = None,
+        suggestions: tuple[str, ...] = (),
+        cli_message: str | None = None,
+    ):
+        super().__init__(*args, cli_message=cli_message)
+        self.runtime, self.suggestions = runtime, tuple(suggestions)
 
 
 class UnknownKeyError(BadInputError):
-    """A key outside its vocabulary, or given twice: a trainer argument, FineTune field, option."""
+    """A key outside its vocabulary, or given twice: a trainer argument, FineTune field, option.
+
+    ``key``: the key as given (``epochz``, ``--bogus``); ``suggestions``: what the message
+    proposes instead, as it spells it (``epochs``, ``method=qlora``), the closest first; ``()``
+    where it proposes none (a key given twice, or none is close).
+    """
+
+    FACTS = ("key", "suggestions")
+
+    def __init__(
+        self,
+        *args,
+        key: object = None,
+        suggestions: tuple[str, ...] = (),
+        cli_message: str | None = None,
+    ):
+        super().__init__(*args, cli_message=cli_message)
+        self.key, self.suggestions = key, tuple(suggestions)
 
 
 class BadValueError(BadInputError):
-    """A value missing or of the wrong type, form or range: argument, option, URI, variable."""
+    """A value missing or of the wrong type, form or range: argument, option, URI, variable.
+
+    Where the refusal is about one named value (a trainer argument, a ``FineTune`` field, a
+    client setting): ``name`` (``lora_rank``), ``value`` (as given: ``'abc'``, ``0``) and
+    ``expected`` (the message's words: ``an integer >= 1``); ``None`` elsewhere.
+    """
+
+    FACTS = ("name", "value", "expected")
+
+    def __init__(
+        self,
+        *args,
+        name: str | None = None,
+        value: object = None,
+        expected: str | None = None,
+        cli_message: str | None = None,
+    ):
+        super().__init__(*args, cli_message=cli_message)
+        self.name, self.value, self.expected = name, value, expected
 
 
 class ConflictError(BadInputError):
@@ -77,7 +141,27 @@ class ConflictError(BadInputError):
 
 
 class NotFoundError(BadInputError):
-    """What the input names is not there: a file, URI, bucket, repository, job, step, split."""
+    """What the input names is not there: a file, URI, bucket, repository, job, step, split.
+
+    ``what``: the kind of thing missing (``dataset``, ``model``, ``path``, ``TrainJob``,
+    ``step``, ``split``, ``repository``, ``revision``, ``bucket``, ``objects``, ``file``,
+    ``result``, ...); ``name``: which one, as the message names it (a path, URI, job or step
+    name); ``available``: what is there instead where the message lists it (a job's steps, a
+    dataset's splits), else ``()``.
+    """
+
+    FACTS = ("what", "name", "available")
+
+    def __init__(
+        self,
+        *args,
+        what: str | None = None,
+        name: str | None = None,
+        available: tuple[str, ...] = (),
+        cli_message: str | None = None,
+    ):
+        super().__init__(*args, cli_message=cli_message)
+        self.what, self.name, self.available = what, name, tuple(available)
 
 
 class NoObjectsError(NotFoundError):
@@ -97,12 +181,37 @@ class BadModelError(BadInputError):
 
 
 class DoesNotFitError(BadInputError):
-    """The run needs more than the hardware has: GPU memory, GPUs, a CUDA device."""
+    """The run needs more than the hardware has: GPU memory, GPUs, a CUDA device.
+
+    ``need_gib`` and ``have_gib``: the memory per GPU the estimate needs and the GPU offers
+    (floats, GiB), for a refusal by an estimate (the planner's, the serving plan's); ``gpu``:
+    the GPU type (``H100-80GB``) or device (``cuda``); ``need_gpus`` and ``have_gpus``: GPUs
+    asked for and present, for a refusal by count. ``None`` where the refusal has no such figure
+    (an out-of-memory error during training).
+    """
+
+    FACTS = ("need_gib", "have_gib", "gpu", "need_gpus", "have_gpus")
+
+    def __init__(
+        self,
+        *args,
+        need_gib: float | None = None,
+        have_gib: float | None = None,
+        gpu: str | None = None,
+        need_gpus: int | None = None,
+        have_gpus: int | None = None,
+        cli_message: str | None = None,
+    ):
+        super().__init__(*args, cli_message=cli_message)
+        self.need_gib, self.have_gib, self.gpu = need_gib, have_gib, gpu
+        self.need_gpus, self.have_gpus = need_gpus, have_gpus
 
 
 class WorkspaceClaimedError(ConflictError):
     """The workspace holds another job's work, which this job would replace. ``workspace``,
     ``owner`` (the job whose work it holds) and ``job`` (the one refused) carry the facts."""
+
+    FACTS = ("workspace", "owner", "job")
 
     def __init__(
         self,

@@ -292,7 +292,9 @@ def _check_local_source(what: str, uri: str) -> None:
         where = "" if parsed.display == parsed.location else f" ({parsed.location})"
         raise NotFoundError(
             f"{what} {parsed.display!r} does not exist{where}; give an existing "
-            "file or directory on this machine, or an hf://, s3:// or https:// URI"
+            "file or directory on this machine, or an hf://, s3:// or https:// URI",
+            what=what,
+            name=parsed.display,
         )
 
 
@@ -321,9 +323,12 @@ def check_settings(gpu: object, memory_check: object) -> str:
     """The client's ``gpu`` and ``memory_check`` (``BadInputError`` naming the value); returns
     the planner's name for the GPU (``h100`` -> ``H100-80GB``)."""
     if memory_check not in MEMORY_CHECKS:
+        expected = f"one of {', '.join(map(repr, MEMORY_CHECKS))}"
         raise BadValueError(
-            f"memory_check={memory_check!r} is not valid: expected one of "
-            f"{', '.join(map(repr, MEMORY_CHECKS))}"
+            f"memory_check={memory_check!r} is not valid: expected {expected}",
+            name="memory_check",
+            value=memory_check,
+            expected=expected,
         )
     return planner.gpu_type(gpu)
 
@@ -366,6 +371,8 @@ def check_memory(
         "submit anyway (see docs/planner.md)."
     )
     if mode == "refuse":
-        raise DoesNotFitError(message)
+        raise DoesNotFitError(
+            message, need_gib=estimate.peak_gib, have_gib=estimate.capacity_gib, gpu=estimate.gpu
+        )
     logger.warning(message)
     return estimate

@@ -79,7 +79,9 @@ class OptimizerBackend(abc.ABC):
             raise NotFoundError(
                 f"optimization {name!r} has no finished trial yet ({job.status}"
                 + (f": {job.message}" if job.message else "")
-                + ")"
+                + ")",
+                what="finished trial",
+                name=name,
             )
         return job.best_trial
 
@@ -96,7 +98,10 @@ class OptimizerBackend(abc.ABC):
         if trial_name not in names:
             raise NotFoundError(
                 f"optimization {name!r} has no trial {trial_name!r}; its trials are "
-                f"{', '.join(names) or 'none yet'}"
+                f"{', '.join(names) or 'none yet'}",
+                what="trial",
+                name=trial_name,
+                available=names,
             )
         return self.trial_logs(trial_name, follow)
 

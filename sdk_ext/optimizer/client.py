@@ -50,7 +50,9 @@ class OptimizerClient(_SdkOptimizerClient):
             ``TrainingClient``'s (the local backend's config has its own).
 
     Raises:
-        BadValueError: a backend config of another kind.
+        BadValueError: If the backend config is of another kind, or ``gpu`` or
+            ``memory_check`` is not one the planner knows (a cluster).
+        NotAvailableError: If Optuna, which runs the local trials, is not installed.
     """
 
     def __init__(
@@ -101,9 +103,24 @@ class OptimizerClient(_SdkOptimizerClient):
             The OptimizationJob's name.
 
         Raises:
-            BadInputError: a key, value, metric or algorithm refused (one line, before anything
-                is created); it is also a ``ValueError``, as the SDK raises.
-            WorkspaceBusyError: the same search is running.
+            UnknownKeyError: If a ``search_space`` key is not a trainer argument (``.key``,
+                ``.suggestions``).
+            UnknownRuntimeError: If the local backend has no such runtime.
+            BadValueError: If a value, metric, count or algorithm setting is refused.
+            ConflictError: If settings disagree (a grid search over a range, early stopping
+                of a template that evaluates only at its end), or the cluster's namespace would
+                report no metric of the trials.
+            UnsupportedError: If an argument is not searched, no trial would report the
+                objective's metric, or the algorithm or early stopping is not one tunepack runs.
+            DoesNotFitError: If the planner says a trial cannot fit in GPU memory.
+            NotAvailableError: If the cluster has no Katib, or ``early_stopping`` is asked of a
+                cluster.
+            WorkspaceBusyError: If the same search is running.
+            RuntimeError: If the runtime is not installed, or the OptimizationJob could not be
+                created (a cluster).
+
+        All of these but the last are refused, in one line, before anything is created; the
+        bad-input ones are ``BadInputError``, also a ``ValueError``, as the SDK raises.
         """
         return self.backend.optimize(
             trial_template,
@@ -115,14 +132,19 @@ class OptimizerClient(_SdkOptimizerClient):
         )
 
     def list_jobs(self) -> list[OptimizationJob]:
-        """The OptimizationJobs of this backend, oldest first."""
+        """The OptimizationJobs of this backend, oldest first.
+
+        Raises:
+            RuntimeError: If the listing failed (a cluster).
+        """
         return self.backend.list_jobs()
 
     def get_job(self, name: str) -> OptimizationJob:
         """The OptimizationJob ``name`` with its trials.
 
         Raises:
-            NotFoundError: no such job.
+            NotFoundError: If there is no such job (``.name``).
+            RuntimeError: If getting it or its trials failed (a cluster).
         """
         return self.backend.get_job(name)
 
@@ -132,7 +154,8 @@ class OptimizerClient(_SdkOptimizerClient):
         """A trial's trainer log (default: the best trial's, else the first's).
 
         Raises:
-            NotFoundError: no such job or trial.
+            NotFoundError: If there is no such job, or no trial ``trial_name`` (``.available``:
+                its trials).
         """
         return self.backend.get_job_logs(name, trial_name=trial_name, follow=follow)
 
@@ -140,7 +163,7 @@ class OptimizerClient(_SdkOptimizerClient):
         """The best finished trial's parameters and metrics (None while there is none).
 
         Raises:
-            NotFoundError: no such job.
+            NotFoundError: If there is no such job.
         """
         return self.backend.get_best_results(name)
 
@@ -156,8 +179,10 @@ class OptimizerClient(_SdkOptimizerClient):
         """As the SDK's; ``progress=True`` also shows a bar of the finished trials.
 
         Raises:
-            RuntimeError: the job ended Failed or Stopped instead.
-            TimeoutError: ``timeout`` passed first.
+            ValueError: If ``status`` is not a subset of the job's statuses.
+            NotFoundError: If there is no such job.
+            RuntimeError: If the job ended Failed or Stopped instead.
+            TimeoutError: If ``timeout`` passed first.
         """
         callbacks = list(callbacks or [])
         bar = _TrialsBar(name) if progress else None
@@ -175,12 +200,18 @@ class OptimizerClient(_SdkOptimizerClient):
         """Stop the job, delete its trials' TrainJobs and its record.
 
         Raises:
-            NotFoundError: no such job.
+            NotFoundError: If there is no such job.
+            RuntimeError: If the deletion failed (a cluster).
         """
         return self.backend.delete_job(name)
 
     def get_job_events(self, name: str) -> list[Event]:
-        """The trials' steps' starts and ends, in time order."""
+        """The trials' steps' starts and ends, in time order.
+
+        Raises:
+            NotFoundError: If there is no such job.
+            RuntimeError: If the events could not be read (a cluster).
+        """
         return self.backend.get_job_events(name)
 
     def result(self, name: str, trial_name: str | None = None):
@@ -188,13 +219,21 @@ class OptimizerClient(_SdkOptimizerClient):
         gives any job's (``tunepack.types.Result``: ``path``, ``generate()``, ...).
 
         Raises:
-            NotFoundError: no such job, or no finished trial yet.
+            NotFoundError: If there is no such job, no trial ``trial_name``, or no finished
+                trial yet.
+            ValueError: If the trial's TrainJob is not Complete, saying why.
         """
         return self.backend.result(name, trial_name)
 
     def plot(self, name: str):
         """The objective of each finished trial against its number, with the best so far
-        (matplotlib)."""
+        (matplotlib).
+
+        Raises:
+            NotFoundError: If there is no such job.
+            ValueError: If no trial has finished yet.
+            ImportError: If matplotlib is not installed.
+        """
         job = self.get_job(name)
         done = [t for t in job.trials if t.objective is not None]
         if not done:

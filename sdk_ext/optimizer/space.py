@@ -191,6 +191,7 @@ def check_key(name: object, spelling: Spelling = SDK) -> str:
     if not isinstance(name, str) or name not in _BY_NAME:
         meant = foreign_name(name) if isinstance(name, str) else None
         if meant is not None:
+            close = [meant[0]]
             hint = f"tunepack calls it {meant[0]!r}"
         else:
             close = difflib.get_close_matches(str(name), SEARCHABLE, n=3, cutoff=0.6)
@@ -199,7 +200,9 @@ def check_key(name: object, spelling: Spelling = SDK) -> str:
                 if close
                 else "see `tunepack args` for the vocabulary"
             )
-        raise UnknownKeyError(f"{shown}: {name!r} is not a trainer argument; {hint}")
+        raise UnknownKeyError(
+            f"{shown}: {name!r} is not a trainer argument; {hint}", key=name, suggestions=close
+        )
     if name not in SEARCHABLE:
         raise UnsupportedError(
             f"{shown}: {name} is not searched (it does not change what a trial learns, or every "

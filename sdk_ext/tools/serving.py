@@ -101,7 +101,9 @@ def run_of_result(path: Path, flag: str) -> FinishedRun:
     if found is None:
         raise NotFoundError(
             f"{flag} {path}: no {RESULT_FILE} there; give a finished run's {RESULT_FILE}, or "
-            f"the workspace whose {OUTPUT_DIR}/{RESULT_FILE} the trainer wrote when it finished"
+            f"the workspace whose {OUTPUT_DIR}/{RESULT_FILE} the trainer wrote when it finished",
+            what="result",
+            name=str(path),
         )
     try:
         record = json.loads(found.read_text())

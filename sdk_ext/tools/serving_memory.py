@@ -160,7 +160,10 @@ def choose(
         raise DoesNotFitError(
             f"--gpus {gpus}: {entry.name} needs {chosen.total:.1f} GiB per GPU on {gpus} x "
             f"{gpu} ({chosen.breakdown()}), more than the {chosen.capacity:.1f} GiB vLLM uses "
-            f"of each; {instead}"
+            f"of each; {instead}",
+            need_gib=chosen.total,
+            have_gib=chosen.capacity,
+            gpu=gpu,
         )
     tried = None
     for size in TENSOR_PARALLEL:
@@ -177,7 +180,10 @@ def choose(
         f"{entry.name} does not fit on {tried.gpus} x {gpu} at --max-model-len {context} with "
         f"--concurrency {concurrency}: it needs {tried.total:.1f} GiB per GPU "
         f"({tried.breakdown()}), more than the {tried.capacity:.1f} GiB vLLM uses of each; "
-        "serve on a larger --gpu, or with a shorter --max-model-len or a lower --concurrency"
+        "serve on a larger --gpu, or with a shorter --max-model-len or a lower --concurrency",
+        need_gib=tried.total,
+        have_gib=tried.capacity,
+        gpu=gpu,
     )
 
 

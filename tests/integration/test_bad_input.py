@@ -15,7 +15,6 @@ Counts (the other files that test bad input) are in docs/sdk.md, "Bad input".
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -34,7 +33,15 @@ from kubeflow.trainer.options import Name
 
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
 from tunepack.cli import main
-from tunepack.core.errors import BadInputError, UnknownRuntimeError
+from tunepack.core.errors import (
+    BadValueError,
+    ConflictError,
+    DoesNotFitError,
+    NotFoundError,
+    UnknownKeyError,
+    UnknownRuntimeError,
+    UnsupportedError,
+)
 
 EXIT_BAD_INPUT = 65
 RUNTIME = "tunepack-tiny-llama3"
@@ -296,7 +303,7 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
     )
 
     client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(DoesNotFitError) as refused:
         client.train(
             runtime=BIG,
             initializer=Initializer(dataset=data, model=model),
@@ -314,12 +321,17 @@ def test_a_plan_that_does_not_fit_is_refused_alike_by_cli_and_python(capsys, job
     # On a smaller GPU type both refuse too, and say which (spelled as users do: l4, L4-24gb).
     assert_error(capsys, [*argv, "--gpu", "l4"], "1 node(s) x 1 L4-24GB")
     small = TrainingClient(LocalBackendConfig(root_dir=str(jobs), gpu="L4-24gb"))
-    with pytest.raises(BadInputError, match=re.escape("1 node(s) x 1 L4-24GB")):
+    with pytest.raises(DoesNotFitError) as refused:
         small.train(
             runtime=BIG,
             initializer=Initializer(dataset=data, model=model),
             trainer=FineTune(method="full", batch_size=64, max_seq_len=8192),
         )
+    assert str(refused.value).splitlines()[1] == (
+        "llama3.1-8b full, seq_len 8192, batch 64/device, 1 node(s) x 1 L4-24GB"
+    )
+    assert (refused.value.gpu, refused.value.have_gib) == ("L4-24GB", 20.0)
+    assert refused.value.need_gib > refused.value.have_gib
 
 
 def test_memory_check_warn_lets_the_run_go_on_both_paths(capsys, jobs, tiny_dataset_file):
@@ -357,7 +369,7 @@ def test_a_local_source_that_does_not_exist_is_refused_at_submission(
         + "; give an existing file or directory on this machine, or an hf://, s3:// or https:// URI\n"
     )
     client = TrainingClient(LocalBackendConfig(root_dir=str(jobs)))
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(NotFoundError) as refused:
         client.train(
             runtime=RUNTIME,
             initializer=Initializer(dataset=sources["dataset"], model=sources["model"]),
@@ -755,7 +767,7 @@ def test_python_exception_names_the_offending_rows(failed_job):
 
 def test_python_logs_of_a_step_the_job_does_not_have(failed_job):
     client, name, _ = failed_job
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(NotFoundError) as err:
         list(client.get_job_logs(name, step="node-3"))
     assert str(err.value) == (
         f"local TrainJob {name!r} has no step 'node-3'; its steps are dataset-initializer, "
@@ -784,18 +796,30 @@ FINETUNE = [
 ]  # fmt: skip
 
 
+# The narrow type each mistake above raises (tunepack.core.errors): what a caller catches.
+FINETUNE_KINDS = {name: BadValueError for name, *_ in FINETUNE} | {
+    "unknown-field": UnknownKeyError,
+    "full-lora": ConflictError,
+    "full-merge": ConflictError,
+}
+
+
 @pytest.mark.parametrize(
-    ("fields", "first", "second"), [r[1:] for r in FINETUNE], ids=[r[0] for r in FINETUNE]
+    ("name", "fields", "first", "second"), FINETUNE, ids=[r[0] for r in FINETUNE]
 )
-def test_finetune_fields(fields, first, second):
-    with pytest.raises(BadInputError) as err:
+def test_finetune_fields(name, fields, first, second):
+    with pytest.raises(FINETUNE_KINDS[name]) as err:
         FineTune(**fields)
+    assert type(err.value) is FINETUNE_KINDS[name]
     assert first in str(err.value) and second in str(err.value), str(err.value)
 
 
 def test_finetune_from_args_wants_a_list():
-    with pytest.raises(BadInputError, match=r"a list of 'key=value' strings, got 'epochs=2'"):
+    with pytest.raises(BadValueError) as err:
         FineTune.from_args("epochs=2")
+    assert (
+        str(err.value) == "trainer arguments must be a list of 'key=value' strings, got 'epochs=2'"
+    )
 
 
 @pytest.fixture
@@ -831,12 +855,30 @@ TRAIN_CALLS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "fragment"), [r[1:] for r in TRAIN_CALLS], ids=[r[0] for r in TRAIN_CALLS]
+UNSUPPORTED = (
+    "data-cache",
+    "hf-token",
+    "s3-keys",
+    "secret-local",
+    "env-credential",
+    "custom-trainer",
+    "lora-output",
+    "options-local",
 )
-def test_client_train(client, kwargs, fragment):
-    with pytest.raises(BadInputError) as err:
+TRAIN_KINDS = (
+    {name: BadValueError for name, *_ in TRAIN_CALLS}
+    | dict.fromkeys(UNSUPPORTED, UnsupportedError)
+    | {"runtime-unknown": UnknownRuntimeError, "qlora-dora": ConflictError}
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "fragment"), TRAIN_CALLS, ids=[r[0] for r in TRAIN_CALLS]
+)
+def test_client_train(client, name, kwargs, fragment):
+    with pytest.raises(TRAIN_KINDS[name]) as err:
         client.train(**kwargs)
+    assert type(err.value) is TRAIN_KINDS[name]
     assert fragment in str(err.value), str(err.value)
     assert client.list_jobs() == []  # nothing recorded
 
@@ -851,7 +893,7 @@ def test_client_train(client, kwargs, fragment):
 )
 def test_client_settings(tmp_path, config, fragment):
     client = TrainingClient(LocalBackendConfig(root_dir=str(tmp_path / "jobs"), **config))
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         client.train(runtime=RUNTIME, initializer=_init())
     assert fragment in str(err.value)
     assert client.list_jobs() == []
@@ -862,7 +904,7 @@ def test_client_settings(tmp_path, config, fragment):
     ["get_job", "get_job_logs", "delete_job", "result", "wait_for_job_status", "get_job_events"],
 )
 def test_client_methods_on_a_job_that_is_not_there(client, call):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(NotFoundError) as err:
         result = getattr(client, call)("nope")
         list(result) if call == "get_job_logs" else None
     assert str(err.value) == (
@@ -872,10 +914,16 @@ def test_client_methods_on_a_job_that_is_not_there(client, call):
 
 
 def test_client_get_runtime_of_an_unknown_name(client):
-    with pytest.raises(
-        UnknownRuntimeError, match=re.escape("did you mean 'tunepack-tiny-llama3'?")
-    ):
+    with pytest.raises(UnknownRuntimeError) as err:
         client.get_runtime("tunepack-tiny-lama3")
+    assert str(err.value) == (
+        "unknown runtime or model 'tunepack-tiny-lama3': tunepack has no model of that name; "
+        "did you mean 'tunepack-tiny-llama3'?"
+    )
+    assert (err.value.runtime, err.value.suggestions) == (
+        "tunepack-tiny-lama3",
+        ("tunepack-tiny-llama3",),
+    )
 
 
 def test_client_wait_for_a_status_that_does_not_exist(client):

@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers import run_program, setup_recipe
 from tunepack import tiny
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError, BadValueError
 from tunepack.runtimes import catalog, custom
 
 STEPS = 10
@@ -296,7 +296,7 @@ def test_a_config_is_read_into_the_builders_shape():
 )  # fmt: skip
 def test_what_the_builders_cannot_reproduce_is_refused_with_field_and_value(arch, change, message):
     config = _llama_config() | change
-    with pytest.raises(BadInputError) as raised:
+    with pytest.raises(BadModelError) as raised:
         custom.read_config(arch, config, "model at 'x'")
     text = str(raised.value)
     assert message in text and "\n" not in text
@@ -306,8 +306,12 @@ def test_what_the_builders_cannot_reproduce_is_refused_with_field_and_value(arch
 def test_missing_field_is_named():
     config = _llama_config()
     del config["num_hidden_layers"]
-    with pytest.raises(BadInputError, match="config.json has no num_hidden_layers"):
+    with pytest.raises(BadModelError) as err:
         custom.read_config("llama", config, "here")
+    assert str(err.value) == (
+        "here: config.json has no num_hidden_layers; expected a positive integer (give the "
+        "checkpoint's original config.json)"
+    )
 
 
 def _initialize(source: Path, root: Path, model: str = "llama-custom"):
@@ -437,8 +441,13 @@ def test_planner_sizes_a_custom_runtime_from_the_checkpoints_config(llama_checkp
     assert sized.parameters == resolved.parameter_count
     # 3 layers of width 80 and a 400-token vocabulary, as config.json says.
     assert sized.parameters == resolved.shape.parameter_count() and resolved.shape.num_layers == 3
-    with pytest.raises(BadInputError, match="tunepack-llama-custom is sized from its checkpoint"):
+    with pytest.raises(BadValueError) as err:
         planner.plan("tunepack-llama-custom", "lora", 512, 2)
+    assert str(err.value) == (
+        "tunepack-llama-custom is sized from its checkpoint's config.json: give the "
+        "checkpoint's local directory (tunepack plan --model-dir DIR; plan(..., "
+        "model_dir=DIR)); without it the trainer checks the shape when it starts"
+    )
 
 
 def test_plan_command_reads_the_model_dir(llama_checkpoint):

@@ -29,7 +29,7 @@ from tests.helpers import (
     two_processes_env,
 )
 from tests.integration.test_dataset_schemas import jsonl, output, run_dataset
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadValueError, ConflictError
 from tunepack.runtimes import catalog, methods
 from tunepack.runtimes.args import builder_for, parse_trainer_args
 from tunepack.tiny.dataset import write_tiny_preference_dataset
@@ -255,24 +255,28 @@ def test_dpo_arguments_and_their_errors():
     assert parse_trainer_args(["method=dpo"], TINY).lr == 5e-5
     assert parse_trainer_args(["method=dpo", "lr=1e-3"], TINY).lr == 1e-3
     assert parse_trainer_args(["method=lora"], TINY).lr == TINY.defaults["lr"] == 3e-3
-    for argv, message in (
+    for argv, kind, message in (
         (
             ["beta=0.3"],
+            ConflictError,
             "beta=0.3: only method=dpo, orpo, kto, grpo or grpo_full uses beta, but method=lora",
         ),
-        (["method=dpo", "beta=0"], "beta='0' is not valid: expected a number > 0.0"),
+        (["method=dpo", "beta=0"], BadValueError, "beta='0' is not valid: expected a number > 0.0"),
         (
             ["method=dpo", "dpo_loss=kto"],
+            BadValueError,
             "dpo_loss='kto' is not valid: expected one of sigmoid, ipo, hinge",
         ),
         (
             ["method=dpo", "packed=true"],
+            ConflictError,
             "packed=true is not available with method=dpo: each preference pair is its own "
             "sequence; set packed=false",
         ),
     ):
-        with pytest.raises(BadInputError) as err:
+        with pytest.raises(kind) as err:
             parse_trainer_args(argv, TINY)
+        assert type(err.value) is kind
         assert str(err.value) == message
 
 
@@ -334,7 +338,7 @@ def test_dpo_grows_the_margin_and_the_adapter_loads_in_peft(preference_workspace
 
 
 def test_method_and_dataset_must_match(preference_workspace, initialized_workspace, tmp_path):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         setup_recipe(
             TINY,
             ["method=dpo"],

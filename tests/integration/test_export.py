@@ -24,7 +24,12 @@ from pathlib import Path
 import pytest
 
 from tests.fakehub import FakeHub
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import (
+    EXIT_BAD_INPUT,
+    BadValueError,
+    ConflictError,
+    NotFoundError,
+)
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers.sinks import fetch_export
 from tunepack.runtimes.contract import containers, replicated_jobs
@@ -179,7 +184,7 @@ def test_fetching_an_incomplete_export_is_refused(tmp_path):
     partial = tmp_path / "half"
     (partial / "adapter").mkdir(parents=True)
     (partial / "adapter" / "adapter_config.json").write_text("{}")
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(NotFoundError) as err:
         fetch_export(str(partial), tmp_path / "got", print)
     assert str(err.value) == (
         f"'{partial}' holds no complete tunepack export (no tunepack-manifest.json): the "
@@ -377,7 +382,7 @@ def test_s3_kill_9_mid_upload_then_rerun_finishes_without_resending(s3, trained,
     assert keys(s3, "runs/kill") == ["adapter/adapter_config.json"]
     uploads = s3["client"].list_multipart_uploads(Bucket="results", Prefix="runs/kill/")
     assert len(uploads["Uploads"]) == 1
-    with s3_environ(s3), pytest.raises(BadInputError) as err:
+    with s3_environ(s3), pytest.raises(NotFoundError) as err:
         fetch_export("s3://results/runs/kill", tmp_path / "early", print)
     assert "holds no complete tunepack export (no tunepack-manifest.json)" in str(err.value)
     assert not (tmp_path / "early").exists()
@@ -420,7 +425,7 @@ def test_s3_wrong_credentials_exit_65_in_one_line_and_nothing_visible(s3, traine
     assert done.returncode == EXIT_BAD_INPUT
     assert "(InvalidAccessKeyId)" in error_of(done)
     assert keys(s3, "runs/denied") == []
-    with s3_environ(s3), pytest.raises(BadInputError) as err:
+    with s3_environ(s3), pytest.raises(NotFoundError) as err:
         fetch_export("s3://results/runs/denied", tmp_path / "got", print)
     assert str(err.value) == (
         "'s3://results/runs/denied' holds no complete tunepack export (no "
@@ -646,13 +651,13 @@ def test_sdk_local_run_exports_to_the_hub_and_downloads(
 def test_finetune_export_values_are_checked_in_the_notebook():
     from tunepack import FineTune
 
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         FineTune(export="ftp://host/x")
     assert str(err.value) == (
         "FineTune.export: cannot export to 'ftp://host/x': expected s3://bucket/prefix, "
         "hf://org/name, file:///absolute/path or a path (https:// is read-only)"
     )
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         FineTune(export_secret="creds")
     assert "export_secret names the exporter's credentials, but export is not set" in str(err.value)
 
@@ -695,7 +700,7 @@ def test_the_trainjob_carries_the_export_in_a_runtime_patch():
     assert export_of(job) == "hf://acme/lora"
     assert export_of(build("exp-2", "tiny-llama3", "/d.jsonl", "/m", [])) is None
 
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         build("exp-3", "tiny-llama3", "/d.jsonl", "/m", [], export_uri="out/run")
     assert str(err.value) == (
         "export path 'out/run' is relative: on a cluster the exporter writes it inside its Pod, "

@@ -19,7 +19,7 @@ import jedi
 import pytest
 
 from tunepack import finetune
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, UnknownKeyError
 from tunepack.finetune import FineTune
 from tunepack.runtimes.args import VOCABULARY
 from tunepack.runtimes.args_docs import replace_block
@@ -101,16 +101,19 @@ def test_every_field_defaults_to_none_and_is_frozen():
     ],
 )
 def test_names_from_other_tools_are_answered_with_the_field(values, message):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(UnknownKeyError) as err:
         FineTune(**values)
     assert str(err.value) == message
 
 
 def test_an_unknown_name_is_refused_before_any_value_is_checked():
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(UnknownKeyError) as err:
         FineTune(lora_rnk=8, epochs=0)
     assert str(err.value).startswith("FineTune has no field 'lora_rnk': its fields are")
     assert "did you mean 'lora_rank'" in str(err.value)
     # dataclasses.replace goes through the same __init__: its values are checked too.
-    with pytest.raises(BadInputError, match="FineTune.epochs: epochs='0' is not valid"):
+    with pytest.raises(BadValueError) as err:
         dataclasses.replace(FineTune(epochs=2), epochs=0)
+    assert str(err.value) == (
+        "FineTune.epochs: epochs='0' is not valid: expected an integer from 1 to 1000"
+    )

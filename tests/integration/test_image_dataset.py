@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.helpers import run_dataset_initializer
-from tunepack.core.errors import EXIT_BAD_INPUT
+from tunepack.core.errors import EXIT_BAD_INPUT, UnsupportedError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers.data import images
 
@@ -224,7 +224,6 @@ def test_oversized_and_bomb_images_are_refused(tmp_path, monkeypatch):
 
 
 def test_a_text_model_refuses_an_image_dataset_in_one_line(tmp_path, tiny_model_dir):
-    from tunepack.core.errors import BadInputError
     from tunepack.runtimes import catalog
     from tunepack.runtimes.args import parse_trainer_args
     from tunepack.trainers.config import build_config
@@ -236,7 +235,7 @@ def test_a_text_model_refuses_an_image_dataset_in_one_line(tmp_path, tiny_model_
     result = run_dataset_initializer(tmp_path / "ws", str(data), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     entry = catalog.get("tiny-llama3")
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(UnsupportedError) as refused:
         build_config(
             entry,
             parse_trainer_args([], entry),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadModelError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers.transport import uri
 from tunepack.runtimes import catalog
@@ -717,8 +717,13 @@ def test_missing_shard_named_by_the_index_is_reported(tmp_path):
     (tmp_path / catalog.SAFETENSORS_INDEX).write_text(json.dumps(index))
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x")
     source_uri = uri.parse(f"file://{tmp_path}")
-    with pytest.raises(BadInputError, match="missing 1 checkpoint shard.*00002-of-00002"):
+    with pytest.raises(BadModelError) as err:
         model_initializer._check_shards(entry, source_uri, tmp_path)
+    assert str(err.value) == (
+        f"model at 'file://{tmp_path}' is missing 1 checkpoint shard(s) named by "
+        "model.safetensors.index.json: model-00002-of-00002.safetensors. Point STORAGE_URI at a "
+        "complete copy of google/gemma-2b-it"
+    )
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"x")
     model_initializer._check_shards(entry, source_uri, tmp_path)
 

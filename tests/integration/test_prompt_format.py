@@ -19,7 +19,7 @@ from torchtune import config as tt_config
 from torchtune.data import Message
 
 from tunepack import tiny
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadDatasetError, BadValueError, ConflictError
 from tunepack.runtimes import catalog
 from tunepack.runtimes.args import parse_trainer_args
 from tunepack.runtimes.chat_templates import GROUPS, QWEN2_5_SYSTEM, TEMPLATES
@@ -141,8 +141,12 @@ def test_a_sampled_answer_ends_where_the_assistants_turn_ends(family):
 def test_system_prompt_is_the_first_turn(family):
     entry, model_dir, hf = family
     if entry.family.chat_format == "gemma":
-        with pytest.raises(BadInputError, match="system_prompt=.* gemma chat format has no system"):
+        with pytest.raises(ConflictError) as err:
             parse_trainer_args(["system_prompt=Be terse."], entry)
+        assert str(err.value) == (
+            "system_prompt='Be terse.': the gemma chat format has no system role (the model's "
+            "published template refuses one); leave system_prompt out"
+        )
         return
     tokenizer = _tunepack_tokenizer(entry, model_dir, system_prompt="Answer in one short line.")
     ids, _ = tokenizer.tokenize_messages(_messages(CONVERSATION))
@@ -255,8 +259,13 @@ def test_gemma_refuses_a_conversation_with_a_system_message(tmp_path):
     entry = catalog.TINY["gemma"]
     model_dir = tiny.write_tiny_model(tmp_path / "gemma", entry)
     tokenizer = _tunepack_tokenizer(entry, model_dir)
-    with pytest.raises(BadInputError, match="gemma chat format has no system role"):
+    with pytest.raises(BadDatasetError) as err:
         tokenizer.tokenize_messages(_messages([SYSTEM, *CONVERSATION]))
+    assert str(err.value) == (
+        "the gemma chat format has no system role (Gemma's published template refuses it), but "
+        "a conversation starts with a system message: drop it, or fold it into the first user "
+        "message"
+    )
 
 
 def test_another_format_of_the_same_tokens_is_the_hf_template_of_that_format(tmp_path):
@@ -288,7 +297,7 @@ def test_another_format_of_the_same_tokens_is_the_hf_template_of_that_format(tmp
     ],
 )  # fmt: skip
 def test_bad_chat_arguments_are_refused_in_one_line(model, arg, message):
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(BadValueError) as caught:
         parse_trainer_args([arg], catalog.get(model))
     assert message in str(caught.value)
     assert "\n" not in str(caught.value)
@@ -500,7 +509,7 @@ def test_a_gemma_run_on_conversations_with_a_system_message_is_refused_before_th
         {"TUNEPACK_WORKSPACE": str(workspace), "STORAGE_URI": str(source)},
     )
     assert done.returncode == 0, done.stderr
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(BadDatasetError) as caught:
         build_config(
             entry,
             parse_trainer_args(["max_steps=1"], entry),
@@ -540,7 +549,7 @@ def _family_of(name: str) -> str:
 def test_turns_out_of_order_are_refused_with_the_formats_rule(tmp_path):
     entry = catalog.TINY["llama2"]
     tokenizer = _tunepack_tokenizer(entry, tiny.write_tiny_model(tmp_path / "l2", entry))
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(BadDatasetError) as caught:
         tokenizer.tokenize_messages(_messages([CONVERSATION[1], CONVERSATION[0]]))
     assert str(caught.value) == (
         "the llama2 chat format needs turns alternating user/assistant after an optional system "

@@ -15,6 +15,7 @@ from tests.helpers import run_program, write_kubeconfig
 from tunepack import FineTune, Initializer, TrainingClient
 from tunepack.backends.api_errors import api_status
 from tunepack.core import __version__
+from tunepack.core.errors import BadValueError, UnsupportedError
 from tunepack.runtimes.contract import containers, pod_spec, replicated_jobs
 from tunepack.runtimes.validate import validate_runtime, validate_trainjob
 from tunepack.tools.install import (
@@ -613,52 +614,69 @@ def test_sdk_options_set_the_trainjob_fields(server):
     assert pod_spec(job)["nodeSelector"] == {"pool": "a100"}
 
 
+SUPPORTED_OPTIONS = (
+    "Supported options: Name, Labels, Annotations, ActiveDeadlineSeconds, RuntimePatch"
+)
+
+
 @pytest.mark.parametrize(
-    ("options", "message"),
+    ("options", "kind", "message"),
     [
         (
             lambda o: [o.TrainerCommand(["python", "x.py"])],
+            UnsupportedError,
             "option TrainerCommand cannot be used with tunepack runtimes: the trainer's command "
-            "is tunepack's fine-tuning program, set by the runtime. Supported options: Name, "
-            "Labels, Annotations, ActiveDeadlineSeconds, RuntimePatch",
+            f"is tunepack's fine-tuning program, set by the runtime. {SUPPORTED_OPTIONS}",
         ),
         (
             lambda o: [o.TrainerArgs(["epochs=1"])],
+            UnsupportedError,
             "option TrainerArgs cannot be used with tunepack runtimes: the trainer's arguments "
-            "come from trainer=FineTune(...)",
+            "come from trainer=FineTune(...) (or BuiltinTrainer(config=TorchTuneConfig(...))). "
+            f"{SUPPORTED_OPTIONS}",
         ),
         (
             lambda o: [print],
+            UnsupportedError,
             "option builtin_function_or_method cannot be used with tunepack runtimes: tunepack "
-            "builds these TrainJobs itself",
+            f"builds these TrainJobs itself. {SUPPORTED_OPTIONS}",
         ),
         (
             lambda o: o.Labels({"team": "a"}),
-            "options must be a list, e.g. options=[Labels({...})], got Labels(",
+            BadValueError,
+            "options must be a list, e.g. options=[Labels({...})], got Labels(labels={'team': "
+            "'a'})",
         ),
         (
             lambda o: [o.Labels({"kueue.x-k8s.io/queue-name": "Team Queue"})],
+            BadValueError,
             "queue 'Team Queue' (label kueue.x-k8s.io/queue-name) is not a valid Kueue "
-            "LocalQueue name",
+            "LocalQueue name: use at most 63 lowercase letters, digits, '-' and '.', starting "
+            "and ending with a letter or digit",
         ),
-        (lambda o: [o.Name("Bad_Name")], "TrainJob name 'Bad_Name' is not a valid DNS-1123"),
+        (
+            lambda o: [o.Name("Bad_Name")],
+            BadValueError,
+            "TrainJob name 'Bad_Name' is not a valid DNS-1123 label: use at most 63 lowercase "
+            "letters, digits and '-', starting and ending with a letter or digit (e.g. "
+            "'llama-lora-1')",
+        ),
     ],
 )
-def test_options_tunepack_cannot_honour_are_refused_by_name(server, options, message):
+def test_options_tunepack_cannot_honour_are_refused_by_name(server, options, kind, message):
     import kubeflow.trainer.options as kf_options
-
-    from tunepack.core.errors import BadInputError
 
     fake, url = server
     _install(fake, url)
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(kind) as caught:
         _client(url).train(
             runtime=RUNTIME,
             initializer=Initializer(dataset="file:///d.jsonl", model="file:///m"),
             trainer=FineTune(),
             options=options(kf_options),
         )
-    assert message in str(caught.value)
+    assert type(caught.value) is kind
+    assert str(caught.value) == message
     assert not [r for r in fake.requests if r.method == "POST"]
 
 

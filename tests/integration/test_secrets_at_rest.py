@@ -19,7 +19,7 @@ from threading import Thread
 import pytest
 
 from tunepack import FineTune, Initializer, LocalBackendConfig, TrainingClient
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import UnsupportedError
 
 PASSWORD = "pw-s3cr3t-7f1e"
 SIGNATURE = "sig-0a9b8c7d6e5f"
@@ -87,7 +87,7 @@ def test_a_credential_in_a_uri_is_refused_by_every_writer_and_stored_nowhere(
         assert secret not in done.stderr
 
     client = TrainingClient(LocalBackendConfig(root_dir=str(tmp_path / "sdk-jobs")))
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(UnsupportedError) as refused:
         client.train(
             runtime="tunepack-tiny-llama3",
             initializer=Initializer(dataset=dataset, model=model),
@@ -102,7 +102,7 @@ def test_a_cluster_trainjob_with_a_credential_in_a_uri_is_never_sent(tmp_path):
     """The Kubernetes backend builds the TrainJob with the same check before any request."""
     from tunepack.jobs.submit import build
 
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(UnsupportedError) as refused:
         build(
             "tunepack-tiny-llama3",
             Initializer(dataset="hf://org/data", model=f"https://u:{PASSWORD}@models.example/m"),

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.helpers import run_dataset_initializer
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadValueError
 from tunepack.core.workspace import MANIFEST_FILE
 from tunepack.initializers.data import splits
 
@@ -120,7 +120,7 @@ def test_a_slice_with_no_rows_is_refused_with_the_splits_size(tmp_path):
     ],
 )
 def test_malformed_slices_are_refused_in_one_line(tmp_path, spec, message):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         splits.parse(spec)
     assert str(err.value).startswith(message)
     # The initializer says the same, exit 65, before reading anything.

@@ -40,6 +40,7 @@ from tests.helpers import (  # noqa: E402
     start_and_wait_for_step,
     trainer_env,
 )
+from tunepack.core.errors import BadDatasetError, UnsupportedError
 from tunepack.runtimes import catalog  # noqa: E402
 from tunepack.tiny import write_tiny_model  # noqa: E402
 from tunepack.tiny.pictures import write_tiny_image_dataset  # noqa: E402
@@ -363,11 +364,10 @@ def test_the_model_initializer_refuses_a_config_the_build_cannot_reproduce(works
 
 
 def test_lora_projector_is_refused_for_a_model_without_images():
-    from tunepack.core.errors import BadInputError
     from tunepack.runtimes.args import parse_trainer_args
 
     assert parse_trainer_args(["lora_projector=true"], ENTRY).lora_projector is True
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(UnsupportedError) as caught:
         parse_trainer_args(["lora_projector=true"], catalog.TINY["llama3"])
     assert str(caught.value) == (
         "lora_projector=true: tiny-llama3 takes no images, so it has no image projector to "
@@ -376,21 +376,27 @@ def test_lora_projector_is_refused_for_a_model_without_images():
 
 
 def test_methods_not_wired_for_images_are_refused_in_one_line():
-    from tunepack.core.errors import BadInputError
     from tunepack.runtimes.args import parse_trainer_args
 
     assert catalog.get("llama3.2-vision-11b").methods == ("full", "lora", "qlora", "dora")
-    with pytest.raises(BadInputError, match=r"method=dpo is not available for tiny-mllama"):
+    with pytest.raises(UnsupportedError) as err:
         parse_trainer_args(["method=dpo"], ENTRY)
+    assert str(err.value) == (
+        "method=dpo is not available for tiny-mllama (Llama 3.2 Vision trains with full, lora, "
+        "dora, qlora)"
+    )
 
 
 def test_a_system_message_beside_an_image_is_refused_as_the_template_refuses_it():
-    from tunepack.core.errors import BadInputError
     from tunepack.trainers.data.prompt_format import Turn, render
 
     turns = [Turn("system", "Be brief."), Turn("user", "<|image|>What is it?")]
-    with pytest.raises(BadInputError, match="refuses a system message"):
+    with pytest.raises(BadDatasetError) as err:
         render("llama3.2-vision", turns)
+    assert str(err.value) == (
+        "the llama3.2-vision chat format refuses a system message in a conversation with images "
+        "(as the published template does): drop the system message or system_prompt"
+    )
     pieces = render("llama3.2-vision", turns[1:])  # no system turn at all beside an image
     assert [p.text for p in pieces if p.special] == [
         "<bos>", "<|start_header_id|>", "<|end_header_id|>", "<|image|>", "<|eot_id|>"
@@ -580,14 +586,13 @@ def test_result_generate_answers_about_an_image_as_the_trained_model_does(worksp
 
 
 def test_result_generate_refuses_an_image_for_a_text_model(tmp_path):
-    from tunepack.core.errors import BadInputError
     from tunepack.types import Result
 
     (tmp_path / "output").mkdir()
     (tmp_path / "output" / "result.json").write_text(json.dumps({"model": "tiny-llama3"}))
     result = Result(job="text", path=str(tmp_path / "output" / "adapter"),
                     base_model=str(tmp_path / "model"), method="lora")  # fmt: skip
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(UnsupportedError) as refused:
         result.generate("What is it?", image="cat.png")
     assert str(refused.value) == (
         "image= needs a model that takes images; tiny-llama3 reads text only"

@@ -16,7 +16,7 @@ from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules.peft import LoRALinear
 
 from tests.helpers import small_decoder
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import ConflictError
 from tunepack.trainers.data.batching import (
     LengthGroupedSampler,
     Packs,
@@ -102,8 +102,12 @@ def test_held_out_rows_are_the_same_whatever_the_run_and_never_trained_on():
     assert len(held) == 5 and sorted(set(train.indices) | set(held)) == rows
     assert not set(train.indices) & set(held)
     assert hold_out(rows, 0.1)[1] == held  # a fixed seed: not the run's, not the rank's
-    with pytest.raises(BadInputError, match="val_fraction=0.99 leaves no training rows"):
+    with pytest.raises(ConflictError) as err:
         hold_out(rows[:1], 0.99)
+    assert str(err.value) == (
+        "val_fraction=0.99 leaves no training rows of the dataset's 1: lower val_fraction or add "
+        "data"
+    )
 
 
 def test_arrange_groups_the_training_rows_by_their_own_lengths():

@@ -11,7 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune import config
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError
 from tunepack.runtimes import catalog, methods
 from tunepack.trainers.config import model_component
 from tunepack.trainers.models.builders import Gemma2Layer, SoftCappedTiedLinear
@@ -110,12 +110,25 @@ def test_sharded_checkpoint_is_read_from_its_index(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "content", ["not json", "{}", '{"weight_map": {}}', '{"weight_map": {"a": "../x"}}']
-)
-def test_bad_index_is_named_with_a_hint(tmp_path, content):
-    (tmp_path / catalog.SAFETENSORS_INDEX).write_text(content)
-    with pytest.raises(BadInputError, match=r"model\.safetensors\.index\.json.*Llama-2-7b-chat"):
+    ("content", "line"),
+    [
+        ("not json", "cannot read the shard list of llama2-7b from {index} (Expecting value: line "
+         "1 column 1 (char 0)); it must be the {hf}, with a weight_map of tensor -> file"),
+        ("{}", "cannot read the shard list of llama2-7b from {index} ('weight_map'); it must be "
+         "the {hf}, with a weight_map of tensor -> file"),
+        ('{"weight_map": {}}',
+         "{index} names no usable shard files ([]); replace it with the {hf}"),
+        ('{"weight_map": {"a": "../x"}}',
+         "{index} names no usable shard files (['../x']); replace it with the {hf}"),
+    ],
+)  # fmt: skip
+def test_bad_index_is_named_with_a_hint(tmp_path, content, line):
+    index = tmp_path / catalog.SAFETENSORS_INDEX
+    index.write_text(content)
+    with pytest.raises(BadModelError) as err:
         catalog.get("llama2-7b").weight_files(tmp_path)
+    hf = "model.safetensors.index.json of meta-llama/Llama-2-7b-chat-hf"
+    assert str(err.value) == line.format(index=index, hf=hf)
 
 
 @pytest.mark.parametrize("entry", TEXT, ids=lambda e: e.name)

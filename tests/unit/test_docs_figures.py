@@ -25,7 +25,7 @@ from tests import REPO
 from tests.unit.test_examples import EXAMPLES, EXAMPLES_DIR, _load
 from tests.unit.test_planner import measured_jobs, plan_now
 from tunepack import cli
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import UnsupportedError
 from tunepack.jobs import submit
 from tunepack.runtimes import catalog, host, methods
 from tunepack.runtimes.args import parse_trainer_args
@@ -181,7 +181,7 @@ def test_trainer_md_vision_names_the_methods_it_trains_and_those_it_refuses(mode
     assert refused == set(methods.METHODS) - set(entry.methods), f"says {sorted(refused)} refused"
     for method in sorted(refused) + ["packed"]:
         given = "packed=true" if method == "packed" else f"method={method}"
-        with pytest.raises(BadInputError) as caught:
+        with pytest.raises(UnsupportedError) as caught:
             parse_trainer_args([given], entry)
         assert "\n" not in str(caught.value)
         if method != "packed":  # "in one line naming the methods above"

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from torchtune import config as tt_config
 from torchtune.training import MODEL_KEY
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadModelError
 from tunepack.runtimes import catalog, custom, methods
 from tunepack.trainers.config import model_component
 from tunepack.trainers.models.gemma3 import (
@@ -219,7 +219,7 @@ def test_image_text_checkpoint_loads_as_its_text_model_and_saves_a_causal_lm(
 )  # fmt: skip
 def test_what_the_builders_cannot_reproduce_is_refused_in_one_line(change, message):
     config = {"model_type": "gemma3_text", **TEXT} | change
-    with pytest.raises(BadInputError) as raised:
+    with pytest.raises(BadModelError) as raised:
         custom.read_config("gemma3", config, "model at 'x'")
     text = str(raised.value)
     assert message in text and "\n" not in text, text
@@ -260,6 +260,6 @@ def test_the_model_initializer_checks_an_image_text_checkpoint_by_its_text_confi
     path.write_text(json.dumps({"model_type": "gemma3", "text_config": text}))
     _check_config(entry, source, path)  # accepted
     path.write_text(json.dumps({"model_type": "gemma3", "text_config": {**text, "hidden_size": 8}}))
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadModelError) as err:
         _check_config(entry, source, path)
     assert "its config.json has hidden_size=8 (expected " in str(err.value)

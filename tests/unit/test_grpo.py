@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY, adapted_lora_model
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError
 from tunepack.initializers.data.schemas import SCHEMAS, detect
 from tunepack.runtimes import reward_names
 from tunepack.runtimes.args import parse_trainer_args
@@ -87,7 +87,7 @@ NON_ZERO = "the weight of 'match' must be a non-zero number"
     ],
 )
 def test_reward_arguments_that_are_refused(raw, message):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         reward_names.parse("rewards", raw)
     assert str(err.value) == message
 
@@ -100,7 +100,7 @@ def test_spelling_round_trips():
 
 def test_an_unknown_reward_names_the_built_ins_and_plugins(monkeypatch):
     monkeypatch.setattr(rewards, "plugins", lambda: {})
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         rewards.resolve((Weighted("mine", 1.0),))
     assert str(err.value) == (
         "rewards: 'mine' is neither a built-in reward nor an installed plugin (entry point group "
@@ -123,7 +123,7 @@ def test_a_plugin_is_found_through_its_entry_point(monkeypatch):
 
 
 def test_a_reward_pattern_must_compile():
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         reward_names.parse_pattern("reward_pattern", "([0-9]")
     assert str(err.value).startswith(
         "reward_pattern='([0-9]' is not valid: expected a Python regular expression (missing )"
@@ -187,52 +187,61 @@ def test_grpo_defaults_and_the_methods_own_beta():
 
 
 @pytest.mark.parametrize(
-    ("argv", "message"),
+    ("argv", "kind", "message"),
     [
         (
             ["method=lora", "num_generations=8"],
+            ConflictError,
             "num_generations=8: only method=grpo or grpo_full uses num_generations, but "
             "method=lora",
         ),
         (
             ["method=dpo", "rewards=match"],
+            ConflictError,
             "rewards=match: only method=grpo or grpo_full uses rewards, but method=dpo",
         ),
         (
             ["method=grpo", "num_generations=1"],
+            BadValueError,
             "num_generations='1' is not valid: expected an integer from 2 to 64",
         ),
         (
             ["method=grpo", "rewards=format"],
+            ConflictError,
             "rewards=format needs reward_pattern, the regular expression an answer must match "
             "(for example reward_pattern='^\\d+$')",
         ),
         (
             ["method=grpo", "reward_pattern=x"],
+            ConflictError,
             "reward_pattern is only read by the format reward, but rewards=match: add format to "
             "rewards or drop reward_pattern",
         ),
         (
             ["method=grpo", "max_seq_len=64", "max_new_tokens=64"],
+            ConflictError,
             "max_new_tokens=64 leaves no room for the prompt in max_seq_len=64 (a prompt and its "
             "answer share it): lower max_new_tokens or raise max_seq_len",
         ),
         (
             ["method=grpo", "compile=true"],
+            ConflictError,
             "compile=true is not available with method=grpo: answers are generated one token at a "
             "time into a growing cache, a new shape for torch.compile at every token; leave "
             "compile out",
         ),
         (
             ["method=grpo", "packed=true"],
+            ConflictError,
             "packed=true is not available with method=grpo: each prompt's answers are generated "
             "and scored on their own; set packed=false",
         ),
     ],
 )
-def test_grpo_arguments_that_are_refused(argv, message):
-    with pytest.raises(BadInputError) as err:
+def test_grpo_arguments_that_are_refused(argv, kind, message):
+    with pytest.raises(kind) as err:
         parse_trainer_args(argv, TINY)
+    assert type(err.value) is kind
     assert str(err.value) == message
 
 
@@ -455,7 +464,7 @@ def test_planner_counts_the_answers_and_the_generation_cache():
 def test_the_planner_refuses_a_group_of_one():
     from tunepack.runtimes.planner import estimate
 
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         estimate("llama3.1-8b", "grpo", 1024, 1, num_generations=1)
     assert str(err.value) == "num_generations=1 is not valid: expected an integer >= 2"
 
@@ -465,7 +474,7 @@ def test_grpo_full_trains_every_weight_and_plans_a_reference_copy():
 
     args = parse_trainer_args(["method=grpo_full"], TINY)
     assert (args.lr, args.beta, args.num_generations) == (1e-6, 0.04, 4)
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         parse_trainer_args(["method=grpo_full", "lora_rank=8"], TINY)
     assert str(err.value) == (
         "lora_rank=8 sets LoRA adapters, but method=grpo_full trains every weight and has none; "

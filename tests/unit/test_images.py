@@ -9,7 +9,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tunepack.core import __version__
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.runtimes.contract import containers, replicated_jobs
 from tunepack.tools import images
 from tunepack.tools.images import ImageCheck, ImageSource
@@ -61,7 +61,7 @@ def test_an_image_that_is_not_tunepacks_is_left_alone():
     ],
 )  # fmt: skip
 def test_a_bad_registry_or_tag_is_refused_naming_the_flag(registry, tag, message):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         ImageSource.parse(registry, tag)
     assert str(err.value).startswith(message)
 

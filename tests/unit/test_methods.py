@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError
 from tunepack.initializers.data.schemas import SCHEMAS
 from tunepack.runtimes import args as vocab
 from tunepack.runtimes import catalog, methods
@@ -92,7 +92,7 @@ def test_the_vocabulary_offers_the_registrys_methods_and_keys():
 
 
 def test_an_unknown_method_names_the_known_ones():
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         methods.get("sft")
     assert str(err.value) == (
         "method='sft' is not valid: expected one of lora, qlora, dora, full, dpo, orpo, kto, "
@@ -117,7 +117,7 @@ def test_a_catalog_model_offers_each_method_its_builders_build():
 
 def test_a_method_only_key_is_refused_with_another_method_naming_its_owner():
     entry = catalog.get("llama3.2-1b")
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         vocab.parse_trainer_args(["method=lora", "beta=0.2"], entry)
     assert (
         str(err.value)

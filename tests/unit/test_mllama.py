@@ -20,7 +20,7 @@ from torchtune.modules import TransformerCrossAttentionLayer  # noqa: E402
 from torchtune.modules.peft import LoRALinear, get_adapter_params  # noqa: E402
 from torchtune.training import MODEL_KEY  # noqa: E402
 
-from tunepack.core.errors import BadInputError  # noqa: E402
+from tunepack.core.errors import BadModelError, UnsupportedError  # noqa: E402
 from tunepack.trainers.models import mllama as mllama_module  # noqa: E402
 from tunepack.trainers.models.mllama import (  # noqa: E402
     MODEL_TYPE,
@@ -362,7 +362,7 @@ def test_what_the_build_cannot_reproduce_is_refused_in_one_line(hf_model, change
     for part in ("text_config", "vision_config"):
         config[part] = config[part] | change.pop(part, {})
     config |= change
-    with pytest.raises(BadInputError) as raised:
+    with pytest.raises(BadModelError) as raised:
         mllama_builder_kwargs(config, "model at 'x'")
     text = str(raised.value)
     assert message in text and "\n" not in text, text
@@ -393,6 +393,9 @@ def test_without_torchvision_only_the_conversion_is_refused(hf_model, monkeypatc
     assert "torchtune.modules.model_fusion" in top
     assert not [m for m in top if "vision" in m or "clip" in m], top
     monkeypatch.setitem(sys.modules, "torchvision", None)
-    with pytest.raises(BadInputError, match=r"install tunepack\[vision\]") as raised:
+    with pytest.raises(UnsupportedError) as raised:
         mllama_hf_to_tune(hf_model.state_dict(), _config(hf_model))
-    assert "\n" not in str(raised.value)
+    assert str(raised.value) == (
+        "Llama 3.2 Vision needs torchvision, which torchtune's vision modules import: install "
+        "tunepack[vision] (pip install 'tunepack[vision]')"
+    )

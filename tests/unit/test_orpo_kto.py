@@ -10,7 +10,7 @@ import torch
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX as IGNORE
 
 from tests.helpers import TINY, adapted_lora_model
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import ConflictError
 from tunepack.initializers.data.schemas import SCHEMAS, detect
 from tunepack.runtimes.args import parse_trainer_args
 from tunepack.tiny.dataset import tiny_unpaired_rows
@@ -192,6 +192,6 @@ def test_orpo_and_kto_arguments():
             "sequence; set packed=false",
         ),
     ):
-        with pytest.raises(BadInputError) as err:
+        with pytest.raises(ConflictError) as err:
             parse_trainer_args(argv, TINY)
         assert str(err.value) == message

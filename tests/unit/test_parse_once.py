@@ -21,7 +21,7 @@ from kubeflow.trainer import BuiltinTrainer, LoraConfig, TorchTuneConfig
 from tunepack.cli import main as cli_main
 from tunepack.cli import train as cli_train
 from tunepack.core import workspace
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.finetune import FineTune
 from tunepack.initializers import trainer_args as initializer_check
 from tunepack.jobs import submit
@@ -177,9 +177,9 @@ def test_a_value_the_words_would_refuse_is_refused_when_the_job_is_built():
     # it as given, the job reads it as a key=value word would (stripped), with the parser's
     # message, at the same moment as before.
     finetune = FineTune(method="grpo", rewards="format", reward_pattern="\\ ")
-    with pytest.raises(BadInputError) as refused:
+    with pytest.raises(BadValueError) as refused:
         submit.build(RUNTIME, INITIALIZER, finetune, name="job-5")
-    with pytest.raises(BadInputError) as by_words:
+    with pytest.raises(BadValueError) as by_words:
         vocabulary.parse_trainer_args(finetune.to_args(), catalog.get(RUNTIME))
     assert str(refused.value) == str(by_words.value)
     assert str(refused.value).startswith("reward_pattern='\\\\' is not valid")

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tunepack import __version__
-from tunepack.core.errors import EXIT_BAD_INPUT, BadInputError, UnknownRuntimeError
+from tunepack.core.errors import EXIT_BAD_INPUT, BadValueError, UnknownRuntimeError
 from tunepack.runtimes import builder, catalog, contract, generate, host
 from tunepack.runtimes.builder import build_runtime
 from tunepack.runtimes.contract import container, env, env_refs, pod_spec, replicated_jobs
@@ -332,8 +332,13 @@ def test_list_runtimes():
 
 
 def test_load_unknown_runtime_lists_the_known_ones():
-    with pytest.raises(UnknownRuntimeError, match="tunepack-tiny-llama3"):
+    with pytest.raises(UnknownRuntimeError) as caught:
         load_runtime("tunepack-gpt-5")
+    known = ", ".join(entry.runtime_name for entry in catalog.CATALOG.values())
+    assert str(caught.value) == (
+        f"unknown runtime or model 'tunepack-gpt-5'; tunepack runtimes are: {known}"
+    )
+    assert caught.value.runtime == "tunepack-gpt-5"
 
 
 # --- strict validation --------------------------------------------------------------------------
@@ -343,7 +348,7 @@ def test_misspelled_field_is_caught_with_its_path():
     runtime = build_runtime(GPU)
     node = _container(_jobs(runtime)["node"])
     node["volumeMount"] = node.pop("volumeMounts")
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(BadValueError) as caught:
         validate_runtime(runtime)
     message = str(caught.value)
     path = "spec.template.spec.replicatedJobs[2].template.spec.template.spec.containers[0]"
@@ -391,12 +396,16 @@ def test_validate_trainjob_rejects_typos():
     fixed = copy.deepcopy(trainjob)
     fixed["spec"]["trainer"]["args"] = fixed["spec"]["trainer"].pop("arg")
     validate_trainjob(fixed)
-    with pytest.raises(BadInputError, match=r"spec\.trainer\.arg: unknown field"):
+    with pytest.raises(BadValueError) as err:
         validate_trainjob(trainjob)
+    assert str(err.value) == (
+        "TrainJob 'x' has fields the Kubeflow Trainer API does not know or cannot keep (they "
+        "would be silently dropped):\n  spec.trainer.arg: unknown field (did you mean 'args'?)"
+    )
 
 
 def _failure(obj: dict) -> str:
-    with pytest.raises(BadInputError) as caught:
+    with pytest.raises(BadValueError) as caught:
         validate_runtime(obj)
     return str(caught.value)
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError
 from tunepack.runtimes import planner
 from tunepack.runtimes.planner import GIB, STEP_MARGIN, Step, estimate, plan
 
@@ -80,8 +80,9 @@ def test_explicit_settings_are_kept_and_auto_fills_in_the_other():
     both = estimate("llama3.2-1b", "lora", 2048, 4, activation_checkpointing=False, loss_chunk=512)
     assert both.step == Step(16, 0, 512, chosen=False)
     assert "step (as given): recompute 0 of 16 layers; loss: 512 rows" in both.summary()
-    with pytest.raises(BadInputError, match="loss_chunk=0 is not valid: expected 'auto' or an"):
+    with pytest.raises(BadValueError) as err:
         estimate("llama3.2-1b", "lora", 2048, 4, loss_chunk=0)
+    assert str(err.value) == "loss_chunk=0 is not valid: expected 'auto' or an integer >= 1"
 
 
 def test_the_device_memory_the_trainer_reads_replaces_the_table():

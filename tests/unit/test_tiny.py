@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tunepack import tiny
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
 from tunepack.runtimes.catalog import CATALOG
 
 ENTRY = CATALOG["tiny-llama3"]
@@ -178,23 +178,36 @@ def test_empty_dir_is_filled_and_foreign_dir_refused(tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("mine")
-    with pytest.raises(BadInputError, match="not a complete tiny model"):
+    with pytest.raises(ConflictError) as err:
         tiny.write_tiny_model(foreign)
+    assert str(err.value) == (
+        f"{foreign} exists but is not a complete tiny model; remove it or pick another path"
+    )
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "foreign"]
 
 
 @pytest.mark.parametrize(
-    ("name", "message"),
+    ("name", "why"),
     [
-        ("qwen2.5-1.5b", "vocab_size 151936 is too large for the tiny tokenizer"),
-        ("llama3.1-8b", r"checkpoint files \(.*\) are not one model.safetensors"),
-        ("llama3.2-1b", "too large for the tiny tokenizer"),
+        ("qwen2.5-1.5b", "vocab_size 151936 is too large for the tiny tokenizer (at most 1024)"),
+        (
+            "llama3.1-8b",
+            "checkpoint files ('model-00001-of-00004.safetensors', "
+            "'model-00002-of-00004.safetensors', 'model-00003-of-00004.safetensors', "
+            "'model-00004-of-00004.safetensors') are not one model.safetensors (or its "
+            "model.safetensors.index.json); vocab_size 128256 is too large for the tiny "
+            "tokenizer (at most 1024)",
+        ),
+        ("llama3.2-1b", "vocab_size 128256 is too large for the tiny tokenizer (at most 1024)"),
     ],
 )
-def test_unsuitable_entries_are_refused(tmp_path, name, message):
-    with pytest.raises(BadInputError, match=message):
+def test_unsuitable_entries_are_refused(tmp_path, name, why):
+    with pytest.raises(UnsupportedError) as err:
         tiny.write_tiny_model(tmp_path / "model", entry=CATALOG[name])
+    assert str(err.value) == (
+        f"cannot write a tiny model for {name!r}: {why}; use a catalog.TINY entry"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -238,12 +251,14 @@ def test_dataset_is_deterministic(tmp_path):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"rows": 0}, "rows must be at least 1"), ({"rows": True}, "rows must be an integer"),
-     ({"seed": "x"}, "seed must be an integer")],
+    [({"rows": 0}, "rows must be at least 1, got 0"),
+     ({"rows": True}, "rows must be an integer, got True"),
+     ({"seed": "x"}, "seed must be an integer, got 'x'")],
 )  # fmt: skip
 def test_dataset_bad_arguments(tmp_path, kwargs, message):
-    with pytest.raises(BadInputError, match=message):
+    with pytest.raises(BadValueError) as err:
         tiny.write_tiny_dataset(tmp_path / "d.jsonl", **kwargs)
+    assert str(err.value) == message
     assert list(tmp_path.iterdir()) == []
 
 
@@ -324,11 +339,16 @@ def test_image_dataset_is_deterministic_and_refuses_another_directory(tmp_path):
     assert files(write_tiny_image_dataset(tmp_path / "b", rows=12)) == first
     assert files(write_tiny_image_dataset(tmp_path / "c", rows=12, seed=1)) != first
     write_tiny_image_dataset(tmp_path / "a", rows=12)  # the same dataset again: left as it is
-    with pytest.raises(BadInputError, match="a is not empty .*; give a new or empty directory"):
+    with pytest.raises(ConflictError) as err:
         write_tiny_image_dataset(tmp_path / "a", rows=6)
+    assert str(err.value) == (
+        f"{tmp_path / 'a'} is not empty (nor the dataset these arguments write); give a new or "
+        "empty directory for the image dataset"
+    )
     assert files(tmp_path / "a") == first
-    with pytest.raises(BadInputError, match="rows must be at least 1, got 0"):
+    with pytest.raises(BadValueError) as err:
         write_tiny_image_dataset(tmp_path / "d", rows=0)
+    assert str(err.value) == "rows must be at least 1, got 0"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]
 
 

@@ -19,7 +19,7 @@ from kubeflow.trainer import (
 )
 from kubeflow.trainer import Initializer as KfInitializer
 
-from tunepack.core.errors import BadInputError
+from tunepack.core.errors import BadValueError, ConflictError, UnsupportedError
 from tunepack.jobs import submit
 from tunepack.jobs.translate import Initializer
 from tunepack.runtimes.validate import validate_trainjob
@@ -53,7 +53,7 @@ def test_every_format_the_initializer_reads_is_accepted(source):
 
 
 def test_a_format_it_does_not_read_is_refused_by_name():
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(UnsupportedError) as err:
         _build(_trainer(source=DataFormat.TEXT))
     assert str(err.value) == (
         "TorchTuneInstructDataset.source='text' cannot be translated: tunepack's dataset "
@@ -67,7 +67,7 @@ def test_the_default_split_adds_nothing():
 
 
 def test_a_split_given_twice_must_agree():
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         _build(_trainer(split="train[:10]"), dataset="hf://datasets/org/d?split=train[:20]")
     assert str(err.value) == (
         "the dataset split is given twice and differs: dataset_split 'train[:10]', the dataset "
@@ -78,8 +78,13 @@ def test_a_split_given_twice_must_agree():
 
 
 def test_a_malformed_split_in_the_uri_is_refused_at_submission():
-    with pytest.raises(BadInputError, match=r"dataset split 'train\[5\]' is not a split name"):
+    with pytest.raises(BadValueError) as err:
         _build(_trainer(), dataset="hf://datasets/org/d?split=train[5]")
+    assert str(err.value) == (
+        "dataset split 'train[5]' is not a split name or a slice of one; write "
+        "<name>[<from>:<to>], e.g. train[:1000], train[10%:20%] or train[-100:] (one slice; no "
+        "'+' or rounding suffix)"
+    )
 
 
 def test_an_access_token_is_pointed_at_the_secret_way_and_never_repeated():
@@ -88,7 +93,7 @@ def test_an_access_token_is_pointed_at_the_secret_way_and_never_repeated():
         dataset=HuggingFaceDatasetInitializer(storage_uri="org/ds"),
         model=HuggingFaceModelInitializer(storage_uri="org/m", access_token=token),
     )
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(UnsupportedError) as err:
         submit.build(TINY, init, _trainer(), name="j")
     message = str(err.value)
     assert token not in message and "\n" not in message
@@ -150,7 +155,7 @@ def test_column_map_and_new_system_prompt_keep_torchtunes_meaning():
     ],
 )
 def test_a_column_map_torchtune_would_refuse_is_refused_by_name(column_map, message):
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(BadValueError) as err:
         _build(_trainer(column_map=column_map))
     assert str(err.value) == message
 
@@ -159,7 +164,7 @@ def test_a_column_map_given_twice_must_agree():
     init = Initializer(
         dataset="file:///data/train", model=MODEL, env={"COLUMN_MAP": "q:instruction,a:output"}
     )
-    with pytest.raises(BadInputError) as err:
+    with pytest.raises(ConflictError) as err:
         submit.build(
             TINY, init, _trainer(column_map={"input": "question", "output": "answer"}), name="j"
         )

@@ -523,7 +523,7 @@ def build_tokenizer(
     from torchtune.config._utils import _get_component_from_path
 
     if family not in FAMILIES:
-        raise UnknownRuntimeError(f"unknown model family {family!r}")
+        raise UnknownRuntimeError(f"unknown model family {family!r}", runtime=family)
     fmt = check_chat_template(family, chat_template)
     if checkpoint_tokenizer:
         from tunepack.trainers.data.checkpoint_tokenizer import CheckpointTokenizer

@@ -81,7 +81,9 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     if unknown:
         raise UnknownKeyError(
             f"hub URI {shown!r} has unknown option {unknown[0]!r}; the only option is "
-            f"?split=<name> for datasets"
+            f"?split=<name> for datasets",
+            key=unknown[0],
+            suggestions=("split",),
         )
     location = "/".join(([f"{prefix}s"] if prefix else []) + segments)
     return StorageUri(
@@ -160,7 +162,9 @@ class Source(RemoteSource):
             where = f"under {self.subpath!r} " if self.subpath else ""
             raise NotFoundError(
                 f"{self.what} has no files {where}at revision {self.revision!r}; check the "
-                f"path in {self.uri.display!r}"
+                f"path in {self.uri.display!r}",
+                what="files",
+                name=self.uri.display,
             )
         return Listing(listed, facts={"revision": self.revision, "commit": commit})
 
@@ -227,22 +231,30 @@ class Source(RemoteSource):
         if isinstance(error, RevisionNotFoundError):
             return NotFoundError(
                 f"revision {self.revision!r} of {self.what} does not exist; use one of its "
-                f"branches, tags or commits in {self.uri.display!r}"
+                f"branches, tags or commits in {self.uri.display!r}",
+                what="revision",
+                name=self.revision,
             )
         if isinstance(error, RemoteEntryNotFoundError):
             return NotFoundError(
                 f"{path or 'a listed file'} disappeared from {self.what} during the download; "
-                f"pin a commit with @<revision> in {self.uri.display!r}"
+                f"pin a commit with @<revision> in {self.uri.display!r}",
+                what="file",
+                name=path,
             )
         if isinstance(error, RepositoryNotFoundError) or status == 404:
             if self.token:
                 return NotFoundError(
                     f"{self.what} was not found, or the token given cannot read it; check the "
-                    f"name in {self.uri.display!r} and the token's permissions"
+                    f"name in {self.uri.display!r} and the token's permissions",
+                    what="repository",
+                    name=self.repo_id,
                 )
             return NotFoundError(
                 f"{self.what} was not found, or it is private and no token was given; check "
-                f"the name in {self.uri.display!r}, or {TOKEN_HINT}"
+                f"the name in {self.uri.display!r}, or {TOKEN_HINT}",
+                what="repository",
+                name=self.repo_id,
             )
         if status == 401:
             return DeniedError(

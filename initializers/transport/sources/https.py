@@ -62,7 +62,9 @@ def parse(raw: str, scheme: str, rest: str) -> StorageUri:
     if unknown:
         raise UnknownKeyError(
             f"URL {shown!r} has fragment key {unknown[0]!r}; the fragment may only carry "
-            f"sha256=<hex> and size=<bytes>"
+            f"sha256=<hex> and size=<bytes>",
+            key=unknown[0],
+            suggestions=("sha256", "size"),
         )
     env_sha = os.environ.get(SHA256_ENV, "").strip()
     if env_sha and "sha256" not in options:
@@ -168,7 +170,9 @@ class Source(RemoteSource):
                 "or whether a presigned URL has expired"
             )
         if status in (404, 410):
-            raise NotFoundError(f"{shown!r} answered {status}: no such file; check the URL")
+            raise NotFoundError(
+                f"{shown!r} answered {status}: no such file; check the URL", what="file", name=shown
+            )
         if status in _http.RETRYABLE_STATUS:
             raise _http.status_problem(f"the server answered HTTP {status}", response)
         raise BadInputError(f"{shown!r} answered HTTP {status}; check the URL")

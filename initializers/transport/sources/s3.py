@@ -65,7 +65,9 @@ class Source(RemoteSource):
             raise self._problem(error) from None
         if not files:
             raise NoObjectsError(
-                f"S3 URI {self.uri.display!r} matches no objects; check the bucket and prefix"
+                f"S3 URI {self.uri.display!r} matches no objects; check the bucket and prefix",
+                what="objects",
+                name=self.uri.display,
             )
         return Listing(files, facts={"bucket": self.bucket, "prefix": self.prefix})
 

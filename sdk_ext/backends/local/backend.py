@@ -105,7 +105,7 @@ class LocalBackend(TunepackBackend):
                 if matches
                 else f"tunepack runtimes are: {', '.join(known)}"
             )
-            raise UnknownRuntimeError(f"{what}; {hint}")
+            raise UnknownRuntimeError(f"{what}; {hint}", runtime=name, suggestions=matches)
         obj = load_runtime(name)
         node = contract.container(contract.replicated_job(obj, kc.NODE))
         image, command = node["image"], node["command"]
@@ -219,6 +219,8 @@ class LocalBackend(TunepackBackend):
             raise NotFoundError(
                 f"{missing}; see list_jobs() (tunepack jobs --local)",
                 cli_message=f"{missing}; `tunepack jobs --local` lists them",
+                what="TrainJob",
+                name=name,
             )
         return job
 
@@ -295,7 +297,10 @@ class LocalBackend(TunepackBackend):
         step = sdk_step(step, steps)
         if step not in steps:
             raise NotFoundError(
-                f"local TrainJob {name!r} has no step {step!r}; its steps are {', '.join(steps)}"
+                f"local TrainJob {name!r} has no step {step!r}; its steps are {', '.join(steps)}",
+                what="step",
+                name=step,
+                available=steps,
             )
         log = self._job(name).step_log(step, steps)
         position = 0

@@ -231,7 +231,9 @@ class KubernetesOptimizerBackend(OptimizerBackend):
         except Exception as e:
             if getattr(e, "status", None) == 404:
                 raise NotFoundError(
-                    f"no OptimizationJob {name!r} in namespace {self.namespace}; see list_jobs()"
+                    f"no OptimizationJob {name!r} in namespace {self.namespace}; see list_jobs()",
+                    what="OptimizationJob",
+                    name=name,
                 ) from None
             raise RuntimeError(f"Failed to get OptimizationJob: {self.namespace}/{name}") from e
 

@@ -156,6 +156,8 @@ class LocalOptimizerBackend(OptimizerBackend):
                 f"no local optimization job {name!r} under {self.root}; see list_jobs()",
                 cli_message=f"no local optimization job {name!r} under {self.root}; "
                 "`tunepack optimize jobs --local` lists them",
+                what="OptimizationJob",
+                name=name,
             )
         return record
 
