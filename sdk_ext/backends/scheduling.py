@@ -137,8 +137,14 @@ def _last_seen(event, default: datetime) -> datetime:
     )
 
 
-# scheduler-plugins' words for a pod refused only because a sibling of its gang did not fit.
-_SIBLING_REJECTIONS = ("rejection in PostFilter", "rejected due to timeout", "failed recently")
+# scheduler-plugins' words for a pod refused only because of its gang: a sibling did not fit,
+# the group backs off, or (pre-filter) not all of its pods exist yet.
+_SIBLING_REJECTIONS = (
+    "rejection in PostFilter",
+    "rejected due to timeout",
+    "failed recently",
+    "cannot find enough sibling pods",
+)
 
 
 def _sibling_only(message: str | None) -> bool:

@@ -4,7 +4,7 @@ tests/cluster/test_queues.py, the real scheduler's in tests/cluster/test_gang.py
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from kubernetes import client
@@ -148,3 +148,34 @@ def test_a_placed_pod_whose_image_cannot_be_pulled_says_so_and_what_to_do():
 def test_a_pod_that_is_only_creating_its_container_is_not_reported():
     api = Pods([_pod("job-node-0-0-b", node="n1", waiting=("", "ContainerCreating"))])
     assert pending(api, None, "ns", "job") is None
+
+
+def _event(pod, message, seconds_ago):
+    when = datetime.now(UTC) - timedelta(seconds=seconds_ago)
+    return client.CoreV1Event(
+        metadata=client.V1ObjectMeta(name=f"{pod}.{seconds_ago}"),
+        involved_object=client.V1ObjectReference(kind="Pod", name=pod),
+        reason="FailedScheduling", message=message, last_timestamp=when,
+    )  # fmt: skip
+
+
+def test_a_gang_shows_the_pod_that_did_not_fit_not_its_siblings_words():
+    """The scheduler-plugins messages of a 5-pod gang that cannot fit (as a real run wrote them):
+    the siblings' refusals are newer, yet the reason shown is the trainer pod's own."""
+    gpus = (
+        "0/8 nodes are available: 3 Insufficient nvidia.com/gpu, 5 node(s) were unschedulable. "
+        "preemption: 0/8 nodes are available: 8 Preemption is not helpful for scheduling."
+    )
+    siblings = {
+        "job-model-initializer-0-0-a": "0/8 nodes are available: pre-filter pod "
+        "job-model-initializer-0-0-a cannot find enough sibling pods, current pods number: 3, "
+        "minMember of group: 5.",
+        "job-exporter-0-0-b": "0/1 nodes are available: 1 optimistic rejection in PostFilter.",
+        "job-node-0-1-d": "0/8 nodes are available: podGroup ns/job failed recently.",
+    }
+    pods = [_pod(name, condition=words) for name, words in siblings.items()]
+    pods.append(_pod("job-node-0-0-c", condition=siblings["job-node-0-1-d"]))
+    events = [_event(name, words, seconds_ago=1) for name, words in siblings.items()]
+    events.append(_event("job-node-0-0-c", gpus, seconds_ago=20))
+    found = pending(Pods(pods, events), None, "ns", "job")
+    assert found.message().endswith(f" s): pod job-node-0-0-c: {gpus}")
