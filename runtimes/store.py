@@ -21,6 +21,12 @@ GENERATED = "generated"  # the package directory holding one <runtime>.yaml per 
 GENERATED_DIR = Path(__file__).resolve().parent / GENERATED
 
 
+# The committed runtimes are tunepack's own files, never a user's: libyaml's parser (the same safe
+# constructors) reads them about 7x faster than PyYAML's pure-Python one, and `tunepack install`
+# reads every one of them.
+_COMMITTED_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def load_runtime(name: str) -> dict:
     """The committed ClusterTrainingRuntime for a runtime or model name.
 
@@ -28,7 +34,7 @@ def load_runtime(name: str) -> dict:
     """
     entry = catalog.get(name)
     path = resources.files("tunepack.runtimes").joinpath(GENERATED, f"{entry.runtime_name}.yaml")
-    return yaml.safe_load(path.read_text(encoding="utf-8"))
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=_COMMITTED_LOADER)
 
 
 def list_runtimes() -> list[dict]:

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from tests import REPO
 from tunepack.runtimes import catalog
 
@@ -31,6 +33,13 @@ NF4_TINY = dataclasses.replace(
         intermediate_dim=512,
     ),
 )
+
+
+def documents(text: str) -> list[dict]:
+    """The non-empty YAML documents of ``text`` (kustomize's or the CLI's output), read by
+    libyaml: a rendered set of runtimes is about 1 MB, which PyYAML's pure-Python parser takes
+    seconds of CPU to read, and test_manifests reads dozens."""
+    return [d for d in yaml.load_all(text, Loader=yaml.CSafeLoader) if d]
 
 
 def checklist(title: str) -> tuple[str, list[str]]:

@@ -620,7 +620,7 @@ class ControlPlane:
         import base64
 
         ca = base64.b64encode(self.ca.ca_pem).decode()
-        docs = [d for d in yaml.safe_load_all(rendered) if d]
+        docs = [d for d in yaml.load_all(rendered, Loader=yaml.CSafeLoader) if d]
         out = []
         for doc in docs:
             if doc.get("kind") not in (

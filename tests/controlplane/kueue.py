@@ -66,7 +66,7 @@ def start(cp: ControlPlane) -> None:
 
 def _only_served(rendered: str) -> str:
     docs = []
-    for doc in yaml.safe_load_all(rendered):
+    for doc in yaml.load_all(rendered, Loader=yaml.CSafeLoader):
         if not doc:
             continue
         doc["webhooks"] = [

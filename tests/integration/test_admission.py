@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests import helpers
 from tests.unit.test_admission import ROOT
@@ -23,7 +22,7 @@ def _rendered(directory: Path) -> list[dict]:
         [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    return [o for o in yaml.safe_load_all(done.stdout) if o]
+    return helpers.documents(done.stdout)
 
 
 @pytest.mark.parametrize(

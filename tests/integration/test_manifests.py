@@ -67,7 +67,7 @@ def kustomize(directory: Path) -> subprocess.CompletedProcess:
 def render(directory: Path) -> list[dict]:
     done = kustomize(directory)
     assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return helpers.documents(done.stdout)
 
 
 def compose(tmp_path: Path, *components: str, resources: tuple[str, ...] = ()) -> list[dict]:
