@@ -76,11 +76,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The run is over and its exit code recorded: leave without the interpreter's teardown, in
-    # which torch's distributed objects were seen to abort a finished worker of a two-node run
-    # (SIGABRT, "terminate called without an active exception"), failing a run that succeeded.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    program.leave(main())  # the run is over and its exit code recorded: no teardown
