@@ -29,6 +29,7 @@ input shapes: its name, shapes, self CPU microseconds and calls.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
@@ -139,15 +140,15 @@ def main(argv: list[str]) -> None:
     sys.argv = [target, *args]
     if kind not in ("module", "script"):
         raise SystemExit(f"sbs_probe: kind must be module or script, got {kind!r}")
-    try:
-        if kind == "module":
-            if target == "tunepack.trainers.launch":
-                _probe_tunepack()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
-    finally:
-        _Profile.write()
+    # At exit, not after run_module: tunepack's launcher leaves without returning
+    # (tunepack.core.program.leave runs the atexit handlers, then os._exit).
+    atexit.register(_Profile.write)
+    if kind == "module":
+        if target == "tunepack.trainers.launch":
+            _probe_tunepack()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(target, run_name="__main__")
 
 
 if __name__ == "__main__":
