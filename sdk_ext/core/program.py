@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import signal
 import sys
@@ -130,20 +129,20 @@ def _on_stop(signum: int, frame: object) -> None:
 def leave(code: int) -> NoReturn:
     """End this process with ``code``, its work done, without the interpreter's teardown.
 
-    A process that imported torch and torchtune holds some 3,400 modules; finalizing them took
-    1.5 of the 7.5 CPU-s such a process spent on 2 cores (every trainer launcher, torchrun and
-    worker pays it, for nothing), and in torch's distributed objects it was seen to abort a
-    finished worker of a two-node run (SIGABRT, "terminate called without an active exception"),
-    failing a run that succeeded. What of the teardown matters is done here: threads that are
-    not daemons are waited for (as at any exit), the ``atexit`` handlers run (logging's closes
-    its files; a tracker's ends its run), and stdout and stderr are flushed.
+    A process that imported torch and torchtune (a worker, a launcher that trained in-process)
+    holds some 3,400 modules; finalizing them took 1.5 of the 7.5 CPU-s such a process spent on
+    2 cores, for nothing (one that imported torch alone, a torchrun, pays far less), and in
+    torch's distributed objects it was seen to abort a finished worker of a two-node run
+    (SIGABRT, "terminate called without an active exception"), failing a run that succeeded.
+    What of the teardown matters is done here: threads that are not daemons are waited for (as
+    at any exit), the ``atexit`` handlers run (logging's, registered when it was imported,
+    closes its files; a tracker's ends its run), and stdout and stderr are flushed.
     """
     main = threading.main_thread()
     for thread in threading.enumerate():
         if thread is not main and not thread.daemon:
             thread.join()
-    atexit._run_exitfuncs()
-    logging.shutdown()  # registered with atexit by logging itself; again in case it was not
+    atexit._run_exitfuncs()  # as the interpreter's own exit runs them
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
