@@ -30,10 +30,11 @@ from tunepack.core.errors import EXIT_BAD_INPUT, EXIT_TRANSIENT, BadValueError, 
 from tunepack.runtimes import catalog, custom, methods
 from tunepack.trainers.process import noise, threads  # threads: before torch (OMP_WAIT_POLICY)
 
-# isort: split
-# (config imports torch: the import above must stay first whatever the modules' names.)
-from tunepack.runtimes.args import parse_args, resolve_args
-from tunepack.trainers.config import (
+program.defer_collection(__name__)  # until torch and the recipe are imported
+
+# (config imports torch: the lines above must stay first whatever the modules' names.)
+from tunepack.runtimes.args import parse_args, resolve_args  # noqa: E402
+from tunepack.trainers.config import (  # noqa: E402
     build_config,
     identity_changes,
     result_digest,
@@ -190,10 +191,12 @@ def run(argv: list[str]) -> int:
     if layout.world_size == 1:
         from tunepack.trainers import recipe  # heavy imports only once the input is valid
 
+        program.imports_done()
         noise.quiet()  # the handlers torch attached while being imported
         result = recipe.run(cfg, extra={"config_digest": digest})
         _print_done(result)
         return 0
+    program.imports_done()
     code = run_torchrun(layout, config_text, digest, lock)
     if code == 0 and layout.node_rank == 0 and result_path.exists():
         _print_done(json.loads(result_path.read_text()))

@@ -23,6 +23,7 @@ if __name__ == "__main__":
     # In the launcher's process group, a worker gets a terminal's Ctrl-C too: until the recipe
     # handles stop signals it ends as on torchrun's SIGTERM, without a KeyboardInterrupt traceback.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    program.defer_collection(__name__)  # until the recipe is imported
 
 from tunepack.trainers.process import noise  # noqa: E402
 
@@ -35,6 +36,7 @@ from tunepack.trainers.process import distributed  # noqa: E402
 from tunepack.trainers.recipe import run, say  # noqa: E402
 
 noise.quiet()  # the handlers torch attached while being imported
+program.imports_done()
 
 
 def main(argv: list[str] | None = None) -> int:

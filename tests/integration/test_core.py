@@ -55,3 +55,31 @@ def test_leave_exits_with_the_code_after_what_of_the_teardown_matters(tmp_path):
     assert done.stdout == "buffered thread done\natexit ran\n"
     assert log.read_text() == "INFO:run:the last line\n"
     assert not flag.exists()
+
+
+def test_collection_waits_for_a_programs_imports_and_then_skips_what_they_made(tmp_path):
+    """program.defer_collection: in a program run as ``__main__`` no cyclic collection runs
+    while it imports; after imports_done collection is back, the import's objects frozen out of
+    its scans, and a cycle made then is collected. Called from a module that is not the program
+    (a test, another program importing it), neither changes anything."""
+    code = (
+        "import gc, sys\n"
+        "from tunepack.core import program\n"
+        "program.defer_collection('tunepack.trainers.launch')  # imported, not run\n"
+        "assert gc.isenabled() and gc.get_freeze_count() == 0\n"
+        "program.imports_done()\n"
+        "assert gc.isenabled() and gc.get_freeze_count() == 0\n"
+        "program.defer_collection(__name__)\n"
+        "assert not gc.isenabled()\n"
+        "import json, email.parser  # what a program imports\n"
+        "program.imports_done()\n"
+        "assert gc.isenabled() and gc.get_freeze_count() > 0\n"
+        "class Node: pass\n"
+        "a, b = Node(), Node(); a.other, b.other = b, a\n"
+        "import weakref; gone = weakref.ref(a); del a, b\n"
+        "gc.collect()\n"
+        "print('collected' if gone() is None else 'kept')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "collected\n"

@@ -178,14 +178,45 @@ def test_two_processes_full_fine_tune_with_fsdp(initialized_workspace, tmp_path)
     assert delta.abs().max() > 0
 
 
+# Loaded by each Python process of a run (PYTHONPATH): counts the cyclic collections that ran
+# while torch was being imported or after, before program.imports_done froze the imports' objects.
+_COLLECTION_PROBE = """
+import atexit, gc, os, sys
+early = []
+def count(phase, info):
+    if phase == "start" and "torch" in sys.modules and gc.get_freeze_count() == 0:
+        early.append(info["generation"])
+gc.callbacks.append(count)
+def write():
+    with open(os.path.join(os.path.dirname(__file__), f"{os.getpid()}.probe"), "w") as out:
+        out.write(f"{sys.argv[0]}\t{len(early)}\t{gc.get_freeze_count()}")
+atexit.register(write)
+"""
+
+
 def test_sharded_load_and_gather_give_back_the_base_weights(initialized_workspace, tmp_path):
     """Rank 0 alone reads the checkpoint and streams each weight into both ranks' shards; the
     saved model is gathered from the shards. A step too small to move any weight must save the
-    base back bit for bit: a shard left unloaded or misplaced would show."""
+    base back bit for bit: a shard left unloaded or misplaced would show.
+
+    Each of the run's programs that imports torch (the launcher, torchrun, both workers) runs no
+    cyclic collection until its imports are done, then freezes what they made
+    (program.defer_collection: a line moved or lost would only cost CPU, so it is counted here)."""
     ws = copy_workspace(initialized_workspace, tmp_path)
-    env = two_processes_env(ws)
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "sitecustomize.py").write_text(_COLLECTION_PROBE)
+    env = {**two_processes_env(ws), "PYTHONPATH": str(probe)}
     done = launch_trainer(env, "method=full", "max_steps=1", "lr=1e-30", "weight_decay=0")
     assert done.returncode == 0, done.stdout + done.stderr
+    programs = sorted(
+        (Path(argv0).name, int(early), int(frozen) > 0)
+        for argv0, early, frozen in (p.read_text().split("\t") for p in probe.glob("*.probe"))
+    )
+    assert programs == [
+        ("launch.py", 0, True), ("torchrun.py", 0, True), ("worker.py", 0, True),
+        ("worker.py", 0, True),
+    ], programs  # fmt: skip
     base = load_file(ws / "model" / "model.safetensors")
     saved = {}
     for shard in sorted((ws / "output" / "model").glob("*.safetensors")):

@@ -29,6 +29,8 @@ signal.signal(signal.SIGINT, signal.SIG_DFL)
 from tunepack.core import lifetime, program  # noqa: E402
 from tunepack.trainers.process import noise  # noqa: E402
 
+program.defer_collection(__name__)  # until main() has imported torch
+
 # The workers torchrun itself signalled (stopping them after a failure or a stop request): their
 # deaths are its doing, not the cause of the failure.
 _closed: set[int] = set()
@@ -97,6 +99,7 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     noise.quiet()  # the handlers torch attached while being imported
+    program.imports_done()
     _keep_workers_in_the_group()
     _one_request_per_burst()
 
