@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -13,10 +14,21 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest
+# No cyclic collection while the test modules are collected (they import torch, torchtune and the
+# Kubernetes client): the collector would scan the growing heap of their objects hundreds of
+# times; once collected they are frozen out of later scans (pytest_collection_finish), as the
+# trainer's programs do (tunepack.core.program.defer_collection).
+gc.disable()
 
-from tests.helpers import run_program
-from tunepack.tiny import write_tiny_dataset, write_tiny_model
+import pytest  # noqa: E402
+
+from tests.helpers import run_program  # noqa: E402
+from tunepack.tiny import write_tiny_dataset, write_tiny_model  # noqa: E402
+
+
+def pytest_collection_finish(session):
+    gc.freeze()
+    gc.enable()
 
 
 @pytest.fixture(scope="session", autouse=True)
