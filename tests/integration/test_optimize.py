@@ -141,7 +141,7 @@ def test_a_stopped_search_resumes_without_running_a_finished_trial_again(
     args = _search_args(
         tiny_dataset_file, tiny_model_dir,
         "--search", "lr=loguniform:1e-4:1e-3", "--trials", "2", "--seed", "3", "--quiet",
-        "method=lora", "max_steps=120", "epochs=20",
+        "method=lora", "max_steps=40", "epochs=20",
     )  # fmt: skip
     env = {**os.environ, "TUNEPACK_HOME": str(home)}
     cli = subprocess.Popen(
@@ -187,7 +187,7 @@ def test_a_stopped_search_resumes_without_running_a_finished_trial_again(
         (f"{name}-1", "Complete"),  # its stopped attempt, then this one
     ]
     resumed = _result_json(home, f"{name}-1")
-    assert resumed["resumed_from_step"] is not None and resumed["steps"] == 120
+    assert resumed["resumed_from_step"] is not None and resumed["steps"] == 40
 
 
 def _wait_for_a_step(metrics, proc) -> None:
