@@ -159,7 +159,49 @@ DAMAGE = {
 }
 
 
+def _reason(kind: str, step: Path) -> str:
+    """What the trainer says is wrong with ``step`` once ``kind`` has damaged it."""
+    shard = _largest_shard(step)
+    files = {name: step / name for name in (shard.name, "trainer.pt")}
+    return {
+        "truncated shard": f"{shard.name} has {shard.stat().st_size // 2} bytes, "
+        f"{shard.stat().st_size} were written",
+        "deleted shard": f"{shard.name} is missing",
+        "flipped bit in a shard": f"{shard.name} does not match its checksum",
+        "deleted .metadata": ".metadata is missing",
+        "truncated trainer.pt": f"trainer.pt has {files['trainer.pt'].stat().st_size // 2} "
+        f"bytes, {files['trainer.pt'].stat().st_size} were written",
+        "deleted trainer.pt": "trainer.pt is missing",
+        "deleted random state": "rank-00000.pt is missing",
+        "garbage manifest": "manifest.json is unreadable (JSONDecodeError)",
+    }[kind]
+
+
 @pytest.mark.parametrize("kind", DAMAGE)
+def test_each_damage_is_named_and_the_newest_sound_checkpoint_chosen(
+    finished, tmp_path, kind, caplog
+):
+    """Rank 0's choice of checkpoint, as the trainer makes it at start (checkpoint.choose), for
+    each damage: the newest is set aside (kept) with what is wrong with it, step 2 is chosen. The
+    trainer acting on that choice (resuming, finishing) is the run below, for two of them."""
+    from tunepack.trainers.outputs import checkpoint
+
+    root = shutil.copytree(finished / "checkpoints", tmp_path / "checkpoints")
+    newest, older = root / "step-00000004", root / "step-00000002"
+    why = _reason(kind, newest)
+    digest = json.loads((older / "manifest.json").read_text())["digest"]
+    DAMAGE[kind](newest)
+
+    with caplog.at_level("WARNING", logger=checkpoint.log.name):
+        chosen, other = checkpoint.choose(root, digest)
+    assert (chosen, other) == (older, None)
+    assert (root / ".corrupt-step-00000004").is_dir() and not newest.exists()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"checkpoint {newest} is damaged ({why}): set aside as .corrupt-step-00000004"
+    ]
+
+
+@pytest.mark.parametrize("kind", ["flipped bit in a shard", "garbage manifest"])
 def test_damaged_newest_checkpoint_is_set_aside_and_the_older_one_resumed(finished, tmp_path, kind):
     workspace = shutil.copytree(finished, tmp_path / "ws")
     # As if killed after step 4's checkpoint: no result yet.
