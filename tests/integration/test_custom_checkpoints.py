@@ -176,11 +176,12 @@ def test_lora_trains_the_checkpoints_model_and_peft_reproduces_it(
     output = tmp_path / "output"
     recipe = setup_recipe(
         entry,
-        [f"max_steps={STEPS}", "warmup_steps=0", "batch_size=4", "lr=3e-3", "lora_rank=8"],
+        [f"max_steps={STEPS}", "warmup_steps=0", "batch_size=4", "lr=3e-3", "lora_rank=8",
+         "merge=true"],
         model_dir=model_dir,
         dataset_dir=initialized_workspace / "dataset",
         output=output,
-    )
+    )  # fmt: skip
     # The trainer's model is the checkpoint's: LoRA's B matrices start at zero.
     assert _max_diff(recipe.model, tokens, hf_logits) < 1e-4
     # Its text goes through the checkpoint's own tokenizer.json.
@@ -198,6 +199,14 @@ def test_lora_trains_the_checkpoints_model_and_peft_reproduces_it(
         peft_logits = PeftModel.from_pretrained(base, output / "adapter").eval()(tokens).logits
     assert (peft_logits - hf_logits).abs().max() > 1e-3  # the adapter changes the model
     assert _max_diff(recipe.model, tokens, peft_logits) < 1e-4
+    # merge=true: the adapter folded into the checkpoint's own HF format (experts' too).
+    merged = AutoModelForCausalLM.from_pretrained(output / "merged", dtype=torch.float32)
+    assert json.loads((output / "merged" / "config.json").read_text()) == json.loads(
+        (model_dir / "config.json").read_text()
+    )
+    with torch.no_grad():
+        merged_logits = merged.eval()(tokens).logits
+    assert float((peft_logits - merged_logits).abs().max()) < 1e-4
 
 
 def test_full_fine_tune_saves_a_checkpoint_of_the_same_architecture(
@@ -384,9 +393,13 @@ def test_initializer_refuses_a_tokenizer_that_cannot_work(
     assert not (tmp_path / "ws" / "model").exists()
 
 
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen3_moe"], indirect=True)
 def test_train_local_with_a_custom_runtime(checkpoint, tiny_dataset_file, tmp_path):
     """`tunepack train --local` end to end: both initializers, the trainer (resolving the model
-    from config.json), a PEFT adapter that reproduces the merged model the trainer writes."""
+    from config.json), a PEFT adapter that reproduces the merged model the trainer writes. For a
+    dense family and the mixture of experts; what differs by family (the model, its tokenizer,
+    the adapter and the merged model in its own format) is each family's, in this process, in
+    the tests above."""
     import subprocess
     import sys
 
