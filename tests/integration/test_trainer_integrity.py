@@ -161,16 +161,15 @@ DAMAGE = {
 
 def _reason(kind: str, step: Path) -> str:
     """What the trainer says is wrong with ``step`` once ``kind`` has damaged it."""
-    shard = _largest_shard(step)
-    files = {name: step / name for name in (shard.name, "trainer.pt")}
+    shard, trainer = _largest_shard(step), step / "trainer.pt"
     return {
         "truncated shard": f"{shard.name} has {shard.stat().st_size // 2} bytes, "
         f"{shard.stat().st_size} were written",
         "deleted shard": f"{shard.name} is missing",
         "flipped bit in a shard": f"{shard.name} does not match its checksum",
         "deleted .metadata": ".metadata is missing",
-        "truncated trainer.pt": f"trainer.pt has {files['trainer.pt'].stat().st_size // 2} "
-        f"bytes, {files['trainer.pt'].stat().st_size} were written",
+        "truncated trainer.pt": f"trainer.pt has {trainer.stat().st_size // 2} bytes, "
+        f"{trainer.stat().st_size} were written",
         "deleted trainer.pt": "trainer.pt is missing",
         "deleted random state": "rank-00000.pt is missing",
         "garbage manifest": "manifest.json is unreadable (JSONDecodeError)",
